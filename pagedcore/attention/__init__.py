@@ -1,0 +1,29 @@
+"""Backend roles and the per-step metadata they share."""
+
+from pagedcore.attention.backend import (
+    KV_CACHE_DTYPES,
+    AttentionBackend,
+    AttentionConfig,
+    AttentionImpl,
+    CudaGraphSupport,
+    MetadataBuilder,
+    MultipleOf,
+)
+from pagedcore.attention.metadata import (
+    CommonAttentionMetadata,
+    decode_first_order,
+    split_decodes_and_prefills,
+)
+
+__all__ = [
+    "KV_CACHE_DTYPES",
+    "AttentionBackend",
+    "AttentionConfig",
+    "AttentionImpl",
+    "CommonAttentionMetadata",
+    "CudaGraphSupport",
+    "MetadataBuilder",
+    "MultipleOf",
+    "decode_first_order",
+    "split_decodes_and_prefills",
+]

@@ -1,0 +1,386 @@
+"""The three roles of an attention backend: descriptor, metadata builder, per-layer impl.
+
+A backend is a static descriptor class (`AttentionBackend`, never instantiated) that names a
+`MetadataBuilder` (built once per KV-cache group, `build()` once per engine step: the "plan")
+and an `AttentionImpl` (one per layer: `do_kv_cache_update()` then `forward()` each step).
+
+Conventions every backend follows (the conformance suite checks them):
+
+* Scores are ``s = scale * q·k``; then, where configured, the logits soft-cap
+  ``s = cap * tanh(s / cap)``; then the ALiBi bias ``s += slope_h * (pos_k - pos_q)``; then masks.
+* Causal with the query aligned to the end of its sequence: query token ``i`` of a request with
+  ``q_len`` new tokens and ``seq_len`` total tokens sits at position ``seq_len - q_len + i`` and
+  sees keys at positions ``<=`` its own.
+* Sliding window ``W``: a key at ``pos_k`` is visible to a query at ``pos_q`` iff
+  ``pos_q - pos_k < W`` (the query itself counts; this is transformers' and FlashAttention's
+  ``window_size=(W - 1, 0)`` convention).
+* Unused slots of referenced blocks may hold anything (the suite fills them with NaN); a backend
+  must never let them reach the output.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
+
+import attrs
+
+if TYPE_CHECKING:
+    import torch
+
+    from pagedcore.attention.metadata import CommonAttentionMetadata
+    from pagedcore.kv_cache.spec import AttentionSpec
+
+__all__ = [
+    "AttentionBackend",
+    "AttentionConfig",
+    "AttentionImpl",
+    "CudaGraphSupport",
+    "MetadataBuilder",
+    "MultipleOf",
+]
+
+#: Names of KV-cache dtypes a backend may declare. "auto" means "same as the model dtype".
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
+
+
+@attrs.frozen
+class MultipleOf:
+    """A block-size declaration meaning "any positive multiple of `base`"."""
+
+    base: int = attrs.field()
+
+    @base.validator
+    def _check(self, _attr: attrs.Attribute[int], value: int) -> None:
+        if value <= 0:
+            raise ValueError(f"MultipleOf(base={value}): base must be a positive integer")
+
+    def accepts(self, block_size: int) -> bool:
+        return block_size > 0 and block_size % self.base == 0
+
+    def __str__(self) -> str:
+        return f"multiple of {self.base}"
+
+
+class CudaGraphSupport(enum.IntEnum):
+    """How much of a step a backend's kernels can run under CUDA-graph capture."""
+
+    NEVER = 0
+    UNIFORM_SINGLE_TOKEN_DECODE = 1
+    UNIFORM_BATCH = 2
+    ALWAYS = 3
+
+
+def _torch_dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@attrs.frozen(kw_only=True)
+class AttentionConfig:
+    """What an engine asks of a backend; the selector's input.
+
+    Attributes
+    ----------
+    head_size:
+        Per-head dimension of queries and keys (for MLA: ``kv_lora_rank + rope_head_dim``).
+    dtype:
+        Model (query/output) dtype name: ``"float16"``, ``"bfloat16"`` or ``"float32"``.
+    block_size:
+        Tokens per KV-cache block.
+    kv_cache_dtype:
+        ``"auto"`` (same as ``dtype``) or an fp8 name from ``KV_CACHE_DTYPES``.
+    device:
+        ``"cpu"`` or ``"cuda"``.
+    """
+
+    head_size: int
+    dtype: str
+    block_size: int
+    kv_cache_dtype: str = "auto"
+    use_mla: bool = False
+    sliding_window: int | None = None
+    use_alibi: bool = False
+    logits_soft_cap: float | None = None
+    device: str = "cpu"
+
+    def __attrs_post_init__(self) -> None:
+        if self.head_size <= 0:
+            raise ValueError(f"head_size must be a positive integer, got {self.head_size}")
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be a positive integer, got {self.block_size}")
+        if self.dtype not in ("float16", "bfloat16", "float32"):
+            raise ValueError(
+                f"dtype {self.dtype!r} is not one of 'float16', 'bfloat16', 'float32'"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}"
+            )
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(
+                f"sliding_window must be a positive integer or None, got {self.sliding_window}"
+            )
+        if self.logits_soft_cap is not None and self.logits_soft_cap <= 0:
+            raise ValueError(
+                f"logits_soft_cap must be positive or None, got {self.logits_soft_cap}"
+            )
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device {self.device!r} is not one of 'cpu', 'cuda'")
+
+    @classmethod
+    def create(cls, *, dtype: Any, device: Any = "cpu", **kwargs: Any) -> AttentionConfig:
+        """Build from torch objects as well as names (``torch.bfloat16``, ``torch.device``)."""
+        device_name = getattr(device, "type", None) or str(device).split(":")[0]
+        return cls(dtype=_torch_dtype_name(dtype), device=device_name, **kwargs)
+
+
+class AttentionBackend(abc.ABC):
+    """Static descriptor of a backend: what it supports and which classes implement it.
+
+    Never instantiated. Subclasses set the class attributes and implement the abstract class
+    methods; the registry rejects a subclass that leaves any abstract method unimplemented.
+    """
+
+    name: ClassVar[str] = ""
+    #: Lower wins when several backends can serve a configuration.
+    priority: ClassVar[int] = 100
+    supported_dtypes: ClassVar[tuple[str, ...]] = ("float16", "bfloat16", "float32")
+    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
+    #: None means any head size.
+    supported_head_sizes: ClassVar[tuple[int, ...] | None] = None
+    supported_block_sizes: ClassVar[tuple[int | MultipleOf, ...]] = (MultipleOf(1),)
+    supported_devices: ClassVar[tuple[str, ...]] = ("cuda",)
+    supports_sliding_window: ClassVar[bool] = False
+    supports_mla: ClassVar[bool] = False
+    #: True when the backend serves *only* MLA layers.
+    mla_only: ClassVar[bool] = False
+    supports_alibi: ClassVar[bool] = False
+    supports_logits_soft_cap: ClassVar[bool] = False
+    cudagraph_support: ClassVar[CudaGraphSupport] = CudaGraphSupport.NEVER
+
+    def __init__(self) -> None:  # pragma: no cover - guard
+        raise TypeError(f"{type(self).__name__} is a static descriptor; use the class itself")
+
+    @classmethod
+    def is_available(cls) -> str | None:
+        """None when the backend can run here, else why not ("flash-attn is not installed")."""
+        return None
+
+    @classmethod
+    def supports_block_size(cls, block_size: int) -> bool:
+        return any(
+            d.accepts(block_size) if isinstance(d, MultipleOf) else d == block_size
+            for d in cls.supported_block_sizes
+        )
+
+    @classmethod
+    def validate_configuration(cls, cfg: AttentionConfig) -> list[str]:
+        """Every reason this backend cannot serve `cfg` (empty when it can)."""
+        reasons: list[str] = []
+        why = cls.is_available()
+        if why is not None:
+            reasons.append(f"not available: {why}")
+        if cfg.device not in cls.supported_devices:
+            reasons.append(
+                f"device {cfg.device!r} not supported (supports {', '.join(cls.supported_devices)})"
+            )
+        if cfg.dtype not in cls.supported_dtypes:
+            reasons.append(
+                f"dtype {cfg.dtype} not supported (supports {', '.join(cls.supported_dtypes)})"
+            )
+        if cfg.kv_cache_dtype not in cls.supported_kv_cache_dtypes:
+            reasons.append(
+                f"kv_cache_dtype {cfg.kv_cache_dtype} not supported "
+                f"(supports {', '.join(cls.supported_kv_cache_dtypes)})"
+            )
+        if cls.supported_head_sizes is not None and cfg.head_size not in cls.supported_head_sizes:
+            reasons.append(
+                f"head size {cfg.head_size} not supported "
+                f"(supports {', '.join(map(str, cls.supported_head_sizes))})"
+            )
+        if not cls.supports_block_size(cfg.block_size):
+            reasons.append(
+                f"block size {cfg.block_size} not supported "
+                f"(supports {', '.join(map(str, cls.supported_block_sizes))})"
+            )
+        if cfg.use_mla and not cls.supports_mla:
+            reasons.append("MLA not supported")
+        if not cfg.use_mla and cls.mla_only:
+            reasons.append("serves only MLA layers")
+        if cfg.sliding_window is not None and not cls.supports_sliding_window:
+            reasons.append("sliding window not supported")
+        if cfg.use_alibi and not cls.supports_alibi:
+            reasons.append("ALiBi not supported")
+        if cfg.logits_soft_cap is not None and not cls.supports_logits_soft_cap:
+            reasons.append("logits soft-cap not supported")
+        return reasons
+
+    @classmethod
+    @abc.abstractmethod
+    def get_builder_cls(cls) -> type[MetadataBuilder[Any]]:
+        """The backend's `MetadataBuilder` subclass."""
+
+    @classmethod
+    @abc.abstractmethod
+    def get_impl_cls(cls) -> type[AttentionImpl[Any]]:
+        """The backend's `AttentionImpl` subclass."""
+
+    @classmethod
+    @abc.abstractmethod
+    def get_kv_cache_shape(
+        cls,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        cache_dtype: str = "auto",
+    ) -> tuple[int, ...]:
+        """Shape of one layer's KV-cache tensor (for MLA: ``num_kv_heads == 1``)."""
+
+
+M = TypeVar("M")
+
+
+class MetadataBuilder(abc.ABC, Generic[M]):
+    """Turns the step's `CommonAttentionMetadata` into the backend's own metadata (its plan).
+
+    Built once per KV-cache group; `build()` runs once per engine step and its result is passed
+    to every layer of the group.
+
+    Parameters
+    ----------
+    kv_cache_spec:
+        The group's spec (block size, KV heads, head size, dtype, window).
+    layer_names:
+        The layers of the group.
+    device:
+        Where the step's tensors live.
+    """
+
+    #: Requests with at most this many query tokens are treated as decodes; the engine places
+    #: them first in the batch (decode-first order).
+    reorder_batch_threshold: ClassVar[int] = 1
+
+    def __init__(
+        self, kv_cache_spec: AttentionSpec, layer_names: Sequence[str], device: torch.device
+    ) -> None:
+        self.kv_cache_spec = kv_cache_spec
+        self.layer_names = list(layer_names)
+        self.device = device
+
+    @abc.abstractmethod
+    def build(self, common: CommonAttentionMetadata, *, common_prefix_len: int = 0) -> M:
+        """Plan this step. `common_prefix_len` tokens are shared by every request (cascade)."""
+
+
+class AttentionImpl(abc.ABC, Generic[M]):
+    """One attention layer's computation over the paged KV cache.
+
+    Parameters
+    ----------
+    num_heads:
+        Query heads ``Hq``.
+    head_size:
+        Head dimension ``D``.
+    scale:
+        Softmax scale applied to ``q·k``.
+    num_kv_heads:
+        KV heads ``Hkv``; ``Hq % Hkv == 0`` (GQA/MQA).
+    alibi_slopes:
+        ``[Hq]`` float32 slopes, or None.
+    sliding_window:
+        Window ``W`` (see the module docstring), or None for full attention.
+    logits_soft_cap:
+        Cap ``c`` for ``c * tanh(s / c)``, or None.
+    kv_cache_dtype:
+        ``"auto"`` or an fp8 name.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        *,
+        num_kv_heads: int | None = None,
+        alibi_slopes: Sequence[float] | None = None,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+        kv_cache_dtype: str = "auto",
+    ) -> None:
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads "
+                f"({num_kv_heads})"
+            )
+        if alibi_slopes is not None and len(alibi_slopes) != num_heads:
+            raise ValueError(
+                f"alibi_slopes has {len(alibi_slopes)} entries, expected one per query head "
+                f"({num_heads})"
+            )
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.num_queries_per_kv = num_heads // num_kv_heads
+        self.alibi_slopes = None if alibi_slopes is None else [float(s) for s in alibi_slopes]
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
+        self.kv_cache_dtype = kv_cache_dtype
+
+    @abc.abstractmethod
+    def do_kv_cache_update(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Scatter this step's K/V into the paged cache.
+
+        Parameters
+        ----------
+        key, value:
+            ``[T, Hkv, D]`` in the model dtype.
+        kv_cache:
+            This layer's cache, shaped as ``get_kv_cache_shape`` says.
+        slot_mapping:
+            ``[T]`` int64; ``slot = block_id * block_size + offset``; ``-1`` marks padding
+            tokens, which are skipped.
+        """
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: M,
+        *,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention for the flattened batch, reading history (and this step's K/V, already
+        written by `do_kv_cache_update`) from `kv_cache` through the block table.
+
+        Parameters
+        ----------
+        query:
+            ``[T, Hq, D]`` in the model dtype.
+        key, value:
+            ``[T, Hkv, D]``; this step's K/V (backends may ignore them and read the cache).
+        kv_cache:
+            This layer's cache.
+        metadata:
+            What this backend's builder returned for the step.
+        output:
+            Optional ``[T, Hq, D]`` buffer to write into.
+
+        Returns
+        -------
+        torch.Tensor
+            ``[T, Hq, D]`` in the model dtype; rows of padding tokens are unspecified.
+        """
