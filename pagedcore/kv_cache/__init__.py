@@ -1,5 +1,12 @@
-"""KV-cache specs and management: hashing, block pool, managers, coordinators."""
+"""KV-cache specs and management: hashing, block pool, managers, coordinators.
 
+Pure Python bookkeeping (no torch): importing it is cheap. See docs/kv-cache.md.
+"""
+
+from __future__ import annotations
+
+from pagedcore.kv_cache.config import kv_cache_specs_from_hf_config, make_kv_cache_config
+from pagedcore.kv_cache.manager import KVCacheBlocks, KVCacheManager, KVRequest, PrefixCacheStats
 from pagedcore.kv_cache.spec import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
@@ -16,10 +23,17 @@ __all__ = [
     "AttentionSpec",
     "ChunkedLocalAttentionSpec",
     "FullAttentionSpec",
+    "KVCacheBlocks",
     "KVCacheConfig",
     "KVCacheGroupSpec",
+    "KVCacheManager",
     "KVCacheSpec",
     "KVCacheTensor",
+    "KVRequest",
     "MLAAttentionSpec",
+    "PrefixCacheStats",
     "SlidingWindowSpec",
+    "kv_cache_specs_from_hf_config",
+    "make_kv_cache_config",
 ]
+

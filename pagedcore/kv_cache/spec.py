@@ -6,6 +6,7 @@ so that specs never need torch; `torch.dtype` objects are accepted and converted
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import attrs
@@ -154,11 +155,23 @@ class MLAAttentionSpec(FullAttentionSpec):
         return self.block_size * self.head_size * self.element_size
 
 
+def _str_tuple(value: Iterable[str]) -> tuple[str, ...]:
+    return tuple(value)
+
+
+def _group_tuple(value: Iterable[KVCacheGroupSpec]) -> tuple[KVCacheGroupSpec, ...]:
+    return tuple(value)
+
+
+def _tensor_tuple(value: Iterable[KVCacheTensor]) -> tuple[KVCacheTensor, ...]:
+    return tuple(value)
+
+
 @attrs.frozen(kw_only=True)
 class KVCacheGroupSpec:
     """Layers that share one block table (same spec, same block ids)."""
 
-    layer_names: tuple[str, ...] = attrs.field(converter=tuple)
+    layer_names: tuple[str, ...] = attrs.field(converter=_str_tuple)
     spec: AttentionSpec
 
     def __attrs_post_init__(self) -> None:
@@ -171,7 +184,7 @@ class KVCacheTensor:
     """One allocation of ``size_bytes`` shared by `shared_by` layers (one per group)."""
 
     size_bytes: int = attrs.field(validator=_positive)
-    shared_by: tuple[str, ...] = attrs.field(converter=tuple)
+    shared_by: tuple[str, ...] = attrs.field(converter=_str_tuple)
 
 
 @attrs.frozen(kw_only=True)
@@ -179,5 +192,5 @@ class KVCacheConfig:
     """A model's whole KV cache: block count, groups and the tensors backing them."""
 
     num_blocks: int = attrs.field(validator=_positive)
-    groups: tuple[KVCacheGroupSpec, ...] = attrs.field(converter=tuple)
-    tensors: tuple[KVCacheTensor, ...] = attrs.field(converter=tuple, factory=tuple)
+    groups: tuple[KVCacheGroupSpec, ...] = attrs.field(converter=_group_tuple)
+    tensors: tuple[KVCacheTensor, ...] = attrs.field(converter=_tensor_tuple, factory=tuple)
