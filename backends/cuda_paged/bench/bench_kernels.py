@@ -1,0 +1,234 @@
+"""Timings of the cuda_paged kernels on one GPU; prints tables and writes JSON.
+
+bf16, 32 query heads / 8 KV heads, head size 128, block size 16 (the Triton issue's shapes):
+device copy bandwidth; decode at 64x4096, 8x32768, 256x1024 (auto pass, one pass, partitioned)
+against contiguous SDPA; the one-pass / partitioned crossover grid; causal prefill 4x2048 and
+4x8192 against contiguous SDPA; a mixed step (64 decodes + one 2048-token chunk).
+
+    python backends/cuda_paged/bench/bench_kernels.py --json OUT.json [--commit SHA]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from pagedcore_cuda_paged import CudaPagedBackend
+from pagedcore_cuda_paged.plan import DecodePass, DecodePolicy
+
+from pagedcore.attention.metadata import CommonAttentionMetadata
+from pagedcore.kv_cache.spec import FullAttentionSpec
+
+HQ, HKV, D, B = 32, 8, 128, 16
+DT = torch.bfloat16
+DEV = torch.device("cuda")
+
+
+def time_ms(fn: Callable[[], Any], iters: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def copy_gbps() -> float:
+    x = torch.empty(1 << 30, dtype=torch.float16, device=DEV)
+    y = torch.empty_like(x)
+    ms = time_ms(lambda: y.copy_(x))
+    return 2 * x.numel() * 2 / ms / 1e6
+
+
+class Paged:
+    """A batch of (context, new tokens) requests in a randomly permuted paged cache."""
+
+    def __init__(self, reqs: list[tuple[int, int]]) -> None:
+        self.reqs = reqs
+        seq = [c + q for c, q in reqs]
+        counts = [math.ceil(s / B) for s in seq]
+        self.num_blocks = 1 + sum(counts)
+        perm = (torch.randperm(self.num_blocks - 1) + 1).tolist()
+        self.table = torch.zeros(len(reqs), max(counts), dtype=torch.int32)
+        pos = 0
+        for r, n in enumerate(counts):
+            self.table[r, :n] = torch.tensor(perm[pos:pos + n], dtype=torch.int32)
+            pos += n
+        self.k = [torch.randn(s, HKV, D, dtype=DT, device=DEV) for s in seq]
+        self.v = [torch.randn(s, HKV, D, dtype=DT, device=DEV) for s in seq]
+        self.q = torch.randn(sum(q for _, q in reqs), HQ, D, dtype=DT, device=DEV)
+        self.impl = CudaPagedBackend.get_impl_cls()(HQ, D, D**-0.5, num_kv_heads=HKV)
+        shape = CudaPagedBackend.get_kv_cache_shape(self.num_blocks, B, HKV, D)
+        self.cache = torch.empty(shape, dtype=DT, device=DEV)
+        tab = self.table.to(DEV).long()
+        for r, s in enumerate(seq):
+            p = torch.arange(s, device=DEV)
+            slots = tab[r, p // B] * B + p % B
+            self.impl.do_kv_cache_update(self.k[r], self.v[r], self.cache, slots)
+        qsl = [0]
+        for _, q in reqs:
+            qsl.append(qsl[-1] + q)
+        qsl_t, seq_t = torch.tensor(qsl, dtype=torch.int32), torch.tensor(seq, dtype=torch.int32)
+        self.common = CommonAttentionMetadata(
+            query_start_loc=qsl_t.to(DEV), query_start_loc_cpu=qsl_t, seq_lens=seq_t.to(DEV),
+            seq_lens_cpu=seq_t, num_reqs=len(reqs), num_actual_tokens=qsl[-1],
+            max_query_len=max(q for _, q in reqs), max_seq_len=max(seq),
+            block_table=self.table.to(DEV),
+            slot_mapping=torch.full((qsl[-1],), -1, dtype=torch.int64, device=DEV),
+            positions=torch.zeros(qsl[-1], dtype=torch.int64, device=DEV))
+        self.spec = FullAttentionSpec(block_size=B, num_kv_heads=HKV, head_size=D, dtype=DT)
+
+    def runner(self, policy: DecodePolicy | None = None,
+               lane_per_key: bool = False) -> Callable[[], torch.Tensor]:
+        builder = CudaPagedBackend.get_builder_cls()(self.spec, ["b"], DEV, policy=policy,
+                                                     prefill_lane_per_key=lane_per_key)
+        md = builder.build(self.common)
+        out = torch.empty_like(self.q)
+        kv = self.q[:, :HKV]
+        return lambda: self.impl.forward(self.q, kv, kv, self.cache, md, output=out)
+
+    def kv_bytes(self) -> int:
+        return sum(k.numel() * 2 * k.element_size() for k in self.k)
+
+
+def sdpa_uniform(batch: int, q_len: int, ctx: int, causal: bool,
+                 paged: Paged) -> tuple[Callable[[], torch.Tensor], torch.Tensor]:
+    q = paged.q.view(batch, q_len, HQ, D).transpose(1, 2).contiguous()
+    k = torch.stack(paged.k).transpose(1, 2).contiguous()
+    v = torch.stack(paged.v).transpose(1, 2).contiguous()
+
+    def fn() -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+
+    ref = fn().transpose(1, 2).reshape(batch * q_len, HQ, D)
+    return fn, ref
+
+
+def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
+
+
+def bench_decode(copy: float) -> list[dict[str, Any]]:
+    rows = []
+    for batch, ctx in [(64, 4096), (8, 32768), (256, 1024)]:
+        paged = Paged([(ctx - 1, 1)] * batch)
+        sdpa_fn, ref = sdpa_uniform(batch, 1, ctx, False, paged)
+        sdpa_ms = time_ms(sdpa_fn)
+        gb = paged.kv_bytes() / 1e9
+        for label, policy in [
+            ("auto", None),
+            ("grouped_one_pass", DecodePolicy(force=DecodePass.ONE_PASS)),
+            ("grouped_partitioned", DecodePolicy(force=DecodePass.PARTITIONED)),
+            ("grouped_part1024", DecodePolicy(force=DecodePass.PARTITIONED,
+                                              partition_size=1024)),
+            ("per_head_one_pass", DecodePolicy(force=DecodePass.ONE_PASS, group_heads=False)),
+            ("per_head_partitioned", DecodePolicy(force=DecodePass.PARTITIONED,
+                                                  group_heads=False)),
+        ]:
+            fn = paged.runner(policy)
+            ms = time_ms(fn)
+            bw = gb / ms * 1e3
+            rows.append(dict(case="decode", batch=batch, ctx=ctx, impl=f"cuda_paged/{label}",
+                             ms=ms, gbps=bw, frac_copy=bw / copy, vs_sdpa=sdpa_ms / ms,
+                             rel_err=rel(fn(), ref)))
+        rows.append(dict(case="decode", batch=batch, ctx=ctx, impl="sdpa_contiguous",
+                         ms=sdpa_ms, gbps=gb / sdpa_ms * 1e3, frac_copy=gb / sdpa_ms * 1e3 / copy))
+        del paged
+        torch.cuda.empty_cache()
+    return rows
+
+
+def bench_crossover() -> list[dict[str, Any]]:
+    """One pass against partitioned, grouped kernel (the per-head grid is in the docs)."""
+    rows = []
+    for ctx in [1024, 4096, 16384]:
+        for batch in [4, 16, 64, 128, 256]:
+            if batch * ctx > (1 << 21):
+                continue
+            paged = Paged([(ctx - 1, 1)] * batch)
+            row: dict[str, Any] = dict(batch=batch, ctx=ctx, grouped_blocks=batch * HKV)
+            row["one_pass_ms"] = time_ms(
+                paged.runner(DecodePolicy(force=DecodePass.ONE_PASS)), iters=5)
+            for part in (256, 512, 1024):
+                row[f"part{part}_ms"] = time_ms(paged.runner(
+                    DecodePolicy(partition_size=part, force=DecodePass.PARTITIONED)), iters=5)
+            rows.append(row)
+            del paged
+    torch.cuda.empty_cache()
+    return rows
+
+
+def bench_prefill() -> list[dict[str, Any]]:
+    rows = []
+    for batch, length in [(4, 2048), (4, 8192)]:
+        paged = Paged([(0, length)] * batch)
+        sdpa_fn, ref = sdpa_uniform(batch, length, length, True, paged)
+        flops = 2 * batch * HQ * D * length * length  # causal half of 4*B*H*D*L^2
+        sdpa_ms = time_ms(sdpa_fn, iters=5)
+        for label, lane_per_key in (("two_lanes_per_row", False), ("lane_per_key", True)):
+            fn = paged.runner(lane_per_key=lane_per_key)
+            ms = time_ms(fn, iters=5)
+            rows.append(dict(case="prefill", impl=label, batch=batch, len=length, ms=ms,
+                             tflops=flops / ms / 1e9, sdpa_ms=sdpa_ms,
+                             sdpa_tflops=flops / sdpa_ms / 1e9, vs_sdpa=sdpa_ms / ms,
+                             rel_err=rel(fn(), ref)))
+        del paged
+        torch.cuda.empty_cache()
+    return rows
+
+
+def bench_mixed() -> dict[str, Any]:
+    decodes = [(4095, 1)] * 64
+    mixed = Paged([*decodes, (0, 2048)])
+    dec, pre = Paged(decodes), Paged([(0, 2048)])
+    both = time_ms(mixed.runner())
+    fd, fp = dec.runner(), pre.runner()
+    separate = time_ms(lambda: (fd(), fp()))
+    return dict(case="mixed", decodes=64, ctx=4096, chunk=2048, ms=both, separate_ms=separate)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--skip-crossover", action="store_true")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    result: dict[str, Any] = dict(
+        device=torch.cuda.get_device_name(), torch=torch.__version__, commit=args.commit,
+        command="python backends/cuda_paged/bench/bench_kernels.py --json PATH",
+        shapes=dict(num_heads=HQ, num_kv_heads=HKV, head_size=D, block_size=B,
+                    dtype="bfloat16"))
+
+    def save(key: str, value: Any) -> None:
+        result[key] = value
+        for r in value if isinstance(value, list) else [value]:
+            print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                            for k, v in r.items()), flush=True)
+        if args.json:  # after every section, so a timeout keeps what was measured
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+
+    copy = copy_gbps()
+    save("copy", {"copy_gbps": copy})
+    save("decode", bench_decode(copy))
+    save("prefill", bench_prefill())
+    save("mixed", bench_mixed())
+    if not args.skip_crossover:
+        save("crossover", bench_crossover())
+
+
+if __name__ == "__main__":
+    main()

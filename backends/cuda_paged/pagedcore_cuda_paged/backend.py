@@ -1,0 +1,66 @@
+"""The cuda_paged descriptor: what it supports and which classes implement it."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from pagedcore.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    CudaGraphSupport,
+    MetadataBuilder,
+)
+from pagedcore_cuda_paged.impl import SUPPORTED_HEAD_SIZES
+from pagedcore_cuda_paged.layout import kv_cache_shape
+
+__all__ = ["CudaPagedBackend"]
+
+
+class CudaPagedBackend(AttentionBackend):
+    """pagedcore's own CUDA kernels (csrc/): 16-byte-vector K/V layout, one-pass and
+    partitioned decode, tensor-core (WMMA) prefill over the paged cache.
+
+    KV cache per layer: ``[2, num_blocks, num_kv_heads * head_size * block_size]``, K and V
+    views described in `pagedcore_cuda_paged.layout`.
+    """
+
+    name: ClassVar[str] = "cuda_paged"
+    priority: ClassVar[int] = 30
+    supported_dtypes: ClassVar[tuple[str, ...]] = ("float16", "bfloat16", "float32")
+    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
+    supported_head_sizes: ClassVar[tuple[int, ...] | None] = SUPPORTED_HEAD_SIZES
+    supported_block_sizes: ClassVar[tuple[Any, ...]] = (8, 16, 32)
+    supported_devices: ClassVar[tuple[str, ...]] = ("cuda",)
+    supports_sliding_window: ClassVar[bool] = True
+    supports_alibi: ClassVar[bool] = True
+    supports_logits_soft_cap: ClassVar[bool] = True
+    cudagraph_support: ClassVar[CudaGraphSupport] = CudaGraphSupport.NEVER
+
+    @classmethod
+    def is_available(cls) -> str | None:
+        from pagedcore_cuda_paged._ext import unavailable_reason
+
+        return unavailable_reason()
+
+    @classmethod
+    def get_builder_cls(cls) -> type[MetadataBuilder[Any]]:
+        from pagedcore_cuda_paged.metadata import CudaPagedMetadataBuilder
+
+        return CudaPagedMetadataBuilder
+
+    @classmethod
+    def get_impl_cls(cls) -> type[AttentionImpl[Any]]:
+        from pagedcore_cuda_paged.impl import CudaPagedImpl
+
+        return CudaPagedImpl
+
+    @classmethod
+    def get_kv_cache_shape(
+        cls,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        cache_dtype: str = "auto",
+    ) -> tuple[int, ...]:
+        return kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, cache_dtype)

@@ -1,0 +1,169 @@
+"""The per-layer cuda_paged attention: cache write, decode kernel, prefill kernel."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from pagedcore.attention.backend import AttentionImpl
+from pagedcore_cuda_paged._ext import load_ops
+from pagedcore_cuda_paged.metadata import CudaPagedMetadata
+from pagedcore_cuda_paged.plan import DecodePass, decode_plan
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["SUPPORTED_HEAD_SIZES", "CudaPagedImpl"]
+
+#: Head sizes compiled into csrc/ (decode.cuh / prefill.cuh dispatch).
+SUPPORTED_HEAD_SIZES = (64, 80, 96, 112, 128, 256)
+_SMEM_FALLBACK = 48 * 1024
+
+
+def _smem_limit(device: torch.device) -> int:
+    import torch
+
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "shared_memory_per_block_optin", _SMEM_FALLBACK))
+
+
+def _aligned_rows(t: torch.Tensor) -> bool:
+    """Unit stride in head_size and 16-byte aligned rows, as the kernels' vector loads need."""
+    e = t.element_size()
+    return (
+        t.stride(2) == 1
+        and (t.stride(0) * e) % 16 == 0
+        and (t.stride(1) * e) % 16 == 0
+        and t.data_ptr() % 16 == 0
+    )
+
+
+class CudaPagedImpl(AttentionImpl[CudaPagedMetadata]):
+    """One layer over the cuda_paged cache (see `pagedcore_cuda_paged.layout`).
+
+    Parameters are `AttentionImpl`'s; `head_size` must be one of `SUPPORTED_HEAD_SIZES` and
+    `kv_cache_dtype` ``"auto"``.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        *,
+        num_kv_heads: int | None = None,
+        alibi_slopes: Sequence[float] | None = None,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+        kv_cache_dtype: str = "auto",
+    ) -> None:
+        super().__init__(
+            num_heads, head_size, scale, num_kv_heads=num_kv_heads, alibi_slopes=alibi_slopes,
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+            kv_cache_dtype=kv_cache_dtype,
+        )
+        if head_size not in SUPPORTED_HEAD_SIZES:
+            raise ValueError(
+                f"cuda_paged has kernels for head sizes {SUPPORTED_HEAD_SIZES}, not {head_size}; "
+                "choose another backend (pagedcore select --head-size ...)"
+            )
+        if kv_cache_dtype != "auto":
+            raise ValueError(
+                f"cuda_paged stores the KV cache in the model dtype (kv_cache_dtype='auto'), "
+                f"got {kv_cache_dtype!r}"
+            )
+        if sliding_window is not None and sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
+        self._alibi: torch.Tensor | None = None
+
+    def _block_size(self, kv_cache: torch.Tensor) -> int:
+        per_block = self.num_kv_heads * self.head_size
+        if kv_cache.dim() != 3 or kv_cache.shape[0] != 2 or kv_cache.shape[2] % per_block:
+            raise ValueError(
+                f"kv_cache shape {tuple(kv_cache.shape)} is not (2, num_blocks, "
+                f"{per_block} * block_size); allocate it with CudaPagedBackend.get_kv_cache_shape"
+            )
+        return int(kv_cache.shape[2]) // per_block
+
+    def _alibi_tensor(self, device: torch.device) -> torch.Tensor | None:
+        import torch
+
+        if self.alibi_slopes is None:
+            return None
+        if self._alibi is None or self._alibi.device != device:
+            self._alibi = torch.tensor(self.alibi_slopes, dtype=torch.float32, device=device)
+        return self._alibi
+
+    def do_kv_cache_update(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Scatter ``[T, Hkv, D]`` K/V into the cache through `slot_mapping` (``-1`` skipped)."""
+        import torch
+
+        n = key.shape[0]
+        slots = slot_mapping[:n].to(torch.int64).contiguous()
+        load_ops().cache_write(key, value, kv_cache, slots, self._block_size(kv_cache))
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: CudaPagedMetadata,
+        *,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of ``[T, Hq, D]`` queries over the paged cache (see `AttentionImpl`)."""
+        import torch
+
+        ops = load_ops()
+        block_size = self._block_size(kv_cache)
+        if block_size != metadata.block_size:
+            raise ValueError(
+                f"kv_cache holds blocks of {block_size} tokens but the plan was built for "
+                f"{metadata.block_size}"
+            )
+        if not _aligned_rows(query):
+            query = query.contiguous()
+        out = output if output is not None and _aligned_rows(output) else torch.empty_like(query)
+        alibi = self._alibi_tensor(query.device)
+        cap = 0.0 if self.logits_soft_cap is None else float(self.logits_soft_cap)
+        window = 0 if self.sliding_window is None else self.sliding_window
+        common = (metadata.block_table, metadata.seq_lens, metadata.query_start_loc)
+
+        if metadata.num_decodes:
+            launch = decode_plan(
+                metadata.decode_seq_lens, num_heads=self.num_heads,
+                num_kv_heads=self.num_kv_heads, head_size=self.head_size,
+                block_size=block_size, sliding_window=self.sliding_window,
+                policy=metadata.policy, smem_limit=_smem_limit(query.device),
+            )
+            if launch.mode is DecodePass.PARTITIONED:
+                rows = metadata.num_decodes * self.num_heads * launch.max_partitions
+                tmp = torch.empty(rows * self.head_size, dtype=torch.float32,
+                                  device=query.device)
+                stats = torch.empty(2, rows, dtype=torch.float32, device=query.device)
+                max_logits, exp_sums = stats[0], stats[1]
+            else:
+                tmp = max_logits = exp_sums = torch.empty(0, dtype=torch.float32,
+                                                          device=query.device)
+            ops.decode(
+                out, query, kv_cache, *common, metadata.decode_reqs, block_size,
+                self.num_kv_heads, self.scale, cap, alibi, window, launch.partition_size,
+                launch.max_partitions, launch.grouped, tmp, max_logits, exp_sums,
+            )
+        if metadata.num_prefill_tiles:
+            ops.prefill(
+                out, query, kv_cache, *common, metadata.prefill_tiles, block_size,
+                self.num_kv_heads, self.scale, cap, alibi, window, metadata.causal,
+                metadata.prefill_lane_per_key,
+            )
+        if output is not None and out is not output:
+            output.copy_(out)
+            return output
+        return out

@@ -1,0 +1,85 @@
+"""A torch stand-in for the compiled extension, with the same call signatures.
+
+It checks the invariants the kernels rely on (partition arithmetic, buffer sizes, tile
+coverage) and computes the result from the cache through `gather_kv`, so CPU tests exercise
+the whole Python side: layout, cache write, builder, pass selection, argument plumbing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from pagedcore_cuda_paged.layout import gather_kv, write_kv
+from pagedcore_cuda_paged.plan import PREFILL_TILE_ROWS, num_partitions
+from pagedcore_cuda_paged.torch_ref import attention_reference
+
+
+class FakeOps:
+    """Records each call's kind (and decode launch shape) in `calls`."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def cache_write(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor, block_size: int) -> None:
+        assert slot_mapping.dtype == torch.int64 and slot_mapping.numel() == key.shape[0]
+        self.calls.append(("cache_write",))
+        write_kv(key, value, kv_cache, slot_mapping, block_size=block_size)
+
+    def _one(self, out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor,
+             block_table: torch.Tensor, seq_lens: torch.Tensor, qsl: torch.Tensor, req: int,
+             block_size: int, num_kv_heads: int, scale: float, soft_cap: float,
+             alibi: torch.Tensor | None, window: int, causal: bool) -> None:
+        start, stop = int(qsl[req]), int(qsl[req + 1])
+        seq = int(seq_lens[req])
+        k, v = gather_kv(kv_cache, block_table[req], seq, block_size=block_size,
+                         num_kv_heads=num_kv_heads, head_size=query.shape[2])
+        out[start:stop] = attention_reference(
+            query[start:stop], k, v, scale=scale, causal=causal,
+            sliding_window=window or None,
+            alibi_slopes=None if alibi is None else alibi.tolist(),
+            logits_soft_cap=soft_cap or None,
+        ).to(out.dtype)
+
+    def decode(self, out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor,
+               block_table: torch.Tensor, seq_lens: torch.Tensor, qsl: torch.Tensor,
+               decode_reqs: torch.Tensor, block_size: int, num_kv_heads: int, scale: float,
+               soft_cap: float, alibi: torch.Tensor | None, window: int, partition_size: int,
+               max_partitions: int, grouped: bool, tmp_out: torch.Tensor,
+               max_logits: torch.Tensor, exp_sums: torch.Tensor) -> None:
+        assert decode_reqs.dtype == torch.int32
+        assert partition_size > 0 and partition_size % block_size == 0
+        n, hq, d = decode_reqs.numel(), query.shape[1], query.shape[2]
+        for req in decode_reqs.tolist():
+            assert int(qsl[req + 1]) - int(qsl[req]) == 1, "decode got a multi-token request"
+            parts = num_partitions(int(seq_lens[req]), partition_size=partition_size,
+                                   block_size=block_size, sliding_window=window or None)
+            assert 1 <= parts <= max_partitions
+            if max_partitions == 1:
+                assert parts == 1
+        if max_partitions > 1:
+            rows = n * hq * max_partitions
+            assert tmp_out.numel() >= rows * d and max_logits.numel() >= rows
+            assert exp_sums.numel() >= rows
+        assert not grouped or query.shape[1] > num_kv_heads
+        self.calls.append(("decode", partition_size, max_partitions, grouped))
+        for req in decode_reqs.tolist():
+            self._one(out, query, kv_cache, block_table, seq_lens, qsl, req, block_size,
+                      num_kv_heads, scale, soft_cap, alibi, window, True)
+
+    def prefill(self, out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor,
+                block_table: torch.Tensor, seq_lens: torch.Tensor, qsl: torch.Tensor,
+                tiles: torch.Tensor, block_size: int, num_kv_heads: int, scale: float,
+                soft_cap: float, alibi: torch.Tensor | None, window: int,
+                causal: bool, lane_per_key: bool) -> None:
+        assert tiles.dtype == torch.int32 and tiles.dim() == 2 and tiles.shape[1] == 2
+        covered: dict[int, list[int]] = {}
+        for req, row in tiles.tolist():
+            covered.setdefault(req, []).append(row)
+        for req, rows in covered.items():
+            q_len = int(qsl[req + 1]) - int(qsl[req])
+            assert rows == list(range(0, q_len, PREFILL_TILE_ROWS)), (req, rows, q_len)
+            self._one(out, query, kv_cache, block_table, seq_lens, qsl, req, block_size,
+                      num_kv_heads, scale, soft_cap, alibi, window, causal)
+        self.calls.append(("prefill", len(tiles)))

@@ -1,0 +1,118 @@
+"""Decode pass selection, partition arithmetic and prefill tiling (pure CPU arithmetic)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from pagedcore_cuda_paged.plan import (
+    PREFILL_TILE_ROWS,
+    DecodePass,
+    DecodePolicy,
+    decode_grouped_smem_bytes,
+    decode_plan,
+    decode_smem_bytes,
+    decode_span,
+    num_partitions,
+    prefill_tiles,
+)
+
+BIG_SMEM = 227 * 1024
+
+
+def plan(seq_lens: list[int], **kw: object) -> object:
+    args: dict[str, object] = dict(num_heads=32, num_kv_heads=32, head_size=128,
+                                   block_size=16,
+                                   sliding_window=None, policy=DecodePolicy(),
+                                   smem_limit=BIG_SMEM)
+    args.update(kw)
+    return decode_plan(seq_lens, **args)  # type: ignore[arg-type]
+
+
+def test_smem_formula_matches_csrc() -> None:
+    # csrc/params.h: 4 * (head + partition + 4 * head + 32)
+    assert decode_smem_bytes(128, 512) == 4 * (128 + 512 + 4 * 128 + 32)
+
+
+@given(seq=st.integers(1, 100_000), part_blocks=st.integers(1, 64),
+       block=st.sampled_from([8, 16, 32]), window=st.none() | st.integers(1, 5000))
+def test_partitions_cover_exactly_the_visible_keys(seq: int, part_blocks: int, block: int,
+                                                   window: int | None) -> None:
+    part = part_blocks * 32
+    begin, ctx_start = decode_span(seq, block_size=block, sliding_window=window)
+    n = num_partitions(seq, partition_size=part, block_size=block, sliding_window=window)
+    assert begin % block == 0 and begin <= ctx_start < begin + block
+    # Visible keys are [ctx_start, seq): all inside the n partitions, none of them empty.
+    assert begin + (n - 1) * part < seq <= begin + n * part
+    assert ctx_start == (0 if window is None else max(0, seq - window))
+
+
+def test_partition_examples() -> None:
+    assert num_partitions(1, partition_size=512, block_size=16, sliding_window=None) == 1
+    assert num_partitions(512, partition_size=512, block_size=16, sliding_window=None) == 1
+    assert num_partitions(513, partition_size=512, block_size=16, sliding_window=None) == 2
+    # Window 100 over 1000 tokens: keys 900..999, partitions start at block 896.
+    assert decode_span(1000, block_size=16, sliding_window=100) == (896, 900)
+    assert num_partitions(1000, partition_size=64, block_size=16, sliding_window=100) == 2
+
+
+def test_one_pass_when_many_blocks_or_short() -> None:
+    launch = plan([4096] * 256)  # 256 * 32 = 8192 thread blocks >= 8192
+    assert launch.mode is DecodePass.ONE_PASS
+    assert launch.partition_size == 4096 and launch.max_partitions == 1
+    short = plan([1000])  # shorter than one 1024-token partition: nothing to split
+    assert short.mode is DecodePass.ONE_PASS and short.partition_size == 1008
+    assert plan([4096] * 128).mode is DecodePass.PARTITIONED  # 4096 blocks: partitions win
+
+
+def test_partitioned_when_few_blocks_and_long() -> None:
+    launch = plan([32768] * 8, policy=DecodePolicy(partition_size=512))
+    assert launch.mode is DecodePass.PARTITIONED
+    assert launch.partition_size == 512 and launch.max_partitions == 64
+
+
+def test_partitioned_when_one_pass_does_not_fit_shared_memory() -> None:
+    launch = plan([100_000] * 512)  # plenty of blocks, but 400 KB of scores
+    assert launch.mode is DecodePass.PARTITIONED
+    forced = plan([100_000], policy=DecodePolicy(force=DecodePass.ONE_PASS))
+    assert forced.mode is DecodePass.PARTITIONED
+
+
+def test_force_and_window_spans() -> None:
+    forced = plan([4096] * 256, policy=DecodePolicy(force=DecodePass.PARTITIONED,
+                                                   partition_size=1024))
+    assert forced.mode is DecodePass.PARTITIONED and forced.max_partitions == 4
+    # A window shortens the one pass's span to the window (+ block misalignment).
+    windowed = plan([10_005], sliding_window=256)
+    assert windowed.mode is DecodePass.ONE_PASS and windowed.partition_size == 272
+
+
+def test_policy_validation() -> None:
+    with pytest.raises(ValueError, match="multiple of 32"):
+        DecodePolicy(partition_size=48)
+    with pytest.raises(ValueError, match="positive"):
+        DecodePolicy(min_one_pass_blocks=0)
+    with pytest.raises(ValueError, match="shared memory"):
+        plan([100_000], policy=DecodePolicy(partition_size=65536), smem_limit=48 * 1024)
+
+
+def test_prefill_tiles_cover_rows_of_multi_token_requests() -> None:
+    tiles = prefill_tiles([1, 130, 0, 2, 64, 1])
+    assert tiles == [(1, 0), (1, 64), (1, 128), (3, 0), (4, 0)]
+    assert PREFILL_TILE_ROWS == 64
+
+
+def test_grouping_counts_kv_heads_and_sizes_shared_memory() -> None:
+    # 256 decodes x 8 KV heads = 2048 grouped blocks: too few for the one pass at 4096 tokens.
+    grouped = plan([4096] * 256, num_heads=32, num_kv_heads=8)
+    assert grouped.grouped and grouped.mode is DecodePass.PARTITIONED
+    assert grouped.partition_size == 1024 and grouped.max_partitions == 4
+    per_head = plan([4096] * 256, num_heads=32, num_kv_heads=8,
+                    policy=DecodePolicy(group_heads=False))
+    assert not per_head.grouped and per_head.mode is DecodePass.ONE_PASS
+    # MHA never groups; a group of 8 keeps 8 score rows, so long one passes stop fitting.
+    assert not plan([100], num_heads=8, num_kv_heads=8).grouped
+    assert decode_grouped_smem_bytes(128, 512, 4) == 4 * (4 * 128 + 4 * 512 + 4 * 8 * 128 + 8)
+    forced = plan([8192], num_heads=32, num_kv_heads=4,
+                  policy=DecodePolicy(force=DecodePass.ONE_PASS))
+    assert forced.grouped and forced.mode is DecodePass.PARTITIONED  # 8 * 8192 * 4 B > 227 KB

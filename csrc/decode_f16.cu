@@ -1,0 +1,8 @@
+// Decode kernels instantiated for __half (one file per dtype so the build runs in parallel).
+#include "decode_grouped.cuh"
+
+namespace pagedcore {
+cudaError_t launch_decode_f16(const AttentionParams& p, int head_size, cudaStream_t stream) {
+  return launch_decode<__half>(p, head_size, stream);
+}
+}  // namespace pagedcore

@@ -1,0 +1,262 @@
+// Torch bindings of the cuda_paged kernels: argument checks, dtype dispatch, stream selection.
+// Built as the extension `pagedcore_cuda_paged._C`.
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+
+#include <optional>
+
+#include "params.h"
+
+namespace pagedcore {
+namespace {
+
+DType dtype_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kHalf:
+      return DType::kFloat16;
+    case at::kBFloat16:
+      return DType::kBFloat16;
+    case at::kFloat:
+      return DType::kFloat32;
+    default:
+      break;
+  }
+  TORCH_CHECK(false, "cuda_paged supports float16, bfloat16 and float32 tensors, got ",
+              t.scalar_type(), "; cast the model to one of them");
+  return DType::kFloat32;
+}
+
+void check_cuda(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got one on ", t.device());
+}
+
+void check_int32(const at::Tensor& t, const char* name) {
+  check_cuda(t, name);
+  TORCH_CHECK(t.scalar_type() == at::kInt, name, " must be int32, got ", t.scalar_type());
+  TORCH_CHECK(t.stride(-1) == 1, name, " must be contiguous in its last dimension");
+}
+
+void check_rows(const at::Tensor& t, const char* name) {
+  // [T, H, D] with unit last stride and 16-byte aligned rows (the kernels load 16-byte vectors).
+  TORCH_CHECK(t.dim() == 3, name, " must be [tokens, heads, head_size], got ", t.sizes());
+  TORCH_CHECK(t.stride(2) == 1, name, " must be contiguous in head_size; call .contiguous()");
+  const int64_t e = t.element_size();
+  TORCH_CHECK((t.stride(0) * e) % 16 == 0 && (t.stride(1) * e) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
+              name, " rows must be 16-byte aligned; call .contiguous()");
+}
+
+// `head_size` < 0: the launch has no size dispatch (cache write).
+void check_cuda_status(cudaError_t err, const char* what, int64_t head_size) {
+  TORCH_CHECK(err != cudaErrorInvalidValue || head_size < 0, what, ": head size ", head_size,
+              " or the block size is not compiled in (head sizes 64, 80, 96, 112, 128, 256; "
+              "block sizes 8, 16, 32)");
+  TORCH_CHECK(err == cudaSuccess, what, " failed: ", cudaGetErrorString(err));
+}
+
+// K and V views inside the single per-layer tensor [2, num_blocks, Hkv * D * B].
+std::pair<void*, void*> kv_pointers(const at::Tensor& kv_cache) {
+  TORCH_CHECK(kv_cache.dim() == 3 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "kv_cache must be a contiguous [2, num_blocks, num_kv_heads * head_size * "
+              "block_size] tensor from get_kv_cache_shape, got ", kv_cache.sizes());
+  char* base = static_cast<char*>(kv_cache.data_ptr());
+  return {base, base + kv_cache.stride(0) * kv_cache.element_size()};
+}
+
+AttentionParams common_params(const at::Tensor& out, const at::Tensor& query,
+                              const at::Tensor& kv_cache, const at::Tensor& block_table,
+                              const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                              const at::Tensor& work, int64_t block_size, int64_t num_kv_heads,
+                              double scale, double soft_cap,
+                              const std::optional<at::Tensor>& alibi_slopes, int64_t window) {
+  check_cuda(query, "query");
+  check_cuda(kv_cache, "kv_cache");
+  check_rows(query, "query");
+  check_rows(out, "output");
+  TORCH_CHECK(out.sizes() == query.sizes(), "output must have the query's shape ",
+              query.sizes(), ", got ", out.sizes());
+  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() &&
+                  out.scalar_type() == query.scalar_type(),
+              "query, output and kv_cache must share one dtype (got ", query.scalar_type(), ", ",
+              out.scalar_type(), ", ", kv_cache.scalar_type(), ")");
+  check_int32(block_table, "block_table");
+  check_int32(seq_lens, "seq_lens");
+  check_int32(query_start_loc, "query_start_loc");
+  check_int32(work, "work");
+  const int64_t num_heads = query.size(1);
+  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_heads (", num_heads,
+              ") must be a multiple of num_kv_heads (", num_kv_heads, ")");
+  auto [k_ptr, v_ptr] = kv_pointers(kv_cache);
+  TORCH_CHECK(kv_cache.size(2) == num_kv_heads * query.size(2) * block_size,
+              "kv_cache's last dim ", kv_cache.size(2), " != num_kv_heads * head_size * "
+              "block_size = ", num_kv_heads * query.size(2) * block_size);
+  AttentionParams p{};
+  p.out = out.data_ptr();
+  p.query = query.data_ptr();
+  p.k_cache = k_ptr;
+  p.v_cache = v_ptr;
+  p.block_table = block_table.data_ptr<int>();
+  p.block_table_stride = block_table.stride(0);
+  p.seq_lens = seq_lens.data_ptr<int>();
+  p.query_start_loc = query_start_loc.data_ptr<int>();
+  p.work = work.data_ptr<int>();
+  p.q_stride_t = query.stride(0);
+  p.q_stride_h = query.stride(1);
+  p.o_stride_t = out.stride(0);
+  p.o_stride_h = out.stride(1);
+  p.num_heads = static_cast<int>(num_heads);
+  p.num_kv_heads = static_cast<int>(num_kv_heads);
+  p.block_size = static_cast<int>(block_size);
+  p.scale = static_cast<float>(scale);
+  p.soft_cap = static_cast<float>(soft_cap);
+  p.window = static_cast<int>(window);
+  p.causal = true;
+  p.alibi_slopes = nullptr;
+  if (alibi_slopes.has_value()) {
+    const at::Tensor& a = *alibi_slopes;
+    check_cuda(a, "alibi_slopes");
+    TORCH_CHECK(a.scalar_type() == at::kFloat && a.is_contiguous() && a.numel() == num_heads,
+                "alibi_slopes must be a contiguous float32 tensor of num_heads (", num_heads,
+                ") entries");
+    p.alibi_slopes = a.data_ptr<float>();
+  }
+  return p;
+}
+
+}  // namespace
+
+void cache_write(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cache,
+                 const at::Tensor& slot_mapping, int64_t block_size) {
+  check_cuda(key, "key");
+  check_cuda(value, "value");
+  check_cuda(slot_mapping, "slot_mapping");
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(),
+              "key and value must both be [tokens, num_kv_heads, head_size], got ", key.sizes(),
+              " and ", value.sizes());
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1,
+              "key and value must be contiguous in head_size; call .contiguous()");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.numel() >= key.size(0),
+              "slot_mapping must be a contiguous int64 tensor with one entry per token");
+  TORCH_CHECK(key.scalar_type() == kv_cache.scalar_type() &&
+                  value.scalar_type() == kv_cache.scalar_type(),
+              "key, value and kv_cache must share one dtype");
+  auto [k_ptr, v_ptr] = kv_pointers(kv_cache);
+  const int64_t head_size = key.size(2);
+  const int64_t x = 16 / key.element_size();
+  TORCH_CHECK(head_size % x == 0, "head_size ", head_size, " must be a multiple of ", x,
+              " for the 16-byte K layout");
+  TORCH_CHECK(kv_cache.size(2) == key.size(1) * head_size * block_size,
+              "kv_cache's last dim ", kv_cache.size(2), " != num_kv_heads * head_size * "
+              "block_size = ", key.size(1) * head_size * block_size);
+  const c10::cuda::CUDAGuard guard(key.device());
+  CacheWriteParams p{};
+  p.key = key.data_ptr();
+  p.value = value.data_ptr();
+  p.k_cache = k_ptr;
+  p.v_cache = v_ptr;
+  p.slot_mapping = slot_mapping.data_ptr<int64_t>();
+  p.key_stride_t = key.stride(0);
+  p.key_stride_h = key.stride(1);
+  p.value_stride_t = value.stride(0);
+  p.value_stride_h = value.stride(1);
+  p.num_tokens = static_cast<int>(key.size(0));
+  p.num_kv_heads = static_cast<int>(key.size(1));
+  p.head_size = static_cast<int>(head_size);
+  p.block_size = static_cast<int>(block_size);
+  check_cuda_status(
+      launch_cache_write(p, dtype_of(key), c10::cuda::getCurrentCUDAStream().stream()),
+      "cache_write", -1);
+}
+
+void decode(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache,
+            const at::Tensor& block_table, const at::Tensor& seq_lens,
+            const at::Tensor& query_start_loc, const at::Tensor& decode_reqs,
+            int64_t block_size, int64_t num_kv_heads, double scale, double soft_cap,
+            const std::optional<at::Tensor>& alibi_slopes, int64_t window,
+            int64_t partition_size, int64_t max_partitions, bool grouped,
+            const at::Tensor& tmp_out, const at::Tensor& max_logits,
+            const at::Tensor& exp_sums) {
+  AttentionParams p =
+      common_params(out, query, kv_cache, block_table, seq_lens, query_start_loc, decode_reqs,
+                    block_size, num_kv_heads, scale, soft_cap, alibi_slopes, window);
+  TORCH_CHECK(partition_size > 0 && partition_size % block_size == 0,
+              "partition_size ", partition_size, " must be a positive multiple of block_size ",
+              block_size);
+  TORCH_CHECK(max_partitions >= 1, "max_partitions must be >= 1");
+  p.num_items = static_cast<int>(decode_reqs.numel());
+  p.partition_size = static_cast<int>(partition_size);
+  p.max_partitions = static_cast<int>(max_partitions);
+  p.grouped = grouped;
+  if (max_partitions > 1) {
+    const int64_t rows = p.num_items * p.num_heads * max_partitions;
+    TORCH_CHECK(tmp_out.scalar_type() == at::kFloat && tmp_out.numel() >= rows * query.size(2) &&
+                    max_logits.numel() >= rows && exp_sums.numel() >= rows,
+                "partition buffers are too small for ", rows, " partition rows");
+    p.tmp_out = tmp_out.data_ptr<float>();
+    p.max_logits = max_logits.data_ptr<float>();
+    p.exp_sums = exp_sums.data_ptr<float>();
+  }
+  const c10::cuda::CUDAGuard guard(query.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  const int64_t head_size = query.size(2);
+  cudaError_t err = cudaErrorInvalidValue;
+  switch (dtype_of(query)) {
+    case DType::kFloat16:
+      err = launch_decode_f16(p, static_cast<int>(head_size), stream);
+      break;
+    case DType::kBFloat16:
+      err = launch_decode_bf16(p, static_cast<int>(head_size), stream);
+      break;
+    case DType::kFloat32:
+      err = launch_decode_f32(p, static_cast<int>(head_size), stream);
+      break;
+  }
+  check_cuda_status(err, "decode", head_size);
+}
+
+void prefill(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache,
+             const at::Tensor& block_table, const at::Tensor& seq_lens,
+             const at::Tensor& query_start_loc, const at::Tensor& tiles, int64_t block_size,
+             int64_t num_kv_heads, double scale, double soft_cap,
+             const std::optional<at::Tensor>& alibi_slopes, int64_t window, bool causal,
+             bool lane_per_key) {
+  AttentionParams p =
+      common_params(out, query, kv_cache, block_table, seq_lens, query_start_loc, tiles,
+                    block_size, num_kv_heads, scale, soft_cap, alibi_slopes, window);
+  TORCH_CHECK(tiles.dim() == 2 && tiles.size(1) == 2 && tiles.is_contiguous(),
+              "tiles must be a contiguous [num_tiles, 2] int32 tensor of (request, first row)");
+  p.num_items = static_cast<int>(tiles.size(0));
+  p.causal = causal;
+  p.prefill_lane_per_key = lane_per_key;
+  const c10::cuda::CUDAGuard guard(query.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  const int64_t head_size = query.size(2);
+  cudaError_t err = cudaErrorInvalidValue;
+  switch (dtype_of(query)) {
+    case DType::kFloat16:
+      err = launch_prefill_f16(p, static_cast<int>(head_size), stream);
+      break;
+    case DType::kBFloat16:
+      err = launch_prefill_bf16(p, static_cast<int>(head_size), stream);
+      break;
+    case DType::kFloat32:
+      err = launch_prefill_f32(p, static_cast<int>(head_size), stream);
+      break;
+  }
+  check_cuda_status(err, "prefill", head_size);
+}
+
+}  // namespace pagedcore
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "cuda_paged kernels: cache write, paged decode (one pass / partitioned), prefill";
+  m.def("cache_write", &pagedcore::cache_write, "Scatter K/V into the paged cache");
+  m.def("decode", &pagedcore::decode, "Paged decode attention");
+  m.def("prefill", &pagedcore::prefill, "Paged prefill / chunked-prefill attention");
+  m.def("decode_smem_bytes", &pagedcore::decode_smem_bytes,
+        "Dynamic shared memory of one per-head decode thread block");
+  m.def("decode_grouped_smem_bytes", &pagedcore::decode_grouped_smem_bytes,
+        "Dynamic shared memory of one grouped decode thread block");
+}

@@ -1,0 +1,81 @@
+// Launch parameters shared by the .cu kernels and the torch bindings (no torch types here, so
+// the kernels compile with nvcc alone).
+//
+// KV-cache layout (one tensor per layer, `[2, num_blocks, num_kv_heads * head_size * block_size]`):
+//   K = cache[0] viewed as [num_blocks, num_kv_heads, head_size / x, block_size, x],
+//   V = cache[1] viewed as [num_blocks, num_kv_heads, head_size, block_size],
+// with x = 16 / sizeof(element): one 16-byte vector holds x consecutive head dims of one key.
+#pragma once
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace pagedcore {
+
+enum class DType : int { kFloat16 = 0, kBFloat16 = 1, kFloat32 = 2 };
+
+struct CacheWriteParams {
+  const void* key;            // [T, Hkv, D]
+  const void* value;          // [T, Hkv, D]
+  void* k_cache;              // see layout above
+  void* v_cache;
+  const int64_t* slot_mapping;  // [T], -1 = skip
+  int64_t key_stride_t, key_stride_h, value_stride_t, value_stride_h;  // elements
+  int num_tokens, num_kv_heads, head_size, block_size;
+};
+
+struct AttentionParams {
+  void* out;                   // [T, Hq, D]
+  const void* query;           // [T, Hq, D]
+  const void* k_cache;
+  const void* v_cache;
+  const int* block_table;      // [B, max_blocks]
+  int64_t block_table_stride;
+  const int* seq_lens;         // [B]
+  const int* query_start_loc;  // [B + 1]
+  // decode: [num_items] request indices; prefill: [num_items, 2] (request, first query row).
+  const int* work;
+  int num_items;
+  int64_t q_stride_t, q_stride_h, o_stride_t, o_stride_h;  // elements
+  int num_heads, num_kv_heads, block_size;
+  float scale;
+  float soft_cap;              // 0 = none
+  const float* alibi_slopes;   // [Hq] or nullptr
+  int window;                  // 0 = none
+  bool causal;
+  bool prefill_lane_per_key;   // prefill: the first softmax formulation (reference path)
+  // decode only
+  int partition_size;          // tokens, a multiple of block_size
+  int max_partitions;          // grid.z; 1 = one pass (tmp buffers unused)
+  bool grouped;                // one thread block per KV head serves its whole query group
+  float* tmp_out;              // [num_items, Hq, max_partitions, D]
+  float* max_logits;           // [num_items, Hq, max_partitions]
+  float* exp_sums;             // [num_items, Hq, max_partitions]
+};
+
+// Each returns cudaSuccess or the launch error; an unsupported head/block size returns
+// cudaErrorInvalidValue (the bindings check sizes first and raise a clear error).
+cudaError_t launch_cache_write(const CacheWriteParams& p, DType dtype, cudaStream_t stream);
+
+cudaError_t launch_decode_f16(const AttentionParams& p, int head_size, cudaStream_t stream);
+cudaError_t launch_decode_bf16(const AttentionParams& p, int head_size, cudaStream_t stream);
+cudaError_t launch_decode_f32(const AttentionParams& p, int head_size, cudaStream_t stream);
+
+cudaError_t launch_prefill_f16(const AttentionParams& p, int head_size, cudaStream_t stream);
+cudaError_t launch_prefill_bf16(const AttentionParams& p, int head_size, cudaStream_t stream);
+cudaError_t launch_prefill_f32(const AttentionParams& p, int head_size, cudaStream_t stream);
+
+// Dynamic shared memory of one decode thread block (the Python planner mirrors these formulas).
+constexpr int kDecodeThreads = 128;
+constexpr int kGroupChunkMax = 8;  // query heads a grouped block accumulates at once, at most
+inline int decode_smem_bytes(int head_size, int partition_size) {
+  return static_cast<int>(sizeof(float)) *
+         (head_size + partition_size + (kDecodeThreads / 32) * head_size + 32);
+}
+inline int decode_grouped_smem_bytes(int head_size, int partition_size, int group) {
+  return static_cast<int>(sizeof(float)) *
+         (group * head_size + group * partition_size +
+          (kDecodeThreads / 32) * kGroupChunkMax * head_size + 2 * group);
+}
+
+}  // namespace pagedcore
