@@ -1,0 +1,147 @@
+"""The Triton backend's per-layer attention: cache write, then one launch per plan part."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pagedcore.attention import AttentionImpl
+from pagedcore_triton._env import interpreting
+from pagedcore_triton.backend import TritonAttentionBackend, TritonAttentionMetadata
+
+__all__ = ["TritonAttentionImpl"]
+
+_DTYPES = {torch.float16, torch.bfloat16, torch.float32}
+
+
+class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
+    """One attention layer over the paged cache ``[2, num_blocks, block_size, Hkv, D]``.
+
+    See `pagedcore.attention.AttentionImpl` for the parameters. Raises ValueError for a head
+    size, KV-cache dtype or soft-cap the kernels do not serve.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        *,
+        num_kv_heads: int | None = None,
+        alibi_slopes: Sequence[float] | None = None,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+        kv_cache_dtype: str = "auto",
+    ) -> None:
+        super().__init__(
+            num_heads,
+            head_size,
+            scale,
+            num_kv_heads=num_kv_heads,
+            alibi_slopes=alibi_slopes,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
+            kv_cache_dtype=kv_cache_dtype,
+        )
+        sizes = TritonAttentionBackend.supported_head_sizes or ()
+        if head_size not in sizes:
+            raise ValueError(
+                f"the triton backend does not serve head size {head_size} "
+                f"(supports {', '.join(map(str, sizes))}); pick another backend"
+            )
+        if kv_cache_dtype not in TritonAttentionBackend.supported_kv_cache_dtypes:
+            raise ValueError(
+                f"the triton backend stores the KV cache in the model dtype only "
+                f"(kv_cache_dtype 'auto'), got {kv_cache_dtype!r}"
+            )
+        if sliding_window is not None and sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
+        if logits_soft_cap is not None and logits_soft_cap <= 0:
+            raise ValueError(f"logits_soft_cap must be positive or None, got {logits_soft_cap}")
+        self._slopes: dict[torch.device, torch.Tensor] = {}
+
+    def _alibi(self, device: torch.device) -> torch.Tensor | None:
+        if self.alibi_slopes is None:
+            return None
+        slopes = self._slopes.get(device)
+        if slopes is None:
+            slopes = torch.tensor(self.alibi_slopes, dtype=torch.float32, device=device)
+            self._slopes[device] = slopes
+        return slopes
+
+    def _check(self, query: torch.Tensor, kv_cache: torch.Tensor) -> None:
+        if query.device.type == "cpu" and not interpreting():
+            raise ValueError(
+                "the triton backend got CPU tensors; it runs on CUDA tensors, or on CPU tensors "
+                "only when TRITON_INTERPRET=1 was set before pagedcore_triton was imported"
+            )
+        if query.dtype not in _DTYPES:
+            raise ValueError(f"query dtype {query.dtype} is not float16, bfloat16 or float32")
+        expected = (self.num_kv_heads, self.head_size)
+        if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or tuple(kv_cache.shape[3:]) != expected:
+            raise ValueError(
+                f"kv_cache has shape {tuple(kv_cache.shape)}; expected "
+                f"(2, num_blocks, block_size, {self.num_kv_heads}, {self.head_size}) as "
+                "TritonAttentionBackend.get_kv_cache_shape gives"
+            )
+        if kv_cache.dtype != query.dtype:
+            raise ValueError(
+                f"kv_cache dtype {kv_cache.dtype} differs from the query dtype {query.dtype}"
+            )
+        if not kv_cache.is_contiguous():
+            raise ValueError("kv_cache must be contiguous")
+
+    def do_kv_cache_update(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Scatter ``key``/``value`` ``[T, Hkv, D]`` into `kv_cache` at `slot_mapping` ``[T]``
+        int64 (``-1`` skipped)."""
+        self._check(key, kv_cache)
+        from pagedcore_triton.ops import write_kv_cache
+
+        num_tokens = min(key.shape[0], slot_mapping.shape[0])
+        write_kv_cache(key[:num_tokens], value[:num_tokens], kv_cache, slot_mapping)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: TritonAttentionMetadata,
+        *,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention for the step's ``[T, Hq, D]`` queries over the paged cache (which already
+        holds this step's K/V); `key`/`value` are not read. Returns ``[T, Hq, D]``."""
+        self._check(query, kv_cache)
+        from pagedcore_triton.ops import paged_attention
+
+        if query.stride(-1) != 1:
+            query = query.contiguous()
+        if output is None:
+            output = torch.empty_like(query)
+        elif output.stride(-1) != 1:
+            raise ValueError("output must have a contiguous last dimension")
+        slopes = self._alibi(query.device)
+        for part in metadata.parts:
+            paged_attention(
+                query,
+                kv_cache,
+                output,
+                query_start_loc=metadata.query_start_loc,
+                seq_lens=metadata.seq_lens,
+                block_table=metadata.block_table,
+                part=part,
+                scale=self.scale,
+                causal=metadata.causal,
+                alibi_slopes=slopes,
+                sliding_window=self.sliding_window,
+                logits_soft_cap=self.logits_soft_cap,
+            )
+        return output

@@ -1,0 +1,1 @@
+"""Triton kernels of the backend (importing this package imports triton)."""

@@ -1,0 +1,309 @@
+# mypy: disable-error-code="untyped-decorator,no-untyped-def"
+"""Unified paged attention over a mixed batch, with an optional split of the context (split-KV).
+
+One program handles ``BLOCK_Q`` query tokens of one request times the ``QPK`` query heads that
+share one KV head (``BLOCK_M = BLOCK_Q * QPK`` rows, padded to a power of two), so every K/V tile
+is loaded once for the whole GQA group. Programs walk the request's context in tiles of
+``TILE_N`` tokens, gathering each token's physical slot through the block table, with an online
+softmax in base 2. With ``NUM_SEGMENTS > 1`` the tile range is cut into segments computed by
+separate programs that write partial ``(acc, max, sum)`` triples; `merge_segments` combines them.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["merge_segments_kernel", "paged_attention_kernel"]
+
+
+@triton.jit
+def _find_request(qsl_ptr, num_reqs, q_block_id, BLOCK_Q: tl.constexpr):
+    """Largest request index ``i`` whose first query block is at or before `q_block_id`.
+
+    Request ``i`` owns q-blocks from ``qsl[i] // BLOCK_Q - qsl[0] // BLOCK_Q + i`` on: an upper
+    bound on the blocks the requests before it need, so ranges never overlap.
+    """
+    base = tl.load(qsl_ptr) // BLOCK_Q
+    lo: tl.int32 = 0
+    hi = num_reqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(qsl_ptr + mid) // BLOCK_Q - base + mid
+        if first <= q_block_id:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _attend_tile(
+    q, m_i, l_i, acc, t, bt_row, k_cache_ptr, v_cache_ptr, kv_head_off, stride_cb, stride_cs,
+    d, d_ok, row_ok, pos_q, kv_begin, kv_end, slope, scale, qk_scale, soft_cap, window,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    USE_ALIBI: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """One K/V tile of the online softmax; MASKED=False only for tiles every row fully sees."""
+    n = t * TILE_N + tl.arange(0, TILE_N)
+    if MASKED:
+        n_ok = (n < kv_end) & (n >= kv_begin)
+        phys = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+    else:
+        n_ok = n >= 0
+        phys = tl.load(bt_row + n // BLOCK_SIZE).to(tl.int64)
+    slot_off = phys * stride_cb + (n % BLOCK_SIZE).to(tl.int64) * stride_cs + kv_head_off
+    k_ptrs = k_cache_ptr + slot_off[None, :] + d[:, None]
+    v_ptrs = v_cache_ptr + slot_off[:, None] + d[None, :]
+    # Masked lanes load 0, never the cache's content (which may be NaN).
+    if MASKED:
+        k = tl.load(k_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+    elif HEAD_PAD != HEAD_SIZE:
+        k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+    if DOT_FP32:
+        s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
+    else:
+        s = tl.dot(q, k)
+    if USE_SOFTCAP:
+        s = s * scale
+        s = soft_cap * (2.0 * tl.sigmoid(2.0 * s / soft_cap) - 1.0)
+        s = s * 1.4426950408889634
+    else:
+        s = s * qk_scale
+    if USE_ALIBI:
+        rel = (n[None, :] - pos_q[:, None]).to(tl.float32)
+        s += slope[:, None] * rel * 1.4426950408889634
+    if MASKED:
+        visible = n_ok[None, :] & row_ok[:, None]
+        if CAUSAL:
+            visible = visible & (n[None, :] <= pos_q[:, None])
+        if USE_WINDOW:
+            visible = visible & (pos_q[:, None] - n[None, :] < window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = m_new
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if MASKED:
+        v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    elif HEAD_PAD != HEAD_SIZE:
+        v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+    else:
+        v = tl.load(v_ptrs)
+    acc = acc * alpha[:, None]
+    if DOT_FP32:
+        acc += tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc += tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def paged_attention_kernel(
+    out_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    qsl_ptr,
+    alibi_ptr,
+    part_acc_ptr,
+    part_ml_ptr,
+    num_reqs,
+    token_base,
+    scale,
+    soft_cap,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    QPK: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    USE_ALIBI: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    SKIP_INTERIOR_MASKS: tl.constexpr,
+):
+    """Grid ``(q_blocks, Hkv, NUM_SEGMENTS)``; see the module docstring."""
+    q_block_id = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    segment = tl.program_id(2)
+
+    req = _find_request(qsl_ptr, num_reqs, q_block_id, BLOCK_Q)
+    q_begin = tl.load(qsl_ptr + req)
+    q_len = tl.load(qsl_ptr + req + 1) - q_begin
+    first_block = q_begin // BLOCK_Q - tl.load(qsl_ptr) // BLOCK_Q + req
+    q_off = (q_block_id - first_block) * BLOCK_Q
+    if q_off >= q_len:  # spare program of the over-provisioned grid
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    ctx_len = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = q_off + rows // QPK
+    head = kv_head * QPK + rows % QPK
+    row_ok = (rows < BLOCK_Q * QPK) & (tok < q_len)
+    d = tl.arange(0, HEAD_PAD)
+    d_ok = d < HEAD_SIZE
+    q_rows = (q_begin + tok).to(tl.int64)
+    q = tl.load(
+        q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    pos_q = ctx_len + tok
+
+    # Keys this q-block can see: [kv_begin, kv_end).
+    if CAUSAL:
+        kv_end = tl.minimum(seq_len, ctx_len + tl.minimum(q_off + BLOCK_Q, q_len))
+    else:
+        kv_end = seq_len
+    kv_begin = 0
+    if USE_WINDOW:
+        kv_begin = tl.maximum(0, ctx_len + q_off - window + 1)
+    tile_lo = kv_begin // TILE_N
+    tile_hi = tl.cdiv(kv_end, TILE_N)
+    if NUM_SEGMENTS > 1:
+        per_segment = tl.cdiv(tile_hi - tile_lo, NUM_SEGMENTS)
+        t_start = tile_lo + segment * per_segment
+        t_stop = tl.minimum(t_start + per_segment, tile_hi)
+    else:
+        t_start = tile_lo
+        t_stop = tile_hi
+
+    if USE_ALIBI:
+        slope = tl.load(alibi_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+    else:
+        slope = tl.zeros([BLOCK_M], tl.float32)
+    qk_scale = scale * 1.4426950408889634  # fold log2(e): the softmax runs in base 2
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    kv_head_off = kv_head.to(tl.int64) * stride_ch
+
+    # With SKIP_INTERIOR_MASKS, tiles every row fully sees run without masks or -inf; only
+    # the causal diagonal, the sequence's tail and the window's edge are masked. Measured on
+    # the H200: +18% for prefill tiles, but slower for 16-row decode tiles, which keep the
+    # single masked loop.
+    if CAUSAL:
+        full_hi = (ctx_len + q_off + 1) // TILE_N
+    else:
+        full_hi = seq_len // TILE_N
+    if USE_WINDOW:
+        last_q = ctx_len + tl.minimum(q_off + BLOCK_Q, q_len) - 1
+        full_lo = tl.cdiv(tl.maximum(last_q - window + 1, 0), TILE_N)
+    else:
+        full_lo = tile_lo
+    if SKIP_INTERIOR_MASKS:
+        a = tl.minimum(t_stop, tl.maximum(t_start, full_lo))
+        b = tl.minimum(t_stop, tl.maximum(a, full_hi))
+        for t in range(t_start, a):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, t, bt_row, k_cache_ptr, v_cache_ptr, kv_head_off, stride_cb,
+                stride_cs, d, d_ok, row_ok, pos_q, kv_begin, kv_end, slope, scale, qk_scale,
+                soft_cap, window, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, CAUSAL, USE_ALIBI,
+                USE_SOFTCAP, USE_WINDOW, DOT_FP32, True,
+            )
+        for t in range(a, b):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, t, bt_row, k_cache_ptr, v_cache_ptr, kv_head_off, stride_cb,
+                stride_cs, d, d_ok, row_ok, pos_q, kv_begin, kv_end, slope, scale, qk_scale,
+                soft_cap, window, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, CAUSAL, USE_ALIBI,
+                USE_SOFTCAP, USE_WINDOW, DOT_FP32, False,
+            )
+        for t in range(b, t_stop):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, t, bt_row, k_cache_ptr, v_cache_ptr, kv_head_off, stride_cb,
+                stride_cs, d, d_ok, row_ok, pos_q, kv_begin, kv_end, slope, scale, qk_scale,
+                soft_cap, window, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, CAUSAL, USE_ALIBI,
+                USE_SOFTCAP, USE_WINDOW, DOT_FP32, True,
+            )
+    else:
+        for t in range(t_start, t_stop):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, t, bt_row, k_cache_ptr, v_cache_ptr, kv_head_off, stride_cb,
+                stride_cs, d, d_ok, row_ok, pos_q, kv_begin, kv_end, slope, scale, qk_scale,
+                soft_cap, window, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, CAUSAL, USE_ALIBI,
+                USE_SOFTCAP, USE_WINDOW, DOT_FP32, True,
+            )
+
+    if NUM_SEGMENTS == 1:
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+    else:
+        # partials: acc [Tp, Hq, S, HEAD_PAD], ml [Tp, Hq, S, 2] float32, contiguous.
+        prow = ((q_rows - token_base) * (QPK * tl.num_programs(1)) + head) * NUM_SEGMENTS
+        prow += segment
+        tl.store(
+            part_acc_ptr + prow[:, None] * HEAD_PAD + d[None, :],
+            acc,
+            mask=row_ok[:, None],
+        )
+        tl.store(part_ml_ptr + prow * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + prow * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def merge_segments_kernel(
+    out_ptr,
+    part_acc_ptr,
+    part_ml_ptr,
+    token_base,
+    stride_ot,
+    stride_oh,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,
+):
+    """Grid ``(Tp, Hq)``: combine the segments' partial ``(acc, max, sum)`` of one row."""
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    num_heads = tl.num_programs(1)
+    s = tl.arange(0, NUM_SEGMENTS)
+    d = tl.arange(0, HEAD_PAD)
+    prow = (tok * num_heads + head) * NUM_SEGMENTS + s
+    m = tl.load(part_ml_ptr + prow * 2)
+    lse = tl.load(part_ml_ptr + prow * 2 + 1)
+    m_max = tl.max(m, 0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_safe)  # empty segments (m = -inf) weigh 0
+    total = tl.sum(w * lse, 0)
+    acc = tl.load(part_acc_ptr + prow[:, None] * HEAD_PAD + d[None, :])
+    out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    row = (tok + token_base) * stride_ot + head * stride_oh
+    tl.store(out_ptr + row + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_SIZE)

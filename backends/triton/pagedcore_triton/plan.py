@@ -1,0 +1,122 @@
+"""Launch planning: which requests go to which launch, tile shapes, and the split-KV rule.
+
+Pure Python (no triton import): the metadata builder calls it once per step.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+__all__ = ["LaunchPart", "SplitRule", "TileConfig", "choose_num_segments", "tile_config"]
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, x - 1).bit_length()
+
+
+@attrs.frozen(kw_only=True)
+class LaunchPart:
+    """A contiguous run of requests served by one kernel launch.
+
+    Attributes
+    ----------
+    req_begin, req_end:
+        Requests ``[req_begin, req_end)`` of the step.
+    token_begin, token_end:
+        Their flattened query tokens ``[token_begin, token_end)``.
+    max_query_len:
+        Largest query length among them (picks the tile shape).
+    num_segments:
+        Split-KV segments per request (1 = one pass).
+    """
+
+    req_begin: int
+    req_end: int
+    token_begin: int
+    token_end: int
+    max_query_len: int
+    num_segments: int = 1
+
+    @property
+    def num_reqs(self) -> int:
+        return self.req_end - self.req_begin
+
+
+@attrs.frozen(kw_only=True)
+class SplitRule:
+    """When a decode launch splits each request's context into segments.
+
+    Split only decode launches whose one-pass grid (``num_reqs * num_kv_heads`` programs)
+    has fewer than `min_programs` programs; then pick the largest power of two
+    ``S <= max_segments`` that keeps at least `min_tokens_per_segment` context tokens in each
+    segment and no more than `target_programs` programs in all. The defaults (about four
+    programs per SM) were measured on an H200 (132 SMs); see ``docs/benchmarks/triton.md``.
+    """
+
+    min_programs: int = 512
+    target_programs: int = 512
+    min_tokens_per_segment: int = 256
+    max_segments: int = 64
+
+
+def choose_num_segments(
+    rule: SplitRule, *, num_reqs: int, num_kv_heads: int, max_seq_len: int, max_query_len: int
+) -> int:
+    """Segments for one launch by `rule`; 1 means the one-pass kernel."""
+    programs = num_reqs * num_kv_heads
+    if max_query_len > 1 or programs >= rule.min_programs or programs == 0:
+        return 1
+    segments = 1
+    while (
+        segments * 2 <= rule.max_segments
+        and programs * segments * 2 <= rule.target_programs
+        and max_seq_len // (segments * 2) >= rule.min_tokens_per_segment
+    ):
+        segments *= 2
+    return segments
+
+
+@attrs.frozen(kw_only=True)
+class TileConfig:
+    """Tile shape and launch parameters of one attention launch."""
+
+    block_m: int
+    block_q: int
+    tile_n: int
+    num_warps: int
+    num_stages: int
+    #: Run interior tiles without masks (prefill-sized tiles; see the kernel).
+    skip_interior_masks: bool = False
+
+
+def tile_config(
+    max_query_len: int, num_queries_per_kv: int, head_size: int, *, interpreting: bool
+) -> TileConfig:
+    """Tile shape for a launch: rows = query tokens x the GQA group, a power of two >= 16.
+
+    Decodes get 16-row tiles (the smallest ``tl.dot``), 64-token K/V tiles, 4 warps, 3 stages;
+    prefills up to 128 rows (64 for head sizes above 128, to bound registers and shared
+    memory) with 64-token tiles, 4 warps, 3 stages and unmasked interior tiles. Both were the
+    fastest of the variants swept on the H200 (``backends/triton/tools/tune_h200.py``).
+    """
+    head_pad = _next_pow2(head_size)
+    max_rows = 128 if head_pad <= 128 else 64
+    if interpreting:
+        max_rows = 64
+    rows = max(16, _next_pow2(max_query_len * num_queries_per_kv))
+    block_m = max(min(rows, max_rows), _next_pow2(num_queries_per_kv))
+    block_q = max(1, block_m // num_queries_per_kv)
+    if interpreting:
+        tile_n = 16
+    elif head_pad <= 128:
+        tile_n = 64
+    else:
+        tile_n = 32
+    return TileConfig(
+        block_m=block_m,
+        block_q=block_q,
+        tile_n=tile_n,
+        num_warps=4,
+        num_stages=3,
+        skip_interior_masks=block_m >= 64,
+    )

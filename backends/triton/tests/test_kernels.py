@@ -1,0 +1,156 @@
+"""The Triton kernels against a float64 formula, on NaN-poisoned, randomly permuted caches.
+
+Under TRITON_INTERPRET=1 (set by conftest.py without a GPU) shapes stay tiny.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+from _reference import make_batch, reference_attention, rel_error
+from pagedcore_triton import SplitRule, TritonAttentionBackend, TritonAttentionMetadata
+from pagedcore_triton.plan import choose_num_segments
+
+from pagedcore.kv_cache.spec import FullAttentionSpec
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+MIXED = [(5, 1), (70, 1), (0, 7), (33, 20)]  # (context, query): decodes, prefill, chunk
+
+
+def _run(
+    reqs: Sequence[tuple[int, int]],
+    *,
+    heads: tuple[int, int] = (8, 2),
+    head_size: int = 64,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+    separate: bool = True,
+    split: SplitRule | None = None,
+    seed: int = 0,
+    **features: Any,
+) -> tuple[float, TritonAttentionMetadata]:
+    num_heads, num_kv_heads = heads
+    batch = make_batch(
+        reqs,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        block_size=block_size,
+        dtype=dtype,
+        device=DEVICE,
+        num_padding=2,
+        seed=seed,
+    )
+    spec = FullAttentionSpec(
+        block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype
+    )
+    builder = TritonAttentionBackend.get_builder_cls()(spec, ["layer.0"], torch.device(DEVICE))
+    assert isinstance(builder, TritonAttentionBackend.get_builder_cls())
+    builder.separate_decode_launch = separate  # type: ignore[attr-defined]
+    if split is not None:
+        builder.split_rule = split  # type: ignore[attr-defined]
+    metadata = builder.build(batch.common)
+    impl = TritonAttentionBackend.get_impl_cls()(
+        num_heads, head_size, 0.125, num_kv_heads=num_kv_heads, **features
+    )
+    impl.do_kv_cache_update(batch.key, batch.value, batch.kv_cache, batch.common.slot_mapping)
+    out = torch.full_like(batch.query, float("nan"))
+    impl.forward(batch.query, batch.key, batch.value, batch.kv_cache, metadata, output=out)
+    ref = reference_attention(
+        batch,
+        scale=0.125,
+        alibi_slopes=features.get("alibi_slopes"),
+        sliding_window=features.get("sliding_window"),
+        logits_soft_cap=features.get("logits_soft_cap"),
+    )
+    return rel_error(out[: batch.common.num_actual_tokens], ref), metadata
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_mixed_batch_dtypes(dtype: torch.dtype) -> None:
+    err, metadata = _run(MIXED, dtype=dtype)
+    assert len(metadata.parts) == 2  # decodes and prefills in separate launches
+    assert err < TOL[dtype], err
+
+
+@pytest.mark.parametrize(
+    ("heads", "head_size", "block_size"),
+    [((7, 1), 80, 32), ((8, 8), 256, 64), ((8, 1), 112, 16), ((4, 4), 192, 16)],
+)
+def test_head_and_block_sizes(heads: tuple[int, int], head_size: int, block_size: int) -> None:
+    err, _ = _run(MIXED, heads=heads, head_size=head_size, block_size=block_size)
+    assert err < TOL[torch.float32], err
+
+
+def test_single_unified_launch() -> None:
+    err, metadata = _run(MIXED, separate=False, heads=(8, 2), head_size=96)
+    assert len(metadata.parts) == 1
+    assert err < TOL[torch.float32], err
+
+
+@pytest.mark.parametrize(
+    "features",
+    [
+        {"sliding_window": 9},
+        {"logits_soft_cap": 1.5},
+        {"alibi_slopes": [0.5 ** (i + 1) for i in range(8)]},
+        {"sliding_window": 17, "logits_soft_cap": 3.0, "alibi_slopes": [0.1] * 8},
+    ],
+)
+def test_features(features: dict[str, Any]) -> None:
+    err, _ = _run(MIXED, head_size=96, **features)
+    assert err < TOL[torch.float32], err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_kv_decode(dtype: torch.dtype) -> None:
+    rule = SplitRule(min_tokens_per_segment=16)
+    err, metadata = _run([(100, 1), (37, 1), (0, 1)], dtype=dtype, split=rule, heads=(8, 2))
+    assert metadata.parts[0].num_segments == 4
+    assert err < TOL[dtype], err
+    # A window leaves early segments empty: their (max=-inf, sum=0) must weigh nothing.
+    err, _ = _run([(100, 1), (37, 1)], split=rule, sliding_window=20, seed=1)
+    assert err < TOL[torch.float32], err
+
+
+def test_split_rule() -> None:
+    rule = SplitRule()
+    few_long = {"num_reqs": 8, "num_kv_heads": 8, "max_seq_len": 32768, "max_query_len": 1}
+    assert choose_num_segments(rule, **few_long) > 1
+    many = {"num_reqs": 256, "num_kv_heads": 8, "max_seq_len": 1024, "max_query_len": 1}
+    assert choose_num_segments(rule, **many) == 1
+    prefill = {"num_reqs": 1, "num_kv_heads": 8, "max_seq_len": 32768, "max_query_len": 4}
+    assert choose_num_segments(rule, **prefill) == 1
+
+
+def test_cache_write_skips_padding() -> None:
+    batch = make_batch(
+        [(3, 5)], num_heads=4, num_kv_heads=2, head_size=64, block_size=16,
+        dtype=torch.float16, device=DEVICE, num_padding=3,
+    )
+    impl = TritonAttentionBackend.get_impl_cls()(4, 64, 0.1, num_kv_heads=2)
+    before = batch.kv_cache.clone()
+    impl.do_kv_cache_update(batch.key, batch.value, batch.kv_cache, batch.common.slot_mapping)
+    flat = batch.kv_cache.view(2, -1, 2, 64)
+    slots = batch.common.slot_mapping
+    real = slots >= 0
+    assert torch.equal(flat[0, slots[real]], batch.key[real])
+    assert torch.equal(flat[1, slots[real]], batch.value[real])
+    changed = ~(batch.kv_cache == before) & ~(torch.isnan(batch.kv_cache) & torch.isnan(before))
+    assert int(changed.sum()) == 2 * int(real.sum()) * 2 * 64  # nothing else was touched
+
+
+def test_bad_input_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="head size 72"):
+        TritonAttentionBackend.get_impl_cls()(4, 72, 0.1)
+    with pytest.raises(ValueError, match="cache_dtype"):
+        TritonAttentionBackend.get_kv_cache_shape(4, 16, 2, 64, "fp8_e4m3")
+    impl = TritonAttentionBackend.get_impl_cls()(4, 64, 0.1, num_kv_heads=2)
+    cache = torch.zeros((2, 4, 16, 4, 64), device=DEVICE)
+    key = torch.zeros((1, 2, 64), device=DEVICE)
+    with pytest.raises(ValueError, match="get_kv_cache_shape"):
+        impl.do_kv_cache_update(key, key, cache, torch.zeros(1, dtype=torch.int64, device=DEVICE))
