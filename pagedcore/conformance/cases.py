@@ -1,0 +1,272 @@
+"""Named batch specs and the case list derived from what a backend declares.
+
+Pure bookkeeping (no torch): which batches, shapes, dtypes and features to run.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import TypeVar
+
+import attrs
+
+from pagedcore.attention.backend import AttentionBackend, MultipleOf
+
+__all__ = [
+    "BATCHES",
+    "GQA_RATIOS",
+    "TOLERANCES",
+    "BatchSpec",
+    "CaseSpec",
+    "build_cases",
+]
+
+_T = TypeVar("_T")
+
+#: Max relative error allowed per model dtype: ``max|out - ref| / max|ref|`` over the real
+#: output rows, against the reference run in float32 on the same (already rounded) inputs.
+#: float32 leaves room for reassociated accumulation but not for TF32 matmuls (a kernel that
+#: claims float32 should compute in IEEE float32); float16/bfloat16 allow for the probabilities
+#: being rounded to the model dtype before the P·V product. Any indexing or masking bug costs
+#: O(1) relative error, far above all three.
+TOLERANCES: dict[str, float] = {"float32": 1e-3, "float16": 5e-3, "bfloat16": 2e-2}
+
+#: Query heads per KV head that every backend is tried with (Hq = ratio * 2 KV heads).
+GQA_RATIOS = (1, 4, 7, 8)
+
+#: Head sizes tried when a backend declares ``supported_head_sizes = None`` (any).
+ANY_HEAD_SIZES = (64, 80, 128, 256)
+
+
+@attrs.frozen
+class BatchSpec:
+    """One step's requests as ``(context_len, query_len)`` pairs, plus padding tokens.
+
+    ``context_len`` tokens are already in the cache (written before the step); ``query_len``
+    are new this step. ``pad`` tokens with slot ``-1`` follow the real ones.
+    """
+
+    name: str
+    requests: tuple[tuple[int, int], ...]
+    pad: int
+    doc: str
+    stretch: bool = True
+
+    def scaled(self, block_size: int) -> tuple[tuple[int, int], ...]:
+        """Contexts stretched with the block size (when `stretch`), so large blocks still
+        span several."""
+        factor = max(1, block_size // 16) if self.stretch else 1
+        return tuple((c * factor, q) for c, q in self.requests)
+
+
+#: The batches of quick mode (the others run only in the full suite).
+QUICK_BATCHES = ("decode", "prefill", "mixed", "chunked_prefill")
+
+BATCHES: dict[str, BatchSpec] = {
+    b.name: b
+    for b in (
+        BatchSpec(
+            "decode",
+            ((16, 1), (5, 1), (33, 1), (1, 1), (47, 1), (0, 1)),
+            2,
+            "decode-only: seq_lens one past a block, mid-block, exactly full blocks, 1",
+        ),
+        BatchSpec("prefill", ((0, 16), (0, 7), (0, 37)), 3, "prefill-only, empty cache"),
+        BatchSpec("mixed", ((20, 1), (8, 1), (0, 13), (0, 30)), 2, "decodes then prefills"),
+        BatchSpec(
+            "chunked_prefill",
+            ((31, 1), (32, 16), (10, 21), (45, 3)),
+            1,
+            "prefill chunks continuing a cached prefix (block-aligned and not)",
+        ),
+        BatchSpec(
+            "long",
+            ((1531, 1), (700, 1), (2100, 1), (64, 1), (900, 37)),
+            1,
+            "long contexts (split-KV decode paths), a chunk continuing a long prefix",
+            stretch=False,
+        ),
+    )
+}
+
+
+@attrs.frozen(kw_only=True)
+class CaseSpec:
+    """One conformance case: a batch, shapes, a dtype and the features switched on.
+
+    Attributes
+    ----------
+    optional:
+        A combination of individually declared features; if `validate_configuration`
+        rejects it the case is skipped rather than failed.
+    large_offsets:
+        Use a block count whose flat element offsets overflow int32 (CUDA only).
+    use_output_buffer:
+        Pass a preallocated ``output=`` buffer to `forward` and read the result from it.
+    repeat_forward:
+        Call `forward` twice on the same metadata (as for two layers) and check both.
+    skip:
+        Why the case cannot run here (None when it can).
+    """
+
+    name: str
+    batch: str
+    dtype: str
+    head_size: int
+    block_size: int
+    num_heads: int
+    num_kv_heads: int
+    sliding_window: int | None = None
+    alibi: bool = False
+    logits_soft_cap: float | None = None
+    large_offsets: bool = False
+    use_output_buffer: bool = False
+    repeat_forward: bool = False
+    optional: bool = False
+    skip: str | None = None
+
+    @property
+    def seed(self) -> int:
+        """A stable per-case seed, so a failure reproduces."""
+        return zlib.crc32(self.name.encode())
+
+    @property
+    def tolerance(self) -> float:
+        return TOLERANCES[self.dtype]
+
+
+def _block_sizes(backend: type[AttentionBackend]) -> list[int]:
+    """Declared ints, and for ``MultipleOf(n)``: n, 2n, 3n, and 16 when n divides it."""
+    sizes: list[int] = []
+    for decl in backend.supported_block_sizes:
+        if isinstance(decl, MultipleOf):
+            base = decl.base
+            candidates = [base * k for k in (1, 2, 3)]
+            if 16 % base == 0:
+                candidates.append(16)
+            sizes.extend(candidates)
+        else:
+            sizes.append(decl)
+    return sorted(set(sizes))
+
+
+def _head_sizes(backend: type[AttentionBackend]) -> list[int]:
+    declared = backend.supported_head_sizes
+    return list(ANY_HEAD_SIZES if declared is None else declared)
+
+
+def _prefer(options: list[_T], preferred: tuple[_T, ...]) -> _T:
+    """The first of `preferred` among `options`, else the first option."""
+    for p in preferred:
+        if p in options:
+            return p
+    return options[0]
+
+
+def _suffix(case: dict[str, object]) -> str:
+    parts = []
+    if case.get("sliding_window") is not None:
+        parts.append(f"window{case['sliding_window']}")
+    if case.get("alibi"):
+        parts.append("alibi")
+    if case.get("logits_soft_cap") is not None:
+        parts.append(f"softcap{case['logits_soft_cap']:g}")
+    if case.get("large_offsets"):
+        parts.append("int32_overflow")
+    return "".join("/" + p for p in parts)
+
+
+def build_cases(
+    backend: type[AttentionBackend], *, quick: bool = False, device: str = "cpu"
+) -> list[CaseSpec]:
+    """Every case the backend's declarations call for (fewer, one per axis, when `quick`).
+
+    The cases form a star around a base configuration (preferred dtype, head size 128 or the
+    nearest declared, block size 16 or the nearest declared, GQA ratio 4): each axis (batch,
+    dtype, head size, block size, GQA ratio, each declared feature) is varied on its own, then
+    all declared features together.
+    """
+    if backend.mla_only:
+        return []  # MLA layers have their own cases (pagedcore.conformance.mla).
+    dtypes = list(backend.supported_dtypes)
+    head_sizes = _head_sizes(backend)
+    block_sizes = _block_sizes(backend)
+    if device == "cuda":
+        pref_dtypes = ("float16", "bfloat16", "float32")
+    else:
+        pref_dtypes = ("float32", "float16", "bfloat16")
+    base_dtype = _prefer(dtypes, pref_dtypes)
+    base_head = _prefer(head_sizes, (128, 64, 256, 96, 80))
+    base_block = _prefer(block_sizes, (16, 32, 8, 64))
+    base: dict[str, object] = {
+        "batch": "mixed",
+        "dtype": base_dtype,
+        "head_size": base_head,
+        "block_size": base_block,
+        "num_heads": 8,
+        "num_kv_heads": 2,
+    }
+    variants: list[dict[str, object]] = []
+    # Decode and chunked-prefill steps write into a preallocated ``output=`` buffer; the
+    # chunked-prefill step also reuses its metadata for a second forward (a second layer).
+    variants += [
+        {
+            "batch": b,
+            "use_output_buffer": b in ("decode", "chunked_prefill"),
+            "repeat_forward": b == "chunked_prefill",
+        }
+        for b in BATCHES
+        if b in QUICK_BATCHES or not quick
+    ]
+    other_dtypes = [d for d in dtypes if d != base_dtype]
+    variants += [{"dtype": d} for d in other_dtypes]
+    other_heads = [h for h in head_sizes if h != base_head]
+    other_blocks = [b for b in block_sizes if b != base_block]
+    ratios = [r for r in GQA_RATIOS if r != 4]
+    if quick:
+        other_heads = sorted(other_heads, key=lambda h: (h % 64 == 0, h))[:1]
+        other_blocks = other_blocks[:1]
+        ratios = [1, 7]
+    variants += [{"head_size": h} for h in other_heads]
+    variants += [{"block_size": b} for b in other_blocks]
+    variants += [{"num_heads": 2 * r} for r in ratios]
+    if not quick:
+        variants.append({"num_heads": 8, "num_kv_heads": 1})  # MQA
+    combo: dict[str, object] = {}
+    if backend.supports_sliding_window:
+        variants.append({"sliding_window": 8})
+        if not quick:
+            variants.append({"batch": "chunked_prefill", "sliding_window": 19})
+            variants.append({"batch": "decode", "sliding_window": 13})
+        combo["sliding_window"] = 11
+    if backend.supports_alibi:
+        variants.append({"alibi": True})
+        combo["alibi"] = True
+    if backend.supports_logits_soft_cap:
+        variants.append({"logits_soft_cap": 1.0})
+        combo["logits_soft_cap"] = 2.0
+    if len(combo) > 1 and not quick:
+        variants.append(
+            {"batch": "chunked_prefill", "num_heads": 14, "optional": True, **combo}
+        )
+    if not quick:
+        skip = None if device == "cuda" else "int32 offset overflow is checked on CUDA only"
+        variants.append({"batch": "chunked_prefill", "large_offsets": True, "skip": skip})
+
+    cases: list[CaseSpec] = []
+    seen: set[str] = set()
+    for v in variants:
+        spec = {**base, **v}
+        name = (
+            f"{spec['batch']}/{spec['dtype']}/hs{spec['head_size']}/bs{spec['block_size']}/"
+            f"h{spec['num_heads']}kv{spec['num_kv_heads']}{_suffix(spec)}"
+        )
+        if spec.get("use_output_buffer"):
+            name += "/out_buffer"
+        if spec.get("repeat_forward"):
+            name += "/plan_reused"
+        if name in seen:
+            continue
+        seen.add(name)
+        cases.append(CaseSpec(name=name, **spec))  # type: ignore[arg-type]
+    return cases

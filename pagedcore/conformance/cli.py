@@ -1,0 +1,62 @@
+"""`pagedcore conformance NAME`: run the suite on one backend; exit 0 iff it passed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.command()
+@click.argument("name")
+@click.option("--quick", is_flag=True, help="One case per axis (seconds on CPU).")
+@click.option(
+    "--device", type=click.Choice(["cpu", "cuda"]), default=None,
+    help="Where to run (default: CUDA when declared and present, else CPU).",
+)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+              default=None, help="Also write the report as JSON to PATH.")
+@click.option("-k", "case_filter", default=None,
+              help="Run only cases whose name contains this substring.")
+@click.option("--list", "list_only", is_flag=True, help="Only list the cases.")
+@click.option("-x", "--exitfirst", is_flag=True, help="Stop at the first failing case.")
+@click.option("--allow-unavailable", is_flag=True,
+              help="Exit 0 when the backend cannot run here (the report says why).")
+def conformance(
+    name: str,
+    quick: bool,
+    device: str | None,
+    json_path: Path | None,
+    case_filter: str | None,
+    list_only: bool,
+    exitfirst: bool,
+    allow_unavailable: bool,
+) -> None:
+    """Check backend NAME against the reference on every case its declarations call for."""
+    from pagedcore.conformance.runner import list_cases, resolve_backend, resolve_device, run_suite
+
+    if list_only:
+        try:
+            cls = resolve_backend(name)
+        except (KeyError, LookupError, ValueError, ImportError) as exc:
+            raise click.ClickException(str(exc)) from exc
+        dev, _ = resolve_device(cls, device)
+        for case in list_cases(cls, quick=quick, device=dev):
+            if case_filter is None or case_filter in case.name:
+                click.echo(case.name + (f"  (skipped: {case.skip})" if case.skip else ""))
+        return
+
+    try:
+        report = run_suite(
+            name, quick=quick, device=device, case_filter=case_filter, exitfirst=exitfirst
+        )
+    except (KeyError, LookupError, ValueError, ImportError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(report.summary())
+    if json_path is not None:
+        json_path.write_text(report.to_json() + "\n")
+        click.echo(f"wrote {json_path}")
+    if report.skipped is not None and allow_unavailable:
+        return
+    if not report.passed:
+        raise SystemExit(1)

@@ -1,0 +1,356 @@
+"""Run one conformance case: build a paged batch, drive the backend as an engine would, compare.
+
+The backend is used only through its public API (`get_kv_cache_shape`, builder, impl,
+`do_kv_cache_update`, `forward`); the cache tensor is never indexed here, so any layout works.
+Unused cache memory is poisoned by NaN-filling the whole cache before anything is written, so
+every slot that holds no token (tails of referenced blocks, unreferenced blocks, the null
+block) is NaN.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import traceback
+from typing import Any
+
+import attrs
+import torch
+
+from pagedcore.attention.backend import AttentionBackend, AttentionConfig
+from pagedcore.attention.metadata import CommonAttentionMetadata, decode_first_order
+from pagedcore.conformance.cases import BATCHES, CaseSpec
+from pagedcore.conformance.report import CaseResult
+from pagedcore.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec
+
+__all__ = ["Batch", "alibi_slopes", "make_batch", "run_case", "softmax_scale"]
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+#: Element offsets the large-offset case must exceed (every referenced block lies above).
+OFFSET_LIMIT = 2**31
+#: Spare blocks beyond those referenced, left NaN.
+_SPARE_BLOCKS = 3
+
+
+def softmax_scale(head_size: int) -> float:
+    """The scale every case uses: deliberately not ``head_size ** -0.5``, so that a backend
+    which ignores its ``scale`` argument fails."""
+    return 1.25 / math.sqrt(head_size)
+
+
+def alibi_slopes(num_heads: int) -> list[float]:
+    """The ALiBi paper's geometric slopes (exact for powers of two, interleaved otherwise)."""
+    closest = 2 ** math.floor(math.log2(num_heads))
+    base = [2.0 ** (-8.0 * (i + 1) / closest) for i in range(closest)]
+    extra = [2.0 ** (-4.0 * (2 * i + 1) / closest) for i in range(num_heads - closest)]
+    return base + extra
+
+
+@attrs.frozen(kw_only=True)
+class Batch:
+    """One step's inputs, unpaged (float32) and paged (block table, slots).
+
+    Attributes
+    ----------
+    contexts, query_lens:
+        Per request, in batch (decode-first) order.
+    keys, values:
+        Per request ``[seq_len, Hkv, D]`` float32, already rounded to the model dtype.
+    queries:
+        Per request ``[query_len, Hq, D]`` float32, already rounded to the model dtype.
+    block_ids:
+        Per request, the physical block of each logical block.
+    num_blocks:
+        Blocks in the cache (block 0 is the null block and is never referenced).
+    """
+
+    contexts: list[int]
+    query_lens: list[int]
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    queries: list[torch.Tensor]
+    block_ids: list[list[int]]
+    num_blocks: int
+    block_size: int
+    pad: int
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [c + q for c, q in zip(self.contexts, self.query_lens, strict=True)]
+
+    def slots(self, req: int, start: int, stop: int) -> list[int]:
+        bsz = self.block_size
+        return [self.block_ids[req][p // bsz] * bsz + p % bsz for p in range(start, stop)]
+
+
+def _assign_blocks(
+    gen: torch.Generator, counts: list[int], full: list[list[bool]], num_blocks: int, low: int
+) -> list[list[int]]:
+    """Random distinct physical ids from ``[low, num_blocks)``; the last block of the cache
+    goes to a full logical block when there is one, so that a write through a ``-1`` slot
+    (which Python indexing sends to the very last slot) corrupts real data."""
+    total = sum(counts)
+    pool = torch.randperm(num_blocks - low, generator=gen)[:total] + low
+    ids = pool.tolist()
+    last = num_blocks - 1
+    flat_full = [f for fs in full for f in fs]
+    if last not in ids and any(flat_full):
+        ids[flat_full.index(True)] = last
+    elif last in ids and any(flat_full):
+        j, k = ids.index(last), flat_full.index(True)
+        ids[j], ids[k] = ids[k], ids[j]
+    out, it = [], iter(ids)
+    for n in counts:
+        out.append([next(it) for _ in range(n)])
+    return out
+
+
+def make_batch(case: CaseSpec, reorder_threshold: int) -> Batch:
+    """The case's requests with random data and randomly permuted physical blocks."""
+    gen = torch.Generator().manual_seed(case.seed)
+    spec = BATCHES[case.batch]
+    reqs = list(spec.scaled(case.block_size))
+    order = decode_first_order([q for _, q in reqs], reorder_threshold)
+    reqs = [reqs[i] for i in order]
+    bsz = case.block_size
+    counts = [-(-(c + q) // bsz) for c, q in reqs]
+    full = [[(j + 1) * bsz <= c + q for j in range(n)] for (c, q), n in zip(reqs, counts,
+                                                                            strict=True)]
+    used = sum(counts)
+    if case.large_offsets:
+        per_block = bsz * case.num_kv_heads * case.head_size
+        low = -(-OFFSET_LIMIT // per_block)
+        num_blocks = low + used + _SPARE_BLOCKS
+    else:
+        low, num_blocks = 1, 1 + used + _SPARE_BLOCKS
+    block_ids = _assign_blocks(gen, counts, full, num_blocks, low)
+    dtype = _DTYPES[case.dtype]
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float32).to(dtype).to(torch.float32)
+
+    hkv, hq, d = case.num_kv_heads, case.num_heads, case.head_size
+    return Batch(
+        contexts=[c for c, _ in reqs],
+        query_lens=[q for _, q in reqs],
+        keys=[rnd(c + q, hkv, d) for c, q in reqs],
+        values=[rnd(c + q, hkv, d) for c, q in reqs],
+        queries=[rnd(q, hq, d) for _, q in reqs],
+        block_ids=block_ids,
+        num_blocks=num_blocks,
+        block_size=bsz,
+        pad=spec.pad,
+    )
+
+
+def _common(batch: Batch, block_ids: list[list[int]], device: torch.device,
+            slot_mapping: list[int]) -> CommonAttentionMetadata:
+    qsl = [0]
+    for q in batch.query_lens:
+        qsl.append(qsl[-1] + q)
+    seq = batch.seq_lens
+    width = max(len(b) for b in block_ids) + 1  # a spare null column, as an engine leaves it
+    table = torch.zeros(len(seq), width, dtype=torch.int32)
+    for r, ids in enumerate(block_ids):
+        table[r, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+    positions = [p for c, s in zip(batch.contexts, seq, strict=True) for p in range(c, s)]
+    qsl_cpu = torch.tensor(qsl, dtype=torch.int32)
+    seq_cpu = torch.tensor(seq, dtype=torch.int32)
+    return CommonAttentionMetadata(
+        query_start_loc=qsl_cpu.to(device),
+        query_start_loc_cpu=qsl_cpu,
+        seq_lens=seq_cpu.to(device),
+        seq_lens_cpu=seq_cpu,
+        num_reqs=len(seq),
+        num_actual_tokens=qsl[-1],
+        max_query_len=max(batch.query_lens),
+        max_seq_len=max(seq),
+        block_table=table.to(device),
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+        positions=torch.tensor(positions + [0] * batch.pad, dtype=torch.int64, device=device),
+        causal=True,
+    )
+
+
+def run_backend(
+    backend: type[AttentionBackend],
+    case: CaseSpec,
+    batch: Batch,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    block_ids: list[list[int]],
+    num_blocks: int,
+    use_output_buffer: bool = False,
+    repeat_forward: bool = False,
+) -> list[torch.Tensor]:
+    """Drive `backend` through one step exactly as an engine would; return its ``[T, Hq, D]``
+    output (twice, from two `forward` calls on the same metadata, when `repeat_forward`: an
+    engine reuses one plan for every layer)."""
+    hq, hkv, d, bsz = case.num_heads, case.num_kv_heads, case.head_size, case.block_size
+    slopes = alibi_slopes(hq) if case.alibi else None
+    impl = backend.get_impl_cls()(
+        hq,
+        d,
+        softmax_scale(d),
+        num_kv_heads=hkv,
+        alibi_slopes=slopes,
+        sliding_window=case.sliding_window,
+        logits_soft_cap=case.logits_soft_cap,
+        kv_cache_dtype="auto",
+    )
+    shape = backend.get_kv_cache_shape(num_blocks, bsz, hkv, d, "auto")
+    kv_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    paged = attrs.evolve(batch, block_ids=block_ids, num_blocks=num_blocks)
+
+    hist = [(r, c) for r, c in enumerate(batch.contexts) if c > 0]
+    if hist:
+        impl.do_kv_cache_update(
+            torch.cat([batch.keys[r][:c] for r, c in hist]).to(device, dtype),
+            torch.cat([batch.values[r][:c] for r, c in hist]).to(device, dtype),
+            kv_cache,
+            torch.tensor([s for r, c in hist for s in paged.slots(r, 0, c)], device=device),
+        )
+    seq = batch.seq_lens
+    slot_mapping = [s for r, c in enumerate(batch.contexts) for s in paged.slots(r, c, seq[r])]
+    slot_mapping += [-1] * batch.pad
+    nan_kv = torch.full((batch.pad, hkv, d), float("nan"))
+    key = torch.cat([*(k[c:] for k, c in zip(batch.keys, batch.contexts, strict=True)), nan_kv])
+    value = torch.cat(
+        [*(v[c:] for v, c in zip(batch.values, batch.contexts, strict=True)), nan_kv]
+    )
+    query = torch.cat([*batch.queries, torch.full((batch.pad, hq, d), float("nan"))])
+    key, value, query = (t.to(device, dtype) for t in (key, value, query))
+    common = _common(paged, block_ids, device, slot_mapping)
+    impl.do_kv_cache_update(key, value, kv_cache, common.slot_mapping)
+
+    spec_cls: Any = FullAttentionSpec
+    extra: dict[str, Any] = {}
+    if case.sliding_window is not None:
+        spec_cls, extra = SlidingWindowSpec, {"sliding_window": case.sliding_window}
+    spec = spec_cls(block_size=bsz, num_kv_heads=hkv, head_size=d, dtype=case.dtype, **extra)
+    builder = backend.get_builder_cls()(spec, ["conformance.layer"], device)
+    metadata = builder.build(common)
+    outputs = []
+    for _ in range(2 if repeat_forward else 1):
+        if use_output_buffer:
+            out = torch.full_like(query, float("nan"))
+            impl.forward(query, key, value, kv_cache, metadata, output=out)
+        else:
+            out = impl.forward(query, key, value, kv_cache, metadata)
+        if tuple(out.shape) != tuple(query.shape) or out.dtype != dtype:
+            raise AssertionError(
+                f"forward returned {tuple(out.shape)} {out.dtype}, expected "
+                f"{tuple(query.shape)} {dtype}"
+            )
+        outputs.append(out)
+    return outputs
+
+
+def _locate(batch: Batch, row: int) -> str:
+    start = 0
+    for r, q in enumerate(batch.query_lens):
+        if row < start + q:
+            return (f"request {r} (context {batch.contexts[r]}, query {q}), "
+                    f"query token {row - start}")
+        start += q
+    return f"row {row}"
+
+
+def compare(out: torch.Tensor, ref: torch.Tensor, batch: Batch, tol: float) -> CaseResult:
+    """Check real rows of `out` against `ref` (``[T_real, Hq, D]``)."""
+    got = out[: ref.shape[0]].to(torch.float32).cpu()
+    ref = ref.cpu()
+    nan_rows = torch.isnan(got).flatten(1).any(dim=1).nonzero().flatten().tolist()
+    if nan_rows:
+        return CaseResult(
+            name="", passed=False, tolerance=tol,
+            message=f"NaN in {len(nan_rows)} real output row(s), first at "
+                    f"{_locate(batch, nan_rows[0])}",
+        )
+    diff = (got - ref).abs()
+    err = float(diff.max()) / max(float(ref.abs().max()), 1e-6)
+    if err <= tol:
+        return CaseResult(name="", passed=True, max_rel_error=err, tolerance=tol)
+    row, head = divmod(int(diff.amax(dim=2).argmax()), ref.shape[1])
+    return CaseResult(
+        name="", passed=False, max_rel_error=err, tolerance=tol,
+        message=f"error {err:.2e} > {tol:.0e}; worst at {_locate(batch, row)}, head {head}",
+    )
+
+
+def _memory_shortfall(
+    backend: type[AttentionBackend], case: CaseSpec, batch: Batch, device: torch.device
+) -> str | None:
+    """Why the (multi-GB) large-offset cache cannot be allocated here, or None."""
+    if not case.large_offsets or device.type != "cuda":
+        return None
+    shape = backend.get_kv_cache_shape(
+        batch.num_blocks, case.block_size, case.num_kv_heads, case.head_size, "auto"
+    )
+    need = math.prod(shape) * _DTYPES[case.dtype].itemsize
+    free, _total = torch.cuda.mem_get_info(device)
+    if need > 0.9 * free:
+        return f"the int32-overflow cache needs {need / 2**30:.1f} GiB, {free / 2**30:.1f} free"
+    return None
+
+
+def run_case(backend: type[AttentionBackend], case: CaseSpec, *, device: str) -> CaseResult:
+    """Run one case of `backend` on `device` against the float32 reference."""
+    from pagedcore.reference import ReferenceBackend
+
+    if case.skip is not None:
+        return CaseResult.skip(case.name, case.skip)
+    start = time.perf_counter()
+    cfg = AttentionConfig(
+        head_size=case.head_size, dtype=case.dtype, block_size=case.block_size,
+        sliding_window=case.sliding_window, use_alibi=case.alibi,
+        logits_soft_cap=case.logits_soft_cap, device=device,
+    )
+    reasons = backend.validate_configuration(cfg)
+    if reasons:
+        why = "; ".join(reasons)
+        if case.optional:
+            return CaseResult.skip(case.name, f"combination rejected: {why}")
+        return CaseResult(
+            name=case.name, passed=False,
+            message=f"declared support, but validate_configuration rejects it: {why}",
+        )
+    dev = torch.device(device)
+    try:
+        threshold = backend.get_builder_cls().reorder_batch_threshold
+        batch = make_batch(case, threshold)
+        short = _memory_shortfall(backend, case, batch, dev)
+        if short is not None:
+            return CaseResult.skip(case.name, short)
+        outs = run_backend(
+            backend, case, batch, device=dev, dtype=_DTYPES[case.dtype],
+            block_ids=batch.block_ids, num_blocks=batch.num_blocks,
+            use_output_buffer=case.use_output_buffer, repeat_forward=case.repeat_forward,
+        )
+        # The reference sees the same rounded inputs, in float32, in a compact cache.
+        compact, n = [], 1
+        for ids in batch.block_ids:
+            compact.append(list(range(n, n + len(ids))))
+            n += len(ids)
+        ref_case = attrs.evolve(case, dtype="float32")
+        ref = run_backend(
+            ReferenceBackend, ref_case, batch, device=dev, dtype=torch.float32,
+            block_ids=compact, num_blocks=n,
+        )[0][: sum(batch.query_lens)]
+        results = [compare(out, ref, batch, case.tolerance) for out in outs]
+        result = next((r for r in results if not r.passed), results[-1])
+        if len(results) > 1 and not result.passed and results[0].passed:
+            result = attrs.evolve(
+                result, message=f"second forward() on the same metadata: {result.message}"
+            )
+    except Exception as exc:  # a crash is a failure of the case, reported with its origin
+        frames = traceback.extract_tb(exc.__traceback__)
+        # Name the innermost frame outside torch/triton: the backend line that went wrong.
+        ours = [f for f in frames if "/torch/" not in f.filename and "/triton/" not in f.filename]
+        frame = (ours or frames)[-1]
+        where = f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}"
+        result = CaseResult(
+            name=case.name, passed=False, message=f"{type(exc).__name__}: {exc} ({where})"
+        )
+    return attrs.evolve(result, name=case.name, seconds=time.perf_counter() - start)

@@ -1,0 +1,264 @@
+"""MLA conformance: named latent-cache batch specs run for every backend that declares MLA,
+checked against the reference MLA (`pagedcore.reference.mla`).
+
+Each case builds a paged latent cache ``[num_blocks, block_size, L + R]`` whose physical blocks
+are a random permutation (block 0, the null block, never used), fills every slot of a referenced
+block that holds no token with NaN, writes history rows directly and this step's rows through
+the backend's own ``do_kv_cache_update`` (with ``-1`` padding tokens at the end of the batch),
+and compares ``forward`` with the reference on the real tokens (relative error).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+
+from pagedcore.attention.metadata import CommonAttentionMetadata
+from pagedcore.kv_cache.spec import MLAAttentionSpec, cdiv
+
+if TYPE_CHECKING:
+    from pagedcore.attention.backend import AttentionBackend
+
+__all__ = [
+    "MLA_LARGE_SPEC",
+    "MLA_SPECS",
+    "MLABatchSpec",
+    "MLACase",
+    "MLAResult",
+    "build_mla_case",
+    "run_mla_case",
+    "run_mla_suite",
+]
+
+#: Largest relative error accepted per model dtype.
+TOLERANCE = {"float32": 2e-4, "float16": 1e-2, "bfloat16": 3e-2}
+
+
+@attrs.frozen(kw_only=True)
+class MLABatchSpec:
+    """One named MLA batch: per-request (new tokens, total tokens) in decode-first order."""
+
+    name: str
+    query_lens: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+    block_size: int = 16
+    num_heads: int = 4
+    kv_lora_rank: int = 64
+    rope_head_dim: int = 16
+    num_pad_tokens: int = 0
+    extra_blocks: int = 5
+    #: At least this many blocks in the cache (to push offsets past 32 bits); 0 = just enough.
+    min_num_blocks: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        if len(self.query_lens) != len(self.seq_lens):
+            raise ValueError(f"{self.name}: query_lens and seq_lens differ in length")
+        for q, s in zip(self.query_lens, self.seq_lens, strict=True):
+            if not 0 < q <= s:
+                raise ValueError(f"{self.name}: need 0 < query_len <= seq_len, got {q}, {s}")
+
+
+MLA_SPECS: tuple[MLABatchSpec, ...] = (
+    MLABatchSpec(name="decode", query_lens=(1, 1, 1), seq_lens=(1, 17, 40)),
+    MLABatchSpec(name="prefill", query_lens=(5, 33), seq_lens=(5, 33)),
+    MLABatchSpec(name="mixed", query_lens=(1, 1, 7, 20), seq_lens=(9, 30, 7, 20),
+                 num_pad_tokens=3),
+    MLABatchSpec(name="chunked_prefix", query_lens=(1, 6, 13), seq_lens=(25, 38, 29),
+                 block_size=8),
+    MLABatchSpec(name="decode_long", query_lens=(1, 1), seq_lens=(300, 129), block_size=16,
+                 num_heads=16),
+    MLABatchSpec(name="block1_odd_dims", query_lens=(1, 4), seq_lens=(6, 9), block_size=1,
+                 kv_lora_rank=48, rope_head_dim=8, num_heads=3),
+)
+
+#: DeepSeek-V2-Lite shapes over a cache whose element offsets pass 2**31 (GPU only: ~4 GiB in
+#: 16-bit dtypes); physical blocks are spread over the whole range.
+MLA_LARGE_SPEC = MLABatchSpec(
+    name="int32_overflow", query_lens=(1, 1, 5), seq_lens=(700, 64, 90), block_size=16,
+    num_heads=16, kv_lora_rank=512, rope_head_dim=64,
+    min_num_blocks=2**31 // (16 * 576) + 4096,
+)
+
+
+@attrs.frozen(kw_only=True)
+class MLACase:
+    """A built batch: cache, inputs and the step's metadata (all on one device)."""
+
+    spec: MLABatchSpec
+    kv_cache: torch.Tensor  # [N, B, L + R], NaN in unused slots of referenced blocks
+    query: torch.Tensor  # [T, H, L + R], T includes padding tokens
+    key: torch.Tensor  # [T, 1, L + R]
+    common: CommonAttentionMetadata
+    scale: float
+
+
+def build_mla_case(
+    spec: MLABatchSpec, *, dtype: torch.dtype, device: str | torch.device = "cpu", seed: int = 0
+) -> MLACase:
+    """Build `spec`'s batch: permuted blocks, NaN-poisoned free slots, history rows written."""
+    gen = torch.Generator().manual_seed(seed)
+    dev = torch.device(device)
+    bs, dim = spec.block_size, spec.kv_lora_rank + spec.rope_head_dim
+    blocks_per_req = [cdiv(s, bs) for s in spec.seq_lens]
+    num_blocks = max(1 + sum(blocks_per_req) + spec.extra_blocks, spec.min_num_blocks)
+    physical = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    max_blocks = max(blocks_per_req)
+    table = torch.zeros(len(spec.seq_lens), max_blocks, dtype=torch.int32)
+    # Every slot starts as NaN; only history rows of referenced blocks get data.
+    cache = torch.full((num_blocks, bs, dim), float("nan"), dtype=dtype, device=dev)
+    used = 0
+    for r, n in enumerate(blocks_per_req):
+        ids = physical[used : used + n]
+        used += n
+        table[r, :n] = torch.tensor(ids, dtype=torch.int32)
+        history = spec.seq_lens[r] - spec.query_lens[r]
+        data = torch.full((n * bs, dim), float("nan"))
+        data[:history] = torch.randn(history, dim, generator=gen)
+        cache[torch.tensor(ids, device=dev)] = data.view(n, bs, dim).to(dev, dtype)
+    num_real = sum(spec.query_lens)
+    num_tokens = num_real + spec.num_pad_tokens
+    query = torch.randn(num_tokens, spec.num_heads, dim, generator=gen)
+    key = torch.randn(num_tokens, 1, dim, generator=gen)
+    slots: list[int] = []
+    positions: list[int] = []
+    for r, (q, s) in enumerate(zip(spec.query_lens, spec.seq_lens, strict=True)):
+        for pos in range(s - q, s):
+            slots.append(int(table[r, pos // bs]) * bs + pos % bs)
+            positions.append(pos)
+    slots += [-1] * spec.num_pad_tokens
+    positions += [0] * spec.num_pad_tokens
+    qsl = torch.tensor([0, *torch.tensor(spec.query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    seq_lens = torch.tensor(spec.seq_lens, dtype=torch.int32)
+    common = CommonAttentionMetadata(
+        query_start_loc=qsl.to(dev),
+        query_start_loc_cpu=qsl,
+        seq_lens=seq_lens.to(dev),
+        seq_lens_cpu=seq_lens,
+        num_reqs=len(spec.seq_lens),
+        num_actual_tokens=num_real,
+        max_query_len=max(spec.query_lens),
+        max_seq_len=max(spec.seq_lens),
+        block_table=table.to(dev),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+        positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+    )
+    return MLACase(
+        spec=spec,
+        kv_cache=cache,
+        query=query.to(dev, dtype),
+        key=key.to(dev, dtype),
+        common=common,
+        scale=dim**-0.5,
+    )
+
+
+@attrs.frozen(kw_only=True)
+class MLAResult:
+    """One case's outcome: the relative error, or the error raised."""
+
+    backend: str
+    spec: str
+    dtype: str
+    block_size: int
+    rel_err: float | None
+    passed: bool
+    detail: str = ""
+
+
+def _run(backend: type[AttentionBackend], case: MLACase, device: torch.device) -> torch.Tensor:
+    spec = case.spec
+    kv_spec = MLAAttentionSpec(
+        block_size=spec.block_size,
+        kv_lora_rank=spec.kv_lora_rank,
+        rope_head_dim=spec.rope_head_dim,
+        dtype=case.query.dtype,
+    )
+    builder = backend.get_builder_cls()(kv_spec, ["model.layers.0.self_attn"], device)
+    metadata = builder.build(case.common)
+    impl_cls: Any = backend.get_impl_cls()
+    impl = impl_cls(
+        spec.num_heads, kv_spec.head_size, case.scale, kv_lora_rank=spec.kv_lora_rank
+    )
+    cache = case.kv_cache.clone()
+    impl.do_kv_cache_update(case.key, case.key, cache, case.common.slot_mapping)
+    out: torch.Tensor = impl.forward(case.query, case.key, case.key, cache, metadata)
+    return out[: case.common.num_actual_tokens]
+
+
+def run_mla_case(
+    backend: type[AttentionBackend], case: MLACase, *, device: str | torch.device = "cpu"
+) -> MLAResult:
+    """Run `backend` on `case` and compare with the reference MLA (float32 oracle)."""
+    from pagedcore.reference.mla import ReferenceMLABackend
+
+    dev = torch.device(device)
+    dtype_name = str(case.query.dtype).removeprefix("torch.")
+    spec = case.spec
+    lat = spec.kv_lora_rank
+    try:
+        expected = _run(ReferenceMLABackend, _as_float32(case), dev)
+        got = _run(backend, case, dev)
+    except Exception as exc:  # a claim that fails is a failure, not a skip
+        return MLAResult(backend=backend.name, spec=spec.name, dtype=dtype_name,
+                         block_size=spec.block_size, rel_err=None, passed=False,
+                         detail=f"{type(exc).__name__}: {exc}")
+    want = (case.common.num_actual_tokens, spec.num_heads, lat)
+    if tuple(got.shape) != want:
+        return MLAResult(backend=backend.name, spec=spec.name, dtype=dtype_name,
+                         block_size=spec.block_size, rel_err=None, passed=False,
+                         detail=f"output shape {tuple(got.shape)}, expected {want}")
+    diff = (got.float() - expected.float()).norm()
+    rel = float(diff / expected.float().norm().clamp_min(1e-12))
+    ok = rel == rel and rel <= TOLERANCE[dtype_name]  # NaN never passes
+    return MLAResult(backend=backend.name, spec=spec.name, dtype=dtype_name,
+                     block_size=spec.block_size, rel_err=rel, passed=ok,
+                     detail="" if ok else f"relative error {rel:.3g} > {TOLERANCE[dtype_name]}")
+
+
+def _as_float32(case: MLACase) -> MLACase:
+    return attrs.evolve(case, kv_cache=case.kv_cache.float(), query=case.query.float(),
+                        key=case.key.float())
+
+
+def run_mla_suite(
+    backend: type[AttentionBackend],
+    *,
+    device: str | torch.device = "cpu",
+    dtypes: Sequence[str] | None = None,
+    specs: Sequence[MLABatchSpec] = MLA_SPECS,
+    quick: bool = False,
+) -> list[MLAResult]:
+    """Every MLA spec, in every dtype the backend claims (float32 only on CPU; one dtype when
+    `quick`); on CUDA, unless `quick`, also `MLA_LARGE_SPEC` (offsets past 32 bits).
+
+    Returns an empty list for a backend that does not declare ``supports_mla``.
+    """
+    if not backend.supports_mla:
+        return []
+    dev = torch.device(device)
+    names = list(dtypes) if dtypes is not None else list(backend.supported_dtypes)
+    if dev.type == "cpu":
+        names = [n for n in names if n == "float32"] or names[:1]
+    if quick:
+        names = names[:1]
+    results: list[MLAResult] = []
+    if dev.type == "cuda" and not quick and specs is MLA_SPECS:
+        specs = (*specs, MLA_LARGE_SPEC)
+    for spec in specs:
+        if not backend.supports_block_size(spec.block_size):
+            spec = attrs.evolve(spec, block_size=_claimed_block_size(backend))
+        for name in names:
+            case = build_mla_case(spec, dtype=getattr(torch, name), device=dev)
+            results.append(run_mla_case(backend, case, device=dev))
+    return results
+
+
+def _claimed_block_size(backend: type[AttentionBackend]) -> int:
+    for size in (16, 32, 64, 8, 128, 256, 1):
+        if backend.supports_block_size(size):
+            return size
+    raise ValueError(f"{backend.name} declares no usable block size")
+

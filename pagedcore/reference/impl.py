@@ -1,0 +1,172 @@
+"""`ReferenceImpl`: one layer's attention over the paged cache, in float32 torch."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pagedcore.attention.backend import AttentionImpl
+from pagedcore.reference.metadata import ReferenceMetadata
+from pagedcore.reference.ops import attend, gather_slots, write_slots
+
+__all__ = ["ReferenceImpl"]
+
+#: Upper bound on the score elements of one `attend` call (causal prefills are cut into query
+#: slices to stay under it).
+MAX_SCORES_PER_CALL = 1 << 24
+
+
+def check_kv_cache(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int) -> None:
+    """Raise a ValueError unless `kv_cache` is ``[2, num_blocks, block_size, Hkv, D]``."""
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(
+            f"kv_cache has shape {tuple(kv_cache.shape)}; the reference layout is "
+            "[2, num_blocks, block_size, num_kv_heads, head_size] (see get_kv_cache_shape)"
+        )
+    if kv_cache.shape[3] != num_kv_heads or kv_cache.shape[4] != head_size:
+        raise ValueError(
+            f"kv_cache has {kv_cache.shape[3]} KV heads of size {kv_cache.shape[4]}, but this "
+            f"layer has {num_kv_heads} of size {head_size}"
+        )
+    if not kv_cache.is_contiguous():
+        raise ValueError("kv_cache must be contiguous")
+
+
+class ReferenceImpl(AttentionImpl[ReferenceMetadata]):
+    """Gathers each request group's K/V once per layer and runs one masked matmul on it.
+
+    Supports every feature of the contract except MLA; see `AttentionImpl` for the
+    parameters. Only ``kv_cache_dtype="auto"`` is accepted.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        *,
+        num_kv_heads: int | None = None,
+        alibi_slopes: Sequence[float] | None = None,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+        kv_cache_dtype: str = "auto",
+    ) -> None:
+        super().__init__(
+            num_heads,
+            head_size,
+            scale,
+            num_kv_heads=num_kv_heads,
+            alibi_slopes=alibi_slopes,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
+            kv_cache_dtype=kv_cache_dtype,
+        )
+        if kv_cache_dtype != "auto":
+            raise ValueError(
+                f"the reference backend stores the KV cache in the model dtype only "
+                f"(kv_cache_dtype='auto'), got {kv_cache_dtype!r}"
+            )
+        if sliding_window is not None and sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
+        if logits_soft_cap is not None and logits_soft_cap <= 0:
+            raise ValueError(f"logits_soft_cap must be positive or None, got {logits_soft_cap}")
+        self._slopes = (
+            None
+            if self.alibi_slopes is None
+            else torch.tensor(self.alibi_slopes, dtype=torch.float32)
+        )
+
+    def do_kv_cache_update(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Write ``key``/``value`` ``[T, Hkv, D]`` to their slots; ``-1`` slots are skipped.
+
+        `kv_cache` is ``[2, num_blocks, block_size, Hkv, D]``; index 0 holds K, 1 holds V.
+        """
+        check_kv_cache(kv_cache, self.num_kv_heads, self.head_size)
+        if key.shape != value.shape or key.shape[0] != slot_mapping.shape[0]:
+            raise ValueError(
+                f"key {tuple(key.shape)}, value {tuple(value.shape)} and slot_mapping "
+                f"{tuple(slot_mapping.shape)} must agree on [T, Hkv, D] / [T]"
+            )
+        write_slots(kv_cache[0], key, slot_mapping)
+        write_slots(kv_cache[1], value, slot_mapping)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: ReferenceMetadata,
+        *,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention for the flattened batch; see `AttentionImpl.forward`.
+
+        Parameters
+        ----------
+        query:
+            ``[T, Hq, D]`` in the model dtype.
+        key, value:
+            ``[T, Hkv, D]``; unused (this step's K/V is read back from the cache).
+        kv_cache:
+            ``[2, num_blocks, block_size, Hkv, D]``.
+        metadata:
+            From `ReferenceMetadataBuilder.build`.
+        output:
+            Optional ``[T, Hq, D]`` buffer; padding rows are left untouched.
+
+        Returns
+        -------
+        torch.Tensor
+            ``[T, Hq, D]`` in ``query.dtype`` (`output` when given); padding rows are zero
+            when `output` is None.
+        """
+        check_kv_cache(kv_cache, self.num_kv_heads, self.head_size)
+        if query.dim() != 3 or query.shape[1:] != (self.num_heads, self.head_size):
+            raise ValueError(
+                f"query has shape {tuple(query.shape)}, expected [T, {self.num_heads}, "
+                f"{self.head_size}]"
+            )
+        if output is None:
+            output = torch.zeros_like(query)
+        slopes = None if self._slopes is None else self._slopes.to(query.device)
+        causal = metadata.common.causal
+        for group in metadata.groups:
+            n, lq, lk = group.num_reqs, group.query_len, group.slots.shape[1]
+            q = query.index_select(0, group.token_rows).view(n, lq, *query.shape[1:])
+            k = gather_slots(kv_cache[0], group.slots)
+            v = gather_slots(kv_cache[1], group.slots)
+            # Causal queries never see keys past their own position, so a long prefill can be
+            # cut into query slices (each with the keys up to its last query) to bound memory.
+            step = max(1, MAX_SCORES_PER_CALL // (n * lk * self.num_heads)) if causal else lq
+            out = torch.empty(
+                n, lq, self.num_heads, self.head_size, dtype=torch.float32, device=query.device
+            )
+            for a in range(0, lq, step):
+                b = min(lq, a + step)
+                cut = lq - b
+                out[:, a:b] = attend(
+                    q[:, a:b].to(torch.float32),
+                    k[:, : lk - cut],
+                    v[:, : lk - cut],
+                    group.seq_lens - cut,
+                    scale=self.scale,
+                    causal=causal,
+                    alibi_slopes=slopes,
+                    sliding_window=self.sliding_window,
+                    logits_soft_cap=self.logits_soft_cap,
+                    # k and v are this call's own gathers: zero their invisible rows in
+                    # place when there is one slice (with several, a row padding for one
+                    # request's early slice is a real key of its later slices).
+                    overwrite_kv=step >= lq,
+                )
+            rows = out.view(n * lq, self.num_heads, self.head_size)
+            output.index_copy_(0, group.token_rows, rows.to(output.dtype))
+        return output

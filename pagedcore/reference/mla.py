@@ -1,0 +1,253 @@
+"""The torch reference for multi-head latent attention (MLA): the oracle every MLA backend is
+checked against.
+
+MLA impl contract (every MLA backend follows it; the conformance suite checks it):
+
+* KV-cache shape ``[num_blocks, block_size, L + R]``: one latent "head" per token, no K/V
+  doubling. ``L`` is ``kv_lora_rank`` (the normalised compressed latent ``c``), ``R`` is
+  ``rope_head_dim`` (the shared, already-roped key part ``k_pe``). Block 0 is the null block.
+* ``do_kv_cache_update(key, value, kv_cache, slot_mapping)``: ``key`` is ``[T, 1, L + R]``
+  (``c`` concatenated with ``k_pe``); ``value`` is ignored (it may be the same tensor);
+  ``slot_mapping`` ``[T]`` int64 with ``-1`` for padding tokens, which are skipped.
+* ``forward(query, key, value, kv_cache, metadata, *, output=None)``: ``query`` is
+  ``[T, H, L + R]`` (the absorbed ``q_nope @ W_UK`` concatenated with the roped ``q_pe``);
+  returns ``[T, H, L]``, the attention output in latent space (before ``W_UV``). Scores are
+  ``scale * q·row`` over all ``L + R`` dims of each cached row; values are the first ``L`` dims
+  of each row. Causal with the query aligned to the end of its sequence, as for every backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import attrs
+
+from pagedcore.attention.backend import AttentionBackend, AttentionImpl, MetadataBuilder
+
+if TYPE_CHECKING:
+    import torch
+
+    from pagedcore.attention.metadata import CommonAttentionMetadata
+
+__all__ = [
+    "MLAImpl",
+    "ReferenceMLABackend",
+    "ReferenceMLAMetadata",
+    "ReferenceMLAMetadataBuilder",
+    "check_mla_cache_shape",
+    "write_mla_cache",
+]
+
+
+def check_mla_cache_shape(num_kv_heads: int, head_size: int, cache_dtype: str) -> None:
+    """Raise a ValueError when an MLA cache is asked for with more than one KV head."""
+    if num_kv_heads != 1:
+        raise ValueError(
+            f"an MLA KV cache holds one latent head per token; got num_kv_heads={num_kv_heads}. "
+            "Pass num_kv_heads=1 (MLAAttentionSpec does)"
+        )
+    if head_size <= 0:
+        raise ValueError(f"MLA head_size (kv_lora_rank + rope_head_dim) must be positive, "
+                         f"got {head_size}")
+    if cache_dtype != "auto":
+        raise ValueError(f"MLA caches support kv_cache_dtype 'auto' only, got {cache_dtype!r}")
+
+
+def write_mla_cache(key: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter ``key`` ``[T, 1, L + R]`` into ``kv_cache`` ``[N, B, L + R]`` at ``slot_mapping``.
+
+    Tokens whose slot is ``-1`` (padding) are skipped. Shapes are checked with clear errors.
+    """
+    if key.dim() != 3 or key.shape[1] != 1:
+        raise ValueError(f"MLA key must be [T, 1, L + R], got {tuple(key.shape)}")
+    if kv_cache.dim() != 3 or kv_cache.shape[-1] != key.shape[-1]:
+        raise ValueError(
+            f"MLA kv_cache must be [num_blocks, block_size, {key.shape[-1]}], "
+            f"got {tuple(kv_cache.shape)}"
+        )
+    num_tokens = slot_mapping.shape[0]
+    if key.shape[0] < num_tokens:
+        raise ValueError(f"key has {key.shape[0]} tokens but slot_mapping has {num_tokens}")
+    slots = slot_mapping.to(kv_cache.device).long()
+    valid = slots >= 0
+    flat = kv_cache.view(-1, kv_cache.shape[-1])
+    flat[slots[valid]] = key[:num_tokens, 0][valid].to(kv_cache.dtype)
+
+
+@attrs.frozen(kw_only=True)
+class ReferenceMLAMetadata:
+    """The reference's plan: the step's common metadata, read on the CPU per request."""
+
+    common: CommonAttentionMetadata
+    query_lens: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+
+
+class ReferenceMLAMetadataBuilder(MetadataBuilder[ReferenceMLAMetadata]):
+    """Keeps the common metadata and the per-request lengths as Python ints."""
+
+    reorder_batch_threshold: ClassVar[int] = 1
+
+    def build(
+        self, common: CommonAttentionMetadata, *, common_prefix_len: int = 0
+    ) -> ReferenceMLAMetadata:
+        return ReferenceMLAMetadata(
+            common=common,
+            query_lens=tuple(int(x) for x in common.query_lens_cpu.tolist()),
+            seq_lens=tuple(int(x) for x in common.seq_lens_cpu.tolist()),
+        )
+
+
+class MLAImpl(AttentionImpl[ReferenceMLAMetadata]):
+    """Reference MLA over a paged latent cache (see the module docstring for the contract).
+
+    Parameters
+    ----------
+    num_heads:
+        Query heads ``H``.
+    head_size:
+        ``L + R`` (``kv_lora_rank + rope_head_dim``).
+    scale:
+        Softmax scale on ``q·row``.
+    kv_lora_rank:
+        ``L``: the leading dims of each cached row that are also the values. Keyword-only;
+        required.
+    num_kv_heads:
+        Must be 1 (or None).
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        *,
+        kv_lora_rank: int | None = None,
+        num_kv_heads: int | None = None,
+        alibi_slopes: Sequence[float] | None = None,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+        kv_cache_dtype: str = "auto",
+    ) -> None:
+        if num_kv_heads not in (None, 1):
+            raise ValueError(f"MLA has one latent KV head; got num_kv_heads={num_kv_heads}")
+        if kv_lora_rank is None or not 0 < kv_lora_rank < head_size:
+            raise ValueError(
+                f"MLA needs kv_lora_rank in (0, head_size={head_size}) to know which dims are "
+                f"values; got kv_lora_rank={kv_lora_rank}"
+            )
+        if alibi_slopes is not None or sliding_window is not None or logits_soft_cap is not None:
+            raise ValueError("MLA backends support neither ALiBi, sliding window nor soft-cap")
+        super().__init__(num_heads, head_size, scale, num_kv_heads=1, kv_cache_dtype=kv_cache_dtype)
+        self.kv_lora_rank = kv_lora_rank
+
+    def do_kv_cache_update(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Write ``key`` ``[T, 1, L + R]`` into ``kv_cache`` ``[N, B, L + R]``; ``value`` is
+        ignored; slots of ``-1`` are skipped."""
+        write_mla_cache(key, kv_cache, slot_mapping)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: ReferenceMLAMetadata,
+        *,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Latent-space attention, one request at a time, softmax in float32 (or float64).
+
+        Parameters
+        ----------
+        query:
+            ``[T, H, L + R]`` in the model dtype.
+        key, value:
+            Ignored (history and this step are read from the cache).
+        kv_cache:
+            ``[num_blocks, block_size, L + R]``.
+        metadata:
+            From `ReferenceMLAMetadataBuilder.build`.
+        output:
+            Optional ``[T, H, L]`` buffer.
+
+        Returns
+        -------
+        torch.Tensor
+            ``[T, H, L]`` in the query dtype; rows of padding tokens are zero.
+        """
+        import torch
+
+        common = metadata.common
+        num_tokens, num_heads, dim = query.shape
+        if dim != kv_cache.shape[-1] or num_heads != self.num_heads:
+            raise ValueError(
+                f"query {tuple(query.shape)} does not match num_heads={self.num_heads} and the "
+                f"cache row size {kv_cache.shape[-1]}"
+            )
+        lat = self.kv_lora_rank
+        block_size = kv_cache.shape[1]
+        acc = torch.promote_types(query.dtype, torch.float32)
+        out = torch.zeros(num_tokens, num_heads, lat, dtype=query.dtype, device=query.device)
+        starts = common.query_start_loc_cpu.tolist()
+        table = common.block_table
+        lens = zip(metadata.query_lens, metadata.seq_lens, strict=True)
+        for req, (q_len, seq_len) in enumerate(lens):
+            if q_len == 0:
+                continue
+            start = int(starts[req])
+            positions = torch.arange(seq_len, device=kv_cache.device)
+            blocks = table[req, positions // block_size].long()
+            rows = kv_cache[blocks, positions % block_size].to(acc)  # [S, L + R]
+            q = query[start : start + q_len].to(acc)  # [q_len, H, L + R]
+            scores = torch.einsum("qhd,sd->hqs", q, rows) * self.scale
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=kv_cache.device)
+            visible = positions[None, :] <= q_pos[:, None]  # [q_len, S]
+            scores = scores.masked_fill(~visible[None], float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            out[start : start + q_len] = torch.einsum(
+                "hqs,sl->qhl", probs, rows[:, :lat]
+            ).to(query.dtype)
+        if output is not None:
+            output[:num_tokens].copy_(out)
+            return output
+        return out
+
+
+class ReferenceMLABackend(AttentionBackend):
+    """Torch reference MLA backend: the oracle for MLA, and the CPU default for MLA models."""
+
+    name: ClassVar[str] = "reference_mla"
+    priority: ClassVar[int] = 1000
+    supported_dtypes: ClassVar[tuple[str, ...]] = ("float32", "float16", "bfloat16")
+    supported_devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+    supports_mla: ClassVar[bool] = True
+    mla_only: ClassVar[bool] = True
+
+    @classmethod
+    def get_builder_cls(cls) -> type[MetadataBuilder[Any]]:
+        return ReferenceMLAMetadataBuilder
+
+    @classmethod
+    def get_impl_cls(cls) -> type[AttentionImpl[Any]]:
+        return MLAImpl
+
+    @classmethod
+    def get_kv_cache_shape(
+        cls,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        cache_dtype: str = "auto",
+    ) -> tuple[int, ...]:
+        """``(num_blocks, block_size, head_size)``: one latent row of ``L + R`` per token."""
+        check_mla_cache_shape(num_kv_heads, head_size, cache_dtype)
+        return (num_blocks, block_size, head_size)

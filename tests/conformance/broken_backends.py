@@ -1,0 +1,201 @@
+"""Planted broken backends: each is the reference with one classic paged-attention bug.
+
+The conformance suite must reject every one of them (tests/conformance/test_suite.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import attrs
+import torch
+
+from pagedcore.attention.backend import AttentionBackend, AttentionImpl, MetadataBuilder
+from pagedcore.attention.metadata import CommonAttentionMetadata
+from pagedcore.reference import ReferenceBackend
+from pagedcore.reference.impl import ReferenceImpl
+from pagedcore.reference.metadata import (
+    ReferenceMetadata,
+    ReferenceMetadataBuilder,
+    RequestGroup,
+)
+
+
+def _backend(
+    name: str,
+    builder: type[MetadataBuilder[Any]] = ReferenceMetadataBuilder,
+    impl: type[AttentionImpl[Any]] = ReferenceImpl,
+) -> type[AttentionBackend]:
+    def get_builder_cls(cls: type[AttentionBackend]) -> type[MetadataBuilder[Any]]:
+        return builder
+
+    def get_impl_cls(cls: type[AttentionBackend]) -> type[AttentionImpl[Any]]:
+        return impl
+
+    return type(
+        name,
+        (ReferenceBackend,),
+        {
+            "name": name,
+            "get_builder_cls": classmethod(get_builder_cls),
+            "get_impl_cls": classmethod(get_impl_cls),
+        },
+    )
+
+
+class _LogicalBlocksBuilder(ReferenceMetadataBuilder):
+    """(a) Ignores block_table: reads logical block j from physical block j."""
+
+    def build(
+        self, common: CommonAttentionMetadata, *, common_prefix_len: int = 0
+    ) -> ReferenceMetadata:
+        b, width = common.block_table.shape
+        logical = torch.arange(width, dtype=torch.int32, device=common.block_table.device)
+        return super().build(attrs.evolve(common, block_table=logical.expand(b, width)))
+
+
+class _WholeLastBlockBuilder(ReferenceMetadataBuilder):
+    """(b) Decodes attend over the whole last block: unused tail slots (NaN) leak in."""
+
+    def _group(
+        self,
+        common: CommonAttentionMetadata,
+        reqs: list[int],
+        query_len: int,
+        starts: list[int],
+        seq_lens: list[int],
+    ) -> RequestGroup:
+        if query_len == 1:
+            bsz = self.block_size
+            seq_lens = [-(-s // bsz) * bsz for s in seq_lens]
+        return super()._group(common, reqs, query_len, starts, seq_lens)
+
+
+class _OffByOneWriteImpl(ReferenceImpl):
+    """(c) Writes K/V one slot too far (wrapping around, as an unchecked kernel would)."""
+
+    def do_kv_cache_update(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        total = kv_cache.shape[1] * kv_cache.shape[2]
+        shifted = torch.where(slot_mapping >= 0, (slot_mapping + 1) % total, slot_mapping)
+        super().do_kv_cache_update(key, value, kv_cache, shifted)
+
+
+class _WritesPaddingImpl(ReferenceImpl):
+    """(d) Does not skip -1 slots: padding K/V lands in the cache's last slot."""
+
+    def do_kv_cache_update(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        for half, x in ((kv_cache[0], key), (kv_cache[1], value)):
+            half.view(-1, *half.shape[2:])[slot_mapping] = x.to(half.dtype)
+
+
+class _WrongGQAImpl(ReferenceImpl):
+    """(e) Query head h reads KV head h % Hkv instead of h // (Hq // Hkv)."""
+
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        kv_cache: torch.Tensor, metadata: ReferenceMetadata, *,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        hkv, group = self.num_kv_heads, self.num_queries_per_kv
+        perm = torch.tensor([g * hkv + j for j in range(hkv) for g in range(group)])
+        perm = perm.to(query.device)
+        out = super().forward(query[:, perm].contiguous(), key, value, kv_cache, metadata)
+        result = torch.empty_like(out) if output is None else output
+        result[:, perm] = out
+        return result
+
+
+class _WindowOffByOneImpl(ReferenceImpl):
+    """(f) Sliding window one key too wide."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.sliding_window is not None:
+            self.sliding_window += 1
+
+
+class _AlibiSignImpl(ReferenceImpl):
+    """(g) ALiBi bias with the wrong sign."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self._slopes is not None:
+            self._slopes = -self._slopes
+
+
+class _NoSoftCapImpl(ReferenceImpl):
+    """(h) Ignores the logits soft-cap."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.logits_soft_cap = None
+
+
+class _IgnoresOutputImpl(ReferenceImpl):
+    """(i) Returns a fresh tensor and leaves the caller's ``output=`` buffer untouched."""
+
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        kv_cache: torch.Tensor, metadata: ReferenceMetadata, *,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return super().forward(query, key, value, kv_cache, metadata)
+
+
+class _IgnoresScaleImpl(ReferenceImpl):
+    """(j) Uses head_size ** -0.5 instead of the scale it was given."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.scale = self.head_size**-0.5
+
+
+class _MutatesPlanImpl(ReferenceImpl):
+    """(k) Consumes the plan: a second layer reusing the step's metadata sees no requests."""
+
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        kv_cache: torch.Tensor, metadata: ReferenceMetadata, *,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        out = super().forward(query, key, value, kv_cache, metadata, output=output)
+        object.__setattr__(metadata, "groups", metadata.groups[:1])
+        return out
+
+
+class _ClaimsMoreBackend(ReferenceBackend):
+    """(l) Declares an extra head size its validate_configuration then rejects."""
+
+    name: ClassVar[str] = "claims_more"
+    supported_head_sizes: ClassVar[tuple[int, ...] | None] = (64, 128)
+
+    @classmethod
+    def validate_configuration(cls, cfg: Any) -> list[str]:
+        reasons = super().validate_configuration(cfg)
+        if cfg.head_size == 64:
+            reasons.append("head size 64 is not really implemented")
+        return reasons
+
+
+IgnoresBlockTable = _backend("ignores_block_table", builder=_LogicalBlocksBuilder)
+
+BROKEN: dict[str, type[AttentionBackend]] = {
+    "ignores_block_table": IgnoresBlockTable,
+    "reads_unused_tail": _backend("reads_unused_tail", builder=_WholeLastBlockBuilder),
+    "writes_off_by_one": _backend("writes_off_by_one", impl=_OffByOneWriteImpl),
+    "writes_padding_slots": _backend("writes_padding_slots", impl=_WritesPaddingImpl),
+    "wrong_gqa_mapping": _backend("wrong_gqa_mapping", impl=_WrongGQAImpl),
+    "window_off_by_one": _backend("window_off_by_one", impl=_WindowOffByOneImpl),
+    "alibi_sign": _backend("alibi_sign", impl=_AlibiSignImpl),
+    "ignores_soft_cap": _backend("ignores_soft_cap", impl=_NoSoftCapImpl),
+    "ignores_output_buffer": _backend("ignores_output_buffer", impl=_IgnoresOutputImpl),
+    "ignores_scale": _backend("ignores_scale", impl=_IgnoresScaleImpl),
+    "consumes_plan": _backend("consumes_plan", impl=_MutatesPlanImpl),
+    "claims_more_than_it_serves": _ClaimsMoreBackend,
+}
