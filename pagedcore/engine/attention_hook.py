@@ -1,0 +1,122 @@
+"""The bridge between transformers' attention layers and pagedcore backends.
+
+`register()` adds an attention function named ``"pagedcore"`` to transformers'
+`AttentionInterface`. A model whose ``config._attn_implementation`` is ``"pagedcore"`` calls it
+in every attention layer; the engine passes the step's `StepContext` as the keyword argument
+``pagedcore_ctx`` of the model's forward, and transformers forwards it to the function. Because
+``"pagedcore"`` has no entry in `AttentionMaskInterface`, transformers builds no mask: causality,
+windows and request boundaries come from the backend's metadata.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+if TYPE_CHECKING:
+    import torch
+
+    from pagedcore.attention.backend import AttentionImpl
+
+__all__ = ["ATTN_IMPLEMENTATION", "LayerBinding", "StepContext", "pagedcore_attention", "register"]
+
+#: The `attn_implementation` name pagedcore registers with transformers.
+ATTN_IMPLEMENTATION = "pagedcore"
+_registered = False
+
+
+@attrs.frozen
+class LayerBinding:
+    """What one attention layer uses: its impl, its cache tensor and its KV-cache group."""
+
+    impl: AttentionImpl[Any]
+    kv_cache: torch.Tensor
+    group: int
+
+
+@attrs.frozen
+class StepContext:
+    """Per-step state the attention function needs (passed as ``pagedcore_ctx``).
+
+    Attributes
+    ----------
+    layers:
+        ``layer_idx`` (transformers' ``module.layer_idx``) -> binding.
+    metadata:
+        Per KV-cache group, what the group's builder returned for this step.
+    slot_mappings:
+        Per group, ``[T]`` int64 slot of each new token (-1 for padding).
+    """
+
+    layers: dict[int, LayerBinding]
+    metadata: tuple[Any, ...]
+    slot_mappings: tuple[torch.Tensor, ...]
+
+
+def pagedcore_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    pagedcore_ctx: StepContext | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function backed by the layer's pagedcore `AttentionImpl`.
+
+    Parameters
+    ----------
+    module:
+        The transformers attention module (gives ``layer_idx``).
+    query:
+        ``[1, Hq, T, D]``, rotary embedding applied.
+    key, value:
+        ``[1, Hkv, T, D]``.
+    attention_mask:
+        Ignored (None: pagedcore registers no mask function).
+    pagedcore_ctx:
+        The step's `StepContext`; required.
+
+    Returns
+    -------
+    tuple
+        ``([1, T, Hq, D] output in the query dtype, None)`` — no attention weights.
+    """
+    if pagedcore_ctx is None:
+        raise RuntimeError(
+            "the model's attention implementation is 'pagedcore' but no pagedcore_ctx was "
+            "passed; run it through pagedcore.LLM, or call model.set_attn_implementation('eager') "
+            "to use it on its own"
+        )
+    binding = pagedcore_ctx.layers[module.layer_idx]
+    impl = binding.impl
+    if sliding_window != impl.sliding_window:
+        raise RuntimeError(
+            f"layer {module.layer_idx} runs with sliding_window={sliding_window} but its KV-cache "
+            f"group was planned for {impl.sliding_window}; the model config and the KV-cache "
+            "specs disagree"
+        )
+    # [1, H, T, D] -> [T, H, D]; a no-op copy when transformers' layout is already token-major.
+    q = query[0].transpose(0, 1).contiguous()
+    k = key[0].transpose(0, 1).contiguous()
+    v = value[0].transpose(0, 1).contiguous()
+    impl.do_kv_cache_update(k, v, binding.kv_cache, pagedcore_ctx.slot_mappings[binding.group])
+    out = impl.forward(q, k, v, binding.kv_cache, pagedcore_ctx.metadata[binding.group])
+    return out.unsqueeze(0), None
+
+
+def register() -> None:
+    """Register ``"pagedcore"`` with transformers' `AttentionInterface` (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, pagedcore_attention)
+    _registered = True

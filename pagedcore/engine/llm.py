@@ -1,0 +1,435 @@
+"""`LLM`: the user-facing engine (offline `generate`, online `add_request` / `step`)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+from pagedcore.engine.outputs import CompletionOutput, RequestOutput
+from pagedcore.engine.request import Request
+from pagedcore.engine.resources import default_kv_cache_bytes, resolve_device, resolve_dtype
+from pagedcore.engine.sampler import Sampler
+from pagedcore.engine.sampling_params import SamplingParams
+from pagedcore.engine.scheduler import Scheduler, SchedulerConfig
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+
+__all__ = ["LLM", "PromptType"]
+
+#: Text (needs a tokenizer), token ids, or ``{"prompt_token_ids": [...]}`` /
+#: ``{"prompt": "..."}`` as in vLLM.
+PromptType = str | Sequence[int] | Mapping[str, Any]
+
+class _Parent:
+    """A user request: one prompt, `n` child sequences."""
+
+    __slots__ = ("children", "prompt", "prompt_token_ids", "request_id")
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int]) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.children: list[Request] = []
+
+
+class LLM:
+    """A continuous-batching engine over a transformers causal LM and pagedcore backends.
+
+    Parameters
+    ----------
+    model:
+        A local checkpoint directory, ``"demo"``, ``"random:<type>"``, a transformers config
+        (seeded random weights) or a loaded model (its attention implementation is switched to
+        ``"pagedcore"``).
+    dtype:
+        Model dtype (None: bfloat16 on CUDA, float32 on CPU).
+    device:
+        ``"cpu"``, ``"cuda"`` (None: CUDA when available).
+    block_size:
+        Tokens per KV-cache block.
+    max_model_len:
+        Longest prompt + output (None: the model's ``max_position_embeddings``).
+    max_num_seqs, max_num_batched_tokens:
+        Requests and tokens per step at most.
+    enable_prefix_caching:
+        Reuse KV blocks of shared prompt prefixes.
+    enable_chunked_prefill, long_prefill_token_threshold:
+        Split long prompts across steps; cap one request's prefill tokens per step.
+    kv_cache_memory_bytes:
+        KV-cache budget (None: 64 MiB on CPU; on CUDA `gpu_memory_utilization` of the device
+        minus what is in use and an activation reserve).
+    gpu_memory_utilization:
+        Fraction of the GPU pagedcore may fill (with `kv_cache_memory_bytes` None).
+    backend:
+        Force an attention backend by name (no fallback).
+    seed:
+        Seed of random weights and of sampling without a per-request seed.
+    scheduling_policy:
+        ``"fcfs"`` or ``"priority"``.
+    tokenizer:
+        Overrides the model's tokenizer (anything with ``encode`` and ``decode``).
+
+    Examples
+    --------
+    >>> llm = LLM("demo", device="cpu", max_model_len=256)  # doctest: +SKIP
+    >>> out = llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))  # doctest: +SKIP
+    >>> out[0].outputs[0].token_ids  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        model: str | PretrainedConfig | PreTrainedModel,
+        *,
+        dtype: Any = None,
+        device: Any = None,
+        block_size: int = 16,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        long_prefill_token_threshold: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        backend: str | None = None,
+        seed: int = 0,
+        scheduling_policy: Literal["fcfs", "priority"] = "fcfs",
+        tokenizer: Any = None,
+    ) -> None:
+        from pagedcore.engine.model_runner import ModelRunner
+        from pagedcore.engine.models import load_model
+        from pagedcore.kv_cache.config import kv_cache_specs_from_hf_config, make_kv_cache_config
+        from pagedcore.kv_cache.manager import KVCacheManager
+
+        if not 0.0 < gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
+            )
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        loaded = load_model(model, dtype=self.dtype, device=self.device, seed=seed)
+        self.model = loaded.model
+        self.model_name = loaded.name
+        self.tokenizer = tokenizer if tokenizer is not None else loaded.tokenizer
+        self.eos_token_id = loaded.eos_token_id
+        config = self.model.config
+        max_positions = int(config.max_position_embeddings)
+        if max_model_len is None:
+            max_model_len = max_positions
+        elif max_model_len > max_positions:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+                f"{max_positions}; lower max_model_len"
+            )
+        self.max_model_len = max_model_len
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=enable_chunked_prefill,
+            long_prefill_token_threshold=long_prefill_token_threshold,
+            policy=scheduling_policy,
+        )
+        specs = kv_cache_specs_from_hf_config(config, block_size=block_size, dtype=self.dtype)
+        if kv_cache_memory_bytes is None:
+            kv_cache_memory_bytes = default_kv_cache_bytes(
+                self.device, self.model.config, gpu_memory_utilization
+            )
+        self.kv_cache_config = make_kv_cache_config(
+            specs,
+            memory_bytes=kv_cache_memory_bytes,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
+        self.kv_cache_manager = KVCacheManager(
+            self.kv_cache_config, max_model_len, enable_caching=enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.scheduler_config, self.kv_cache_manager, self.kv_cache_config
+        )
+        self.runner = ModelRunner(
+            self.model,
+            kv_cache_config=self.kv_cache_config,
+            device=self.device,
+            dtype=self.dtype,
+            backend=backend,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+        )
+        self.sampler = Sampler(seed=seed)
+        self._parents: dict[str, _Parent] = {}
+        self._child_parent: dict[str, _Parent] = {}
+        self._ids = itertools.count()
+        self._arrivals = itertools.count()
+        #: Seconds spent in schedule + input preparation, and in whole steps.
+        self.host_time = 0.0
+        self.step_time = 0.0
+        self.num_steps = 0
+
+    # ---- properties ------------------------------------------------------------------------
+
+    @property
+    def backend_names(self) -> list[str]:
+        """The attention backend of each KV-cache group."""
+        return self.runner.backend_names
+
+    def stats(self) -> dict[str, Any]:
+        """Running/waiting counts, preemptions, KV usage, prefix hits, backends, timings."""
+        s = self.scheduler.stats
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "preemptions": s.num_preemptions,
+            "kv_cache_usage": float(self.kv_cache_manager.usage),
+            "prompt_tokens": s.prompt_tokens,
+            "prefix_hit_tokens": s.prefix_hit_tokens,
+            "prefix_hit_rate": s.prefix_hit_rate,
+            "num_blocks": self.kv_cache_config.num_blocks,
+            "backends": self.backend_names,
+            "steps": self.num_steps,
+            "host_time_s": self.host_time,
+            "step_time_s": self.step_time,
+        }
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            if "prompt" in prompt:
+                prompt = str(prompt["prompt"])
+            else:
+                raise ValueError("a prompt dict needs 'prompt_token_ids' or 'prompt'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(
+                    f"model {self.model_name!r} has no tokenizer; pass token ids instead of text"
+                )
+            return prompt, [int(t) for t in self.tokenizer.encode(prompt)]
+        ids = [int(t) for t in prompt]
+        vocab = int(self.model.config.vocab_size)
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        return None, ids
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+    ) -> None:
+        """Queue a request for `step()`; ValueError (nothing queued) when it cannot be served."""
+        params = params if params is not None else SamplingParams()
+        if request_id in self._parents:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        text, ids = self._tokenize(prompt)
+        self.scheduler.check_fits(len(ids), params.max_tokens)
+        parent = _Parent(request_id, text, ids)
+        now = time.perf_counter()
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1 and params.seed is not None:
+                child_params = params.replace(seed=params.seed + i)
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            child = Request(
+                child_id,
+                ids,
+                child_params,
+                arrival_index=next(self._arrivals),
+                eos_token_id=self.eos_token_id,
+                sample_index=i,
+                arrival_time=now,
+            )
+            self.scheduler.add_request(child)
+            parent.children.append(child)
+            self._child_parent[child_id] = parent
+        self._parents[request_id] = parent
+
+    def abort(self, request_id: str) -> RequestOutput:
+        """Stop a request (all its samples) and free its blocks; KeyError for an unknown id."""
+        parent = self._parents.get(request_id)
+        if parent is None:
+            raise KeyError(
+                f"cannot abort unknown or already finished request {request_id!r}; "
+                f"{len(self._parents)} request(s) are in the engine"
+            )
+        alive = [c.request_id for c in parent.children if not c.status.finished]
+        if alive:
+            self.scheduler.abort(alive, now=time.perf_counter())
+        return self._output(parent)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; return the outputs of the requests that changed."""
+        t0 = time.perf_counter()
+        scheduled = self.scheduler.schedule()
+        sampled: dict[str, tuple[int, dict[int, float] | None]] = {}
+        if not scheduled.is_empty:
+            inputs = self.runner.prepare(scheduled.scheduled, self.scheduler.block_ids)
+            self.host_time += time.perf_counter() - t0
+            logits = self.runner.execute(inputs)
+            rows = inputs.sample_rows
+            if rows:
+                tokens, logprobs = self.sampler.sample(
+                    logits,
+                    [r.request.params for r in rows],
+                    [r.request.request_id for r in rows],
+                )
+                for row, token, lp in zip(rows, tokens, logprobs, strict=True):
+                    sampled[row.request.request_id] = (token, lp)
+        else:
+            self.host_time += time.perf_counter() - t0
+        changed = self.scheduler.update_from_output(scheduled, sampled, now=time.perf_counter())
+        parents: dict[str, _Parent] = {}
+        for request in changed:
+            parent = self._child_parent[request.request_id]
+            parents[parent.request_id] = parent
+            if request.status.finished:
+                self.sampler.forget(request.request_id)
+        outputs = [self._output(p) for p in parents.values()]
+        self.step_time += time.perf_counter() - t0
+        self.num_steps += 1
+        return outputs
+
+    def _output(self, parent: _Parent) -> RequestOutput:
+        completions = []
+        for child in parent.children:
+            tokens = child.output_token_ids
+            text = self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
+            reason = child.finish_reason
+            completions.append(
+                CompletionOutput(
+                    index=child.sample_index,
+                    token_ids=tokens,
+                    text=text,
+                    logprobs=None if child.logprobs is None else list(child.logprobs),
+                    finish_reason=None if reason is None else reason.value,
+                )
+            )
+        finished = all(c.status.finished for c in parent.children)
+        errors = [self.scheduler.errors.pop(c.request_id) for c in parent.children
+                  if c.request_id in self.scheduler.errors]
+        metrics = parent.children[0].metrics
+        if len(parent.children) > 1:
+            ends = [c.metrics.finished_time for c in parent.children]
+            if finished and all(e is not None for e in ends):
+                metrics.finished_time = max(e for e in ends if e is not None)
+        if finished:
+            self._parents.pop(parent.request_id, None)
+            for child in parent.children:
+                self._child_parent.pop(child.request_id, None)
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            num_cached_tokens=max(c.num_cached_tokens or 0 for c in parent.children),
+            metrics=metrics,
+            error=errors[0] if errors else None,
+        )
+
+    # ---- offline ---------------------------------------------------------------------------
+
+    def _add_all(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+    ) -> list[str]:
+        prompt_list: list[PromptType]
+        if isinstance(prompts, (str, Mapping)) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            prompt_list = [prompts]  # type: ignore[list-item]
+        else:
+            prompt_list = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"got {len(params_list)} SamplingParams for {len(prompt_list)} prompts; "
+                    "pass one, or one per prompt"
+                )
+        # Validate everything first so a bad prompt queues nothing.
+        for prompt, params in zip(prompt_list, params_list, strict=True):
+            _, ids = self._tokenize(prompt)
+            self.scheduler.check_fits(len(ids), params.max_tokens)
+        ids_out = []
+        for prompt, params in zip(prompt_list, params_list, strict=True):
+            request_id = f"gen-{next(self._ids)}"
+            self.add_request(request_id, prompt, params)
+            ids_out.append(request_id)
+        return ids_out
+
+    def stream(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Queue `prompts` and yield each request's output every time it changes."""
+        ids = set(self._add_all(prompts, sampling_params))
+        remaining = set(ids)
+        while remaining:
+            for out in self.step():
+                if out.request_id in ids:
+                    yield out
+                    if out.finished:
+                        remaining.discard(out.request_id)
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+        on_step: Callable[[list[RequestOutput]], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; one finished `RequestOutput` per prompt, in order.
+
+        Parameters
+        ----------
+        prompts:
+            One prompt or a list (text, token ids, or vLLM-style dicts).
+        sampling_params:
+            One for all prompts, or one per prompt (None: defaults).
+        use_tqdm:
+            Show a progress bar of finished requests (vLLM's name; drawn with rich).
+        on_step:
+            Called with each step's changed outputs.
+        """
+        ids = self._add_all(prompts, sampling_params)
+        wanted = set(ids)
+        done: dict[str, RequestOutput] = {}
+        progress: Any = None
+        if use_tqdm:
+            from rich.progress import Progress
+
+            progress = Progress(transient=True)
+            progress.start()
+            task = progress.add_task("generating", total=len(ids))
+        try:
+            while len(done) < len(ids):
+                outs = self.step()
+                if on_step is not None:
+                    on_step(outs)
+                for out in outs:
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
+                if progress is not None:
+                    progress.update(task, completed=len(done))
+                if not outs and not self.scheduler.has_unfinished_requests():
+                    break
+        finally:
+            if progress is not None:
+                progress.stop()
+        return [done[i] for i in ids]

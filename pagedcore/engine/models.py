@@ -1,0 +1,248 @@
+"""Model loading: local checkpoints, seeded random weights from a config, the built-in demo.
+
+Supported architectures: Llama, Qwen2, Qwen3, Mistral (sliding window), Gemma-2 (alternating
+sliding / full layers, attention and final logit soft-caps) and DeepSeek-V2/V3 (MLA, see
+`pagedcore.engine.mla_attention`).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig, PreTrainedModel
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "ByteTokenizer",
+    "LoadedModel",
+    "demo_config",
+    "load_model",
+    "qwen2_0_5b_config",
+    "random_model",
+    "tiny_config",
+]
+
+SUPPORTED_MODEL_TYPES = (
+    "llama", "qwen2", "qwen3", "mistral", "gemma2", "deepseek_v2", "deepseek_v3"
+)
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens 0..255, plus BOS 256, EOS 257 and PAD 258."""
+
+    bos_token_id = 256
+    eos_token_id = 257
+    pad_token_id = 258
+    vocab_size = 259
+
+    def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        return [self.bos_token_id, *ids] if add_bos else ids
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
+
+
+@attrs.define
+class LoadedModel:
+    """A causal LM ready for the engine, with its tokenizer (None when there is none)."""
+
+    model: PreTrainedModel
+    tokenizer: Any
+    name: str
+
+    @property
+    def eos_token_id(self) -> int | None:
+        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(self.model.config, "eos_token_id", None)
+        if isinstance(eos, (list, tuple)):
+            return int(eos[0]) if eos else None
+        return None if eos is None else int(eos)
+
+
+def tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:
+    """A 2-layer, hidden-64, GQA config of `model_type` for tests (initializer_range 0.1 so a
+    broken attention changes the tokens).
+
+    Mistral gets a sliding window of 12; Gemma-2 alternates sliding (window 12) and full layers
+    and uses soft-caps small enough to matter.
+    """
+    from transformers import AutoConfig
+
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model type {model_type!r} is not supported; choose one of {SUPPORTED_MODEL_TYPES}"
+        )
+    base: dict[str, Any] = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        initializer_range=0.1,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    if model_type == "mistral":
+        base["sliding_window"] = 12
+    if model_type == "gemma2":
+        base.update(
+            sliding_window=12,
+            query_pre_attn_scalar=16,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=5.0,
+            layer_types=["sliding_attention", "full_attention"],
+        )
+    if model_type in ("deepseek_v2", "deepseek_v3"):
+        from pagedcore.engine.mla_attention import TINY_MLA_OVERRIDES
+
+        del base["head_dim"]
+        base.update(TINY_MLA_OVERRIDES[model_type])
+    base.update(overrides)
+    config = AutoConfig.for_model(model_type, **base)
+    return config
+
+
+def demo_config() -> PretrainedConfig:
+    """The built-in demo model: a small Llama (2 layers, hidden 128, 4 query / 2 KV heads of 64)
+    over the byte tokenizer."""
+    from transformers import LlamaConfig
+
+    tok = ByteTokenizer()
+    return LlamaConfig(
+        vocab_size=tok.vocab_size,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,  # a size every GPU backend supports
+        max_position_embeddings=1024,
+        initializer_range=0.05,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=True,
+    )
+
+
+def qwen2_0_5b_config(**overrides: Any) -> PretrainedConfig:
+    """Qwen2-0.5B's shapes (24 layers, hidden 896, 14/2 heads, vocab 151936) for benchmarks."""
+    from transformers import Qwen2Config
+
+    base: dict[str, Any] = dict(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        initializer_range=0.02,
+        bos_token_id=151643,
+        eos_token_id=151643,
+    )
+    base.update(overrides)
+    return Qwen2Config(**base)
+
+
+def random_model(
+    config: PretrainedConfig,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+) -> PreTrainedModel:
+    """A causal LM with seeded random weights (the same `seed` gives the same weights on the
+    same device type)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(config)  # the model's attention implementation will be changed
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model: Any = AutoModelForCausalLM.from_config(config, dtype=dtype)  # type: ignore[no-untyped-call]
+    model.eval()
+    result: PreTrainedModel = model
+    return result
+
+
+def _check_model_type(config: PretrainedConfig) -> None:
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model type {model_type!r} is not supported by the pagedcore engine; supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+
+
+def load_model(
+    model: str | PretrainedConfig | PreTrainedModel,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+) -> LoadedModel:
+    """Resolve what the user passed as `model`.
+
+    Parameters
+    ----------
+    model:
+        ``"demo"`` (built-in model, byte tokenizer), ``"random:<type>"`` (a `tiny_config` of
+        that type) or ``"random:qwen2-0.5b"``, a local checkpoint directory, a transformers
+        config (seeded random weights) or a loaded model (used as is, moved to `device`).
+    """
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    if isinstance(model, PreTrainedModel):
+        _check_model_type(model.config)
+        given: Any = model
+        return LoadedModel(given.to(device=device, dtype=dtype).eval(), None,
+                           type(model).__name__)
+    if isinstance(model, PretrainedConfig):
+        _check_model_type(model)
+        return LoadedModel(random_model(model, dtype=dtype, device=device, seed=seed), None,
+                           f"random {model.model_type}")
+    if model == "demo":
+        built = random_model(demo_config(), dtype=dtype, device=device, seed=seed)
+        return LoadedModel(built, ByteTokenizer(), "demo")
+    if model.startswith("random:"):
+        kind = model.removeprefix("random:")
+        config = qwen2_0_5b_config() if kind == "qwen2-0.5b" else tiny_config(kind)
+        return LoadedModel(random_model(config, dtype=dtype, device=device, seed=seed), None,
+                           model)
+    if os.path.isdir(model):
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        _check_model_type(AutoConfig.from_pretrained(model, local_files_only=True))
+        loaded: Any = AutoModelForCausalLM.from_pretrained(
+            model, dtype=dtype, local_files_only=True
+        )
+        tokenizer: Any = None
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
+        except (OSError, ValueError):
+            tokenizer = None
+        return LoadedModel(loaded.to(device).eval(), tokenizer, os.path.basename(model))
+    raise ValueError(
+        f"cannot load model {model!r}: give a local checkpoint directory, 'demo', "
+        f"'random:<{'|'.join(SUPPORTED_MODEL_TYPES)}>', 'random:qwen2-0.5b', a transformers "
+        "config or a loaded model"
+    )

@@ -1,0 +1,92 @@
+"""What the engine hands back: per-request outputs with timing metrics."""
+
+from __future__ import annotations
+
+import attrs
+
+__all__ = ["CompletionOutput", "RequestMetrics", "RequestOutput"]
+
+
+@attrs.define(kw_only=True)
+class RequestMetrics:
+    """Wall-clock timestamps (``time.perf_counter`` seconds) and counters of one request."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        """Seconds from arrival to the first generated token, or None before it exists."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+
+@attrs.define(kw_only=True)
+class CompletionOutput:
+    """One sample of a request.
+
+    Attributes
+    ----------
+    index:
+        Which of the request's `n` samples this is.
+    token_ids:
+        Generated token ids (the prompt excluded).
+    text:
+        Decoded `token_ids` when a tokenizer is available, else "".
+    logprobs:
+        Per generated token, ``{token_id: logprob}`` of the top tokens and the sampled one, or
+        None when not requested.
+    finish_reason:
+        "length" (max_tokens or max_model_len), "stop" (EOS or a stop token), "abort", or None
+        while running.
+    """
+
+    index: int
+    token_ids: list[int]
+    text: str = ""
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@attrs.define(kw_only=True)
+class RequestOutput:
+    """The state of one request (all its samples) after a step or at the end.
+
+    Attributes
+    ----------
+    request_id:
+        The id given to `add_request` (or assigned by `generate`).
+    prompt:
+        The prompt text, or None when it was given as token ids.
+    prompt_token_ids:
+        The prompt's token ids.
+    outputs:
+        One `CompletionOutput` per sample, by index.
+    finished:
+        True once every sample has finished.
+    num_cached_tokens:
+        Prompt tokens served from the prefix cache when the request was first scheduled
+        (the largest over its samples).
+    metrics:
+        Timing of the request (of sample 0 when n > 1, with the latest finish time).
+    error:
+        Why the engine gave up on the request (it could never be scheduled), else None.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int
+    metrics: RequestMetrics
+    error: str | None = None

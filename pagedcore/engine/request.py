@@ -1,0 +1,150 @@
+"""One sequence inside the engine: its tokens, progress and status."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Sequence
+
+from pagedcore.engine.outputs import RequestMetrics
+from pagedcore.engine.sampling_params import SamplingParams
+
+__all__ = ["FinishReason", "Request", "RequestStatus"]
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+}
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request stopped (the strings vLLM users know)."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+class Request:
+    """A single sequence: prompt + generated tokens, and how far the KV cache covers them.
+
+    Satisfies the KV-cache manager's request protocol (`request_id`, `all_token_ids`,
+    `num_prompt_tokens`, `num_computed_tokens`, `cache_salt`, `lora_name`).
+    """
+
+    __slots__ = (
+        "_all_token_ids",
+        "_num_prompt_tokens",
+        "arrival_index",
+        "cache_salt",
+        "eos_token_id",
+        "logprobs",
+        "lora_name",
+        "metrics",
+        "num_cached_tokens",
+        "num_computed_tokens",
+        "params",
+        "request_id",
+        "sample_index",
+        "status",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        arrival_index: int,
+        eos_token_id: int | None = None,
+        sample_index: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self._all_token_ids: list[int] = [int(t) for t in prompt_token_ids]
+        self._num_prompt_tokens = len(self._all_token_ids)
+        self.params = params
+        self.arrival_index = arrival_index
+        self.eos_token_id = eos_token_id
+        self.sample_index = sample_index
+        self.cache_salt = params.cache_salt
+        self.lora_name: str | None = None
+        self.num_computed_tokens = 0
+        #: Prompt tokens found in the prefix cache when first scheduled; None before that.
+        self.num_cached_tokens: int | None = None
+        self.status = RequestStatus.WAITING
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.metrics = RequestMetrics(
+            arrival_time=time.perf_counter() if arrival_time is None else arrival_time
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, prompt={self.num_prompt_tokens}, "
+            f"output={self.num_output_tokens}, computed={self.num_computed_tokens}, "
+            f"{self.status.value})"
+        )
+
+    @property
+    def all_token_ids(self) -> Sequence[int]:
+        """Prompt followed by the generated tokens."""
+        return self._all_token_ids
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self._all_token_ids[: self._num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self._all_token_ids[self._num_prompt_tokens :]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self._num_prompt_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._all_token_ids) - self._num_prompt_tokens
+
+    @property
+    def priority_key(self) -> tuple[int, int]:
+        """Smaller is served first and preempted last: (priority, arrival order)."""
+        return (self.params.priority, self.arrival_index)
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _REASONS.get(self.status)
+
+    def append_token(self, token_id: int, logprobs: dict[int, float] | None = None) -> None:
+        """Record a generated token (and its log-probabilities when requested)."""
+        self._all_token_ids.append(int(token_id))
+        if self.logprobs is not None and logprobs is not None:
+            self.logprobs.append(logprobs)

@@ -1,0 +1,345 @@
+"""Continuous-batching scheduler in the vLLM V1 sense.
+
+Each `schedule()` hands a shared token budget to running requests first (oldest first), then to
+waiting ones (FCFS or priority). A prompt is chunked when it does not fit the budget (or exceeds
+`long_prefill_token_threshold`). When the KV cache has no room, the newest (or lowest-priority)
+running request is preempted: its blocks are freed and it is recomputed later, keeping every
+token it generated. `update_from_output()` appends sampled tokens and retires finished requests,
+freeing their blocks at once.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from pagedcore.engine.request import Request, RequestStatus
+from pagedcore.engine.scheduler_types import (
+    KVManagerLike,
+    ScheduledRequest,
+    SchedulerConfig,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from pagedcore.kv_cache.spec import FullAttentionSpec, KVCacheConfig, cdiv
+
+__all__ = [
+    "KVManagerLike",
+    "ScheduledRequest",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "SchedulerStats",
+]
+
+
+class Scheduler:
+    """Decides, step by step, which tokens of which requests run.
+
+    Parameters
+    ----------
+    config:
+        Step limits and policy.
+    kv_cache_manager:
+        Allocates KV blocks (`pagedcore.kv_cache.KVCacheManager`).
+    kv_cache_config:
+        The cache layout, used to reject requests that could never fit.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVManagerLike,
+        kv_cache_config: KVCacheConfig,
+    ) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.kv_cache_config = kv_cache_config
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+        self.errors: dict[str, str] = {}
+        # Block ids per running request, refreshed whenever its blocks can change (after
+        # allocate_slots), so the runner does not query the manager for every request each step.
+        self._block_ids: dict[str, tuple[list[int], ...]] = {}
+        # Tokens the request's allocated blocks can hold. With full attention only, a step that
+        # stays inside them and completes no block changes nothing in the manager (no new block,
+        # nothing new to cache, nothing leaves a window), so allocate_slots is skipped.
+        self._capacity: dict[str, int] = {}
+        self._block_sizes = [g.spec.block_size for g in kv_cache_config.groups]
+        self._fast_path = all(isinstance(g.spec, FullAttentionSpec)
+                              for g in kv_cache_config.groups)
+
+    # ---- admission -------------------------------------------------------------------------
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """KV blocks (summed over groups) one request of `num_tokens` tokens holds at most."""
+        total = 0
+        for group in self.kv_cache_config.groups:
+            spec = group.spec
+            need = spec.max_memory_usage_bytes(num_tokens, self.config.max_num_batched_tokens)
+            total += cdiv(need, spec.page_size_bytes)
+        return total
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise ValueError when a request of this shape could never be served."""
+        limit = self.config.max_model_len
+        if num_prompt_tokens == 0:
+            raise ValueError("the prompt is empty; give at least one token")
+        if num_prompt_tokens > limit:
+            raise ValueError(
+                f"the prompt has {num_prompt_tokens} tokens, more than max_model_len={limit}; "
+                "shorten the prompt or raise max_model_len"
+            )
+        # The last sampled token is never fed back, so it needs no KV slot.
+        tokens = min(num_prompt_tokens + max_tokens - 1, limit)
+        need = self.blocks_needed(tokens)
+        usable = self.kv_cache_config.num_blocks - 1  # block 0 is the null block
+        if need > usable:
+            raise ValueError(
+                f"a request of {tokens} tokens needs {need} KV blocks but the cache has only "
+                f"{usable}; raise kv_cache_memory_bytes, or lower max_tokens / the prompt length"
+            )
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; ValueError (and nothing queued) if it could never be served."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        self.check_fits(request.num_prompt_tokens, request.params.max_tokens)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- scheduling ------------------------------------------------------------------------
+
+    def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
+        num_new = request.num_tokens - num_computed
+        threshold = self.config.long_prefill_token_threshold
+        if threshold is not None:
+            num_new = min(num_new, threshold)
+        return min(num_new, budget)
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: r.priority_key)
+        return self.running[-1]
+
+    def _peek_waiting(self) -> Request:
+        if self.config.policy == "priority":
+            return min(self.waiting, key=lambda r: r.priority_key)
+        return self.waiting[0]
+
+    def block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """Block ids of a scheduled request per KV-cache group (a block-table row each)."""
+        return self._block_ids[request_id]
+
+    def _allocate(
+        self,
+        request: Request,
+        num_new: int,
+        *,
+        num_cached: int = 0,
+        cached_blocks: Any = None,
+    ) -> bool:
+        rid = request.request_id
+        start = request.num_computed_tokens + num_cached
+        end = start + num_new
+        if (
+            self._fast_path
+            and cached_blocks is None
+            and end <= self._capacity.get(rid, 0)
+            and all(end // b == start // b for b in self._block_sizes)
+        ):
+            return True
+        if cached_blocks is None:
+            allocated = self.kv.allocate_slots(request, num_new)
+        else:
+            allocated = self.kv.allocate_slots(
+                request, num_new, num_new_computed_tokens=num_cached,
+                new_computed_blocks=cached_blocks,
+            )
+        if allocated is None:
+            return False
+        self._block_ids[rid] = self.kv.get_block_ids(rid)
+        self._capacity[rid] = min(cdiv(end, b) * b for b in self._block_sizes)
+        return True
+
+    def _free(self, request: Request) -> None:
+        self.kv.free(request)
+        self._block_ids.pop(request.request_id, None)
+        self._capacity.pop(request.request_id, None)
+
+    def _preempt(self, request: Request) -> None:
+        self._free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.metrics.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _reject(self, request: Request, reason: str) -> None:
+        self._free(request)
+        request.status = RequestStatus.FINISHED_ABORTED
+        self.errors[request.request_id] = reason
+        self.requests.pop(request.request_id, None)
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's tokens and allocate their KV slots."""
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, ScheduledRequest] = {}
+        preempted: list[Request] = []
+        rejected: list[Request] = []
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            start = request.num_computed_tokens
+            num_new = self._num_new_tokens(request, start, budget)
+            if num_new <= 0:
+                index += 1
+                continue
+            placed = True
+            while not self._allocate(request, num_new):
+                if len(self.running) == 1:
+                    # Alone and still no room: it can never run; do not leave it hanging.
+                    self.running.remove(request)
+                    self._reject(request, "the KV cache cannot hold this request even alone")
+                    rejected.append(request)
+                    placed = False
+                    break
+                victim = self._pick_victim()
+                victim_index = self.running.index(victim)
+                self.running.pop(victim_index)
+                undone = scheduled.pop(victim.request_id, None)
+                if undone is not None:
+                    budget += undone.num_new_tokens
+                if victim_index < index:
+                    index -= 1
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    placed = False
+                    break
+            if not placed:
+                continue
+            scheduled[request.request_id] = ScheduledRequest(request, start, num_new)
+            budget -= num_new
+            index += 1
+
+        if not preempted:
+            self._schedule_waiting(budget, scheduled, rejected)
+
+        for item in scheduled.values():
+            item.request.num_computed_tokens = item.end
+        self.stats.num_running = len(self.running)
+        self.stats.num_waiting = len(self.waiting)
+        self.stats.kv_cache_usage = float(self.kv.usage)
+        return SchedulerOutput(tuple(scheduled.values()), tuple(preempted), tuple(rejected))
+
+    def _schedule_waiting(
+        self, budget: int, scheduled: dict[str, ScheduledRequest], rejected: list[Request]
+    ) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self._peek_waiting()
+            computed_blocks, num_cached = self.kv.get_computed_blocks(request)
+            if num_cached >= request.num_tokens:
+                raise RuntimeError(
+                    f"KV manager reported {num_cached} cached tokens for a request of "
+                    f"{request.num_tokens}; the last token must always be recomputed"
+                )
+            num_new = self._num_new_tokens(request, num_cached, budget)
+            if not self.config.enable_chunked_prefill and num_new < request.num_tokens - num_cached:
+                break
+            if not self._allocate(request, num_new, num_cached=num_cached,
+                                  cached_blocks=computed_blocks):
+                if not self.running:
+                    self.waiting.remove(request)
+                    self._reject(request, "the KV cache cannot hold this request even alone")
+                    rejected.append(request)
+                    continue
+                break
+            self.waiting.remove(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_cached
+                self.stats.prompt_tokens += request.num_prompt_tokens
+                self.stats.prefix_hit_tokens += num_cached
+            self.running.append(request)
+            scheduled[request.request_id] = ScheduledRequest(request, num_cached, num_new)
+            budget -= num_new
+
+    # ---- results ---------------------------------------------------------------------------
+
+    def update_from_output(
+        self,
+        output: SchedulerOutput,
+        sampled: dict[str, tuple[int, dict[int, float] | None]],
+        *,
+        now: float,
+    ) -> list[Request]:
+        """Append sampled tokens, stop finished requests and free their blocks.
+
+        Returns every request whose output changed this step (including ones that finished).
+        """
+        changed: list[Request] = list(output.rejected)
+        for item in output.scheduled:
+            request = item.request
+            if item.request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = now
+            if request.request_id not in sampled:
+                continue
+            token, logprobs = sampled[request.request_id]
+            request.append_token(token, logprobs)
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            request.metrics.last_token_time = now
+            status = self._stop_status(request, token)
+            if status is not None:
+                self._finish(request, status, now=now)
+            changed.append(request)
+        return changed
+
+    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.params
+        if not params.ignore_eos and request.eos_token_id is not None:
+            if token == request.eos_token_id:
+                return RequestStatus.FINISHED_STOPPED
+        if token in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus, *, now: float) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._free(request)
+        request.status = status
+        request.metrics.finished_time = now
+        self.requests.pop(request.request_id, None)
+        self.stats.num_running = len(self.running)
+        self.stats.num_waiting = len(self.waiting)
+
+    def abort(self, request_ids: Iterable[str] | str, *, now: float) -> list[Request]:
+        """Stop requests at once and free their blocks; KeyError for an unknown id."""
+        ids: Sequence[str] = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        unknown = [i for i in ids if i not in self.requests]
+        if unknown:
+            raise KeyError(
+                f"cannot abort unknown or already finished request(s) {unknown}; "
+                f"{len(self.requests)} request(s) are in the engine"
+            )
+        aborted = [self.requests[i] for i in ids]
+        for request in aborted:
+            self._finish(request, RequestStatus.FINISHED_ABORTED, now=now)
+        return aborted

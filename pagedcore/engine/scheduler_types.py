@@ -1,0 +1,140 @@
+"""The scheduler's vocabulary: its config, its per-step output, its counters, and the part of
+the KV-cache manager it relies on."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Protocol
+
+import attrs
+
+from pagedcore.engine.request import Request
+
+__all__ = [
+    "KVManagerLike",
+    "ScheduledRequest",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "SchedulerStats",
+]
+
+
+class KVManagerLike(Protocol):
+    """The part of `pagedcore.kv_cache.KVCacheManager` the scheduler uses."""
+
+    def get_computed_blocks(self, request: Any) -> tuple[Any, int]: ...
+
+    def allocate_slots(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        *,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Any = None,
+        num_lookahead_tokens: int = 0,
+    ) -> Any: ...
+
+    def free(self, request: Any) -> None: ...
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]: ...
+
+    @property
+    def usage(self) -> float: ...
+
+
+@attrs.frozen(kw_only=True)
+class SchedulerConfig:
+    """Limits of one engine step.
+
+    Attributes
+    ----------
+    max_num_seqs:
+        Requests in one step at most.
+    max_num_batched_tokens:
+        Tokens (prefill + decode) in one step at most.
+    max_model_len:
+        Longest sequence (prompt + output) a request may reach.
+    enable_chunked_prefill:
+        Split prompts across steps; when False a prompt must fit the budget whole.
+    long_prefill_token_threshold:
+        A prefill step of one request takes at most this many tokens (None: no cap).
+    policy:
+        "fcfs" or "priority" (lower `SamplingParams.priority` first, then arrival).
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int | None = None
+    policy: Literal["fcfs", "priority"] = "fcfs"
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 1:
+            raise ValueError(
+                "long_prefill_token_threshold must be None or a positive integer, got "
+                f"{self.long_prefill_token_threshold!r}"
+            )
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                f"must be >= max_model_len ({self.max_model_len}) so any prompt fits one step; "
+                "raise it or enable chunked prefill"
+            )
+
+
+@attrs.frozen
+class ScheduledRequest:
+    """One request's share of a step: tokens ``[start, start + num_new_tokens)``."""
+
+    request: Request
+    start: int
+    num_new_tokens: int
+    #: True when the step reaches the request's last known token, so it yields logits.
+    samples: bool = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "samples", self.end == self.request.num_tokens)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+
+@attrs.frozen
+class SchedulerOutput:
+    """What the model runner executes this step."""
+
+    scheduled: tuple[ScheduledRequest, ...]
+    preempted: tuple[Request, ...] = ()
+    #: Requests that can never be served, finished with an error during this schedule().
+    rejected: tuple[Request, ...] = ()
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@attrs.define
+class SchedulerStats:
+    """Counters since the scheduler was created."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_preemptions: int = 0
+    kv_cache_usage: float = 0.0
+    prompt_tokens: int = 0
+    prefix_hit_tokens: int = 0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
