@@ -17,6 +17,9 @@ from pagedcore.engine.scheduler import Scheduler, SchedulerConfig
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
+    from pagedcore.engine.distributed.executor import TensorParallelExecutor
+    from pagedcore.engine.model_runner import ModelRunner
+
 __all__ = ["LLM", "PromptType"]
 
 #: Text (needs a tokenizer), token ids, or ``{"prompt_token_ids": [...]}`` /
@@ -71,6 +74,12 @@ class LLM:
         ``"fcfs"`` or ``"priority"``.
     tokenizer:
         Overrides the model's tokenizer (anything with ``encode`` and ``decode``).
+    tensor_parallel_size:
+        Shard attention heads and the MLP over this many processes (torch.distributed: gloo on
+        CPU, NCCL on CUDA with rank r on ``cuda:r``); 1 runs in this process. With N > 1,
+        `model` must be loadable by every rank (not a loaded model) and the KV-cache budget is
+        per rank; ``llm.runner.shutdown()`` stops the workers (also done at exit). See
+        ``docs/distributed.md``.
 
     Examples
     --------
@@ -98,6 +107,7 @@ class LLM:
         seed: int = 0,
         scheduling_policy: Literal["fcfs", "priority"] = "fcfs",
         tokenizer: Any = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         from pagedcore.engine.model_runner import ModelRunner
         from pagedcore.engine.models import load_model
@@ -110,7 +120,19 @@ class LLM:
             )
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        tp: TensorParallelExecutor | None = None
+        if tensor_parallel_size != 1:
+            from pagedcore.engine.distributed.executor import TensorParallelExecutor
+
+            tp = TensorParallelExecutor(
+                model, tensor_parallel_size=tensor_parallel_size, device=self.device,
+                dtype=self.dtype, seed=seed, kv_cache_memory_bytes=kv_cache_memory_bytes,
+                gpu_memory_utilization=gpu_memory_utilization,
+            )
+            self.device = tp.device
         loaded = load_model(model, dtype=self.dtype, device=self.device, seed=seed)
+        if tp is not None:
+            tp.shard(loaded.model)
         self.model = loaded.model
         self.model_name = loaded.name
         self.tokenizer = tokenizer if tokenizer is not None else loaded.tokenizer
@@ -133,11 +155,14 @@ class LLM:
             long_prefill_token_threshold=long_prefill_token_threshold,
             policy=scheduling_policy,
         )
-        specs = kv_cache_specs_from_hf_config(config, block_size=block_size, dtype=self.dtype)
+        rank_config = config if tp is None else tp.rank_config(config)
+        specs = kv_cache_specs_from_hf_config(rank_config, block_size=block_size, dtype=self.dtype)
         if kv_cache_memory_bytes is None:
             kv_cache_memory_bytes = default_kv_cache_bytes(
                 self.device, self.model.config, gpu_memory_utilization
             )
+        if tp is not None:
+            kv_cache_memory_bytes = tp.agree_kv_cache_bytes(kv_cache_memory_bytes)
         self.kv_cache_config = make_kv_cache_config(
             specs,
             memory_bytes=kv_cache_memory_bytes,
@@ -150,7 +175,7 @@ class LLM:
         self.scheduler = Scheduler(
             self.scheduler_config, self.kv_cache_manager, self.kv_cache_config
         )
-        self.runner = ModelRunner(
+        runner = ModelRunner(
             self.model,
             kv_cache_config=self.kv_cache_config,
             device=self.device,
@@ -159,7 +184,15 @@ class LLM:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
+            num_heads=None if tp is None else int(rank_config.num_attention_heads),
         )
+        self.runner: ModelRunner | TensorParallelExecutor = runner
+        if tp is not None:
+            self.runner = tp.attach(
+                runner, kv_cache_config=self.kv_cache_config, backend=backend,
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len, num_heads=int(rank_config.num_attention_heads),
+            )
         self.sampler = Sampler(seed=seed)
         self._parents: dict[str, _Parent] = {}
         self._child_parent: dict[str, _Parent] = {}

@@ -60,6 +60,9 @@ class ModelRunner:
         Force a backend by name (else the selector picks per group).
     max_num_seqs, max_num_batched_tokens, max_model_len:
         Step limits (size the persistent buffers).
+    num_heads:
+        Query heads this process computes (None: the config's; tensor parallelism passes the
+        rank's share).
     """
 
     def __init__(
@@ -73,6 +76,7 @@ class ModelRunner:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        num_heads: int | None = None,
     ) -> None:
         from pagedcore.engine.mla_attention import mla_impl_kwargs, swap_mla_attention
         from pagedcore.plugins.selector import select_backend
@@ -111,7 +115,8 @@ class ModelRunner:
 
         self.kv_caches = self._allocate_kv_caches()
         self.layers: dict[int, attention_hook.LayerBinding] = {}
-        num_heads = config.num_attention_heads
+        if num_heads is None:
+            num_heads = int(config.num_attention_heads)
         for g, group in enumerate(kv_cache_config.groups):
             spec = group.spec
             window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None

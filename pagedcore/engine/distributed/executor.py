@@ -1,0 +1,390 @@
+"""Rank 0 of a tensor-parallel engine: spawn the workers, broadcast each step's plan, run the
+local shard, and turn any rank's failure into one clear error.
+
+`LLM(..., tensor_parallel_size=N)` drives it in this order (every call that involves other
+ranks is a collective they mirror, see `pagedcore.engine.distributed.worker`):
+
+1. ``TensorParallelExecutor(model, ...)`` spawns ranks 1..N-1 (spawn start method, loopback
+   port) and joins the process groups;
+2. `shard` keeps rank 0's share of the loaded model; `rank_config` gives the per-rank config the
+   KV-cache specs are built from (``num_kv_heads / N``);
+3. `agree_kv_cache_bytes`: the smallest budget of all ranks, so one block count fits all;
+4. `attach` sends the KV-cache config (rank 0's scheduler plans for all ranks), gathers what
+   each rank built and checks that backends and block counts agree;
+5. per step, `prepare` broadcasts the `StepPlan` and `execute` runs the forward; only rank 0
+   computes logits.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from pagedcore.engine.distributed.group import TensorParallelError
+
+if TYPE_CHECKING:
+    import multiprocessing.process
+    from multiprocessing.connection import Connection
+
+    import torch
+
+    from pagedcore.engine.distributed.group import Groups
+    from pagedcore.engine.distributed.worker import RankReport
+    from pagedcore.engine.input_batch import StepInputs
+    from pagedcore.engine.model_runner import ModelRunner
+    from pagedcore.engine.scheduler_types import ScheduledRequest
+    from pagedcore.kv_cache.spec import KVCacheConfig
+
+__all__ = ["TensorParallelError", "TensorParallelExecutor", "peek_config"]
+
+_T = TypeVar("_T")
+#: Seconds to wait, after a failed collective, for a worker to report why.
+_REPORT_GRACE_S = 3.0
+_START_POLL_S = 0.05
+
+
+def peek_config(model: Any) -> Any:
+    """The transformers config `model` will load with, without loading weights."""
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    from pagedcore.engine.models import demo_config, qwen2_0_5b_config, tiny_config
+
+    if isinstance(model, PreTrainedModel):
+        raise ValueError(
+            "tensor_parallel_size > 1 needs a model every rank can load itself: pass a local "
+            "checkpoint directory, 'demo', 'random:<type>' or a transformers config, not a "
+            "loaded model"
+        )
+    if isinstance(model, PretrainedConfig):
+        return model
+    if model == "demo":
+        return demo_config()
+    if isinstance(model, str) and model.startswith("random:"):
+        kind = model.removeprefix("random:")
+        return qwen2_0_5b_config() if kind == "qwen2-0.5b" else tiny_config(kind)
+    if isinstance(model, str) and os.path.isdir(model):
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(model, local_files_only=True)
+    raise ValueError(f"cannot load model {model!r} (see LLM's `model` parameter)")
+
+
+class _Pool:
+    """The worker processes and their pipes; closing it stops them (also at exit)."""
+
+    def __init__(self) -> None:
+        self.procs: dict[int, multiprocessing.process.BaseProcess] = {}
+        self.conns: dict[int, Connection] = {}
+        self.groups: Groups | None = None
+        self.closed = False
+
+    def close(self, *, graceful: bool) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        import torch.distributed as dist
+
+        from pagedcore.engine.distributed.group import destroy_groups
+
+        if graceful and self.groups is not None:
+            try:
+                dist.broadcast_object_list([None], src=0, group=self.groups.control)
+            except RuntimeError:
+                graceful = False
+        deadline = time.monotonic() + (10.0 if graceful else 0.0)
+        for proc in self.procs.values():
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(2.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self.conns.values():
+            conn.close()
+        if self.groups is not None:
+            try:
+                destroy_groups()
+            except RuntimeError:
+                pass
+
+
+class TensorParallelExecutor:
+    """Rank 0 of a tensor-parallel engine; stands in for the `ModelRunner` inside `LLM`.
+
+    Parameters
+    ----------
+    model:
+        What `LLM` was given: a checkpoint directory, ``"demo"``, ``"random:<type>"`` or a
+        transformers config (every rank loads it; a loaded model cannot be shared).
+    tensor_parallel_size:
+        Number of ranks N (>= 2); heads, KV heads and the MLP width must divide by N.
+    device:
+        ``cpu`` (gloo) or ``cuda`` (NCCL; rank r uses ``cuda:r``).
+    dtype, seed:
+        As for `LLM` (same seed: same random weights on every rank).
+    kv_cache_memory_bytes, gpu_memory_utilization:
+        Each rank's KV-cache budget, as for `LLM`.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        tensor_parallel_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        seed: int,
+        kv_cache_memory_bytes: int | None,
+        gpu_memory_utilization: float,
+    ) -> None:
+        import torch
+        import torch.multiprocessing as mp
+
+        from pagedcore.engine.distributed.group import (
+            collective_timeout_s,
+            free_port,
+            init_groups,
+            rank_device,
+        )
+        from pagedcore.engine.distributed.sharding import check_shardable
+        from pagedcore.engine.distributed.worker import WorkerArgs, worker_main
+
+        check_shardable(peek_config(model), tensor_parallel_size)
+        if tensor_parallel_size < 2:
+            raise ValueError("TensorParallelExecutor needs tensor_parallel_size >= 2")
+        if device.type == "cuda" and torch.cuda.device_count() < tensor_parallel_size:
+            raise ValueError(
+                f"tensor_parallel_size={tensor_parallel_size} needs that many GPUs; "
+                f"{torch.cuda.device_count()} visible"
+            )
+        self.world_size = tensor_parallel_size
+        self.device = rank_device(device, 0)
+        self.timeout_s = collective_timeout_s()
+        self.runner: ModelRunner | None = None
+        self.rank_reports: list[RankReport] = []
+        self._step = 0
+        self._dead: str | None = None
+        self._pool = _Pool()
+        self._finalizer = weakref.finalize(self, self._pool.close, graceful=True)
+        port = free_port()
+        ctx = mp.get_context("spawn")
+        for rank in range(1, tensor_parallel_size):
+            parent, child = ctx.Pipe()
+            args = WorkerArgs(
+                rank=rank, world_size=tensor_parallel_size, port=port, model=model, dtype=dtype,
+                device_type=device.type, seed=seed, num_threads=torch.get_num_threads(),
+                timeout_s=self.timeout_s, kv_cache_memory_bytes=kv_cache_memory_bytes,
+                gpu_memory_utilization=gpu_memory_utilization,
+            )
+            proc = ctx.Process(target=worker_main, args=(args, child), daemon=True,
+                               name=f"pagedcore-tp-rank{rank}")
+            proc.start()
+            child.close()
+            self._pool.procs[rank] = proc
+            self._pool.conns[rank] = parent
+        self._wait_for_hellos()
+        self.groups = self._guard(lambda: init_groups(
+            rank=0, world_size=tensor_parallel_size, port=port, device=self.device,
+            timeout_s=self.timeout_s,
+        ))
+        self._pool.groups = self.groups
+
+    # ---- setup (collectives mirrored by every worker) ---------------------------------------
+
+    def shard(self, model: Any) -> None:
+        """Keep rank 0's share of `model` (in place)."""
+        from pagedcore.engine.distributed.sharding import shard_model
+
+        self._guard(lambda: shard_model(model, rank=0, world_size=self.world_size,
+                                        all_reduce=self.groups.all_reduce))
+
+    def rank_config(self, config: Any) -> Any:
+        """`config` as one rank sees it (heads, KV heads, MLP width divided by N)."""
+        from pagedcore.engine.distributed.sharding import rank_config
+
+        return rank_config(config, self.world_size)
+
+    def agree_kv_cache_bytes(self, budget: int) -> int:
+        """The smallest KV-cache budget over all ranks."""
+        from pagedcore.engine.distributed.group import min_over_ranks
+
+        return self._guard(lambda: min_over_ranks(self.groups, budget, self.device))
+
+    def attach(
+        self,
+        runner: ModelRunner,
+        *,
+        kv_cache_config: KVCacheConfig,
+        backend: str | None,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        num_heads: int,
+    ) -> TensorParallelExecutor:
+        """Send the KV-cache config to the workers, gather and check what every rank built."""
+        import torch.distributed as dist
+
+        from pagedcore.engine.distributed.worker import WorkerSetup, rank_report
+
+        setup = WorkerSetup(kv_cache_config=kv_cache_config, backend=backend,
+                            max_num_seqs=max_num_seqs,
+                            max_num_batched_tokens=max_num_batched_tokens,
+                            max_model_len=max_model_len, num_heads=num_heads)
+        reports: list[Any] = [None] * self.world_size
+
+        def exchange() -> None:
+            dist.broadcast_object_list([setup], src=0, group=self.groups.control)
+            dist.gather_object(rank_report(0, runner, num_heads), reports, dst=0,
+                               group=self.groups.control)
+
+        self._guard(exchange)
+        self.rank_reports = list(reports)
+        mine = self.rank_reports[0]
+        for other in self.rank_reports[1:]:
+            if (other.backend_names, other.num_blocks, other.kv_cache_shape) != (
+                mine.backend_names, mine.num_blocks, mine.kv_cache_shape
+            ):
+                error = TensorParallelError(
+                    f"ranks disagree: rank 0 built {mine}, rank {other.rank} built {other}; "
+                    "force one backend with backend=... (selection runs on every rank)"
+                )
+                self._fail(str(error))
+                raise error
+        self.runner = runner
+        return self
+
+    # ---- the ModelRunner interface ----------------------------------------------------------
+
+    @property
+    def backend_names(self) -> list[str]:
+        """The chosen backend of each KV-cache group (the same on every rank)."""
+        return self._runner.backend_names
+
+    @property
+    def _runner(self) -> ModelRunner:
+        if self.runner is None:
+            raise RuntimeError("TensorParallelExecutor.attach() has not run")
+        return self.runner
+
+    def prepare(
+        self,
+        scheduled: Sequence[ScheduledRequest],
+        block_ids: Callable[[str], tuple[list[int], ...]],
+    ) -> StepInputs:
+        """Prepare rank 0's inputs, then broadcast the step's plan to the workers."""
+        import torch.distributed as dist
+
+        from pagedcore.engine.distributed.plan import make_plan
+
+        self._check_alive()
+        inputs = self._runner.prepare(scheduled, block_ids)
+        plan = make_plan(self._step, scheduled, block_ids)
+        self._guard(lambda: dist.broadcast_object_list([plan], src=0, group=self.groups.control))
+        self._step += 1
+        return inputs
+
+    def execute(self, inputs: StepInputs) -> torch.Tensor:
+        """Run rank 0's shard of the step; ``[S, V]`` float32 logits (see `ModelRunner`)."""
+        runner = self._runner
+        return self._guard(lambda: runner.execute(inputs))
+
+    def shutdown(self) -> None:
+        """Stop the workers and leave the process groups (idempotent; also runs at exit)."""
+        if self._dead is None:
+            self._dead = "the engine was shut down"
+        self._finalizer()
+
+    # ---- failures ---------------------------------------------------------------------------
+
+    def _guard(self, fn: Callable[[], _T]) -> _T:
+        """Run `fn` (which may wait on other ranks); on failure stop everything and raise one
+        `TensorParallelError` naming the rank that failed."""
+        if self._dead is not None:
+            raise TensorParallelError(f"the tensor-parallel engine is stopped: {self._dead}")
+        try:
+            return fn()
+        except BaseException as exc:
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                self._fail(f"interrupted ({type(exc).__name__})")
+                raise
+            message = self._explain(exc)
+            self._fail(message)
+            raise TensorParallelError(message) from exc
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise TensorParallelError(f"the tensor-parallel engine is stopped: {self._dead}")
+        if any(not p.is_alive() for p in self._pool.procs.values()):
+            message = self._explain(None)
+            self._fail(message)
+            raise TensorParallelError(message)
+
+    def _collect_failures(self, wait_s: float) -> dict[int, str]:
+        failures: dict[int, str] = {}
+        deadline = time.monotonic() + wait_s
+        while True:
+            for rank, conn in self._pool.conns.items():
+                try:
+                    while conn.poll():
+                        msg = conn.recv()
+                        if msg[0] == "error":
+                            failures[rank] = f"{msg[2]}\n--- rank {rank} traceback ---\n{msg[3]}"
+                except (EOFError, OSError):
+                    pass
+                proc = self._pool.procs[rank]
+                if rank not in failures and not proc.is_alive():
+                    failures[rank] = (
+                        f"process exited with code {proc.exitcode} without reporting an error "
+                        "(killed, out of memory, or crashed in native code)"
+                    )
+            if failures or time.monotonic() >= deadline:
+                return failures
+            time.sleep(_START_POLL_S)
+
+    def _explain(self, exc: BaseException | None) -> str:
+        failures = self._collect_failures(_REPORT_GRACE_S if exc is not None else 0.5)
+        if failures:
+            parts = [f"tensor-parallel rank {r} failed: {text}" for r, text in
+                     sorted(failures.items())]
+            return "\n".join(parts) + "\nthe engine is stopped; create a new LLM"
+        if exc is None:
+            return "a tensor-parallel worker stopped without a reason; the engine is stopped"
+        return (
+            f"tensor-parallel rank 0 failed: {type(exc).__name__}: {exc}\n(no worker reported "
+            f"an error; a silent worker makes collectives time out after {self.timeout_s:g} s, "
+            "set PAGEDCORE_TP_TIMEOUT_S to change it); the engine is stopped"
+        )
+
+    def _fail(self, message: str) -> None:
+        self._dead = message
+        self._finalizer.detach()
+        self._pool.close(graceful=False)
+
+    def _wait_for_hellos(self) -> None:
+        """Wait until every worker has imported its libraries (or report the one that died)."""
+        waiting = set(self._pool.procs)
+        deadline = time.monotonic() + self.timeout_s
+        while waiting:
+            for rank in sorted(waiting):
+                conn = self._pool.conns[rank]
+                if conn.poll(_START_POLL_S):
+                    msg = conn.recv()
+                    if msg[0] == "hello":
+                        waiting.discard(rank)
+                        continue
+                    failures = {rank: f"{msg[2]}\n{msg[3]}"} if msg[0] == "error" else {}
+                    self._fail_start(failures)
+                if not self._pool.procs[rank].is_alive():
+                    self._fail_start(self._collect_failures(0.5))
+            if time.monotonic() > deadline:
+                self._fail_start({r: "did not start in time" for r in waiting})
+
+    def _fail_start(self, failures: dict[int, str]) -> None:
+        text = "; ".join(f"rank {r}: {t}" for r, t in sorted(failures.items()))
+        message = f"a tensor-parallel worker failed to start: {text or 'no reason given'}"
+        self._fail(message)
+        raise TensorParallelError(message)

@@ -1,0 +1,143 @@
+"""Process groups, timeouts and the error a failed rank produces.
+
+Two groups over the same ranks:
+
+- the *compute* group (NCCL on CUDA, gloo on CPU) carries the all-reduces inside the forward;
+  its timeout (`collective_timeout_s`) bounds how long a step may wait for a silent rank;
+- the *control* group (always gloo, CPU objects) carries the step plans. Workers wait in it
+  while the engine is idle, so its timeout is long (`CONTROL_TIMEOUT`); a dead rank 0 still
+  wakes them at once (the socket closes).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "CONTROL_TIMEOUT",
+    "FAULT_ENV",
+    "TIMEOUT_ENV",
+    "Groups",
+    "TensorParallelError",
+    "collective_timeout_s",
+    "destroy_groups",
+    "free_port",
+    "init_groups",
+    "min_over_ranks",
+    "rank_device",
+]
+
+#: Environment variable: seconds a collective may wait before the step fails (default 300).
+TIMEOUT_ENV = "PAGEDCORE_TP_TIMEOUT_S"
+#: Test hook, ``"RANK:STEP"``: that worker raises before executing that step.
+FAULT_ENV = "PAGEDCORE_TP_FAULT"
+CONTROL_TIMEOUT = datetime.timedelta(days=30)
+
+
+class TensorParallelError(RuntimeError):
+    """A rank of a tensor-parallel engine failed; the engine is stopped."""
+
+
+def collective_timeout_s() -> float:
+    """`TIMEOUT_ENV` as seconds (default 300)."""
+    raw = os.environ.get(TIMEOUT_ENV, "300")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r} must be a positive number of seconds")
+    return value
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank `rank`'s device: ``cuda:rank`` on CUDA, the CPU otherwise."""
+    import torch
+
+    if device.type == "cuda":
+        if device.index not in (None, 0):
+            raise ValueError(
+                f"with tensor parallelism pass device='cuda' (rank r uses cuda:r), not {device}"
+            )
+        return torch.device("cuda", rank)
+    return device
+
+
+@attrs.frozen
+class Groups:
+    """This rank's view of the tensor-parallel process groups."""
+
+    rank: int
+    world_size: int
+    compute: Any
+    control: Any
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sum `tensor` over the ranks, in place (compute group)."""
+        import torch.distributed as dist
+
+        dist.all_reduce(tensor, group=self.compute)
+
+
+def init_groups(
+    *, rank: int, world_size: int, port: int, device: torch.device, timeout_s: float
+) -> Groups:
+    """Join the default process group on ``127.0.0.1:port`` and create both groups."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is already initialized in this process; a tensor-parallel LLM "
+            "owns its process group: create it in a process without one, or shut the other "
+            "one down (torch.distributed.destroy_process_group())"
+        )
+    # Keep gloo on the loopback interface (single host); respect an explicit choice.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    compute = dist.group.WORLD
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    return Groups(rank, world_size, compute, control)
+
+
+def destroy_groups() -> None:
+    """Leave the process groups (no-op when none)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def min_over_ranks(groups: Groups, value: int, device: torch.device) -> int:
+    """The smallest `value` any rank passed (a collective: every rank must call it)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=groups.compute)
+    return int(t.item())

@@ -1,0 +1,117 @@
+"""The step plan rank 0 broadcasts: just enough to rebuild the step's inputs on every rank.
+
+Per scheduled request: its id, where the step starts, the new tokens and the block ids of each
+KV-cache group. Workers hold no request state: a plan is complete on its own, so preemption,
+prefix hits and aborts need no extra messages. The tensors are rebuilt locally by the same
+`InputBatch` code rank 0 runs, so every rank sees identical positions, block tables and slots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, cast
+
+import attrs
+
+if TYPE_CHECKING:
+    from pagedcore.engine.request import Request
+    from pagedcore.engine.scheduler_types import ScheduledRequest
+
+__all__ = ["PlannedRequest", "StepPlan", "make_plan", "scheduled_from_plan"]
+
+
+@attrs.frozen
+class PlannedRequest:
+    """One request's share of a step.
+
+    Attributes
+    ----------
+    request_id:
+        The scheduler's id.
+    start:
+        Position of the first new token (tokens before it are in the KV cache).
+    token_ids:
+        The step's new tokens, positions ``[start, start + len(token_ids))``.
+    block_ids:
+        Per KV-cache group, the request's block ids.
+    """
+
+    request_id: str
+    start: int
+    token_ids: tuple[int, ...]
+    block_ids: tuple[tuple[int, ...], ...]
+
+
+@attrs.frozen
+class StepPlan:
+    """The whole step, in the scheduler's order; `step` counts plans from 0."""
+
+    step: int
+    requests: tuple[PlannedRequest, ...]
+
+
+def make_plan(
+    step: int,
+    scheduled: Sequence[ScheduledRequest],
+    block_ids: Callable[[str], tuple[list[int], ...]],
+) -> StepPlan:
+    """The plan of a scheduler step (rank 0)."""
+    return StepPlan(
+        step,
+        tuple(
+            PlannedRequest(
+                s.request.request_id,
+                s.start,
+                tuple(s.request.all_token_ids[s.start : s.end]),
+                tuple(tuple(g) for g in block_ids(s.request.request_id)),
+            )
+            for s in scheduled
+        ),
+    )
+
+
+class _TokenWindow:
+    """The slice ``[start, end)`` of a token list, all a worker knows of a request."""
+
+    __slots__ = ("_start", "_tokens")
+
+    def __init__(self, start: int, tokens: tuple[int, ...]) -> None:
+        self._start = start
+        self._tokens = tokens
+
+    def __getitem__(self, index: slice) -> tuple[int, ...]:
+        if index.start != self._start or index.stop != self._start + len(self._tokens):
+            raise IndexError(
+                f"a planned request only holds tokens [{self._start}, "
+                f"{self._start + len(self._tokens)}); asked for [{index.start}, {index.stop})"
+            )
+        return self._tokens
+
+
+class _PlannedRequestView:
+    """Stands in for a `Request` in `InputBatch.prepare` on a worker.
+
+    ``num_tokens`` is one past the step's end, so no row is sampled: workers compute no logits.
+    """
+
+    __slots__ = ("all_token_ids", "num_tokens", "request_id")
+
+    def __init__(self, planned: PlannedRequest) -> None:
+        self.request_id = planned.request_id
+        self.all_token_ids = _TokenWindow(planned.start, planned.token_ids)
+        self.num_tokens = planned.start + len(planned.token_ids) + 1
+
+
+def scheduled_from_plan(
+    plan: StepPlan,
+) -> tuple[list[ScheduledRequest], Callable[[str], tuple[list[int], ...]]]:
+    """What a worker passes to `ModelRunner.prepare`: the scheduled requests (none sampled)
+    and the block-id lookup."""
+    from pagedcore.engine.scheduler_types import ScheduledRequest
+
+    blocks = {p.request_id: tuple(list(g) for g in p.block_ids) for p in plan.requests}
+    scheduled = [
+        ScheduledRequest(cast("Request", _PlannedRequestView(p)), p.start, len(p.token_ids))
+        for p in plan.requests
+    ]
+    return scheduled, blocks.__getitem__

@@ -1,0 +1,182 @@
+"""The loop of a tensor-parallel rank > 0, run in a spawned process.
+
+Setup mirrors rank 0 collective for collective: join the groups, load the model and keep this
+rank's shard, agree on the KV-cache budget (minimum over ranks), receive the `WorkerSetup`
+(the KV-cache config rank 0's scheduler plans with), build a `ModelRunner` (the selector runs
+here too), report back. Then each step: receive a `StepPlan`, rebuild the inputs, run the
+forward (its all-reduces meet rank 0's); ``None`` ends the loop.
+
+Any exception is sent to rank 0 over the worker's pipe (rank, type, message, traceback) and
+the process exits, which closes its sockets: rank 0's pending collective fails at once and
+rank 0 raises `TensorParallelError` naming this rank.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from pagedcore.engine.distributed.group import FAULT_ENV
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+
+    import torch
+
+    from pagedcore.kv_cache.spec import KVCacheConfig
+
+__all__ = ["RankReport", "WorkerArgs", "WorkerSetup", "parse_fault", "worker_main"]
+
+_MAX_REPORT_CHARS = 8000
+
+
+@attrs.frozen(kw_only=True)
+class WorkerArgs:
+    """What a worker process is started with (pickled by the spawn start method)."""
+
+    rank: int
+    world_size: int
+    port: int
+    model: Any  # a str or a transformers PretrainedConfig
+    dtype: torch.dtype
+    device_type: str
+    seed: int
+    num_threads: int
+    timeout_s: float
+    kv_cache_memory_bytes: int | None
+    gpu_memory_utilization: float
+
+
+@attrs.frozen(kw_only=True)
+class WorkerSetup:
+    """Broadcast by rank 0 once its scheduler's KV-cache config is fixed."""
+
+    kv_cache_config: KVCacheConfig
+    backend: str | None
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    num_heads: int
+
+
+@attrs.frozen(kw_only=True)
+class RankReport:
+    """What each rank built, gathered on rank 0 (and checked to agree)."""
+
+    rank: int
+    backend_names: tuple[str, ...]
+    num_blocks: int
+    num_kv_heads: tuple[int, ...]
+    num_heads: int
+    kv_cache_shape: tuple[int, ...]
+
+
+def rank_report(rank: int, runner: Any, num_heads: int) -> RankReport:
+    """`RankReport` of a built `ModelRunner`."""
+    cfg = runner.kv_cache_config
+    first = next(iter(runner.kv_caches.values()))
+    return RankReport(
+        rank=rank,
+        backend_names=tuple(runner.backend_names),
+        num_blocks=int(cfg.num_blocks),
+        num_kv_heads=tuple(int(g.spec.num_kv_heads) for g in cfg.groups),
+        num_heads=num_heads,
+        kv_cache_shape=tuple(first.shape),
+    )
+
+
+#: The "step" of a fault injected during setup (after loading, before the first collective).
+SETUP_STEP = -1
+
+
+def parse_fault(raw: str | None) -> tuple[int, int] | None:
+    """`FAULT_ENV` (``"RANK:STEP"``, STEP an integer or ``setup``) as ``(rank, step)``, setup
+    being `SETUP_STEP`; None when unset."""
+    if not raw:
+        return None
+    try:
+        rank_text, step_text = raw.split(":")
+        step = SETUP_STEP if step_text == "setup" else int(step_text)
+        return int(rank_text), step
+    except ValueError:
+        raise ValueError(
+            f"{FAULT_ENV}={raw!r} must look like 'RANK:STEP' or 'RANK:setup', e.g. '1:3'"
+        ) from None
+
+
+def worker_main(args: WorkerArgs, conn: Connection) -> None:
+    """Entry point of a worker process: run, and on any error report it and exit(1)."""
+    try:
+        _run(args, conn)
+    except BaseException as exc:
+        text = "".join(traceback.format_exception(exc))[-_MAX_REPORT_CHARS:]
+        try:
+            conn.send(("error", args.rank, f"{type(exc).__name__}: {exc}", text))
+            conn.close()
+        finally:
+            # Skip interpreter teardown: destroying a process group mid-collective can block.
+            os._exit(1)
+
+
+def _run(args: WorkerArgs, conn: Connection) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from pagedcore.engine.distributed.group import (
+        destroy_groups,
+        init_groups,
+        min_over_ranks,
+        rank_device,
+    )
+    from pagedcore.engine.distributed.plan import StepPlan, scheduled_from_plan
+    from pagedcore.engine.distributed.sharding import shard_model
+    from pagedcore.engine.model_runner import ModelRunner
+    from pagedcore.engine.models import load_model
+    from pagedcore.engine.resources import default_kv_cache_bytes
+
+    torch.set_num_threads(args.num_threads)
+    fault = parse_fault(os.environ.get(FAULT_ENV))
+    device = rank_device(torch.device(args.device_type), args.rank)
+    conn.send(("hello", args.rank))
+    groups = init_groups(rank=args.rank, world_size=args.world_size, port=args.port,
+                         device=device, timeout_s=args.timeout_s)
+    model = load_model(args.model, dtype=args.dtype, device=device, seed=args.seed).model
+    shard_model(model, rank=args.rank, world_size=args.world_size, all_reduce=groups.all_reduce)
+    if fault == (args.rank, SETUP_STEP):
+        raise RuntimeError(f"injected fault during setup ({FAULT_ENV})")
+    budget = args.kv_cache_memory_bytes
+    if budget is None:
+        budget = default_kv_cache_bytes(device, model.config, args.gpu_memory_utilization)
+    min_over_ranks(groups, budget, device)
+
+    received: list[Any] = [None]
+    dist.broadcast_object_list(received, src=0, group=groups.control)
+    setup: WorkerSetup = received[0]
+    runner = ModelRunner(
+        model,
+        kv_cache_config=setup.kv_cache_config,
+        device=device,
+        dtype=args.dtype,
+        backend=setup.backend,
+        max_num_seqs=setup.max_num_seqs,
+        max_num_batched_tokens=setup.max_num_batched_tokens,
+        max_model_len=setup.max_model_len,
+        num_heads=setup.num_heads,
+    )
+    dist.gather_object(rank_report(args.rank, runner, setup.num_heads), None, dst=0,
+                       group=groups.control)
+    while True:
+        message: list[Any] = [None]
+        dist.broadcast_object_list(message, src=0, group=groups.control)
+        plan: StepPlan | None = message[0]
+        if plan is None:
+            break
+        if fault == (args.rank, plan.step):
+            raise RuntimeError(f"injected fault at step {plan.step} ({FAULT_ENV})")
+        scheduled, block_ids = scheduled_from_plan(plan)
+        runner.execute(runner.prepare(scheduled, block_ids))
+    destroy_groups()
+    conn.send(("bye", args.rank))

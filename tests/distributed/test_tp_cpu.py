@@ -1,0 +1,98 @@
+"""Two processes over gloo give the same greedy tokens (and logits) as one process, for a
+full-attention model and a hybrid sliding-window + full model; a failing or killed worker stops
+the engine with an error naming it, quickly."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+from tp_helpers import assert_same_outputs, make_llm, params, random_prompts, workload
+
+from pagedcore.engine.distributed.executor import TensorParallelExecutor
+from pagedcore.engine.distributed.group import FAULT_ENV, TensorParallelError
+
+
+def _executor(llm: object) -> TensorParallelExecutor:
+    runner = getattr(llm, "runner")  # noqa: B009 - typed as the union in LLM
+    assert isinstance(runner, TensorParallelExecutor)
+    return runner
+
+
+@pytest.mark.parametrize(("arch", "kv_bytes"), [("llama", 48 << 10), ("gemma2", 24 << 10)])
+def test_two_ranks_match_one(arch: str, kv_bytes: int) -> None:
+    prompts = workload()
+    one = make_llm(arch, 1)
+    expected = one.generate(prompts, params())
+    two = make_llm(arch, 2, kv_bytes=kv_bytes)
+    try:
+        ex = _executor(two)
+        got = two.generate(prompts, params())
+        assert_same_outputs(expected, got)
+        # Each rank caches its half of the KV heads; one block count for every rank.
+        reports = ex.rank_reports
+        assert [r.rank for r in reports] == [0, 1]
+        assert all(r.num_kv_heads == (1,) * len(one.kv_cache_config.groups) for r in reports)
+        assert all(r.num_heads == 2 for r in reports)
+        assert len({(r.num_blocks, r.kv_cache_shape, r.backend_names) for r in reports}) == 1
+        assert reports[0].num_blocks == two.kv_cache_config.num_blocks
+        # The small budget forced preemption and the shared prefix hit the cache: the plan
+        # carries whatever the scheduler decided.
+        stats = two.stats()
+        assert stats["preemptions"] > 0, stats
+        assert stats["prefix_hit_tokens"] > 0, stats
+        kv = two.kv_cache_manager
+        assert kv.num_free_blocks == two.kv_cache_config.num_blocks - 1
+    finally:
+        _executor(two).shutdown()
+    assert all(not p.is_alive() for p in ex._pool.procs.values())
+
+
+def test_failing_worker_stops_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(FAULT_ENV, "1:2")
+    llm = make_llm("llama", 2)
+    ex = _executor(llm)
+    with pytest.raises(TensorParallelError) as info:
+        llm.generate(workload(), params())
+    message = str(info.value)
+    assert "rank 1 failed" in message and "injected fault at step 2" in message, message
+    assert ex._step == 3  # steps 0, 1 ran; step 2's plan went out, then rank 1 raised
+    assert all(not p.is_alive() for p in ex._pool.procs.values())
+    llm.add_request("late", random_prompts([5])[0], params())
+    with pytest.raises(TensorParallelError, match="engine is stopped"):
+        llm.step()
+
+
+def test_killed_worker_is_named() -> None:
+    llm = make_llm("gemma2", 2)
+    ex = _executor(llm)
+    llm.generate(random_prompts([6]), params())
+    proc = ex._pool.procs[1]
+    assert proc.pid is not None
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(10)
+    with pytest.raises(TensorParallelError, match=r"rank 1 failed: process exited with code -9"):
+        llm.generate(random_prompts([4]), params())
+
+
+def test_worker_failing_during_setup_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(FAULT_ENV, "1:setup")
+    with pytest.raises(TensorParallelError, match=r"rank 1 failed: .*injected fault during setup"):
+        make_llm("llama", 2)
+
+
+def test_rank0_failure_stops_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    llm = make_llm("llama", 2)
+    ex = _executor(llm)
+    runner = ex.runner
+    assert runner is not None
+
+    def broken(inputs: object) -> None:
+        raise ValueError("rank 0 broke")
+
+    monkeypatch.setattr(runner, "execute", broken)
+    with pytest.raises(TensorParallelError, match="rank 0 failed: ValueError: rank 0 broke"):
+        llm.generate(random_prompts([5]), params())
+    # Rank 1 was waiting in the step's all-reduce; it must not be left hanging.
+    assert all(not p.is_alive() for p in ex._pool.procs.values())
