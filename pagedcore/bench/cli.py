@@ -11,6 +11,12 @@ BENCHES: dict[str, str] = {
     "kv": "pagedcore.bench.kv:kv",
     "kernels": "pagedcore.bench.kernels:kernels",
     "engine": "pagedcore.bench.engine:engine",
+    "mla": "pagedcore.bench.mla:mla",
+    "prefix": "pagedcore.bench.prefix:prefix",
+    "chunked": "pagedcore.bench.chunked:chunked",
+    "memory": "pagedcore.bench.memory:memory",
+    "backends": "pagedcore.bench.backends:backends",
+    "tp": "pagedcore.bench.tp:tp",
 }
 
 @click.group(cls=LazyGroup, lazy=BENCHES)

@@ -22,3 +22,14 @@ def test_readme_opens_with_the_main_job_and_the_tests() -> None:
 def test_ci_runs_the_readme_test_command_verbatim() -> None:
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert _readme_commands()[1] in ci
+
+
+def test_test_module_basenames_are_unique() -> None:
+    # pytest's default import mode puts each test directory on sys.path; two test modules with
+    # one basename in different directories then fail collection.
+    seen: dict[str, Path] = {}
+    for path in [*ROOT.glob("tests/**/*.py"), *ROOT.glob("backends/*/tests/**/*.py")]:
+        if path.name == "conftest.py" or ".venv" in path.parts:
+            continue
+        assert path.name not in seen, f"{path} and {seen[path.name]} share a basename"
+        seen[path.name] = path

@@ -1,0 +1,257 @@
+"""`pagedcore bench chunked`: what chunked prefill buys short requests stuck behind a long one.
+
+Workload (a fixed arrival timeline): one long prompt arrives at t=0; 20 short requests arrive
+evenly spread over the first 90% of the long prompt's *unchunked* prefill time (measured once,
+in the warm-up, then frozen for every configuration). Reported per configuration: the short
+requests' TTFT and inter-token latency p50/p95/p99 (pooled over repetitions) and the long
+request's completion time (median), against the same timeline without chunking.
+
+Configurations change one variable at a time: ``max_num_batched_tokens`` (no per-request
+threshold), then ``long_prefill_token_threshold`` at a budget large enough for the whole prompt
+(so only the threshold chunks it). Prefix caching is off, so repetitions cannot hit.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+from typing import Any
+
+import click
+
+__all__ = ["chunked", "make_timeline", "run_config", "summarize"]
+
+
+def make_timeline(*, long_len: int, num_short: int, short_lens: tuple[int, int],
+                  short_max_tokens: int, long_max_tokens: int, window_s: float, vocab: int,
+                  seed: int = 0) -> list[Any]:
+    """The long request at 0 and `num_short` short ones at ``(i + 0.5) / n * 0.9 * window_s``."""
+    import torch
+
+    from pagedcore.bench.timeline import Arrival
+    from pagedcore.engine.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(seed)
+    long_params = SamplingParams(max_tokens=long_max_tokens, temperature=0.0, ignore_eos=True)
+    short_params = SamplingParams(max_tokens=short_max_tokens, temperature=0.0, ignore_eos=True)
+    arrivals = [Arrival(request_id="long", at=0.0,
+                        prompt=torch.randint(10, vocab, (long_len,), generator=g).tolist(),
+                        params=long_params)]
+    lo, hi = short_lens
+    for i in range(num_short):
+        n = int(torch.randint(lo, hi + 1, (1,), generator=g))
+        arrivals.append(Arrival(request_id=f"short-{i}", at=(i + 0.5) / num_short * 0.9 * window_s,
+                                prompt=torch.randint(10, vocab, (n,), generator=g).tolist(),
+                                params=short_params))
+    return arrivals
+
+
+def summarize(runs: list[list[Any]]) -> dict[str, Any]:
+    """Short-request TTFT/ITL percentiles (pooled) and the long request's median times.
+
+    Parameters
+    ----------
+    runs:
+        One list of `pagedcore.bench.timeline.Trace` per repetition, the long request first.
+    """
+    from pagedcore.bench.report import percentiles
+
+    ttft = [t.ttft for run in runs for t in run[1:] if t.ttft is not None]
+    itl = [x for run in runs for t in run[1:] for x in t.itls]
+    longs = [run[0] for run in runs]
+    return {
+        "short_ttft_s": percentiles(ttft),
+        "short_itl_s": percentiles(itl),
+        "long_completion_s": statistics.median(t.latency for t in longs),
+        "long_ttft_s": statistics.median(t.ttft for t in longs),
+        "long_completion_all_s": [t.latency for t in longs],
+        "unfinished": sum(t.finished is None or t.error is not None for r in runs for t in r),
+    }
+
+
+def run_config(make_llm: Any, arrivals: list[Any], *, reps: int, warmup: list[list[int]],
+               clock_factory: Any) -> dict[str, Any]:
+    """Build an engine, warm it up, run the timeline `reps` times and summarize."""
+    from pagedcore.bench.timeline import Arrival, run_timeline
+    from pagedcore.engine.sampling_params import SamplingParams
+
+    llm = make_llm()
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    run_timeline(llm, [Arrival(request_id=f"warm-{i}", at=0.0, prompt=p, params=params)
+                       for i, p in enumerate(warmup)], clock=clock_factory())
+    runs = []
+    for rep in range(reps):
+        renamed = [Arrival(request_id=f"{a.request_id}@{rep}", at=a.at, prompt=a.prompt,
+                           params=a.params) for a in arrivals]
+        traces, steps = run_timeline(llm, renamed, clock=clock_factory())
+        runs.append(traces)
+    summary = summarize(runs)
+    summary["steps_last_rep"] = len(steps)
+    return summary
+
+
+def _plot(report: dict[str, Any], path: str) -> None:
+    from pagedcore.bench.report import save_figure, subplots
+
+    rows = report["configs"]
+    labels = [r["label"] for r in rows]
+    xs = list(range(len(rows)))
+    fig, (a1, a2, a3) = subplots(3, width=5.2, height=4.4)
+    for key, ax, title in (("short_ttft_s", a1, "short requests: TTFT"),
+                           ("short_itl_s", a3, "short requests: inter-token latency")):
+        for q, marker in (("p50", "o"), ("p95", "s"), ("p99", "^")):
+            ax.plot(xs, [r[key][q] * 1e3 for r in rows], marker, label=q)
+        ax.set_yscale("log")
+        ax.set_ylabel("ms")
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    a2.bar(xs, [r["long_completion_s"] for r in rows], color="tab:gray")
+    base = rows[0]["long_completion_s"]
+    a2.axhline(base * 1.1, color="tab:red", lw=0.8, ls="--", label="no chunking + 10%")
+    a2.set_ylabel("s")
+    a2.set_title(f"long request ({report['workload']['long_prompt_tokens']:,} tokens): completion")
+    a2.legend(fontsize=8)
+    for ax in (a1, a2, a3):
+        ax.set_xticks(xs, labels, rotation=60, ha="right", fontsize=7)
+    env = report["environment"]
+    save_figure(fig, path, caption=f"{env['device']} · backend {report['backend']} · "
+                f"commit {env['git_commit']} · mnbt = max_num_batched_tokens, thr = "
+                "long_prefill_token_threshold")
+
+
+@click.command()
+@click.option("--small", is_flag=True, help="Tiny model, 8K-token long prompt (CPU-friendly).")
+@click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
+@click.option("--backend", default=None, help="Force an attention backend.")
+@click.option("--long-len", default=None, type=int, help="Long prompt tokens.")
+@click.option("--reps", default=None, type=int, help="Timeline repetitions per configuration.")
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
+@click.option("--plot", "plot_path", default=None, type=click.Path(dir_okay=False))
+def chunked(small: bool, device: str | None, backend: str | None, long_len: int | None,
+            reps: int | None, json_path: str | None, plot_path: str | None) -> None:
+    """Chunked prefill: short-request TTFT/ITL and long completion vs no chunking."""
+    import torch
+
+    from pagedcore.bench.report import environment, model_shape, pick_device, write_json
+    from pagedcore.bench.timeline import WallClock
+    from pagedcore.engine.llm import LLM
+    from pagedcore.engine.models import qwen2_0_5b_config, random_model, tiny_config
+
+    dev = pick_device(device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    if small:
+        config = tiny_config("qwen2", vocab_size=512, hidden_size=128, intermediate_size=256,
+                             num_hidden_layers=2, max_position_embeddings=32768)
+        long_len = long_len or 8192
+        budgets, thresholds = [256, 512, 1024, 2048], [256, 512, 1024, 2048]
+        short_max = 8
+    else:
+        long_len = long_len or 32768
+        # Room for the 32K prompt plus its output (Qwen2-0.5B's own limit is 32,768).
+        config = qwen2_0_5b_config(max_position_embeddings=max(32768, long_len + 256))
+        budgets, thresholds = [512, 1024, 2048, 4096, 8192], [512, 1024, 2048, 4096, 8192]
+        short_max = 32
+    reps = reps or (1 if small else 3)
+    vocab = int(config.vocab_size)
+    max_model_len = long_len + 256
+    common: dict[str, Any] = dict(
+        block_size=16, max_model_len=max_model_len, max_num_seqs=64,
+        enable_prefix_caching=False,
+        kv_cache_memory_bytes=(1 << 30) if dev.type == "cpu" else (16 << 30),
+    )
+    model = random_model(config, dtype=dtype, device=dev, seed=0)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else None
+
+    def clock() -> Any:
+        return WallClock(sync)
+
+    configs: list[tuple[str, dict[str, Any]]] = [
+        ("no chunking", dict(enable_chunked_prefill=False, max_num_batched_tokens=max_model_len,
+                             long_prefill_token_threshold=None))]
+    configs += [(f"mnbt={b}", dict(enable_chunked_prefill=True, max_num_batched_tokens=b,
+                                   long_prefill_token_threshold=None)) for b in budgets]
+    configs += [(f"thr={t} (mnbt={max_model_len})",
+                 dict(enable_chunked_prefill=True, max_num_batched_tokens=max_model_len,
+                      long_prefill_token_threshold=t)) for t in thresholds]
+    g = torch.Generator().manual_seed(123)
+    warmup = [torch.randint(10, vocab, (n,), generator=g).tolist()
+              for n in (96, min(1024, long_len))]
+
+    # Calibrate the arrival window once: the long prompt's unchunked prefill, on a warm engine.
+    probe = make_timeline(long_len=long_len, num_short=0, short_lens=(64, 160),
+                          short_max_tokens=short_max, long_max_tokens=1, window_s=0.0,
+                          vocab=vocab, seed=1)
+    calib = run_config(lambda: LLM(copy.deepcopy(model), device=dev, dtype=dtype,
+                                   backend=backend, **common, **configs[0][1]),
+                       probe, reps=1, warmup=warmup, clock_factory=clock)
+    window = float(calib["long_completion_s"])
+    arrivals = make_timeline(long_len=long_len, num_short=20, short_lens=(64, 160),
+                             short_max_tokens=short_max, long_max_tokens=short_max,
+                             window_s=window, vocab=vocab, seed=1)
+    rows: list[dict[str, Any]] = []
+    backend_names = ""
+    for label, cfg in configs:
+        def make(cfg: dict[str, Any] = cfg) -> Any:
+            nonlocal backend_names
+            llm = LLM(copy.deepcopy(model), device=dev, dtype=dtype, backend=backend,
+                      **common, **cfg)
+            backend_names = ",".join(sorted(set(llm.backend_names)))
+            return llm
+
+        summary = run_config(make, arrivals, reps=reps, warmup=warmup, clock_factory=clock)
+        rows.append({"label": label, "engine_config": {**common, **cfg}, **summary})
+        click.echo(f"{label}: short TTFT p50 {summary['short_ttft_s']['p50'] * 1e3:.1f} ms, "
+                   f"long {summary['long_completion_s']:.2f} s", err=True)
+    base = rows[0]
+    for r in rows:
+        r["short_ttft_p50_speedup_vs_no_chunking"] = (
+            base["short_ttft_s"]["p50"] / r["short_ttft_s"]["p50"])
+        r["long_completion_vs_no_chunking"] = r["long_completion_s"] / base["long_completion_s"]
+    report: dict[str, Any] = {
+        "experiment": "chunked prefill",
+        "environment": environment(dev),
+        "model": model_shape(config, dtype=dtype, kv_dtype=dtype),
+        "backend": backend_names,
+        "workload": {
+            "long_prompt_tokens": long_len, "long_max_tokens": short_max,
+            "num_short": 20, "short_prompt_tokens": [64, 160], "short_max_tokens": short_max,
+            "arrival_window_s": window,
+            "arrivals_s": [a.at for a in arrivals],
+            "calibration": "window = unchunked prefill time of the long prompt alone "
+                           "(max_tokens=1, warm engine); shorts at (i+0.5)/20*0.9*window",
+        },
+        "warmup": f"per engine: 2 requests ({[len(p) for p in warmup]} tokens, max_tokens=2)",
+        "repetitions": reps,
+        "engine_config_common": common,
+        "configs": rows,
+    }
+    _print(report)
+    if json_path:
+        write_json(json_path, report)
+        click.echo(f"wrote {json_path}")
+    if plot_path:
+        _plot(report, plot_path)
+        click.echo(f"wrote {plot_path}")
+
+
+def _print(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"chunked prefill ({report['environment']['device']}, "
+                        f"{report['workload']['long_prompt_tokens']}-token long prompt)")
+    for col in ("config", "TTFT p50/p95/p99 ms", "ITL p50/p95/p99 ms", "long s",
+                "TTFT p50 gain", "long vs base"):
+        table.add_column(col, justify="right")
+    for r in report["configs"]:
+        t, i = r["short_ttft_s"], r["short_itl_s"]
+
+        def fmt(p: dict[str, Any]) -> str:
+            if p["p50"] is None:
+                return "-"
+            return f"{p['p50'] * 1e3:.1f}/{p['p95'] * 1e3:.1f}/{p['p99'] * 1e3:.1f}"
+
+        table.add_row(r["label"], fmt(t), fmt(i), f"{r['long_completion_s']:.2f}",
+                      f"{r['short_ttft_p50_speedup_vs_no_chunking']:.1f}x",
+                      f"{r['long_completion_vs_no_chunking']:.2f}")
+    Console(width=160).print(table)

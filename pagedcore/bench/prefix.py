@@ -1,0 +1,261 @@
+"""`pagedcore bench prefix`: what prefix caching buys on time to first token.
+
+Three parts, on one engine with prefix caching on (and the chat trace once more with it off):
+
+1. warm-up on unrelated requests of every prompt length used (allocator and kernel shapes warm,
+   and the cache holds unrelated blocks, as on a server that has been running);
+2. shared system prompts of several lengths: per length, ``reps`` cold requests (a fresh system
+   prompt each time, so nothing can hit) and ``reps`` warm requests (the same system prompt as a
+   priming request, a different user turn each), all with ``max_tokens=1`` so TTFT is prefill;
+   every request's ``num_cached_tokens`` is recorded and checked, so hits are proven;
+3. a multi-turn chat trace in which each turn's prompt is the full history (system prompt, all
+   earlier user turns and the engine's own replies) plus a new user turn.
+
+Requests run one at a time through the arrival-timeline driver (`pagedcore.bench.timeline`).
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+from typing import Any
+
+import click
+
+__all__ = ["chat_trace", "measure_prefix", "prefix"]
+
+
+def _tokens(n: int, *, vocab: int, seed: int) -> list[int]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, vocab, (n,), generator=g).tolist()
+
+
+def _one(llm: Any, rid: str, prompt: list[int], max_tokens: int, clock: Any = None) -> Any:
+    """Run one request alone through the timeline driver; its `Trace`."""
+    from pagedcore.bench.timeline import Arrival, run_timeline
+    from pagedcore.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    traces, _ = run_timeline(
+        llm, [Arrival(request_id=rid, at=0.0, prompt=prompt, params=params)], clock=clock
+    )
+    if traces[0].error is not None:
+        raise RuntimeError(f"request {rid} failed: {traces[0].error}")
+    return traces[0]
+
+
+def measure_prefix(llm: Any, *, lengths: list[int], reps: int, user_len: int, vocab: int,
+                   clock: Any = None) -> list[dict[str, Any]]:
+    """Cold vs warm TTFT per system-prompt length (requests with ``max_tokens=1``)."""
+    block = llm.kv_cache_config.groups[0].spec.block_size
+    rows = []
+    for li, length in enumerate(lengths):
+        shared = _tokens(length, vocab=vocab, seed=1000 + li)
+        cold, warm = [], []
+        for r in range(reps):
+            fresh = _tokens(length, vocab=vocab, seed=2000 + 100 * li + r)
+            user = _tokens(user_len, vocab=vocab, seed=3000 + 100 * li + r)
+            trace = _one(llm, f"cold-{length}-{r}", fresh + user, 1, clock)
+            cold.append(trace)
+        prime = _one(llm, f"prime-{length}", shared + _tokens(user_len, vocab=vocab,
+                                                                 seed=4000 + li), 1, clock)
+        for r in range(reps):
+            user = _tokens(user_len, vocab=vocab, seed=5000 + 100 * li + r)
+            trace = _one(llm, f"warm-{length}-{r}", shared + user, 1, clock)
+            warm.append(trace)
+        expected_hit = (length // block) * block
+        cold_ttft = statistics.median(t.ttft for t in cold)
+        warm_ttft = statistics.median(t.ttft for t in warm)
+        rows.append({
+            "system_prompt_tokens": length,
+            "user_tokens": user_len,
+            "cold_ttft_s": [t.ttft for t in cold],
+            "warm_ttft_s": [t.ttft for t in warm],
+            "cold_num_cached_tokens": [t.num_cached_tokens for t in cold],
+            "warm_num_cached_tokens": [t.num_cached_tokens for t in warm],
+            "prime_num_cached_tokens": prime.num_cached_tokens,
+            "expected_warm_hit_tokens": expected_hit,
+            "hits_proven": all(t.num_cached_tokens == 0 for t in cold)
+            and all((t.num_cached_tokens or 0) >= expected_hit for t in warm),
+            "cold_ttft_median_s": cold_ttft,
+            "warm_ttft_median_s": warm_ttft,
+            "speedup": cold_ttft / warm_ttft if warm_ttft > 0 else None,
+        })
+    return rows
+
+
+def chat_trace(llm: Any, *, turns: int, system_len: int, user_len: int, reply_len: int,
+               vocab: int, prefix: str, clock: Any = None) -> list[dict[str, Any]]:
+    """A multi-turn chat where each turn's prompt carries the full history."""
+    from pagedcore.bench.timeline import Arrival, run_timeline
+    from pagedcore.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=reply_len, temperature=0.0, ignore_eos=True)
+    history = _tokens(system_len, vocab=vocab, seed=7000)
+    rows = []
+    for turn in range(turns):
+        prompt = history + _tokens(user_len, vocab=vocab, seed=7100 + turn)
+        rid = f"{prefix}-turn-{turn}"
+        replies: dict[str, list[int]] = {}
+        arrivals = [Arrival(request_id=rid, at=0.0, prompt=prompt, params=params)]
+        traces, _ = run_timeline(llm, arrivals, clock=clock, outputs=replies)
+        trace = traces[0]
+        rows.append({
+            "turn": turn,
+            "prompt_tokens": len(prompt),
+            "num_cached_tokens": trace.num_cached_tokens,
+            "ttft_s": trace.ttft,
+            "latency_s": trace.latency,
+        })
+        history = prompt + replies[rid]
+    return rows
+
+
+def _plot(report: dict[str, Any], path: str) -> None:
+    from pagedcore.bench.report import save_figure, subplots
+
+    fig, (ax1, ax2) = subplots(2)
+    rows = report["shared_system_prompt"]
+    xs = range(len(rows))
+    cold = [r["cold_ttft_median_s"] * 1e3 for r in rows]
+    warm = [r["warm_ttft_median_s"] * 1e3 for r in rows]
+    ax1.bar([x - 0.2 for x in xs], cold, 0.4, label="cold (unique prefix)")
+    ax1.bar([x + 0.2 for x in xs], warm, 0.4, label="warm (shared prefix cached)")
+    for x, r in zip(xs, rows, strict=True):
+        ax1.annotate(f"{r['speedup']:.1f}x", (x + 0.2, r["warm_ttft_median_s"] * 1e3),
+                     ha="center", va="bottom", fontsize=8)
+    ax1.set_xticks(list(xs), [f"{r['system_prompt_tokens']:,}" for r in rows])
+    ax1.set_yscale("log")
+    ax1.set_xlabel("system prompt tokens")
+    ax1.set_ylabel("TTFT, ms (median, max_tokens=1)")
+    ax1.set_title("shared system prompt")
+    ax1.legend(fontsize=8)
+    on, off = report["chat_trace"]["caching_on"], report["chat_trace"]["caching_off"]
+    turns = [r["turn"] for r in on]
+    ax2.plot(turns, [r["ttft_s"] * 1e3 for r in off], "o-", label="prefix caching off")
+    ax2.plot(turns, [r["ttft_s"] * 1e3 for r in on], "o-", label="prefix caching on")
+    ax2.set_xlabel("turn (prompt = full history + new user turn)")
+    ax2.set_ylabel("TTFT, ms")
+    ax2.set_yscale("log")
+    ax2.set_title("multi-turn chat")
+    twin = ax2.twinx()
+    twin.bar(turns, [r["num_cached_tokens"] / r["prompt_tokens"] for r in on], 0.5,
+             color="0.85", zorder=0)
+    twin.set_ylim(0, 1)
+    twin.set_ylabel("cached fraction of prompt (bars, caching on)")
+    ax2.set_zorder(twin.get_zorder() + 1)
+    ax2.patch.set_visible(False)
+    ax2.legend(fontsize=8, loc="upper left")
+    env = report["environment"]
+    save_figure(fig, path, caption=f"{env['device']} · backend {report['backend']} · "
+                f"commit {env['git_commit']}")
+
+
+@click.command()
+@click.option("--small", is_flag=True, help="Tiny model, CPU-friendly lengths (1K/4K/8K).")
+@click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
+@click.option("--backend", default=None, help="Force an attention backend.")
+@click.option("--lengths", default=None, help="Comma list of system-prompt lengths.")
+@click.option("--reps", default=None, type=int, help="Cold and warm requests per length.")
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
+@click.option("--plot", "plot_path", default=None, type=click.Path(dir_okay=False))
+def prefix(small: bool, device: str | None, backend: str | None, lengths: str | None,
+           reps: int | None, json_path: str | None, plot_path: str | None) -> None:
+    """Prefix caching: cold vs warm TTFT at shared system prompts, and a multi-turn chat."""
+    import torch
+
+    from pagedcore.bench.report import environment, model_shape, pick_device, write_json
+    from pagedcore.bench.timeline import WallClock
+    from pagedcore.engine.llm import LLM
+    from pagedcore.engine.models import qwen2_0_5b_config, random_model, tiny_config
+
+    dev = pick_device(device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    if small:
+        config = tiny_config("qwen2", vocab_size=512, hidden_size=128, intermediate_size=256,
+                             num_hidden_layers=2, max_position_embeddings=32768)
+        lens = [1024, 4096, 8192]
+    else:
+        config = qwen2_0_5b_config()
+        lens = [1024, 4096, 16384]
+    if lengths:
+        lens = [int(x) for x in lengths.split(",")]
+    reps = reps or (3 if small else 5)
+    vocab = int(config.vocab_size)
+    engine_cfg: dict[str, Any] = dict(
+        block_size=16, max_model_len=max(lens) + 1024, max_num_seqs=64,
+        max_num_batched_tokens=4096 if small else 8192, enable_chunked_prefill=True,
+        long_prefill_token_threshold=None,
+        kv_cache_memory_bytes=(512 << 20) if dev.type == "cpu" else (16 << 30),
+    )
+    model = random_model(config, dtype=dtype, device=dev, seed=0)
+    clock = WallClock(torch.cuda.synchronize if dev.type == "cuda" else None)
+    chat = dict(turns=6, system_len=lens[0], user_len=128, reply_len=32)
+
+    results: dict[str, Any] = {}
+    for caching in (True, False):
+        llm = LLM(copy.deepcopy(model), device=dev, dtype=dtype, backend=backend,
+                  enable_prefix_caching=caching, **engine_cfg)
+        # Unrelated prompts of every length, each twice with different last 64 tokens, so
+        # both the cold and the cache-hit code paths have run at every shape.
+        for i, n in enumerate([*lens, 300]):
+            head = _tokens(n, vocab=vocab, seed=90 + i)
+            for j in range(2):
+                tail = _tokens(64, vocab=vocab, seed=190 + 10 * i + j)
+                _one(llm, f"warmup-{caching}-{i}-{j}", head + tail, 1, clock)
+        if caching:
+            results["backend"] = ",".join(sorted(set(llm.backend_names)))
+            results["shared"] = measure_prefix(llm, lengths=lens, reps=reps, user_len=64,
+                                               vocab=vocab, clock=clock)
+        results["on" if caching else "off"] = chat_trace(
+            llm, vocab=vocab, prefix=f"chat-{caching}", clock=clock, **chat)
+        del llm
+    report: dict[str, Any] = {
+        "experiment": "prefix caching",
+        "environment": environment(dev),
+        "model": model_shape(config, dtype=dtype, kv_dtype=dtype),
+        "backend": results["backend"],
+        "engine_config": {**engine_cfg, "enable_prefix_caching": True},
+        "warmup": f"unrelated max_tokens=1 requests: for each length in {[*lens, 300]}, a "
+                  "prompt of that length + 64 tokens, sent twice with different last 64 tokens "
+                  "(cold and cache-hit paths both run)",
+        "repetitions": reps,
+        "timing": "TTFT = end of the step that sampled the first token - arrival; one "
+                  "request at a time through the arrival-timeline driver; medians reported",
+        "shared_system_prompt": results["shared"],
+        "chat_trace": {"config": chat, "caching_on": results["on"],
+                       "caching_off": results["off"]},
+    }
+    _print(report)
+    if json_path:
+        write_json(json_path, report)
+        click.echo(f"wrote {json_path}")
+    if plot_path:
+        _plot(report, plot_path)
+        click.echo(f"wrote {plot_path}")
+
+
+def _print(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"prefix caching ({report['environment']['device']}, "
+                        f"backend {report['backend']})")
+    for col in ("system prompt", "cold TTFT ms", "warm TTFT ms", "speedup", "warm cached",
+                "hits proven"):
+        table.add_column(col, justify="right")
+    for r in report["shared_system_prompt"]:
+        table.add_row(f"{r['system_prompt_tokens']:,}", f"{r['cold_ttft_median_s'] * 1e3:.1f}",
+                      f"{r['warm_ttft_median_s'] * 1e3:.1f}", f"{r['speedup']:.1f}x",
+                      str(r["warm_num_cached_tokens"]), str(r["hits_proven"]))
+    Console().print(table)
+    chat = Table(title="multi-turn chat (full history each turn)")
+    for col in ("turn", "prompt", "cached (on)", "TTFT on ms", "TTFT off ms"):
+        chat.add_column(col, justify="right")
+    for on, off in zip(report["chat_trace"]["caching_on"], report["chat_trace"]["caching_off"],
+                       strict=True):
+        chat.add_row(str(on["turn"]), str(on["prompt_tokens"]), str(on["num_cached_tokens"]),
+                     f"{on['ttft_s'] * 1e3:.1f}", f"{off['ttft_s'] * 1e3:.1f}")
+    Console().print(chat)

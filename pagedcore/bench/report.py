@@ -1,0 +1,148 @@
+"""Shared helpers of the experiment benches: what ran where, JSON writing, plots, percentiles.
+
+Every experiment report (`pagedcore bench prefix|chunked|memory|backends`) starts with the same
+``"environment"`` block (device, torch/transformers versions, git commit, command line) and a
+``"model"`` block (shape, dtype, KV dtype), so a number in the docs can always be traced to the
+code, the machine and the configuration that produced it. matplotlib is imported lazily and
+always with the non-interactive Agg backend.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from matplotlib.figure import Figure
+
+__all__ = [
+    "environment",
+    "git_commit",
+    "model_shape",
+    "percentiles",
+    "pick_device",
+    "save_figure",
+    "subplots",
+    "write_json",
+]
+
+
+def git_commit() -> str | None:
+    """``HEAD`` of the checkout this module lives in, with ``+dirty`` when the tree has
+    uncommitted changes; None outside a git checkout."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                              text=True, timeout=10)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=root, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    suffix = "+dirty" if dirty.returncode == 0 and dirty.stdout.strip() else ""
+    return head.stdout.strip() + suffix
+
+
+def pick_device(device: str | None) -> torch.device:
+    """`device`, or CUDA when available, else CPU; on CPU torch is set to one intra-op thread
+    (fastest for the tiny models of ``--small``, and least disturbed by other processes)."""
+    import torch
+
+    picked = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if picked.type == "cpu":
+        torch.set_num_threads(1)
+    return picked
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    """Device name, library versions, commit and command line of this run."""
+    import torch
+    import transformers
+
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = f"cpu ({platform.processor() or platform.machine()}, "
+        name += f"{torch.get_num_threads()} torch threads)"
+    return {
+        "device": name,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "git_commit": git_commit(),
+        "load_average_1_5_15min": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "command": " ".join(["pagedcore", *sys.argv[1:]]) if sys.argv else None,
+    }
+
+
+def model_shape(config: Any, *, dtype: torch.dtype, kv_dtype: torch.dtype) -> dict[str, Any]:
+    """The attention-relevant shape of a transformers config, with weight and KV dtypes."""
+    heads = int(config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
+    return {
+        "model_type": config.model_type,
+        "num_hidden_layers": int(config.num_hidden_layers),
+        "hidden_size": int(config.hidden_size),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(getattr(config, "num_key_value_heads", heads)),
+        "head_dim": int(head_dim),
+        "vocab_size": int(config.vocab_size),
+        "weights": "random (seeded)",
+        "dtype": str(dtype).removeprefix("torch."),
+        "kv_dtype": str(kv_dtype).removeprefix("torch."),
+    }
+
+
+def percentiles(values: Sequence[float], qs: Sequence[int] = (50, 95, 99)) -> dict[str, Any]:
+    """``{"p50": ..., "p95": ..., "p99": ..., "n": len}`` by linear interpolation between
+    order statistics (numpy's default); None for each percentile of an empty input."""
+    data = sorted(float(v) for v in values)
+    out: dict[str, Any] = {"n": len(data)}
+    for q in qs:
+        if not data:
+            out[f"p{q}"] = None
+            continue
+        pos = (len(data) - 1) * q / 100
+        lo, hi = math.floor(pos), math.ceil(pos)
+        out[f"p{q}"] = data[lo] + (data[hi] - data[lo]) * (pos - lo)
+    return out
+
+
+def write_json(path: str, report: dict[str, Any]) -> None:
+    """Write `report` as indented JSON, creating the parent directory."""
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    with open(path, "w") as fh:
+        json.dump(report, fh, indent=2, default=str)
+        fh.write("\n")
+
+
+def subplots(ncols: int, *, width: float = 5.5, height: float = 4.0) -> tuple[Figure, Any]:
+    """A one-row figure of `ncols` axes on the Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, ncols, figsize=(width * ncols, height), squeeze=False)
+    return fig, axes[0]
+
+
+def save_figure(fig: Figure, path: str, *, caption: str | None = None) -> None:
+    """Save `fig` as PNG at `path` (parent created) with an optional small caption, and close it."""
+    import matplotlib.pyplot as plt
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    if caption:
+        fig.text(0.01, 0.005, caption, fontsize=7, color="0.35", ha="left", va="bottom")
+    fig.tight_layout(rect=(0, 0.04 if caption else 0, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,55 @@
+"""The prefix experiment proves its hits through num_cached_tokens, on a virtual clock."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from pagedcore.bench.prefix import chat_trace, measure_prefix
+from pagedcore.bench.timeline import VirtualClock
+
+
+def test_cold_requests_never_hit_and_warm_ones_hit_the_whole_shared_prefix(
+    make_llm: Callable[..., Any],
+) -> None:
+    llm = make_llm(max_num_batched_tokens=512)
+    clock = VirtualClock(per_token=1.0)
+    rows = measure_prefix(llm, lengths=[64, 200], reps=2, user_len=8, vocab=128, clock=clock)
+    for row, length in zip(rows, (64, 200), strict=True):
+        hit = (length // 16) * 16
+        assert row["cold_num_cached_tokens"] == [0, 0]
+        assert row["warm_num_cached_tokens"] == [hit, hit]
+        assert row["expected_warm_hit_tokens"] == hit
+        assert row["hits_proven"] is True
+        # On the virtual clock TTFT is the tokens computed: the hit is skipped, exactly.
+        assert row["cold_ttft_s"] == [length + 8.0] * 2
+        assert row["warm_ttft_s"] == [length + 8.0 - hit] * 2
+        assert row["speedup"] == (length + 8.0) / (length + 8.0 - hit)
+
+
+def test_no_hits_are_claimed_with_prefix_caching_off(make_llm: Callable[..., Any]) -> None:
+    llm = make_llm(enable_prefix_caching=False)
+    rows = measure_prefix(llm, lengths=[64], reps=1, user_len=8, vocab=128,
+                          clock=VirtualClock(per_token=1.0))
+    assert rows[0]["warm_num_cached_tokens"] == [0]
+    assert rows[0]["hits_proven"] is False
+    assert rows[0]["speedup"] == 1.0
+
+
+def test_chat_turns_reuse_the_whole_history_including_replies(
+    make_llm: Callable[..., Any],
+) -> None:
+    on = chat_trace(make_llm(), turns=3, system_len=40, user_len=10, reply_len=6, vocab=128,
+                    prefix="on", clock=VirtualClock(per_token=1.0))
+    off = chat_trace(make_llm(enable_prefix_caching=False), turns=3, system_len=40,
+                     user_len=10, reply_len=6, vocab=128, prefix="off",
+                     clock=VirtualClock(per_token=1.0))
+    assert [r["prompt_tokens"] for r in on] == [50, 66, 82]  # history + reply + new user turn
+    assert [r["prompt_tokens"] for r in off] == [50, 66, 82]
+    assert [r["num_cached_tokens"] for r in off] == [0, 0, 0]
+    # Turn k's cache covers the full blocks of turn k-1's prompt and its reply tokens
+    # (the last reply token was never fed back, so it has no KV).
+    assert on[0]["num_cached_tokens"] == 0
+    assert on[1]["num_cached_tokens"] == ((50 + 6 - 1) // 16) * 16
+    assert on[2]["num_cached_tokens"] == ((66 + 6 - 1) // 16) * 16
+    assert all(a["ttft_s"] < b["ttft_s"] for a, b in zip(on[1:], off[1:], strict=True))
