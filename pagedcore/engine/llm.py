@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
+from pagedcore.engine.errors import EngineStepError, step_failure_message
 from pagedcore.engine.outputs import CompletionOutput, RequestOutput
 from pagedcore.engine.request import Request
 from pagedcore.engine.resources import default_kv_cache_bytes, resolve_device, resolve_dtype
 from pagedcore.engine.sampler import Sampler
 from pagedcore.engine.sampling_params import SamplingParams
-from pagedcore.engine.scheduler import Scheduler, SchedulerConfig
+from pagedcore.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
     from pagedcore.engine.distributed.executor import TensorParallelExecutor
     from pagedcore.engine.model_runner import ModelRunner
 
-__all__ = ["LLM", "PromptType"]
+__all__ = ["LLM", "EngineStepError", "PromptType"]
 
 #: Text (needs a tokenizer), token ids, or ``{"prompt_token_ids": [...]}`` /
 #: ``{"prompt": "..."}`` as in vLLM.
@@ -295,31 +296,31 @@ class LLM:
         alive = [c.request_id for c in parent.children if not c.status.finished]
         if alive:
             self.scheduler.abort(alive, now=time.perf_counter())
+        for child_id in alive:
+            self.sampler.forget(child_id)
         return self._output(parent)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; return the outputs of the requests that changed."""
+        """Run one engine step; return the outputs of the requests that changed.
+
+        Raises
+        ------
+        EngineStepError
+            The model runner, a backend or the sampler raised. The step's requests (and their
+            sibling samples) are finished with ``finish_reason == "error"``, their blocks
+            freed, their outputs (tokens generated so far included) in ``.outputs``; the
+            engine keeps serving everything else. A `TensorParallelError` (a rank failed: the
+            engine is stopped) is raised as is, after finishing every request with an error.
+        """
         t0 = time.perf_counter()
         scheduled = self.scheduler.schedule()
-        sampled: dict[str, tuple[int, dict[int, float] | None]] = {}
-        if not scheduled.is_empty:
-            inputs = self.runner.prepare(scheduled.scheduled, self.scheduler.block_ids)
-            self.host_time += time.perf_counter() - t0
-            logits = self.runner.execute(inputs)
-            rows = inputs.sample_rows
-            if rows:
-                tokens, logprobs = self.sampler.sample(
-                    logits,
-                    [r.request.params for r in rows],
-                    [r.request.request_id for r in rows],
-                )
-                for row, token, lp in zip(rows, tokens, logprobs, strict=True):
-                    sampled[row.request.request_id] = (token, lp)
-        else:
-            self.host_time += time.perf_counter() - t0
+        try:
+            sampled = self._run(scheduled, t0)
+        except BaseException as exc:
+            self._fail_step(scheduled, exc)
         changed = self.scheduler.update_from_output(scheduled, sampled, now=time.perf_counter())
         parents: dict[str, _Parent] = {}
         for request in changed:
@@ -331,6 +332,59 @@ class LLM:
         self.step_time += time.perf_counter() - t0
         self.num_steps += 1
         return outputs
+
+    def _run(
+        self, scheduled: SchedulerOutput, t0: float
+    ) -> dict[str, tuple[int, dict[int, float] | None]]:
+        """Prepare, execute and sample a scheduled step: the sampled token of each request."""
+        sampled: dict[str, tuple[int, dict[int, float] | None]] = {}
+        if scheduled.is_empty:
+            self.host_time += time.perf_counter() - t0
+            return sampled
+        inputs = self.runner.prepare(scheduled.scheduled, self.scheduler.block_ids)
+        self.host_time += time.perf_counter() - t0
+        logits = self.runner.execute(inputs)
+        rows = inputs.sample_rows
+        if rows:
+            tokens, logprobs = self.sampler.sample(
+                logits,
+                [r.request.params for r in rows],
+                [r.request.request_id for r in rows],
+            )
+            for row, token, lp in zip(rows, tokens, logprobs, strict=True):
+                sampled[row.request.request_id] = (token, lp)
+        return sampled
+
+    def _fail_step(self, scheduled: SchedulerOutput, exc: BaseException) -> NoReturn:
+        """Finish the requests of a step that raised `exc` with an error, then raise."""
+        from pagedcore.engine.distributed.group import TensorParallelError
+
+        now = time.perf_counter()
+        reason = f"{type(exc).__name__}: {exc}"
+        self.num_steps += 1
+        failed = self.scheduler.fail_step(scheduled, reason, now=now)
+        if isinstance(exc, TensorParallelError):
+            # A rank failed and the engine is stopped: nothing queued can ever run.
+            failed += [c for p in self._parents.values() for c in p.children]
+        parents: dict[str, _Parent] = {}
+        for request in failed:
+            parent = self._child_parent[request.request_id]
+            parents[parent.request_id] = parent
+        # Sibling samples of a failed request fail with it (the request is one unit).
+        self.scheduler.fail([c for p in parents.values() for c in p.children], reason, now=now)
+        for request in scheduled.rejected:
+            parent = self._child_parent[request.request_id]
+            parents[parent.request_id] = parent
+        for parent in parents.values():
+            for child in parent.children:
+                self.sampler.forget(child.request_id)
+        outputs = [self._output(p) for p in parents.values()]
+        if not isinstance(exc, Exception) or isinstance(exc, TensorParallelError):
+            raise exc
+        ids = [r.request_id for r in failed]
+        raise EngineStepError(
+            step_failure_message(exc, self.num_steps - 1, ids), outputs=outputs
+        ) from exc
 
     def _output(self, parent: _Parent) -> RequestOutput:
         completions = []
@@ -409,15 +463,27 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> Iterator[RequestOutput]:
-        """Queue `prompts` and yield each request's output every time it changes."""
+        """Queue `prompts` and yield each request's output every time it changes.
+
+        Closing the generator early (``break`` out of the loop, ``close()``, garbage
+        collection) or an exception aborts the requests it queued that have not finished,
+        freeing their blocks. A failed step raises `EngineStepError` (see `step`).
+        """
         ids = set(self._add_all(prompts, sampling_params))
         remaining = set(ids)
-        while remaining:
-            for out in self.step():
-                if out.request_id in ids:
-                    yield out
-                    if out.finished:
-                        remaining.discard(out.request_id)
+        try:
+            while remaining:
+                for out in self.step():
+                    if out.request_id in ids:
+                        if out.finished:
+                            remaining.discard(out.request_id)
+                        yield out
+        finally:
+            self._abort_quietly(remaining)
+
+    def _abort_quietly(self, request_ids: Iterable[str]) -> dict[str, RequestOutput]:
+        """Abort those of `request_ids` still in the engine; their final outputs by id."""
+        return {rid: self.abort(rid) for rid in request_ids if rid in self._parents}
 
     def generate(
         self,
@@ -439,6 +505,14 @@ class LLM:
             Show a progress bar of finished requests (vLLM's name; drawn with rich).
         on_step:
             Called with each step's changed outputs.
+
+        Raises
+        ------
+        EngineStepError
+            A step failed. Its ``outputs`` hold one output per prompt, in order: finished ones,
+            the failed step's (``finish_reason == "error"``), and the rest aborted with the
+            tokens they had. On this and any other exception (KeyboardInterrupt included) no
+            request of this call is left in the engine, which keeps serving.
         """
         ids = self._add_all(prompts, sampling_params)
         wanted = set(ids)
@@ -453,15 +527,23 @@ class LLM:
         try:
             while len(done) < len(ids):
                 outs = self.step()
-                if on_step is not None:
-                    on_step(outs)
                 for out in outs:
                     if out.finished and out.request_id in wanted:
                         done[out.request_id] = out
+                if on_step is not None:
+                    on_step(outs)
                 if progress is not None:
                     progress.update(task, completed=len(done))
                 if not outs and not self.scheduler.has_unfinished_requests():
                     break
+        except BaseException as exc:
+            # Leave nothing of this call behind in the engine.
+            if isinstance(exc, EngineStepError):
+                done.update((o.request_id, o) for o in exc.outputs if o.request_id in wanted)
+            done.update(self._abort_quietly(i for i in ids if i not in done))
+            if isinstance(exc, EngineStepError):
+                exc.outputs = [done[i] for i in ids if i in done]
+            raise
         finally:
             if progress is not None:
                 progress.stop()

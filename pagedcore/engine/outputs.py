@@ -42,8 +42,9 @@ class CompletionOutput:
         Per generated token, ``{token_id: logprob}`` of the top tokens and the sampled one, or
         None when not requested.
     finish_reason:
-        "length" (max_tokens or max_model_len), "stop" (EOS or a stop token), "abort", or None
-        while running.
+        "length" (max_tokens or max_model_len), "stop" (EOS or a stop token), "abort",
+        "error" (the step computing it failed; see `RequestOutput.error`), or None while
+        running.
     """
 
     index: int
@@ -79,7 +80,8 @@ class RequestOutput:
     metrics:
         Timing of the request (of sample 0 when n > 1, with the latest finish time).
     error:
-        Why the engine gave up on the request (it could never be scheduled), else None.
+        Why the engine gave up on the request (it could never be scheduled, or a step computing
+        it failed: then the exception's type and message), else None.
     """
 
     request_id: str

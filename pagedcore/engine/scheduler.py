@@ -330,6 +330,30 @@ class Scheduler:
         self.stats.num_running = len(self.running)
         self.stats.num_waiting = len(self.waiting)
 
+    def fail_step(self, output: SchedulerOutput, reason: str, *, now: float) -> list[Request]:
+        """Finish every request of a step that failed to run with `FINISHED_ERROR`.
+
+        `schedule()` already counted the step's tokens as computed and the KV manager cached
+        the blocks they fill, but the step never wrote them: those cache entries are dropped
+        (no later prefix hit may read them) and the requests' blocks freed. Tokens generated
+        in earlier steps stay in the requests. Returns the finished requests.
+        """
+        failed = [item.request for item in output.scheduled
+                  if not item.request.status.finished]
+        for item in output.scheduled:
+            item.request.num_computed_tokens = item.start
+            self.kv.uncache_unwritten_blocks(item.request.request_id, item.start)
+        self.fail(failed, reason, now=now)
+        return failed
+
+    def fail(self, requests: Iterable[Request], reason: str, *, now: float) -> None:
+        """Finish `requests` with `FINISHED_ERROR` and `reason` as their error; free blocks."""
+        for request in requests:
+            if request.status.finished:
+                continue
+            self._finish(request, RequestStatus.FINISHED_ERROR, now=now)
+            self.errors[request.request_id] = reason
+
     def abort(self, request_ids: Iterable[str] | str, *, now: float) -> list[Request]:
         """Stop requests at once and free their blocks; KeyError for an unknown id."""
         ids: Sequence[str] = [request_ids] if isinstance(request_ids, str) else list(request_ids)

@@ -245,6 +245,23 @@ class KVCacheManager:
         for hasher in self._hashers.values():
             hasher.forget(rid)
 
+    def uncache_unwritten_blocks(self, request_id: str, num_valid_tokens: int) -> int:
+        """Drop the prefix-cache entries of ``request_id``'s blocks past its first
+        ``num_valid_tokens`` tokens.
+
+        `allocate_slots` registers blocks as cached before the step that fills them runs; when
+        that step fails their contents were never written, so no later request may hit them.
+        Call before `free`. Returns the number of blocks uncached.
+        """
+        dropped = 0
+        groups = self.coordinator.get_blocks(request_id)
+        for size, blocks in zip(self.coordinator.block_sizes, groups, strict=True):
+            for block in blocks[num_valid_tokens // size :]:
+                if not block.is_null and block.block_hash is not None:
+                    self.block_pool._uncache(block)
+                    dropped += 1
+        return dropped
+
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         """All blocks currently held by ``request_id``, per group."""
         return KVCacheBlocks(self.coordinator.get_blocks(request_id))
