@@ -1,0 +1,307 @@
+"""The Triton MLA backend: paged latent-cache attention with split-KV (kernels in `mla_kernels`).
+
+Follows the MLA impl contract of `pagedcore.reference.mla`: cache ``[num_blocks, block_size,
+L + R]``; ``do_kv_cache_update`` takes ``key`` ``[T, 1, L + R]``; ``forward`` takes the absorbed
+query ``[T, H, L + R]`` and returns the latent output ``[T, H, L]``. Every token of a mixed batch
+runs through the same per-token kernel (decodes and prefill tokens alike); the builder chooses
+how many split-KV segments to use so that a small decode batch still fills the GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import attrs
+import torch
+
+from pagedcore.attention import (
+    AttentionBackend,
+    AttentionImpl,
+    CommonAttentionMetadata,
+    MetadataBuilder,
+)
+from pagedcore_triton._env import interpreting
+
+__all__ = [
+    "MLASplitRule",
+    "TritonMLABackend",
+    "TritonMLAImpl",
+    "TritonMLAMetadata",
+    "TritonMLAMetadataBuilder",
+    "choose_mla_splits",
+]
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, x - 1).bit_length()
+
+
+@attrs.frozen(kw_only=True)
+class MLASplitRule:
+    """Split-KV rule: double the splits while the grid stays within `target_programs` programs
+    (4 per SM of an H200's 132), each split keeps at least `min_tokens_per_split` positions, and
+    the count stays at most `max_splits` (a power of two)."""
+
+    target_programs: int = 528
+    min_tokens_per_split: int = 128
+    max_splits: int = 64
+
+
+def choose_mla_splits(
+    rule: MLASplitRule, *, num_tokens: int, head_blocks: int, max_seq_len: int
+) -> int:
+    """Power-of-two split count for one launch (1 = no split)."""
+    programs = max(1, num_tokens * head_blocks)
+    splits = 1
+    while (
+        splits * 2 <= rule.max_splits
+        and programs * splits * 2 <= rule.target_programs
+        and max_seq_len // (splits * 2) >= rule.min_tokens_per_split
+    ):
+        splits *= 2
+    return splits
+
+
+@attrs.frozen(kw_only=True)
+class TritonMLAMetadata:
+    """The Triton MLA plan for one step.
+
+    Attributes
+    ----------
+    token_req:
+        ``[T_actual]`` int32 on the device: the request of each real token.
+    token_kv_len:
+        ``[T_actual]`` int32 on the device: positions each token sees (causal end).
+    block_table:
+        ``[B, max_blocks]`` int32 on the device.
+    num_actual_tokens:
+        Real tokens; rows past it are padding and are left zero.
+    max_seq_len:
+        Longest request of the step (the impl picks the split-KV count from it).
+    """
+
+    token_req: torch.Tensor
+    token_kv_len: torch.Tensor
+    block_table: torch.Tensor
+    num_actual_tokens: int
+    max_seq_len: int
+
+
+class TritonMLAMetadataBuilder(MetadataBuilder[TritonMLAMetadata]):
+    """Per-token request ids and visible lengths (causal end) on the device."""
+
+    reorder_batch_threshold: ClassVar[int] = 1
+
+    def build(
+        self, common: CommonAttentionMetadata, *, common_prefix_len: int = 0
+    ) -> TritonMLAMetadata:
+        qsl = common.query_start_loc_cpu.long()
+        q_lens = qsl[1:] - qsl[:-1]
+        num_tokens = int(common.num_actual_tokens)
+        token_req = torch.repeat_interleave(torch.arange(common.num_reqs), q_lens)
+        index_in_req = torch.arange(num_tokens) - qsl[token_req]
+        seq_lens = common.seq_lens_cpu.long()
+        kv_len = seq_lens[token_req] - q_lens[token_req] + index_in_req + 1
+        device = common.block_table.device
+        return TritonMLAMetadata(
+            token_req=token_req.to(device=device, dtype=torch.int32),
+            token_kv_len=kv_len.to(device=device, dtype=torch.int32),
+            block_table=common.block_table,
+            num_actual_tokens=num_tokens,
+            max_seq_len=int(common.max_seq_len),
+        )
+
+
+class TritonMLAImpl(AttentionImpl[TritonMLAMetadata]):
+    """Triton MLA over the paged latent cache (contract: `pagedcore.reference.mla`).
+
+    Parameters
+    ----------
+    num_heads:
+        Query heads ``H``.
+    head_size:
+        ``L + R``.
+    scale:
+        Softmax scale on ``q·row``.
+    kv_lora_rank:
+        ``L``; keyword-only, required.
+    """
+
+    #: Query heads per program (each loaded cache row serves all of them).
+    block_h: ClassVar[int] = 16
+    #: When to split the context (per instance, so a bench can try others).
+    split_rule: MLASplitRule = MLASplitRule()
+    #: Positions per inner tile (``BLOCK_N``), warps and pipeline stages of the main kernel.
+    block_n: int = 32
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        *,
+        kv_lora_rank: int | None = None,
+        num_kv_heads: int | None = None,
+        alibi_slopes: Sequence[float] | None = None,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+        kv_cache_dtype: str = "auto",
+    ) -> None:
+        if num_kv_heads not in (None, 1):
+            raise ValueError(f"MLA has one latent KV head; got num_kv_heads={num_kv_heads}")
+        if kv_lora_rank is None or not 0 < kv_lora_rank < head_size:
+            raise ValueError(
+                f"MLA needs kv_lora_rank in (0, head_size={head_size}); got {kv_lora_rank}"
+            )
+        if alibi_slopes is not None or sliding_window is not None or logits_soft_cap is not None:
+            raise ValueError("triton_mla supports neither ALiBi, sliding window nor soft-cap")
+        super().__init__(num_heads, head_size, scale, num_kv_heads=1, kv_cache_dtype=kv_cache_dtype)
+        self.kv_lora_rank = kv_lora_rank
+
+    def do_kv_cache_update(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Write ``key`` ``[T, 1, L + R]`` rows at ``slot_mapping`` (``-1`` skipped)."""
+        from pagedcore.reference.mla import write_mla_cache
+
+        write_mla_cache(key, kv_cache, slot_mapping)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: TritonMLAMetadata,
+        *,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Latent attention for the batch.
+
+        Parameters
+        ----------
+        query:
+            ``[T, H, L + R]`` (absorbed ``q_nope`` then roped ``q_pe``), model dtype.
+        key, value:
+            Ignored (read from the cache).
+        kv_cache:
+            ``[num_blocks, block_size, L + R]``, contiguous in its last two dims.
+        metadata:
+            From `TritonMLAMetadataBuilder.build`.
+        output:
+            Optional ``[T, H, L]`` buffer.
+
+        Returns
+        -------
+        torch.Tensor
+            ``[T, H, L]``; padding rows are zero.
+        """
+        from pagedcore_triton.mla_kernels import mla_decode_kernel, mla_merge_kernel
+
+        num_tokens, num_heads, dim = query.shape
+        lat = self.kv_lora_rank
+        if dim != kv_cache.shape[-1] or num_heads != self.num_heads:
+            raise ValueError(
+                f"query {tuple(query.shape)} does not match num_heads={self.num_heads} and the "
+                f"cache row size {kv_cache.shape[-1]}"
+            )
+        if kv_cache.stride(-1) != 1 or query.stride(-1) != 1:
+            raise ValueError("triton_mla needs the cache and query contiguous in the last dim")
+        out = output if output is not None else query.new_empty(num_tokens, num_heads, lat)
+        actual = metadata.num_actual_tokens
+        if actual < num_tokens:
+            out[actual:].zero_()
+        if actual == 0:
+            return out
+        lat_pad = max(16, _next_pow2(lat))
+        rope = dim - lat
+        block_h = self.block_h
+        head_blocks = -(-num_heads // block_h)
+        splits = choose_mla_splits(self.split_rule, num_tokens=actual, head_blocks=head_blocks,
+                                   max_seq_len=metadata.max_seq_len)
+        split_len = -(-metadata.max_seq_len // splits)
+        dot_fp32 = interpreting() or query.dtype == torch.float32
+        if splits > 1:
+            part_acc = torch.empty(actual, num_heads, splits, lat_pad, dtype=torch.float32,
+                                   device=query.device)
+            part_ml = torch.empty(actual, num_heads, splits, 2, dtype=torch.float32,
+                                  device=query.device)
+        else:
+            part_acc = part_ml = out  # unused
+        mla_decode_kernel[(actual, head_blocks, splits)](
+            out, part_acc, part_ml, query, kv_cache, metadata.block_table,
+            metadata.token_req, metadata.token_kv_len,
+            num_heads, self.scale * 1.4426950408889634, split_len,
+            query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+            kv_cache.stride(0), kv_cache.stride(1), metadata.block_table.stride(0),
+            LATENT=lat, LATENT_PAD=lat_pad, ROPE=rope, ROPE_PAD=max(16, _next_pow2(rope)),
+            BLOCK_SIZE=kv_cache.shape[1], BLOCK_H=block_h, BLOCK_N=self.block_n,
+            NUM_SPLITS=splits, DOT_FP32=dot_fp32,
+            num_warps=self.num_warps, num_stages=self.num_stages,
+        )
+        if splits > 1:
+            mla_merge_kernel[(actual, num_heads)](
+                out, part_acc, part_ml, num_heads, out.stride(0), out.stride(1),
+                LATENT=lat, LATENT_PAD=lat_pad, NUM_SPLITS=splits,
+            )
+        return out
+
+
+class TritonMLABackend(AttentionBackend):
+    """Triton MLA: paged latent cache, one kernel for mixed batches, split-KV decode."""
+
+    name: ClassVar[str] = "triton_mla"
+    priority: ClassVar[int] = 20
+    supported_dtypes: ClassVar[tuple[str, ...]] = ("float16", "bfloat16", "float32")
+    supported_devices: ClassVar[tuple[str, ...]] = (
+        ("cuda", "cpu") if interpreting() else ("cuda",)
+    )
+    supports_mla: ClassVar[bool] = True
+    mla_only: ClassVar[bool] = True
+
+    @classmethod
+    def is_available(cls) -> str | None:
+        if importlib.util.find_spec("triton") is None:
+            return "triton is not installed (pip install triton)"
+        if interpreting():
+            return None
+        if not torch.cuda.is_available():
+            return (
+                "needs a CUDA GPU (torch.cuda.is_available() is False); set TRITON_INTERPRET=1 "
+                "before importing pagedcore_triton to run it in Triton's interpreter on CPU"
+            )
+        major, minor = torch.cuda.get_device_capability()
+        if major < 8:
+            return f"needs compute capability >= 8.0 (found {major}.{minor})"
+        return None
+
+    @classmethod
+    def get_builder_cls(cls) -> type[MetadataBuilder[Any]]:
+        return TritonMLAMetadataBuilder
+
+    @classmethod
+    def get_impl_cls(cls) -> type[AttentionImpl[Any]]:
+        return TritonMLAImpl
+
+    @classmethod
+    def get_kv_cache_shape(
+        cls,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        cache_dtype: str = "auto",
+    ) -> tuple[int, ...]:
+        """``(num_blocks, block_size, head_size)``: one latent row of ``L + R`` per token."""
+        from pagedcore.reference.mla import check_mla_cache_shape
+
+        check_mla_cache_shape(num_kv_heads, head_size, cache_dtype)
+        return (num_blocks, block_size, head_size)
