@@ -241,7 +241,12 @@ def engine(small: bool, device: str | None, backend: str | None, num_prompts: in
                  f"{share['step_ms']:.1f} ms)"))
     del llm
 
-    stress_cfg = tiny_config("qwen2", vocab_size=512, max_position_embeddings=256)
+    if json_path:  # keep what was measured even if a later stage fails or runs out of time
+        with open(json_path, "w") as fh:
+            json.dump(figures, fh, indent=2)
+
+    # head_dim 64 so that any forced GPU backend (which may not take tiny heads) can serve it.
+    stress_cfg = tiny_config("qwen2", vocab_size=512, max_position_embeddings=256, head_dim=64)
     stress_model = random_model(stress_cfg, dtype=torch.float32, device=dev, seed=3)
 
     def make(kv_blocks: int | None) -> Any:
