@@ -10,27 +10,41 @@ Cases (bf16, 32 query heads / 8 KV heads, head size 128, block size 16): decode 
 batch x context 64x4096, 8x32768, 256x1024; causal prefill of 4x2048 and 4x8192 tokens; a mixed
 batch of 64 decodes (context 4096) plus one 2,048-token chunk continuing a 2,048-token cached
 prefix, against the decode and prefill parts run as two separate ``forward`` calls.
+
+The measuring primitives (`time_ms`, `PagedKV`, `BackendUnderTest`, ...) live in
+`pagedcore.bench.kernel_primitives` and are re-exported here.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
-import math
-import statistics
 import subprocess
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import click
 
+from pagedcore.bench.kernel_primitives import (
+    BLOCK_SIZE,
+    HEAD_SIZE,
+    NUM_HEADS,
+    NUM_KV_HEADS,
+    BackendUnderTest,
+    PagedKV,
+    copy_bandwidth_gbps,
+    time_ms,
+)
+
 if TYPE_CHECKING:
     import torch
 
-    from pagedcore.attention import AttentionBackend, CommonAttentionMetadata
+    from pagedcore.attention import AttentionBackend
 
-NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 32, 8, 128, 16
+__all__ = [
+    "BLOCK_SIZE", "FULL", "HEAD_SIZE", "NUM_HEADS", "NUM_KV_HEADS", "QUICK", "BackendUnderTest",
+    "PagedKV", "bench_mixed", "bench_uniform", "copy_bandwidth_gbps", "kernels", "time_ms",
+]
+
 FULL: dict[str, list[tuple[int, ...]]] = {
     "decode": [(64, 4096), (8, 32768), (256, 1024)],
     "prefill": [(4, 2048), (4, 8192)],
@@ -41,189 +55,6 @@ QUICK: dict[str, list[tuple[int, ...]]] = {
     "prefill": [(1, 512)],
     "mixed": [(8, 1024, 256, 256)],
 }
-
-
-def _sync(device: torch.device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_ms(fn: Callable[[], object], device: torch.device, *, budget_ms: float = 400.0) -> float:
-    """Median milliseconds per call of `fn`, after a warm-up.
-
-    On CUDA each sample is a run of back-to-back calls between two CUDA events, L2 flushed
-    (256 MB written) before it: the host's launch latency overlaps the previous call, as in a
-    multi-layer forward, instead of being counted as kernel time.
-    """
-    import torch
-
-    for _ in range(2):
-        fn()
-    _sync(device)
-    t0 = time.perf_counter()
-    fn()
-    _sync(device)
-    once = (time.perf_counter() - t0) * 1e3
-    reps = int(min(30, max(3, budget_ms / max(once, 1e-3))))
-    times = []
-    if device.type == "cuda":
-        inner = int(min(20, max(1, 1.0 / max(once, 1e-3))))
-        flush = torch.empty(256 << 20, dtype=torch.int8, device=device)
-        for _ in range(reps):
-            flush.zero_()
-            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-            start.record()
-            for _ in range(inner):
-                fn()
-            end.record()
-            end.synchronize()
-            times.append(float(start.elapsed_time(end)) / inner)
-    else:
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return float(statistics.median(times))
-
-
-def copy_bandwidth_gbps(device: torch.device, *, quick: bool) -> float:
-    """Device-to-device copy of a large buffer: (bytes read + bytes written) / time."""
-    import torch
-
-    n = (64 if quick else 2048) << 20
-    src = torch.randint(0, 127, (n,), dtype=torch.int8, device=device)
-    dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), device)
-    return 2 * n / ms / 1e6
-
-
-class PagedKV:
-    """Random K/V of a batch, as contiguous tensors and as a paged ``[2, N, B, Hkv, D]`` cache."""
-
-    def __init__(self, seq_lens: list[int], dtype: torch.dtype, device: torch.device) -> None:
-        import torch
-
-        self.seq_lens = seq_lens
-        blocks = [math.ceil(s / BLOCK_SIZE) for s in seq_lens]
-        self.num_blocks = 1 + sum(blocks)  # block 0 is the null block
-        perm = torch.randperm(self.num_blocks - 1) + 1
-        self.block_table = torch.zeros((len(seq_lens), max(blocks)), dtype=torch.int32)
-        cursor = 0
-        for r, n in enumerate(blocks):
-            self.block_table[r, :n] = perm[cursor : cursor + n].to(torch.int32)
-            cursor += n
-        total = sum(seq_lens)
-        shape = (total, NUM_KV_HEADS, HEAD_SIZE)
-        self.key = torch.randn(shape, dtype=dtype, device=device)
-        self.value = torch.randn(shape, dtype=dtype, device=device)
-        self.slots = torch.cat([self.slots_of(r, 0, s) for r, s in enumerate(seq_lens)])
-        self.slots = self.slots.to(device)
-        self.block_table = self.block_table.to(device)
-
-    def slots_of(self, req: int, begin: int, end: int) -> torch.Tensor:
-        import torch
-
-        pos = torch.arange(begin, end)
-        table = self.block_table[req].cpu().to(torch.int64)
-        return table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
-
-    def token_slice(self, req: int) -> slice:
-        start = sum(self.seq_lens[:req])
-        return slice(start, start + self.seq_lens[req])
-
-    def new_tokens(self, q_lens: list[int], reqs: list[int]) -> torch.Tensor:
-        """Flat indices into `key`/`value` of the new tokens of a step (see `common`)."""
-        import torch
-
-        idx = [
-            torch.arange(self.token_slice(r).stop - q, self.token_slice(r).stop)
-            for r, q in zip(reqs, q_lens, strict=True)
-        ]
-        return torch.cat(idx).to(self.key.device)
-
-    def paged(self) -> torch.Tensor:
-        """The comparators' own paged cache (reference layout)."""
-        import torch
-
-        cache = torch.zeros(
-            (2, self.num_blocks * BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE),
-            dtype=self.key.dtype,
-            device=self.key.device,
-        )
-        cache[0, self.slots] = self.key
-        cache[1, self.slots] = self.value
-        return cache.view(2, self.num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
-
-    def common(self, q_lens: list[int], reqs: list[int]) -> CommonAttentionMetadata:
-        """Metadata of a step in which request ``reqs[i]`` has its last ``q_lens[i]`` tokens new."""
-        import torch
-
-        from pagedcore.attention import CommonAttentionMetadata
-
-        dev = self.key.device
-        lens = [self.seq_lens[r] for r in reqs]
-        qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
-        seq = torch.tensor(lens, dtype=torch.int32)
-        triples = list(zip(reqs, lens, q_lens, strict=True))
-        slots = torch.cat([self.slots_of(r, s - q, s) for r, s, q in triples])
-        pos = torch.cat([torch.arange(s - q, s) for _, s, q in triples])
-        return CommonAttentionMetadata(
-            query_start_loc=qsl.to(dev),
-            query_start_loc_cpu=qsl,
-            seq_lens=seq.to(dev),
-            seq_lens_cpu=seq,
-            num_reqs=len(reqs),
-            num_actual_tokens=sum(q_lens),
-            max_query_len=max(q_lens),
-            max_seq_len=max(lens),
-            block_table=self.block_table[reqs].contiguous(),
-            slot_mapping=slots.to(dev),
-            positions=pos.to(dev),
-        )
-
-
-class BackendUnderTest:
-    """One backend's cache (filled by its own cache write), builder and impl for a batch."""
-
-    def __init__(self, backend: type[AttentionBackend], kv: PagedKV) -> None:
-        import torch
-
-        from pagedcore.kv_cache.spec import FullAttentionSpec
-
-        dtype, device = kv.key.dtype, kv.key.device
-        shape = backend.get_kv_cache_shape(kv.num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
-        self.kv_cache = torch.empty(shape, dtype=dtype, device=device)
-        spec = FullAttentionSpec(
-            block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=dtype
-        )
-        self.builder = backend.get_builder_cls()(spec, ["bench"], device)
-        self.impl = backend.get_impl_cls()(
-            NUM_HEADS, HEAD_SIZE, HEAD_SIZE**-0.5, num_kv_heads=NUM_KV_HEADS
-        )
-        chunk = 1 << 16
-        for start in range(0, kv.key.shape[0], chunk):
-            sl = slice(start, start + chunk)
-            self.impl.do_kv_cache_update(kv.key[sl], kv.value[sl], self.kv_cache, kv.slots[sl])
-
-    def runner(
-        self, kv: PagedKV, q_lens: list[int], reqs: list[int], query: torch.Tensor
-    ) -> Callable[[], Any]:
-        """A closure timing one ``forward`` of the step (the plan is built outside it)."""
-        import torch
-
-        metadata = self.builder.build(kv.common(q_lens, reqs))
-        idx = kv.new_tokens(q_lens, reqs)
-        key, value = kv.key[idx], kv.value[idx]
-        out = torch.empty_like(query)
-        impl, cache = self.impl, self.kv_cache
-
-        def run() -> Any:
-            return impl.forward(query, key, value, cache, metadata, output=out)
-
-        return run
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool) -> torch.Tensor:
@@ -239,13 +70,18 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def bench_uniform(
     kind: str, batch: int, length: int, backends: list[type[AttentionBackend]],
-    device: torch.device, copy_gbps: float,
+    device: torch.device, copy_gbps: float, *, block_size: int = BLOCK_SIZE,
 ) -> list[dict[str, Any]]:
-    """Decode (one new token over `length`) or causal prefill (`length` new tokens)."""
+    """Decode (one new token over `length`) or causal prefill (`length` new tokens).
+
+    One row per implementation (SDPA on contiguous K/V, for decode a naive gather + SDPA over
+    the paged cache, then each backend over a cache of `block_size`-token blocks); a backend
+    that raises gets a row with ``error``.
+    """
     import torch
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    kv = PagedKV([length] * batch, dtype, device)
+    kv = PagedKV([length] * batch, dtype, device, block_size=block_size)
     q_len = 1 if kind == "decode" else length
     query = torch.randn((batch * q_len, NUM_HEADS, HEAD_SIZE), dtype=dtype, device=device)
     k4 = kv.key.view(batch, length, NUM_KV_HEADS, HEAD_SIZE).transpose(1, 2).contiguous()
@@ -311,13 +147,13 @@ def _chain(*fns: Callable[[], Any]) -> Callable[[], None]:
 
 def bench_mixed(
     decodes: int, ctx: int, chunk: int, prefix: int, backends: list[type[AttentionBackend]],
-    device: torch.device,
+    device: torch.device, *, block_size: int = BLOCK_SIZE,
 ) -> list[dict[str, Any]]:
     """One forward over decodes + a prefill chunk vs the two parts as separate forwards."""
     import torch
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    kv = PagedKV([ctx] * decodes + [prefix + chunk], dtype, device)
+    kv = PagedKV([ctx] * decodes + [prefix + chunk], dtype, device, block_size=block_size)
     q_lens = [1] * decodes + [chunk]
     query = torch.randn((sum(q_lens), NUM_HEADS, HEAD_SIZE), dtype=dtype, device=device)
     rows: list[dict[str, Any]] = []
@@ -352,14 +188,20 @@ def _mixed_row(
     }
 
 
-def _pick_backends(names: tuple[str, ...], device: torch.device) -> tuple[list[Any], list[str]]:
+def _pick_backends(
+    names: tuple[str, ...], device: torch.device, *, block_size: int = BLOCK_SIZE
+) -> tuple[list[Any], list[str]]:
+    """The backends of `names` (all registered when empty) that accept the bench's config.
+
+    A named backend that cannot run is a usage error; unnamed ones are skipped with a reason.
+    """
     from pagedcore.attention import AttentionConfig
     from pagedcore.plugins.registry import get_registry
 
     registry = get_registry()
     wanted = list(names) or list(registry.backends)
     cfg = AttentionConfig(
-        head_size=HEAD_SIZE, block_size=BLOCK_SIZE, device=device.type,
+        head_size=HEAD_SIZE, block_size=block_size, device=device.type,
         dtype="bfloat16" if device.type == "cuda" else "float32",
     )
     chosen, skipped = [], []

@@ -12,13 +12,13 @@ is admitted in order until the cache is full, counting each request at its final
 A block-size sweep repeats the paged count at the same budget for several block sizes (tail
 waste grows with the block) next to the decode-kernel speed at that block size: from
 ``--kernel-json`` rows carrying a ``block_size`` when given, else measured here with
-`pagedcore.bench.kernels` (a decode step of every backend that accepts the block size).
+`pagedcore.bench.kernel_primitives` (a decode step of every backend that accepts the block
+size).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import click
@@ -113,54 +113,41 @@ def contiguous_admission(budget_slots: int, lengths: Sequence[int], *,
     }
 
 
-@contextlib.contextmanager
-def _kernel_block_size(block_size: int) -> Iterator[Any]:
-    """`pagedcore.bench.kernels` with its block size set to `block_size` (restored after)."""
-    from pagedcore.bench import kernels
-
-    saved = kernels.BLOCK_SIZE
-    kernels.BLOCK_SIZE = block_size
-    try:
-        yield kernels
-    finally:
-        kernels.BLOCK_SIZE = saved
-
-
 def measure_kernel_speed(block_sizes: Sequence[int], *, batch: int, ctx: int,
                          device: Any) -> list[dict[str, Any]]:
-    """Decode time and KV read bandwidth per (backend, block size), via bench.kernels."""
+    """Decode time and KV read bandwidth per (backend, block size), via `kernel_primitives`."""
     import torch
 
     from pagedcore.attention import AttentionConfig
+    from pagedcore.bench import kernel_primitives as k
     from pagedcore.plugins.registry import get_registry
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows: list[dict[str, Any]] = []
     for block in block_sizes:
-        with _kernel_block_size(block) as k:
-            cfg = AttentionConfig(head_size=k.HEAD_SIZE, block_size=block, device=device.type,
-                                  dtype="bfloat16" if device.type == "cuda" else "float32")
-            registry = get_registry()
-            backends = [registry.get(n) for n in registry.backends
-                        if not registry.get(n).validate_configuration(cfg)]
-            if not backends:
+        cfg = AttentionConfig(head_size=k.HEAD_SIZE, block_size=block, device=device.type,
+                              dtype="bfloat16" if device.type == "cuda" else "float32")
+        registry = get_registry()
+        backends = [registry.get(n) for n in registry.backends
+                    if not registry.get(n).validate_configuration(cfg)]
+        if not backends:
+            continue
+        torch.manual_seed(0)
+        kv = k.PagedKV([ctx] * batch, dtype, device, block_size=block)
+        query = torch.randn((batch, k.NUM_HEADS, k.HEAD_SIZE), dtype=dtype, device=device)
+        kv_bytes = 2 * batch * ctx * k.NUM_KV_HEADS * k.HEAD_SIZE * dtype.itemsize
+        for backend in backends:
+            try:
+                under = k.BackendUnderTest(backend, kv)
+                ms = k.time_ms(under.runner(kv, [1] * batch, list(range(batch)), query),
+                               device, budget_ms=200.0)
+            except Exception as exc:  # one backend failing must not sink the sweep
+                rows.append({"backend": backend.name, "block_size": block,
+                             "error": f"{type(exc).__name__}: {exc}"[:300]})
                 continue
-            torch.manual_seed(0)
-            kv = k.PagedKV([ctx] * batch, dtype, device)
-            query = torch.randn((batch, k.NUM_HEADS, k.HEAD_SIZE), dtype=dtype, device=device)
-            kv_bytes = 2 * batch * ctx * k.NUM_KV_HEADS * k.HEAD_SIZE * dtype.itemsize
-            for backend in backends:
-                try:
-                    under = k.BackendUnderTest(backend, kv)
-                    ms = k.time_ms(under.runner(kv, [1] * batch, list(range(batch)), query),
-                                   device, budget_ms=200.0)
-                except Exception as exc:  # one backend failing must not sink the sweep
-                    rows.append({"backend": backend.name, "block_size": block,
-                                 "error": f"{type(exc).__name__}: {exc}"[:300]})
-                    continue
-                rows.append({"backend": backend.name, "block_size": block, "ms": ms,
-                             "kv_GBps": kv_bytes / ms / 1e6, "shape": f"{batch}x{ctx}"})
-            del kv
+            rows.append({"backend": backend.name, "block_size": block, "ms": ms,
+                         "kv_GBps": kv_bytes / ms / 1e6, "shape": f"{batch}x{ctx}"})
+        del kv
     return rows
 
 

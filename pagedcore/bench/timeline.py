@@ -154,41 +154,27 @@ def run_timeline(
                                   num_prompt_tokens=len(a.prompt)) for a in arrivals}
     seen: dict[str, int] = {}
     steps: list[StepRecord] = []
-    # Count the tokens each step computes from the scheduler's own output (prefix hits and
-    # preemption recomputes are then counted exactly as the engine ran them).
-    scheduled: list[int] = []
-    schedule = llm.scheduler.schedule
-
-    def counting_schedule() -> Any:
-        out = schedule()
-        scheduled.append(int(out.num_scheduled_tokens))
-        return out
-
-    llm.scheduler.schedule = counting_schedule
-    try:
-        start = clock.now()
-        index = 0
-        while index < len(pending) or llm.has_unfinished_requests():
-            t = clock.now() - start
-            while index < len(pending) and pending[index].at <= t:
-                a = pending[index]
-                llm.add_request(a.request_id, a.prompt, a.params)
-                seen[a.request_id] = 0
-                index += 1
-            if not llm.has_unfinished_requests():
-                clock.sleep(pending[index].at - t)
-                continue
-            scheduled.clear()
-            changed = llm.step()
-            computed = sum(scheduled)
-            clock.charge_step(computed)
-            end = clock.now() - start
-            steps.append(StepRecord(start=t, end=end, num_tokens=computed,
-                                    num_running=len(llm.scheduler.running)))
-            for out in changed:
-                _record(traces[out.request_id], out, end, seen, outputs)
-    finally:
-        del llm.scheduler.schedule  # back to the class's method
+    start = clock.now()
+    index = 0
+    while index < len(pending) or llm.has_unfinished_requests():
+        t = clock.now() - start
+        while index < len(pending) and pending[index].at <= t:
+            a = pending[index]
+            llm.add_request(a.request_id, a.prompt, a.params)
+            seen[a.request_id] = 0
+            index += 1
+        if not llm.has_unfinished_requests():
+            clock.sleep(pending[index].at - t)
+            continue
+        changed = llm.step()
+        # The engine's own count: prefix hits and preemption recomputes as it ran them.
+        computed = int(llm.last_step_num_scheduled_tokens)
+        clock.charge_step(computed)
+        end = clock.now() - start
+        steps.append(StepRecord(start=t, end=end, num_tokens=computed,
+                                num_running=len(llm.scheduler.running)))
+        for out in changed:
+            _record(traces[out.request_id], out, end, seen, outputs)
     return [traces[i] for i in ids], steps
 
 

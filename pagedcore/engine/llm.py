@@ -4,16 +4,24 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
+from pagedcore.engine.engine_builder import build_engine
 from pagedcore.engine.errors import EngineStepError, step_failure_message
-from pagedcore.engine.outputs import CompletionOutput, RequestOutput
+from pagedcore.engine.output_builder import (
+    ParentRequest,
+    PromptType,
+    build_output,
+    make_children,
+    normalize_prompts,
+    tokenize,
+)
+from pagedcore.engine.outputs import RequestOutput
 from pagedcore.engine.request import Request
-from pagedcore.engine.resources import default_kv_cache_bytes, resolve_device, resolve_dtype
 from pagedcore.engine.sampler import Sampler
 from pagedcore.engine.sampling_params import SamplingParams
-from pagedcore.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedcore.engine.scheduler import SchedulerOutput
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -22,21 +30,6 @@ if TYPE_CHECKING:
     from pagedcore.engine.model_runner import ModelRunner
 
 __all__ = ["LLM", "EngineStepError", "PromptType"]
-
-#: Text (needs a tokenizer), token ids, or ``{"prompt_token_ids": [...]}`` /
-#: ``{"prompt": "..."}`` as in vLLM.
-PromptType = str | Sequence[int] | Mapping[str, Any]
-
-class _Parent:
-    """A user request: one prompt, `n` child sequences."""
-
-    __slots__ = ("children", "prompt", "prompt_token_ids", "request_id")
-
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int]) -> None:
-        self.request_id = request_id
-        self.prompt = prompt
-        self.prompt_token_ids = prompt_token_ids
-        self.children: list[Request] = []
 
 
 class LLM:
@@ -110,99 +103,41 @@ class LLM:
         tokenizer: Any = None,
         tensor_parallel_size: int = 1,
     ) -> None:
-        from pagedcore.engine.model_runner import ModelRunner
-        from pagedcore.engine.models import load_model
-        from pagedcore.kv_cache.config import kv_cache_specs_from_hf_config, make_kv_cache_config
-        from pagedcore.kv_cache.manager import KVCacheManager
-
-        if not 0.0 < gpu_memory_utilization <= 1.0:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
-            )
-        self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
-        tp: TensorParallelExecutor | None = None
-        if tensor_parallel_size != 1:
-            from pagedcore.engine.distributed.executor import TensorParallelExecutor
-
-            tp = TensorParallelExecutor(
-                model, tensor_parallel_size=tensor_parallel_size, device=self.device,
-                dtype=self.dtype, seed=seed, kv_cache_memory_bytes=kv_cache_memory_bytes,
-                gpu_memory_utilization=gpu_memory_utilization,
-            )
-            self.device = tp.device
-        loaded = load_model(model, dtype=self.dtype, device=self.device, seed=seed)
-        if tp is not None:
-            tp.shard(loaded.model)
-        self.model = loaded.model
-        self.model_name = loaded.name
-        self.tokenizer = tokenizer if tokenizer is not None else loaded.tokenizer
-        self.eos_token_id = loaded.eos_token_id
-        config = self.model.config
-        max_positions = int(config.max_position_embeddings)
-        if max_model_len is None:
-            max_model_len = max_positions
-        elif max_model_len > max_positions:
-            raise ValueError(
-                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
-                f"{max_positions}; lower max_model_len"
-            )
-        self.max_model_len = max_model_len
-        self.scheduler_config = SchedulerConfig(
-            max_num_seqs=max_num_seqs,
+        parts = build_engine(
+            model, dtype=dtype, device=device, block_size=block_size,
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching,
             enable_chunked_prefill=enable_chunked_prefill,
             long_prefill_token_threshold=long_prefill_token_threshold,
-            policy=scheduling_policy,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            gpu_memory_utilization=gpu_memory_utilization, backend=backend, seed=seed,
+            scheduling_policy=scheduling_policy, tokenizer=tokenizer,
+            tensor_parallel_size=tensor_parallel_size,
         )
-        rank_config = config if tp is None else tp.rank_config(config)
-        specs = kv_cache_specs_from_hf_config(rank_config, block_size=block_size, dtype=self.dtype)
-        if kv_cache_memory_bytes is None:
-            kv_cache_memory_bytes = default_kv_cache_bytes(
-                self.device, self.model.config, gpu_memory_utilization
-            )
-        if tp is not None:
-            kv_cache_memory_bytes = tp.agree_kv_cache_bytes(kv_cache_memory_bytes)
-        self.kv_cache_config = make_kv_cache_config(
-            specs,
-            memory_bytes=kv_cache_memory_bytes,
-            max_model_len=max_model_len,
-            max_num_batched_tokens=max_num_batched_tokens,
-        )
-        self.kv_cache_manager = KVCacheManager(
-            self.kv_cache_config, max_model_len, enable_caching=enable_prefix_caching
-        )
-        self.scheduler = Scheduler(
-            self.scheduler_config, self.kv_cache_manager, self.kv_cache_config
-        )
-        runner = ModelRunner(
-            self.model,
-            kv_cache_config=self.kv_cache_config,
-            device=self.device,
-            dtype=self.dtype,
-            backend=backend,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            num_heads=None if tp is None else int(rank_config.num_attention_heads),
-        )
-        self.runner: ModelRunner | TensorParallelExecutor = runner
-        if tp is not None:
-            self.runner = tp.attach(
-                runner, kv_cache_config=self.kv_cache_config, backend=backend,
-                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=max_model_len, num_heads=int(rank_config.num_attention_heads),
-            )
+        self.device = parts.device
+        self.dtype = parts.dtype
+        self.model = parts.model
+        self.model_name = parts.model_name
+        self.tokenizer = parts.tokenizer
+        self.eos_token_id = parts.eos_token_id
+        self.max_model_len = parts.max_model_len
+        self.scheduler_config = parts.scheduler_config
+        self.kv_cache_config = parts.kv_cache_config
+        self.kv_cache_manager = parts.kv_cache_manager
+        self.scheduler = parts.scheduler
+        self.runner: ModelRunner | TensorParallelExecutor = parts.runner
         self.sampler = Sampler(seed=seed)
-        self._parents: dict[str, _Parent] = {}
-        self._child_parent: dict[str, _Parent] = {}
+        self._parents: dict[str, ParentRequest] = {}
+        self._child_parent: dict[str, ParentRequest] = {}
         self._ids = itertools.count()
         self._arrivals = itertools.count()
         #: Seconds spent in schedule + input preparation, and in whole steps.
         self.host_time = 0.0
         self.step_time = 0.0
         self.num_steps = 0
+        #: Tokens the scheduler gave the last step (prompt chunks + decodes; 0 before any).
+        self.last_step_num_scheduled_tokens = 0
 
     # ---- properties ------------------------------------------------------------------------
 
@@ -232,25 +167,10 @@ class LLM:
     # ---- requests --------------------------------------------------------------------------
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, Mapping):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
-            if "prompt" in prompt:
-                prompt = str(prompt["prompt"])
-            else:
-                raise ValueError("a prompt dict needs 'prompt_token_ids' or 'prompt'")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(
-                    f"model {self.model_name!r} has no tokenizer; pass token ids instead of text"
-                )
-            return prompt, [int(t) for t in self.tokenizer.encode(prompt)]
-        ids = [int(t) for t in prompt]
-        vocab = int(self.model.config.vocab_size)
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        return None, ids
+        return tokenize(
+            prompt, tokenizer=self.tokenizer, model_name=self.model_name,
+            vocab_size=int(self.model.config.vocab_size),
+        )
 
     def add_request(
         self,
@@ -264,25 +184,14 @@ class LLM:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         text, ids = self._tokenize(prompt)
         self.scheduler.check_fits(len(ids), params.max_tokens)
-        parent = _Parent(request_id, text, ids)
-        now = time.perf_counter()
-        for i in range(params.n):
-            child_params = params
-            if params.n > 1 and params.seed is not None:
-                child_params = params.replace(seed=params.seed + i)
-            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            child = Request(
-                child_id,
-                ids,
-                child_params,
-                arrival_index=next(self._arrivals),
-                eos_token_id=self.eos_token_id,
-                sample_index=i,
-                arrival_time=now,
-            )
+        parent = ParentRequest(request_id, text, ids)
+        children = make_children(
+            parent, params, arrivals=self._arrivals, eos_token_id=self.eos_token_id,
+            now=time.perf_counter(),
+        )
+        for child in children:
             self.scheduler.add_request(child)
-            parent.children.append(child)
-            self._child_parent[child_id] = parent
+            self._child_parent[child.request_id] = parent
         self._parents[request_id] = parent
 
     def abort(self, request_id: str) -> RequestOutput:
@@ -317,18 +226,16 @@ class LLM:
         """
         t0 = time.perf_counter()
         scheduled = self.scheduler.schedule()
+        self.last_step_num_scheduled_tokens = int(scheduled.num_scheduled_tokens)
         try:
             sampled = self._run(scheduled, t0)
         except BaseException as exc:
             self._fail_step(scheduled, exc)
         changed = self.scheduler.update_from_output(scheduled, sampled, now=time.perf_counter())
-        parents: dict[str, _Parent] = {}
         for request in changed:
-            parent = self._child_parent[request.request_id]
-            parents[parent.request_id] = parent
             if request.status.finished:
                 self.sampler.forget(request.request_id)
-        outputs = [self._output(p) for p in parents.values()]
+        outputs = [self._output(p) for p in self._parents_of(changed).values()]
         self.step_time += time.perf_counter() - t0
         self.num_steps += 1
         return outputs
@@ -366,15 +273,10 @@ class LLM:
         if isinstance(exc, TensorParallelError):
             # A rank failed and the engine is stopped: nothing queued can ever run.
             failed += [c for p in self._parents.values() for c in p.children]
-        parents: dict[str, _Parent] = {}
-        for request in failed:
-            parent = self._child_parent[request.request_id]
-            parents[parent.request_id] = parent
+        parents = self._parents_of(failed)
         # Sibling samples of a failed request fail with it (the request is one unit).
         self.scheduler.fail([c for p in parents.values() for c in p.children], reason, now=now)
-        for request in scheduled.rejected:
-            parent = self._child_parent[request.request_id]
-            parents[parent.request_id] = parent
+        parents.update(self._parents_of(scheduled.rejected))
         for parent in parents.values():
             for child in parent.children:
                 self.sampler.forget(child.request_id)
@@ -386,43 +288,19 @@ class LLM:
             step_failure_message(exc, self.num_steps - 1, ids), outputs=outputs
         ) from exc
 
-    def _output(self, parent: _Parent) -> RequestOutput:
-        completions = []
-        for child in parent.children:
-            tokens = child.output_token_ids
-            text = self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
-            reason = child.finish_reason
-            completions.append(
-                CompletionOutput(
-                    index=child.sample_index,
-                    token_ids=tokens,
-                    text=text,
-                    logprobs=None if child.logprobs is None else list(child.logprobs),
-                    finish_reason=None if reason is None else reason.value,
-                )
-            )
-        finished = all(c.status.finished for c in parent.children)
-        errors = [self.scheduler.errors.pop(c.request_id) for c in parent.children
-                  if c.request_id in self.scheduler.errors]
-        metrics = parent.children[0].metrics
-        if len(parent.children) > 1:
-            ends = [c.metrics.finished_time for c in parent.children]
-            if finished and all(e is not None for e in ends):
-                metrics.finished_time = max(e for e in ends if e is not None)
-        if finished:
+    def _parents_of(self, requests: Iterable[Request]) -> dict[str, ParentRequest]:
+        """The user requests (by id, in first-seen order) that `requests` are samples of."""
+        parents = (self._child_parent[r.request_id] for r in requests)
+        return {p.request_id: p for p in parents}
+
+    def _output(self, parent: ParentRequest) -> RequestOutput:
+        """`parent`'s output now; a finished parent leaves the engine's bookkeeping."""
+        out = build_output(parent, tokenizer=self.tokenizer, errors=self.scheduler.errors)
+        if out.finished:
             self._parents.pop(parent.request_id, None)
             for child in parent.children:
                 self._child_parent.pop(child.request_id, None)
-        return RequestOutput(
-            request_id=parent.request_id,
-            prompt=parent.prompt,
-            prompt_token_ids=parent.prompt_token_ids,
-            outputs=completions,
-            finished=finished,
-            num_cached_tokens=max(c.num_cached_tokens or 0 for c in parent.children),
-            metrics=metrics,
-            error=errors[0] if errors else None,
-        )
+        return out
 
     # ---- offline ---------------------------------------------------------------------------
 
@@ -431,22 +309,7 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
     ) -> list[str]:
-        prompt_list: list[PromptType]
-        if isinstance(prompts, (str, Mapping)) or (
-            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
-        ):
-            prompt_list = [prompts]  # type: ignore[list-item]
-        else:
-            prompt_list = list(prompts)  # type: ignore[arg-type]
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompt_list):
-                raise ValueError(
-                    f"got {len(params_list)} SamplingParams for {len(prompt_list)} prompts; "
-                    "pass one, or one per prompt"
-                )
+        prompt_list, params_list = normalize_prompts(prompts, sampling_params)
         # Validate everything first so a bad prompt queues nothing.
         for prompt, params in zip(prompt_list, params_list, strict=True):
             _, ids = self._tokenize(prompt)

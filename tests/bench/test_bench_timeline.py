@@ -109,3 +109,49 @@ def test_summarize_pools_shorts_and_takes_the_long_median() -> None:
     assert out["short_itl_s"]["n"] == 4
     assert out["short_itl_s"]["p50"] == pytest.approx(0.75)
     assert out["long_completion_s"] == 20.0 and out["unfinished"] == 0
+
+
+class _FakeEngine:
+    """Reports a fixed token count per step; its scheduler has no `schedule` to wrap."""
+
+    def __init__(self, tokens_per_step: int, steps_per_request: int) -> None:
+        self.tokens_per_step = tokens_per_step
+        self.steps_per_request = steps_per_request
+        self.left: dict[str, int] = {}
+        self.last_step_num_scheduled_tokens = 0
+        self.scheduler = type("Sched", (), {"running": []})()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.left)
+
+    def add_request(self, request_id: str, prompt: list[int], params: Any) -> None:
+        self.left[request_id] = self.steps_per_request
+
+    def step(self) -> list[Any]:
+        self.last_step_num_scheduled_tokens = self.tokens_per_step
+        outs = []
+        for rid in list(self.left):
+            self.left[rid] -= 1
+            done = self.left[rid] == 0
+            produced = self.steps_per_request - self.left[rid]
+            outs.append(type("Out", (), {
+                "request_id": rid, "finished": done, "num_cached_tokens": 0, "error": None,
+                "outputs": [type("C", (), {"token_ids": [1] * produced})()],
+            })())
+            if done:
+                del self.left[rid]
+        return outs
+
+
+def test_driver_charges_the_engines_reported_step_tokens() -> None:
+    fake = _FakeEngine(tokens_per_step=7, steps_per_request=3)
+    (trace,), steps = run_timeline(fake, _workload()[:1], clock=VirtualClock(per_token=1.0))
+    assert [s.num_tokens for s in steps] == [7, 7, 7]
+    assert trace.token_times == [7.0, 14.0, 21.0]
+
+
+def test_driver_leaves_the_scheduler_alone(make_llm: Callable[..., Any]) -> None:
+    llm = make_llm(enable_prefix_caching=False)
+    _, steps = run_timeline(llm, _workload(), clock=VirtualClock(per_token=1.0))
+    assert "schedule" not in vars(llm.scheduler)
+    assert sum(s.num_tokens for s in steps) == LONG + SHORT

@@ -1,0 +1,230 @@
+"""Measuring primitives of the kernel benches: timing, copy bandwidth, a paged KV batch.
+
+`PagedKV` holds random K/V of a batch both contiguous and paged with a given block size;
+`BackendUnderTest` fills one backend's own cache from it and times its ``forward``. Used by
+`pagedcore.bench.kernels`, `pagedcore.bench.backends`, `pagedcore.bench.memory` and
+`pagedcore.bench.mla`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from pagedcore.attention import AttentionBackend, CommonAttentionMetadata
+
+__all__ = [
+    "BLOCK_SIZE", "HEAD_SIZE", "NUM_HEADS", "NUM_KV_HEADS", "BackendUnderTest", "PagedKV",
+    "copy_bandwidth_gbps", "time_ms",
+]
+
+#: Query heads, KV heads and head size of every kernel bench case.
+NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE = 32, 8, 128
+#: Default tokens per KV-cache block (`PagedKV` and the bench functions take their own).
+BLOCK_SIZE = 16
+
+
+def _sync(device: torch.device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, *, budget_ms: float = 400.0) -> float:
+    """Median milliseconds per call of `fn`, after a warm-up.
+
+    On CUDA each sample is a run of back-to-back calls between two CUDA events, L2 flushed
+    (256 MB written) before it: the host's launch latency overlaps the previous call, as in a
+    multi-layer forward, instead of being counted as kernel time.
+    """
+    import torch
+
+    for _ in range(2):
+        fn()
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    once = (time.perf_counter() - t0) * 1e3
+    reps = int(min(30, max(3, budget_ms / max(once, 1e-3))))
+    times = []
+    if device.type == "cuda":
+        inner = int(min(20, max(1, 1.0 / max(once, 1e-3))))
+        flush = torch.empty(256 << 20, dtype=torch.int8, device=device)
+        for _ in range(reps):
+            flush.zero_()
+            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            start.record()
+            for _ in range(inner):
+                fn()
+            end.record()
+            end.synchronize()
+            times.append(float(start.elapsed_time(end)) / inner)
+    else:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return float(statistics.median(times))
+
+
+def copy_bandwidth_gbps(device: torch.device, *, quick: bool) -> float:
+    """Device-to-device copy of a large buffer: (bytes read + bytes written) / time."""
+    import torch
+
+    n = (64 if quick else 2048) << 20
+    src = torch.randint(0, 127, (n,), dtype=torch.int8, device=device)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), device)
+    return 2 * n / ms / 1e6
+
+
+class PagedKV:
+    """Random K/V of a batch, as contiguous tensors and as a paged ``[2, N, B, Hkv, D]`` cache.
+
+    Parameters
+    ----------
+    seq_lens:
+        Tokens of each request.
+    dtype, device:
+        Of ``key`` / ``value`` (``[sum(seq_lens), NUM_KV_HEADS, HEAD_SIZE]``).
+    block_size:
+        Tokens per block (B); the block table is a random permutation of blocks ``1..N-1``.
+    """
+
+    def __init__(
+        self, seq_lens: list[int], dtype: torch.dtype, device: torch.device, *,
+        block_size: int = BLOCK_SIZE,
+    ) -> None:
+        import torch
+
+        if block_size < 1:
+            raise ValueError(f"block_size must be a positive number of tokens, got {block_size}")
+        self.seq_lens = seq_lens
+        self.block_size = block_size
+        blocks = [math.ceil(s / self.block_size) for s in seq_lens]
+        self.num_blocks = 1 + sum(blocks)  # block 0 is the null block
+        perm = torch.randperm(self.num_blocks - 1) + 1
+        self.block_table = torch.zeros((len(seq_lens), max(blocks)), dtype=torch.int32)
+        cursor = 0
+        for r, n in enumerate(blocks):
+            self.block_table[r, :n] = perm[cursor : cursor + n].to(torch.int32)
+            cursor += n
+        total = sum(seq_lens)
+        shape = (total, NUM_KV_HEADS, HEAD_SIZE)
+        self.key = torch.randn(shape, dtype=dtype, device=device)
+        self.value = torch.randn(shape, dtype=dtype, device=device)
+        self.slots = torch.cat([self.slots_of(r, 0, s) for r, s in enumerate(seq_lens)])
+        self.slots = self.slots.to(device)
+        self.block_table = self.block_table.to(device)
+
+    def slots_of(self, req: int, begin: int, end: int) -> torch.Tensor:
+        import torch
+
+        pos = torch.arange(begin, end)
+        table = self.block_table[req].cpu().to(torch.int64)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def token_slice(self, req: int) -> slice:
+        start = sum(self.seq_lens[:req])
+        return slice(start, start + self.seq_lens[req])
+
+    def new_tokens(self, q_lens: list[int], reqs: list[int]) -> torch.Tensor:
+        """Flat indices into `key`/`value` of the new tokens of a step (see `common`)."""
+        import torch
+
+        idx = [
+            torch.arange(self.token_slice(r).stop - q, self.token_slice(r).stop)
+            for r, q in zip(reqs, q_lens, strict=True)
+        ]
+        return torch.cat(idx).to(self.key.device)
+
+    def paged(self) -> torch.Tensor:
+        """The comparators' own paged cache (reference layout)."""
+        import torch
+
+        cache = torch.zeros(
+            (2, self.num_blocks * self.block_size, NUM_KV_HEADS, HEAD_SIZE),
+            dtype=self.key.dtype,
+            device=self.key.device,
+        )
+        cache[0, self.slots] = self.key
+        cache[1, self.slots] = self.value
+        return cache.view(2, self.num_blocks, self.block_size, NUM_KV_HEADS, HEAD_SIZE)
+
+    def common(self, q_lens: list[int], reqs: list[int]) -> CommonAttentionMetadata:
+        """Metadata of a step in which request ``reqs[i]`` has its last ``q_lens[i]`` tokens new."""
+        import torch
+
+        from pagedcore.attention import CommonAttentionMetadata
+
+        dev = self.key.device
+        lens = [self.seq_lens[r] for r in reqs]
+        qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+        seq = torch.tensor(lens, dtype=torch.int32)
+        triples = list(zip(reqs, lens, q_lens, strict=True))
+        slots = torch.cat([self.slots_of(r, s - q, s) for r, s, q in triples])
+        pos = torch.cat([torch.arange(s - q, s) for _, s, q in triples])
+        return CommonAttentionMetadata(
+            query_start_loc=qsl.to(dev),
+            query_start_loc_cpu=qsl,
+            seq_lens=seq.to(dev),
+            seq_lens_cpu=seq,
+            num_reqs=len(reqs),
+            num_actual_tokens=sum(q_lens),
+            max_query_len=max(q_lens),
+            max_seq_len=max(lens),
+            block_table=self.block_table[reqs].contiguous(),
+            slot_mapping=slots.to(dev),
+            positions=pos.to(dev),
+        )
+
+
+class BackendUnderTest:
+    """One backend's cache (filled by its own cache write), builder and impl for a batch."""
+
+    def __init__(self, backend: type[AttentionBackend], kv: PagedKV) -> None:
+        import torch
+
+        from pagedcore.kv_cache.spec import FullAttentionSpec
+
+        dtype, device, block_size = kv.key.dtype, kv.key.device, kv.block_size
+        shape = backend.get_kv_cache_shape(kv.num_blocks, block_size, NUM_KV_HEADS, HEAD_SIZE)
+        self.kv_cache = torch.empty(shape, dtype=dtype, device=device)
+        spec = FullAttentionSpec(
+            block_size=block_size, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=dtype
+        )
+        self.builder = backend.get_builder_cls()(spec, ["bench"], device)
+        self.impl = backend.get_impl_cls()(
+            NUM_HEADS, HEAD_SIZE, HEAD_SIZE**-0.5, num_kv_heads=NUM_KV_HEADS
+        )
+        chunk = 1 << 16
+        for start in range(0, kv.key.shape[0], chunk):
+            sl = slice(start, start + chunk)
+            self.impl.do_kv_cache_update(kv.key[sl], kv.value[sl], self.kv_cache, kv.slots[sl])
+
+    def runner(
+        self, kv: PagedKV, q_lens: list[int], reqs: list[int], query: torch.Tensor
+    ) -> Callable[[], Any]:
+        """A closure timing one ``forward`` of the step (the plan is built outside it)."""
+        import torch
+
+        metadata = self.builder.build(kv.common(q_lens, reqs))
+        idx = kv.new_tokens(q_lens, reqs)
+        key, value = kv.key[idx], kv.value[idx]
+        out = torch.empty_like(query)
+        impl, cache = self.impl, self.kv_cache
+
+        def run() -> Any:
+            return impl.forward(query, key, value, cache, metadata, output=out)
+
+        return run

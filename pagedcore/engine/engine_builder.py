@@ -1,0 +1,162 @@
+"""Wiring an engine: model, KV-cache config and manager, scheduler and model runner.
+
+`build_engine` does what `LLM.__init__` needs before serving; `LLM` keeps only the request
+bookkeeping and the step loop.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Literal
+
+import attrs
+
+from pagedcore.engine.resources import default_kv_cache_bytes, resolve_device, resolve_dtype
+from pagedcore.engine.scheduler import Scheduler, SchedulerConfig
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    from pagedcore.engine.distributed.executor import TensorParallelExecutor
+    from pagedcore.engine.model_runner import ModelRunner
+    from pagedcore.kv_cache.manager import KVCacheManager
+    from pagedcore.kv_cache.spec import KVCacheConfig
+
+__all__ = ["EngineParts", "build_engine"]
+
+
+@attrs.frozen(kw_only=True)
+class EngineParts:
+    """Everything `build_engine` made, ready to serve."""
+
+    device: torch.device
+    dtype: torch.dtype
+    model: PreTrainedModel
+    model_name: str
+    tokenizer: Any
+    eos_token_id: int | None
+    max_model_len: int
+    scheduler_config: SchedulerConfig
+    kv_cache_config: KVCacheConfig
+    kv_cache_manager: KVCacheManager
+    scheduler: Scheduler
+    runner: ModelRunner | TensorParallelExecutor
+
+
+def build_engine(
+    model: str | PretrainedConfig | PreTrainedModel,
+    *,
+    dtype: Any,
+    device: Any,
+    block_size: int,
+    max_model_len: int | None,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    enable_prefix_caching: bool,
+    enable_chunked_prefill: bool,
+    long_prefill_token_threshold: int | None,
+    kv_cache_memory_bytes: int | None,
+    gpu_memory_utilization: float,
+    backend: str | None,
+    seed: int,
+    scheduling_policy: Literal["fcfs", "priority"],
+    tokenizer: Any,
+    tensor_parallel_size: int,
+) -> EngineParts:
+    """Load the model and build its KV cache, scheduler and runner (see `LLM` for the args).
+
+    Raises
+    ------
+    ValueError
+        `gpu_memory_utilization` outside ``(0, 1]`` or `max_model_len` beyond the model's
+        ``max_position_embeddings``.
+    """
+    from pagedcore.engine.model_runner import ModelRunner
+    from pagedcore.engine.models import load_model
+    from pagedcore.kv_cache.config import kv_cache_specs_from_hf_config, make_kv_cache_config
+    from pagedcore.kv_cache.manager import KVCacheManager
+
+    if not 0.0 < gpu_memory_utilization <= 1.0:
+        raise ValueError(
+            f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
+        )
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    tp: TensorParallelExecutor | None = None
+    if tensor_parallel_size != 1:
+        from pagedcore.engine.distributed.executor import TensorParallelExecutor
+
+        tp = TensorParallelExecutor(
+            model, tensor_parallel_size=tensor_parallel_size, device=device,
+            dtype=dtype, seed=seed, kv_cache_memory_bytes=kv_cache_memory_bytes,
+            gpu_memory_utilization=gpu_memory_utilization,
+        )
+        device = tp.device
+    loaded = load_model(model, dtype=dtype, device=device, seed=seed)
+    if tp is not None:
+        tp.shard(loaded.model)
+    config = loaded.model.config
+    max_positions = int(config.max_position_embeddings)
+    if max_model_len is None:
+        max_model_len = max_positions
+    elif max_model_len > max_positions:
+        raise ValueError(
+            f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+            f"{max_positions}; lower max_model_len"
+        )
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=enable_chunked_prefill,
+        long_prefill_token_threshold=long_prefill_token_threshold,
+        policy=scheduling_policy,
+    )
+    rank_config = config if tp is None else tp.rank_config(config)
+    specs = kv_cache_specs_from_hf_config(rank_config, block_size=block_size, dtype=dtype)
+    if kv_cache_memory_bytes is None:
+        kv_cache_memory_bytes = default_kv_cache_bytes(device, config, gpu_memory_utilization)
+    if tp is not None:
+        kv_cache_memory_bytes = tp.agree_kv_cache_bytes(kv_cache_memory_bytes)
+    kv_cache_config = make_kv_cache_config(
+        specs,
+        memory_bytes=kv_cache_memory_bytes,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )
+    kv_cache_manager = KVCacheManager(
+        kv_cache_config, max_model_len, enable_caching=enable_prefix_caching
+    )
+    scheduler = Scheduler(scheduler_config, kv_cache_manager, kv_cache_config)
+    local = ModelRunner(
+        loaded.model,
+        kv_cache_config=kv_cache_config,
+        device=device,
+        dtype=dtype,
+        backend=backend,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        num_heads=None if tp is None else int(rank_config.num_attention_heads),
+    )
+    runner: ModelRunner | TensorParallelExecutor = local
+    if tp is not None:
+        runner = tp.attach(
+            local, kv_cache_config=kv_cache_config, backend=backend,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len, num_heads=int(rank_config.num_attention_heads),
+        )
+    return EngineParts(
+        device=device,
+        dtype=dtype,
+        model=loaded.model,
+        model_name=loaded.name,
+        tokenizer=tokenizer if tokenizer is not None else loaded.tokenizer,
+        eos_token_id=loaded.eos_token_id,
+        max_model_len=max_model_len,
+        scheduler_config=scheduler_config,
+        kv_cache_config=kv_cache_config,
+        kv_cache_manager=kv_cache_manager,
+        scheduler=scheduler,
+        runner=runner,
+    )

@@ -1,0 +1,87 @@
+"""The kernel bench's primitives and cases at a chosen block size (timing stubbed)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from pagedcore.bench import kernel_primitives, kernels
+from pagedcore.bench.memory import measure_kernel_speed
+from pagedcore.reference.backend import ReferenceBackend
+
+CPU = torch.device("cpu")
+
+
+def _once(fn: Any, device: torch.device, **_: Any) -> float:
+    fn()
+    return 1.0
+
+
+@pytest.fixture
+def no_timing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernels, "time_ms", _once)
+    monkeypatch.setattr(kernel_primitives, "time_ms", _once)
+
+
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_paged_kv_lays_tokens_out_in_blocks_of_the_given_size(block_size: int) -> None:
+    torch.manual_seed(0)
+    lens = [5, 40, 17]
+    kv = kernel_primitives.PagedKV(lens, torch.float32, CPU, block_size=block_size)
+    assert kv.num_blocks == 1 + sum(math.ceil(n / block_size) for n in lens)
+    assert not (kv.block_table[:, 0] == 0).any()  # block 0 is the null block
+    paged = kv.paged()
+    assert paged.shape[2] == block_size
+    for r, n in enumerate(lens):
+        blocks = kv.block_table[r, : math.ceil(n / block_size)]
+        keys = paged[0][blocks].reshape(-1, *paged.shape[3:])[:n]
+        torch.testing.assert_close(keys, kv.key[kv.token_slice(r)], rtol=0, atol=0)
+    under = kernel_primitives.BackendUnderTest(ReferenceBackend, kv)
+    assert under.kv_cache.shape[2] == block_size
+
+
+def test_paged_kv_rejects_a_bad_block_size() -> None:
+    with pytest.raises(ValueError, match="block_size must be a positive"):
+        kernel_primitives.PagedKV([4], torch.float32, CPU, block_size=0)
+
+
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_cases_agree_with_sdpa_at_any_block_size(no_timing: None, block_size: int) -> None:
+    torch.manual_seed(0)
+    rows = kernels.bench_uniform("decode", 2, 40, [ReferenceBackend], CPU, 1.0,
+                                 block_size=block_size)
+    rows += kernels.bench_uniform("prefill", 1, 24, [ReferenceBackend], CPU, 1.0,
+                                  block_size=block_size)
+    ours = [r for r in rows if r["impl"] == "reference"]
+    assert len(ours) == 2 and all(r["rel_err_vs_sdpa"] < 1e-4 for r in ours), ours
+    (mixed,) = kernels.bench_mixed(2, 40, 16, 8, [ReferenceBackend], CPU, block_size=block_size)
+    assert mixed["rel_err_mixed_vs_separate"] < 1e-4
+    assert kernels.BLOCK_SIZE == 16  # nothing overrides the default any more
+
+
+def test_memory_sweep_measures_each_block_size(no_timing: None) -> None:
+    rows = measure_kernel_speed([8, 32], batch=2, ctx=40, device=CPU)
+    ref = {r["block_size"]: r for r in rows if r["backend"] == "reference"}
+    assert set(ref) == {8, 32}
+    assert all(r["ms"] == 1.0 and r["shape"] == "2x40" for r in ref.values())
+    assert kernel_primitives.BLOCK_SIZE == 16
+
+
+def test_cli_quick_writes_json(no_timing: None, tmp_path: Path) -> None:
+    from pagedcore.cli import main
+
+    out = tmp_path / "k.json"
+    res = CliRunner().invoke(
+        main, ["bench", "kernels", "--backend", "reference", "--quick", "--json", str(out)]
+    )
+    assert res.exit_code == 0, res.output
+    info = json.loads(out.read_text())
+    assert info["config"]["block_size"] == 16
+    cases = {(r["case"], r["impl"]) for r in info["results"] if "error" not in r}
+    assert {("decode", "reference"), ("prefill", "reference"), ("mixed", "reference")} <= cases
