@@ -23,7 +23,7 @@ from __future__ import annotations
 import abc
 import enum
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypedDict, TypeVar
 
 import attrs
 
@@ -37,6 +37,7 @@ __all__ = [
     "AttentionBackend",
     "AttentionConfig",
     "AttentionImpl",
+    "AttentionImplOptions",
     "CudaGraphSupport",
     "MetadataBuilder",
     "MultipleOf",
@@ -243,6 +244,16 @@ class AttentionBackend(abc.ABC):
 M = TypeVar("M")
 
 
+class AttentionImplOptions(TypedDict, total=False):
+    """`AttentionImpl`'s optional keyword arguments, for an impl that adds its own and passes
+    these on: ``**options: Unpack[AttentionImplOptions]`` keeps them typed."""
+
+    alibi_slopes: Sequence[float] | None
+    sliding_window: int | None
+    logits_soft_cap: float | None
+    kv_cache_dtype: str
+
+
 class MetadataBuilder(abc.ABC, Generic[M]):
     """Turns the step's `CommonAttentionMetadata` into the backend's own metadata (its plan).
 
@@ -296,6 +307,29 @@ class AttentionImpl(abc.ABC, Generic[M]):
         Cap ``c`` for ``c * tanh(s / c)``, or None.
     kv_cache_dtype:
         ``"auto"`` or an fp8 name.
+
+    Notes
+    -----
+    Subclasses do not re-declare this constructor. It checks what holds for every backend
+    (head counts, one ALiBi slope per query head, a positive window and soft-cap), stores the
+    arguments as attributes of the same names (plus ``num_queries_per_kv``), then calls two
+    hooks, in order, that a subclass overrides instead:
+
+    * `check_supported` raises ValueError for an argument the impl cannot serve;
+    * `setup` builds per-impl state (cached tensors, kernel handles).
+
+    Only an impl that takes extra keyword arguments (MLA's ``kv_lora_rank``) declares
+    ``__init__``: it stores them and passes the rest on to ``super().__init__``.
+
+    Examples
+    --------
+    >>> class FullAttentionOnly(AttentionImpl[Any]):  # doctest: +SKIP
+    ...     def check_supported(self) -> None:
+    ...         if self.sliding_window is not None:
+    ...             raise ValueError("no sliding window here; pick another backend")
+    ...
+    ...     def setup(self) -> None:
+    ...         self._cache: dict[str, torch.Tensor] = {}
     """
 
     def __init__(
@@ -321,6 +355,10 @@ class AttentionImpl(abc.ABC, Generic[M]):
                 f"alibi_slopes has {len(alibi_slopes)} entries, expected one per query head "
                 f"({num_heads})"
             )
+        if sliding_window is not None and sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
+        if logits_soft_cap is not None and logits_soft_cap <= 0:
+            raise ValueError(f"logits_soft_cap must be positive or None, got {logits_soft_cap}")
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
@@ -330,6 +368,23 @@ class AttentionImpl(abc.ABC, Generic[M]):
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
         self.kv_cache_dtype = kv_cache_dtype
+        self.check_supported()
+        self.setup()
+
+    def check_supported(self) -> None:
+        """Raise ValueError if this impl cannot serve its arguments (no-op by default).
+
+        Runs at the end of ``__init__``, after the common checks, with every argument stored
+        on ``self``. The message names what is unsupported and what to do instead (another
+        value, or another backend). Overrides that extend another impl call
+        ``super().check_supported()`` first.
+        """
+
+    def setup(self) -> None:
+        """Build per-impl state after `check_supported` passed (no-op by default).
+
+        Overrides that extend another impl call ``super().setup()`` first.
+        """
 
     @abc.abstractmethod
     def do_kv_cache_update(

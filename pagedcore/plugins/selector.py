@@ -1,9 +1,11 @@
 """Choosing an attention backend for a configuration.
 
 Every registered backend is asked `validate_configuration(cfg)`; the valid one with the lowest
-``priority`` wins (ties: name order). ``backend=`` or the ``PAGEDCORE_BACKEND`` environment
-variable forces one backend, with no fallback. Results are cached per configuration, registry
-generation and environment, so registering or removing a plugin is always noticed.
+``priority`` wins (ties: name order). A ``"cuda"`` configuration on a machine without a CUDA
+device is refused by every backend (see `device_reasons`). ``backend=`` or the
+``PAGEDCORE_BACKEND`` environment variable forces one backend, with no fallback. Results are
+cached per configuration, registry generation, environment and CUDA availability, so
+registering or removing a plugin is always noticed.
 
 Examples
 --------
@@ -30,6 +32,7 @@ from pagedcore.plugins.registry import PLUGINS_ENV, BackendRegistry, get_registr
 
 __all__ = [
     "BACKEND_ENV",
+    "NO_CUDA_REASON",
     "BackendSelectionError",
     "SelectionReport",
     "SelectionRow",
@@ -47,6 +50,8 @@ _DTYPE_ALIASES = {
 }
 _KV_DTYPE_ALIASES = {"fp8": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}
 _MAX_HINTS = 6
+#: The reason every backend gets for ``device="cuda"`` when torch sees no CUDA device.
+NO_CUDA_REASON = "no CUDA device is available here"
 
 
 class BackendSelectionError(PluginError):
@@ -199,6 +204,28 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def cuda_available() -> bool:
+    """Whether torch sees a CUDA device, asked at call time (torch is imported lazily)."""
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def device_reasons(cfg: AttentionConfig, *, cuda_available: bool) -> tuple[str, ...]:
+    """Why no backend can serve `cfg` on this machine's devices (empty when it can).
+
+    Checked here, for every backend, rather than in `AttentionBackend.validate_configuration`:
+    that method states what a backend *supports* (plugins override it, and a forgotten
+    ``super()`` call would drop a machine check), while whether this machine has a CUDA
+    device is a fact about the machine, the same for every backend. It is asked at call time
+    and is part of the selection cache key, so the hints ("device=cuda: ...") stay honest too.
+    ``device="cpu"`` (the reference backend, Triton's interpreter mode) is never affected.
+    """
+    if cfg.device == "cuda" and not cuda_available:
+        return (NO_CUDA_REASON,)
+    return ()
+
+
 def make_config(
     *,
     head_size: int,
@@ -225,18 +252,23 @@ def make_config(
     )
 
 
-def _reasons(cls: type[AttentionBackend], cfg: AttentionConfig) -> tuple[str, ...]:
+def _reasons(
+    cls: type[AttentionBackend], cfg: AttentionConfig, *, cuda: bool
+) -> tuple[str, ...]:
+    machine = device_reasons(cfg, cuda_available=cuda)
     try:
-        return tuple(cls.validate_configuration(cfg))
+        return machine + tuple(cls.validate_configuration(cfg))
     except Exception as err:  # a plugin bug must not hide the other backends
-        return (f"validate_configuration() raised {type(err).__name__}: {err}",)
+        return (*machine, f"validate_configuration() raised {type(err).__name__}: {err}")
 
 
 def _nearest(values: set[int], target: int, count: int = 2) -> list[int]:
     return sorted(values, key=lambda v: (abs(v - target), v))[:count]
 
 
-def _hints(classes: list[type[AttentionBackend]], cfg: AttentionConfig) -> tuple[str, ...]:
+def _hints(
+    classes: list[type[AttentionBackend]], cfg: AttentionConfig, *, cuda: bool
+) -> tuple[str, ...]:
     heads = {h for c in classes for h in (c.supported_head_sizes or ())}
     blocks: set[int] = set()
     for c in classes:
@@ -255,7 +287,7 @@ def _hints(classes: list[type[AttentionBackend]], cfg: AttentionConfig) -> tuple
         if getattr(cfg, field) == value:
             continue
         alt = attrs.evolve(cfg, **{field: value})
-        fits = [c.name for c in classes if not _reasons(c, alt)]
+        fits = [c.name for c in classes if not _reasons(c, alt, cuda=cuda)]
         if fits:
             hints.append(f"{field}={value}: {', '.join(fits)}")
     return tuple(hints[:_MAX_HINTS])
@@ -269,10 +301,11 @@ def _explain(
     forced: str | None,
     forced_by: str | None,
     plugins_env: str | None,
+    cuda: bool,
 ) -> SelectionReport:
     del generation, plugins_env  # cache keys only
     entries = sorted(registry.backends.values(), key=lambda e: (e.cls.priority, e.name))
-    verdicts = [(e, _reasons(e.cls, cfg)) for e in entries]
+    verdicts = [(e, _reasons(e.cls, cfg, cuda=cuda)) for e in entries]
     if forced is not None:
         chosen = forced if not dict((e.name, r) for e, r in verdicts)[forced] else None
     else:
@@ -281,7 +314,9 @@ def _explain(
         SelectionRow(e.name, e.cls.priority, e.source, e.name == chosen, r, e.cls)
         for e, r in verdicts
     )
-    hints = () if chosen is not None or forced else _hints([e.cls for e in entries], cfg)
+    hints = (
+        () if chosen is not None or forced else _hints([e.cls for e in entries], cfg, cuda=cuda)
+    )
     return SelectionReport(
         cfg, rows, chosen, forced, forced_by, registry.failures, hints
     )
@@ -304,7 +339,8 @@ def explain_selection(
 
     Takes the same arguments as `select_backend`. Does not raise when nothing fits (the
     report's ``chosen`` is None); it does raise for a bad configuration value or an unknown /
-    failed forced backend.
+    failed forced backend. ``device="cuda"`` without a CUDA device here gives every backend the
+    reason `NO_CUDA_REASON`.
     """
     cfg = make_config(
         head_size=head_size, dtype=dtype, block_size=block_size,
@@ -322,7 +358,8 @@ def explain_selection(
     else:
         forced_by = None
     return _explain(
-        registry, registry.generation, cfg, forced, forced_by, os.environ.get(PLUGINS_ENV)
+        registry, registry.generation, cfg, forced, forced_by, os.environ.get(PLUGINS_ENV),
+        cuda_available(),
     )
 
 
@@ -355,6 +392,8 @@ def select_backend(
         Features the layers need (None / False: not used).
     device:
         ``"cpu"``, ``"cuda"`` or a ``torch.device``; None picks ``"cuda"`` when available.
+        ``"cuda"`` without a CUDA device here is refused (every backend gets the reason
+        `NO_CUDA_REASON`).
     backend:
         Force this backend by name (else ``PAGEDCORE_BACKEND``, if set); no fallback.
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from pagedcore.attention.backend import AttentionImpl
@@ -40,38 +38,15 @@ class ReferenceImpl(AttentionImpl[ReferenceMetadata]):
     parameters. Only ``kv_cache_dtype="auto"`` is accepted.
     """
 
-    def __init__(
-        self,
-        num_heads: int,
-        head_size: int,
-        scale: float,
-        *,
-        num_kv_heads: int | None = None,
-        alibi_slopes: Sequence[float] | None = None,
-        sliding_window: int | None = None,
-        logits_soft_cap: float | None = None,
-        kv_cache_dtype: str = "auto",
-    ) -> None:
-        super().__init__(
-            num_heads,
-            head_size,
-            scale,
-            num_kv_heads=num_kv_heads,
-            alibi_slopes=alibi_slopes,
-            sliding_window=sliding_window,
-            logits_soft_cap=logits_soft_cap,
-            kv_cache_dtype=kv_cache_dtype,
-        )
-        if kv_cache_dtype != "auto":
+    def check_supported(self) -> None:
+        if self.kv_cache_dtype != "auto":
             raise ValueError(
                 f"the reference backend stores the KV cache in the model dtype only "
-                f"(kv_cache_dtype='auto'), got {kv_cache_dtype!r}"
+                f"(kv_cache_dtype='auto'), got {self.kv_cache_dtype!r}"
             )
-        if sliding_window is not None and sliding_window <= 0:
-            raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
-        if logits_soft_cap is not None and logits_soft_cap <= 0:
-            raise ValueError(f"logits_soft_cap must be positive or None, got {logits_soft_cap}")
-        self._slopes = (
+
+    def setup(self) -> None:
+        self._slopes: torch.Tensor | None = (
             None
             if self.alibi_slopes is None
             else torch.tensor(self.alibi_slopes, dtype=torch.float32)

@@ -18,8 +18,7 @@ MLA impl contract (every MLA backend follows it; the conformance suite checks it
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import attrs
 
@@ -27,17 +26,23 @@ from pagedcore.attention.backend import AttentionBackend, AttentionImpl, Metadat
 
 if TYPE_CHECKING:
     import torch
+    from typing_extensions import Unpack
 
+    from pagedcore.attention.backend import AttentionImplOptions
     from pagedcore.attention.metadata import CommonAttentionMetadata
 
 __all__ = [
     "MLAImpl",
+    "MLAImplBase",
     "ReferenceMLABackend",
     "ReferenceMLAMetadata",
     "ReferenceMLAMetadataBuilder",
     "check_mla_cache_shape",
     "write_mla_cache",
 ]
+
+
+M = TypeVar("M")
 
 
 def check_mla_cache_shape(num_kv_heads: int, head_size: int, cache_dtype: str) -> None:
@@ -99,8 +104,9 @@ class ReferenceMLAMetadataBuilder(MetadataBuilder[ReferenceMLAMetadata]):
         )
 
 
-class MLAImpl(AttentionImpl[ReferenceMLAMetadata]):
-    """Reference MLA over a paged latent cache (see the module docstring for the contract).
+class MLAImplBase(AttentionImpl[M]):
+    """What every MLA impl shares: the ``kv_lora_rank`` argument, one latent KV head, no
+    ALiBi / window / soft-cap, and the cache write (see the module docstring for the contract).
 
     Parameters
     ----------
@@ -115,7 +121,14 @@ class MLAImpl(AttentionImpl[ReferenceMLAMetadata]):
         required.
     num_kv_heads:
         Must be 1 (or None).
+    **options:
+        `AttentionImpl`'s other keyword arguments; only ``kv_cache_dtype`` may be set.
     """
+
+    #: The error for ALiBi, a sliding window or a soft-cap (subclasses name themselves).
+    unsupported_features: ClassVar[str] = (
+        "MLA backends support neither ALiBi, sliding window nor soft-cap"
+    )
 
     def __init__(
         self,
@@ -125,10 +138,7 @@ class MLAImpl(AttentionImpl[ReferenceMLAMetadata]):
         *,
         kv_lora_rank: int | None = None,
         num_kv_heads: int | None = None,
-        alibi_slopes: Sequence[float] | None = None,
-        sliding_window: int | None = None,
-        logits_soft_cap: float | None = None,
-        kv_cache_dtype: str = "auto",
+        **options: Unpack[AttentionImplOptions],
     ) -> None:
         if num_kv_heads not in (None, 1):
             raise ValueError(f"MLA has one latent KV head; got num_kv_heads={num_kv_heads}")
@@ -137,10 +147,14 @@ class MLAImpl(AttentionImpl[ReferenceMLAMetadata]):
                 f"MLA needs kv_lora_rank in (0, head_size={head_size}) to know which dims are "
                 f"values; got kv_lora_rank={kv_lora_rank}"
             )
-        if alibi_slopes is not None or sliding_window is not None or logits_soft_cap is not None:
-            raise ValueError("MLA backends support neither ALiBi, sliding window nor soft-cap")
-        super().__init__(num_heads, head_size, scale, num_kv_heads=1, kv_cache_dtype=kv_cache_dtype)
         self.kv_lora_rank = kv_lora_rank
+        super().__init__(num_heads, head_size, scale, num_kv_heads=1, **options)
+
+    def check_supported(self) -> None:
+        if self.alibi_slopes is not None or self.sliding_window is not None or (
+            self.logits_soft_cap is not None
+        ):
+            raise ValueError(self.unsupported_features)
 
     def do_kv_cache_update(
         self,
@@ -152,6 +166,10 @@ class MLAImpl(AttentionImpl[ReferenceMLAMetadata]):
         """Write ``key`` ``[T, 1, L + R]`` into ``kv_cache`` ``[N, B, L + R]``; ``value`` is
         ignored; slots of ``-1`` are skipped."""
         write_mla_cache(key, kv_cache, slot_mapping)
+
+
+class MLAImpl(MLAImplBase[ReferenceMLAMetadata]):
+    """Reference MLA over a paged latent cache; parameters as `MLAImplBase`."""
 
     def forward(
         self,

@@ -114,8 +114,8 @@ class _WrongGQAImpl(ReferenceImpl):
 class _WindowOffByOneImpl(ReferenceImpl):
     """(f) Sliding window one key too wide."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def setup(self) -> None:
+        super().setup()
         if self.sliding_window is not None:
             self.sliding_window += 1
 
@@ -123,8 +123,8 @@ class _WindowOffByOneImpl(ReferenceImpl):
 class _AlibiSignImpl(ReferenceImpl):
     """(g) ALiBi bias with the wrong sign."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def setup(self) -> None:
+        super().setup()
         if self._slopes is not None:
             self._slopes = -self._slopes
 
@@ -132,8 +132,8 @@ class _AlibiSignImpl(ReferenceImpl):
 class _NoSoftCapImpl(ReferenceImpl):
     """(h) Ignores the logits soft-cap."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def setup(self) -> None:
+        super().setup()
         self.logits_soft_cap = None
 
 
@@ -151,8 +151,8 @@ class _IgnoresOutputImpl(ReferenceImpl):
 class _IgnoresScaleImpl(ReferenceImpl):
     """(j) Uses head_size ** -0.5 instead of the scale it was given."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def setup(self) -> None:
+        super().setup()
         self.scale = self.head_size**-0.5
 
 

@@ -151,3 +151,72 @@ def test_split_rejects_unordered_batches_and_reorder_fixes_them() -> None:
     reordered = [lens[i] for i in order]
     assert split_decodes_and_prefills(_common(reordered, [8, 8, 8, 8])) == (2, 2, 2, 6)
     assert decode_first_order(lens, decode_threshold=2) == [1, 2, 3, 0]
+
+
+# --- AttentionImpl constructor hooks: common checks, then check_supported, then setup ---
+
+
+class _Recording(_Impl):
+    """Records what each hook saw; refuses sliding windows."""
+
+    def check_supported(self) -> None:
+        seen = ("check_supported", self.num_kv_heads, self.sliding_window)
+        self.calls: list[tuple[str, Any, Any]] = [seen]
+        if self.sliding_window is not None:
+            raise ValueError("no sliding window here; pick another backend")
+
+    def setup(self) -> None:
+        self.calls.append(("setup", self.num_queries_per_kv, self.alibi_slopes))
+
+
+class _Extended(_Recording):
+    """A subclass of an impl extends the hooks through super()."""
+
+    def setup(self) -> None:
+        super().setup()
+        self.calls.append(("extended", None, None))
+
+
+def test_hooks_run_in_order_with_every_argument_stored() -> None:
+    impl = _Recording(8, 64, 0.125, num_kv_heads=2, alibi_slopes=[0.5] * 8)
+    assert impl.calls == [("check_supported", 2, None), ("setup", 4, [0.5] * 8)]
+    assert (impl.num_heads, impl.head_size, impl.scale) == (8, 64, 0.125)
+    assert _Extended(4, 64, 1.0).calls[-2:] == [("setup", 1, None), ("extended", None, None)]
+
+
+def test_check_supported_error_propagates_and_setup_is_skipped() -> None:
+    seen: list[str] = []
+
+    class _Tracked(_Recording):
+        def setup(self) -> None:
+            seen.append("setup")
+
+    with pytest.raises(ValueError, match="no sliding window here"):
+        _Tracked(8, 64, 0.1, sliding_window=16)
+    assert seen == []
+
+
+def test_default_hooks_refuse_nothing_and_add_nothing() -> None:
+    impl = _Impl(4, 64, 0.1, sliding_window=8, logits_soft_cap=30.0, kv_cache_dtype="fp8_e4m3",
+                  alibi_slopes=[1.0, 0.5, 0.25, 0.125])
+    assert (impl.sliding_window, impl.logits_soft_cap, impl.kv_cache_dtype) == (
+        8, 30.0, "fp8_e4m3"
+    )
+    assert set(vars(impl)) == {
+        "num_heads", "head_size", "scale", "num_kv_heads", "num_queries_per_kv",
+        "alibi_slopes", "sliding_window", "logits_soft_cap", "kv_cache_dtype",
+    }
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_kv_heads": 3}, r"num_heads \(8\) must be a positive multiple of num_kv_heads \(3\)"),
+        ({"alibi_slopes": [1.0]}, "alibi_slopes has 1 entries"),
+        ({"sliding_window": 0}, "sliding_window must be positive or None, got 0"),
+        ({"logits_soft_cap": -2.0}, "logits_soft_cap must be positive or None, got -2.0"),
+    ],
+)
+def test_common_checks_run_before_the_hooks(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        _Recording(8, 64, 0.1, **kwargs)

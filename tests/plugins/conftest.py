@@ -21,6 +21,22 @@ def _clean_plugin_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 @pytest.fixture
+def cuda_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pretend torch sees a CUDA device (selection checks it at call time)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
+@pytest.fixture
+def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pretend torch sees no CUDA device, even on a GPU machine."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+@pytest.fixture
 def registry() -> Iterator[BackendRegistry]:
     """An empty registry installed as the process-wide one for the test."""
     with isolated_registry() as reg:

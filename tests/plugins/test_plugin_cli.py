@@ -61,7 +61,7 @@ def test_select_success(populated: BackendRegistry) -> None:
     assert "device 'cpu' not supported" in result.output  # gpu_only's reason is explained
 
 
-def test_select_json_and_forced(populated: BackendRegistry) -> None:
+def test_select_json_and_forced(populated: BackendRegistry, cuda_here: None) -> None:
     result = CliRunner().invoke(
         main, ["select", "--head-size", "64", "--device", "cuda", "--backend", "cpu_one",
                "--json"])

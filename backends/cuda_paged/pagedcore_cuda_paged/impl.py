@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from pagedcore.attention.backend import AttentionImpl
@@ -45,35 +44,19 @@ class CudaPagedImpl(AttentionImpl[CudaPagedMetadata]):
     `kv_cache_dtype` ``"auto"``.
     """
 
-    def __init__(
-        self,
-        num_heads: int,
-        head_size: int,
-        scale: float,
-        *,
-        num_kv_heads: int | None = None,
-        alibi_slopes: Sequence[float] | None = None,
-        sliding_window: int | None = None,
-        logits_soft_cap: float | None = None,
-        kv_cache_dtype: str = "auto",
-    ) -> None:
-        super().__init__(
-            num_heads, head_size, scale, num_kv_heads=num_kv_heads, alibi_slopes=alibi_slopes,
-            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-            kv_cache_dtype=kv_cache_dtype,
-        )
-        if head_size not in SUPPORTED_HEAD_SIZES:
+    def check_supported(self) -> None:
+        if self.head_size not in SUPPORTED_HEAD_SIZES:
             raise ValueError(
-                f"cuda_paged has kernels for head sizes {SUPPORTED_HEAD_SIZES}, not {head_size}; "
-                "choose another backend (pagedcore select --head-size ...)"
+                f"cuda_paged has kernels for head sizes {SUPPORTED_HEAD_SIZES}, not "
+                f"{self.head_size}; choose another backend (pagedcore select --head-size ...)"
             )
-        if kv_cache_dtype != "auto":
+        if self.kv_cache_dtype != "auto":
             raise ValueError(
                 f"cuda_paged stores the KV cache in the model dtype (kv_cache_dtype='auto'), "
-                f"got {kv_cache_dtype!r}"
+                f"got {self.kv_cache_dtype!r}"
             )
-        if sliding_window is not None and sliding_window <= 0:
-            raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
+
+    def setup(self) -> None:
         self._alibi: torch.Tensor | None = None
 
     def _block_size(self, kv_cache: torch.Tensor) -> int:

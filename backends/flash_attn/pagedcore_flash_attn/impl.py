@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from pagedcore.attention.backend import AttentionImpl
@@ -45,44 +43,22 @@ class FlashAttnImpl(AttentionImpl[FlashAttnMetadata]):
     (4095, 0)
     """
 
-    def __init__(
-        self,
-        num_heads: int,
-        head_size: int,
-        scale: float,
-        *,
-        num_kv_heads: int | None = None,
-        alibi_slopes: Sequence[float] | None = None,
-        sliding_window: int | None = None,
-        logits_soft_cap: float | None = None,
-        kv_cache_dtype: str = "auto",
-    ) -> None:
-        super().__init__(
-            num_heads,
-            head_size,
-            scale,
-            num_kv_heads=num_kv_heads,
-            alibi_slopes=alibi_slopes,
-            sliding_window=sliding_window,
-            logits_soft_cap=logits_soft_cap,
-            kv_cache_dtype=kv_cache_dtype,
-        )
-        if kv_cache_dtype != "auto":
+    def check_supported(self) -> None:
+        if self.kv_cache_dtype != "auto":
             raise ValueError(
-                f"kv_cache_dtype {kv_cache_dtype!r} is not supported by the flash_attn backend "
-                "(FlashAttention-2 reads fp16/bf16 caches only); use kv_cache_dtype='auto'"
+                f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported by the flash_attn "
+                "backend (FlashAttention-2 reads fp16/bf16 caches only); use kv_cache_dtype='auto'"
             )
-        if head_size not in HEAD_SIZES:
+        if self.head_size not in HEAD_SIZES:
             raise ValueError(
-                f"head size {head_size} is not supported by the flash_attn backend: "
+                f"head size {self.head_size} is not supported by the flash_attn backend: "
                 "FlashAttention-2 needs a multiple of 8 up to 256"
             )
-        if sliding_window is not None and sliding_window <= 0:
-            raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
+
+    def setup(self) -> None:
+        window = self.sliding_window
         #: flash-attn's ``(left, right)``: a window of W keys is the query plus W - 1 before it.
-        self.window_size: tuple[int, int] = (
-            (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
-        )
+        self.window_size: tuple[int, int] = (-1, -1) if window is None else (window - 1, 0)
         self._varlen: flash_api.VarlenFunc | None = None
         self._alibi: torch.Tensor | None = None
 

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable, Iterator
 
 import pytest
+import torch
 from pagedcore_flash_attn import FlashAttnBackend, capabilities
 
 import pagedcore
@@ -26,6 +27,8 @@ def simulate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Simulate]:
     def apply(version: str | None, capability: tuple[int, int] | None) -> None:
         monkeypatch.setattr(capabilities, "installed_version", lambda: version)
         monkeypatch.setattr(capabilities, "device_capability", lambda: capability)
+        # the selector refuses device="cuda" when torch sees no CUDA device
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: capability is not None)
         clear_selection_cache()
 
     yield apply

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from pagedcore.attention import AttentionImpl
@@ -22,43 +20,20 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
     size, KV-cache dtype or soft-cap the kernels do not serve.
     """
 
-    def __init__(
-        self,
-        num_heads: int,
-        head_size: int,
-        scale: float,
-        *,
-        num_kv_heads: int | None = None,
-        alibi_slopes: Sequence[float] | None = None,
-        sliding_window: int | None = None,
-        logits_soft_cap: float | None = None,
-        kv_cache_dtype: str = "auto",
-    ) -> None:
-        super().__init__(
-            num_heads,
-            head_size,
-            scale,
-            num_kv_heads=num_kv_heads,
-            alibi_slopes=alibi_slopes,
-            sliding_window=sliding_window,
-            logits_soft_cap=logits_soft_cap,
-            kv_cache_dtype=kv_cache_dtype,
-        )
+    def check_supported(self) -> None:
         sizes = TritonAttentionBackend.supported_head_sizes or ()
-        if head_size not in sizes:
+        if self.head_size not in sizes:
             raise ValueError(
-                f"the triton backend does not serve head size {head_size} "
+                f"the triton backend does not serve head size {self.head_size} "
                 f"(supports {', '.join(map(str, sizes))}); pick another backend"
             )
-        if kv_cache_dtype not in TritonAttentionBackend.supported_kv_cache_dtypes:
+        if self.kv_cache_dtype not in TritonAttentionBackend.supported_kv_cache_dtypes:
             raise ValueError(
                 f"the triton backend stores the KV cache in the model dtype only "
-                f"(kv_cache_dtype 'auto'), got {kv_cache_dtype!r}"
+                f"(kv_cache_dtype 'auto'), got {self.kv_cache_dtype!r}"
             )
-        if sliding_window is not None and sliding_window <= 0:
-            raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
-        if logits_soft_cap is not None and logits_soft_cap <= 0:
-            raise ValueError(f"logits_soft_cap must be positive or None, got {logits_soft_cap}")
+
+    def setup(self) -> None:
         self._slopes: dict[torch.device, torch.Tensor] = {}
 
     def _alibi(self, device: torch.device) -> torch.Tensor | None:

@@ -10,7 +10,6 @@ how many split-KV segments to use so that a small decode batch still fills the G
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import attrs
@@ -22,6 +21,7 @@ from pagedcore.attention import (
     CommonAttentionMetadata,
     MetadataBuilder,
 )
+from pagedcore.reference.mla import MLAImplBase
 from pagedcore_triton._env import interpreting
 
 __all__ = [
@@ -114,20 +114,13 @@ class TritonMLAMetadataBuilder(MetadataBuilder[TritonMLAMetadata]):
         )
 
 
-class TritonMLAImpl(AttentionImpl[TritonMLAMetadata]):
-    """Triton MLA over the paged latent cache (contract: `pagedcore.reference.mla`).
+class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
+    """Triton MLA over the paged latent cache (contract: `pagedcore.reference.mla`); the
+    parameters are `pagedcore.reference.mla.MLAImplBase`'s (``kv_lora_rank`` required)."""
 
-    Parameters
-    ----------
-    num_heads:
-        Query heads ``H``.
-    head_size:
-        ``L + R``.
-    scale:
-        Softmax scale on ``q·row``.
-    kv_lora_rank:
-        ``L``; keyword-only, required.
-    """
+    unsupported_features: ClassVar[str] = (
+        "triton_mla supports neither ALiBi, sliding window nor soft-cap"
+    )
 
     #: Query heads per program (each loaded cache row serves all of them).
     block_h: ClassVar[int] = 16
@@ -137,42 +130,6 @@ class TritonMLAImpl(AttentionImpl[TritonMLAMetadata]):
     block_n: int = 32
     num_warps: int = 4
     num_stages: int = 2
-
-    def __init__(
-        self,
-        num_heads: int,
-        head_size: int,
-        scale: float,
-        *,
-        kv_lora_rank: int | None = None,
-        num_kv_heads: int | None = None,
-        alibi_slopes: Sequence[float] | None = None,
-        sliding_window: int | None = None,
-        logits_soft_cap: float | None = None,
-        kv_cache_dtype: str = "auto",
-    ) -> None:
-        if num_kv_heads not in (None, 1):
-            raise ValueError(f"MLA has one latent KV head; got num_kv_heads={num_kv_heads}")
-        if kv_lora_rank is None or not 0 < kv_lora_rank < head_size:
-            raise ValueError(
-                f"MLA needs kv_lora_rank in (0, head_size={head_size}); got {kv_lora_rank}"
-            )
-        if alibi_slopes is not None or sliding_window is not None or logits_soft_cap is not None:
-            raise ValueError("triton_mla supports neither ALiBi, sliding window nor soft-cap")
-        super().__init__(num_heads, head_size, scale, num_kv_heads=1, kv_cache_dtype=kv_cache_dtype)
-        self.kv_lora_rank = kv_lora_rank
-
-    def do_kv_cache_update(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        """Write ``key`` ``[T, 1, L + R]`` rows at ``slot_mapping`` (``-1`` skipped)."""
-        from pagedcore.reference.mla import write_mla_cache
-
-        write_mla_cache(key, kv_cache, slot_mapping)
 
     def forward(
         self,

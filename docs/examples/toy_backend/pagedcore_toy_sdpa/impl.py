@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -56,30 +55,21 @@ class ToySdpaMetadataBuilder(MetadataBuilder[ToySdpaMetadata]):
 class ToySdpaImpl(AttentionImpl[ToySdpaMetadata]):
     """Gathers each request's K/V blocks and runs one SDPA call per request (float32 math)."""
 
-    def __init__(
-        self,
-        num_heads: int,
-        head_size: int,
-        scale: float,
-        *,
-        num_kv_heads: int | None = None,
-        alibi_slopes: Sequence[float] | None = None,
-        sliding_window: int | None = None,
-        logits_soft_cap: float | None = None,
-        kv_cache_dtype: str = "auto",
-    ) -> None:
+    # No __init__: AttentionImpl's stores the arguments, then calls this hook.
+    def check_supported(self) -> None:
+        """Refuse the features `ToySdpaBackend` does not declare."""
         unsupported = {
-            "alibi_slopes": alibi_slopes,
-            "sliding_window": sliding_window,
-            "logits_soft_cap": logits_soft_cap,
+            "alibi_slopes": self.alibi_slopes,
+            "sliding_window": self.sliding_window,
+            "logits_soft_cap": self.logits_soft_cap,
         }
         asked = [name for name, value in unsupported.items() if value is not None]
-        if asked or kv_cache_dtype != "auto":
+        if asked or self.kv_cache_dtype != "auto":
             raise NotImplementedError(
-                f"toy_sdpa implements plain full attention only; got {asked or kv_cache_dtype}. "
+                f"toy_sdpa implements plain full attention only; got "
+                f"{asked or self.kv_cache_dtype}. "
                 "Use pagedcore.select_backend(...) to pick a backend that supports it"
             )
-        super().__init__(num_heads, head_size, scale, num_kv_heads=num_kv_heads)
 
     def do_kv_cache_update(
         self,
