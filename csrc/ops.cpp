@@ -55,6 +55,31 @@ void check_cuda_status(cudaError_t err, const char* what, int64_t head_size) {
   TORCH_CHECK(err == cudaSuccess, what, " failed: ", cudaGetErrorString(err));
 }
 
+using LaunchFn = cudaError_t (*)(const AttentionParams&, int, cudaStream_t);
+
+// Runs the launcher matching the query's dtype on the current stream of its device.
+void launch_for_dtype(const AttentionParams& p, const at::Tensor& query, LaunchFn f16,
+                      LaunchFn bf16, LaunchFn f32, const char* what) {
+  const c10::cuda::CUDAGuard guard(query.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  const int64_t head_size = query.size(2);
+  LaunchFn launch = nullptr;
+  switch (dtype_of(query)) {
+    case DType::kFloat16:
+      launch = f16;
+      break;
+    case DType::kBFloat16:
+      launch = bf16;
+      break;
+    case DType::kFloat32:
+      launch = f32;
+      break;
+  }
+  const cudaError_t err =
+      launch == nullptr ? cudaErrorInvalidValue : launch(p, static_cast<int>(head_size), stream);
+  check_cuda_status(err, what, head_size);
+}
+
 // K and V views inside the single per-layer tensor [2, num_blocks, Hkv * D * B].
 std::pair<void*, void*> kv_pointers(const at::Tensor& kv_cache) {
   TORCH_CHECK(kv_cache.dim() == 3 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
@@ -198,22 +223,7 @@ void decode(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache,
     p.max_logits = max_logits.data_ptr<float>();
     p.exp_sums = exp_sums.data_ptr<float>();
   }
-  const c10::cuda::CUDAGuard guard(query.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-  const int64_t head_size = query.size(2);
-  cudaError_t err = cudaErrorInvalidValue;
-  switch (dtype_of(query)) {
-    case DType::kFloat16:
-      err = launch_decode_f16(p, static_cast<int>(head_size), stream);
-      break;
-    case DType::kBFloat16:
-      err = launch_decode_bf16(p, static_cast<int>(head_size), stream);
-      break;
-    case DType::kFloat32:
-      err = launch_decode_f32(p, static_cast<int>(head_size), stream);
-      break;
-  }
-  check_cuda_status(err, "decode", head_size);
+  launch_for_dtype(p, query, launch_decode_f16, launch_decode_bf16, launch_decode_f32, "decode");
 }
 
 void prefill(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache,
@@ -230,22 +240,8 @@ void prefill(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache
   p.num_items = static_cast<int>(tiles.size(0));
   p.causal = causal;
   p.prefill_lane_per_key = lane_per_key;
-  const c10::cuda::CUDAGuard guard(query.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-  const int64_t head_size = query.size(2);
-  cudaError_t err = cudaErrorInvalidValue;
-  switch (dtype_of(query)) {
-    case DType::kFloat16:
-      err = launch_prefill_f16(p, static_cast<int>(head_size), stream);
-      break;
-    case DType::kBFloat16:
-      err = launch_prefill_bf16(p, static_cast<int>(head_size), stream);
-      break;
-    case DType::kFloat32:
-      err = launch_prefill_f32(p, static_cast<int>(head_size), stream);
-      break;
-  }
-  check_cuda_status(err, "prefill", head_size);
+  launch_for_dtype(p, query, launch_prefill_f16, launch_prefill_bf16, launch_prefill_f32,
+                   "prefill");
 }
 
 }  // namespace pagedcore

@@ -16,6 +16,7 @@ from pagedcore.attention import (
     CommonAttentionMetadata,
     CudaGraphSupport,
     MetadataBuilder,
+    MLAAttentionBackend,
     MultipleOf,
 )
 from pagedcore.plugins.hookspecs import hookimpl
@@ -59,6 +60,7 @@ __all__ = [
     "BackendSelectionError",
     "CommonAttentionMetadata",
     "CudaGraphSupport",
+    "MLAAttentionBackend",
     "MetadataBuilder",
     "MultipleOf",
     "RequestOutput",

@@ -14,6 +14,7 @@ from pagedcore.attention.metadata import (
     decode_first_order,
     split_decodes_and_prefills,
 )
+from pagedcore.attention.mla import MLAAttentionBackend
 
 __all__ = [
     "KV_CACHE_DTYPES",
@@ -22,6 +23,7 @@ __all__ = [
     "AttentionImpl",
     "CommonAttentionMetadata",
     "CudaGraphSupport",
+    "MLAAttentionBackend",
     "MetadataBuilder",
     "MultipleOf",
     "decode_first_order",

@@ -132,16 +132,18 @@ def chunked(small: bool, device: str | None, backend: str | None, long_len: int 
     """Chunked prefill: short-request TTFT/ITL and long completion vs no chunking."""
     import torch
 
-    from pagedcore.bench.report import environment, model_shape, pick_device, write_json
+    from pagedcore.bench.report import (
+        engine_bench_model,
+        environment,
+        model_shape,
+        write_json,
+    )
     from pagedcore.bench.timeline import WallClock
     from pagedcore.engine.llm import LLM
-    from pagedcore.engine.models import qwen2_0_5b_config, random_model, tiny_config
+    from pagedcore.engine.models import qwen2_0_5b_config, random_model
 
-    dev = pick_device(device)
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    dev, dtype, config = engine_bench_model(small, device)
     if small:
-        config = tiny_config("qwen2", vocab_size=512, hidden_size=128, intermediate_size=256,
-                             num_hidden_layers=2, max_position_embeddings=32768)
         long_len = long_len or 8192
         budgets, thresholds = [256, 512, 1024, 2048], [256, 512, 1024, 2048]
         short_max = 8

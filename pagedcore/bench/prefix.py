@@ -166,19 +166,20 @@ def prefix(small: bool, device: str | None, backend: str | None, lengths: str | 
     """Prefix caching: cold vs warm TTFT at shared system prompts, and a multi-turn chat."""
     import torch
 
-    from pagedcore.bench.report import environment, model_shape, pick_device, write_json
+    from pagedcore.bench.report import (
+        engine_bench_model,
+        environment,
+        model_shape,
+        write_json,
+    )
     from pagedcore.bench.timeline import WallClock
     from pagedcore.engine.llm import LLM
-    from pagedcore.engine.models import qwen2_0_5b_config, random_model, tiny_config
+    from pagedcore.engine.models import random_model
 
-    dev = pick_device(device)
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    dev, dtype, config = engine_bench_model(small, device)
     if small:
-        config = tiny_config("qwen2", vocab_size=512, hidden_size=128, intermediate_size=256,
-                             num_hidden_layers=2, max_position_embeddings=32768)
         lens = [1024, 4096, 8192]
     else:
-        config = qwen2_0_5b_config()
         lens = [1024, 4096, 16384]
     if lengths:
         lens = [int(x) for x in lengths.split(",")]

@@ -62,6 +62,26 @@ def pick_device(device: str | None) -> torch.device:
     return picked
 
 
+def engine_bench_model(small: bool, device: str | None) -> tuple[torch.device, torch.dtype, Any]:
+    """The engine experiments' device, dtype and model config.
+
+    ``small``: a tiny 2-layer Qwen2 (hidden 128) in float32, for CPUs; otherwise the
+    Qwen2-0.5B shape, in bf16 on CUDA. Callers may override the config's position limit.
+    """
+    import torch
+
+    from pagedcore.engine.models import qwen2_0_5b_config, tiny_config
+
+    dev = pick_device(device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    if small:
+        config = tiny_config("qwen2", vocab_size=512, hidden_size=128, intermediate_size=256,
+                             num_hidden_layers=2, max_position_embeddings=32768)
+    else:
+        config = qwen2_0_5b_config()
+    return dev, dtype, config
+
+
 def environment(device: torch.device) -> dict[str, Any]:
     """Device name, library versions, commit and command line of this run."""
     import torch

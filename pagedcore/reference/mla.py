@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import attrs
 
-from pagedcore.attention.backend import AttentionBackend, AttentionImpl, MetadataBuilder
+from pagedcore.attention.backend import AttentionImpl, MetadataBuilder
+from pagedcore.attention.mla import MLAAttentionBackend, check_mla_cache_shape
 
 if TYPE_CHECKING:
     import torch
@@ -43,20 +44,6 @@ __all__ = [
 
 
 M = TypeVar("M")
-
-
-def check_mla_cache_shape(num_kv_heads: int, head_size: int, cache_dtype: str) -> None:
-    """Raise a ValueError when an MLA cache is asked for with more than one KV head."""
-    if num_kv_heads != 1:
-        raise ValueError(
-            f"an MLA KV cache holds one latent head per token; got num_kv_heads={num_kv_heads}. "
-            "Pass num_kv_heads=1 (MLAAttentionSpec does)"
-        )
-    if head_size <= 0:
-        raise ValueError(f"MLA head_size (kv_lora_rank + rope_head_dim) must be positive, "
-                         f"got {head_size}")
-    if cache_dtype != "auto":
-        raise ValueError(f"MLA caches support kv_cache_dtype 'auto' only, got {cache_dtype!r}")
 
 
 def write_mla_cache(key: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -239,15 +226,13 @@ class MLAImpl(MLAImplBase[ReferenceMLAMetadata]):
         return out
 
 
-class ReferenceMLABackend(AttentionBackend):
+class ReferenceMLABackend(MLAAttentionBackend):
     """Torch reference MLA backend: the oracle for MLA, and the CPU default for MLA models."""
 
     name: ClassVar[str] = "reference_mla"
     priority: ClassVar[int] = 1000
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float32", "float16", "bfloat16")
     supported_devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
-    supports_mla: ClassVar[bool] = True
-    mla_only: ClassVar[bool] = True
 
     @classmethod
     def get_builder_cls(cls) -> type[MetadataBuilder[Any]]:
@@ -256,16 +241,3 @@ class ReferenceMLABackend(AttentionBackend):
     @classmethod
     def get_impl_cls(cls) -> type[AttentionImpl[Any]]:
         return MLAImpl
-
-    @classmethod
-    def get_kv_cache_shape(
-        cls,
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_size: int,
-        cache_dtype: str = "auto",
-    ) -> tuple[int, ...]:
-        """``(num_blocks, block_size, head_size)``: one latent row of ``L + R`` per token."""
-        check_mla_cache_shape(num_kv_heads, head_size, cache_dtype)
-        return (num_blocks, block_size, head_size)

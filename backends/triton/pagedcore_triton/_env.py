@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
-__all__ = ["interpreting"]
+__all__ = ["interpreting", "triton_unavailable_reason"]
 
 
 def interpreting() -> bool:
@@ -14,3 +15,23 @@ def interpreting() -> bool:
     `pagedcore_triton.kernels` is first imported.
     """
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_unavailable_reason() -> str | None:
+    """None when the Triton kernels can run here, else why not (shared by every descriptor)."""
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed (pip install triton)"
+    if interpreting():
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return (
+            "needs a CUDA GPU (torch.cuda.is_available() is False); set TRITON_INTERPRET=1 "
+            "before importing pagedcore_triton to run it on CPU tensors in Triton's "
+            "interpreter (slow, for tests)"
+        )
+    major, minor = torch.cuda.get_device_capability()
+    if major < 8:
+        return f"needs compute capability >= 8.0 (found {major}.{minor})"
+    return None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import abc
-import importlib.util
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -18,7 +17,7 @@ from pagedcore.attention import (
     MultipleOf,
     split_decodes_and_prefills,
 )
-from pagedcore_triton._env import interpreting
+from pagedcore_triton._env import interpreting, triton_unavailable_reason
 from pagedcore_triton.plan import LaunchPart, SplitRule, choose_num_segments
 
 if TYPE_CHECKING:
@@ -162,22 +161,7 @@ class TritonAttentionBackend(AttentionBackend, metaclass=_TritonBackendMeta):
 
     @classmethod
     def is_available(cls) -> str | None:
-        if importlib.util.find_spec("triton") is None:
-            return "triton is not installed (pip install triton)"
-        if interpreting():
-            return None
-        import torch
-
-        if not torch.cuda.is_available():
-            return (
-                "needs a CUDA GPU (torch.cuda.is_available() is False); set TRITON_INTERPRET=1 "
-                "before importing pagedcore_triton to run it on CPU tensors in Triton's "
-                "interpreter (slow, for tests)"
-            )
-        major, minor = torch.cuda.get_device_capability()
-        if major < 8:
-            return f"needs compute capability >= 8.0 (found {major}.{minor})"
-        return None
+        return triton_unavailable_reason()
 
     @classmethod
     def get_builder_cls(cls) -> type[MetadataBuilder[Any]]:

@@ -9,20 +9,19 @@ how many split-KV segments to use so that a small decode batch still fills the G
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any, ClassVar
 
 import attrs
 import torch
 
 from pagedcore.attention import (
-    AttentionBackend,
     AttentionImpl,
     CommonAttentionMetadata,
     MetadataBuilder,
 )
+from pagedcore.attention.mla import MLAAttentionBackend
 from pagedcore.reference.mla import MLAImplBase
-from pagedcore_triton._env import interpreting
+from pagedcore_triton._env import interpreting, triton_unavailable_reason
 
 __all__ = [
     "MLASplitRule",
@@ -212,7 +211,7 @@ class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
         return out
 
 
-class TritonMLABackend(AttentionBackend):
+class TritonMLABackend(MLAAttentionBackend):
     """Triton MLA: paged latent cache, one kernel for mixed batches, split-KV decode."""
 
     name: ClassVar[str] = "triton_mla"
@@ -221,24 +220,10 @@ class TritonMLABackend(AttentionBackend):
     supported_devices: ClassVar[tuple[str, ...]] = (
         ("cuda", "cpu") if interpreting() else ("cuda",)
     )
-    supports_mla: ClassVar[bool] = True
-    mla_only: ClassVar[bool] = True
 
     @classmethod
     def is_available(cls) -> str | None:
-        if importlib.util.find_spec("triton") is None:
-            return "triton is not installed (pip install triton)"
-        if interpreting():
-            return None
-        if not torch.cuda.is_available():
-            return (
-                "needs a CUDA GPU (torch.cuda.is_available() is False); set TRITON_INTERPRET=1 "
-                "before importing pagedcore_triton to run it in Triton's interpreter on CPU"
-            )
-        major, minor = torch.cuda.get_device_capability()
-        if major < 8:
-            return f"needs compute capability >= 8.0 (found {major}.{minor})"
-        return None
+        return triton_unavailable_reason()
 
     @classmethod
     def get_builder_cls(cls) -> type[MetadataBuilder[Any]]:
@@ -247,18 +232,3 @@ class TritonMLABackend(AttentionBackend):
     @classmethod
     def get_impl_cls(cls) -> type[AttentionImpl[Any]]:
         return TritonMLAImpl
-
-    @classmethod
-    def get_kv_cache_shape(
-        cls,
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_size: int,
-        cache_dtype: str = "auto",
-    ) -> tuple[int, ...]:
-        """``(num_blocks, block_size, head_size)``: one latent row of ``L + R`` per token."""
-        from pagedcore.reference.mla import check_mla_cache_shape
-
-        check_mla_cache_shape(num_kv_heads, head_size, cache_dtype)
-        return (num_blocks, block_size, head_size)
