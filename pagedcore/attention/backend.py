@@ -285,6 +285,27 @@ class MetadataBuilder(abc.ABC, Generic[M]):
     def build(self, common: CommonAttentionMetadata, *, common_prefix_len: int = 0) -> M:
         """Plan this step. `common_prefix_len` tokens are shared by every request (cascade)."""
 
+    def build_for_cudagraph_capture(self, common: CommonAttentionMetadata) -> M:
+        """Plan a uniform decode batch once, for CUDA-graph capture and every later replay.
+
+        Called only for backends whose ``cudagraph_support`` is at least
+        ``UNIFORM_SINGLE_TOKEN_DECODE``. `common` describes ``num_reqs`` requests of one query
+        token each; its device tensors (``query_start_loc``, ``seq_lens``, ``block_table``,
+        ``slot_mapping``, ``positions``) are the engine's persistent buffers, and
+        ``common.max_seq_len`` is the largest sequence length any replay will hold (the
+        engine's ``max_model_len``). The engine then rewrites those buffers *in place* before
+        each replay: the returned metadata must stay valid for any batch of the same
+        ``num_reqs`` with every query length 1 and every ``seq_lens`` entry in
+        ``[1, common.max_seq_len]``. Padding requests have ``seq_lens`` 1, a block-table row of
+        zeros (the null block) and ``slot_mapping`` -1; their outputs are discarded.
+
+        So nothing in the result may depend on the buffers' current *values* (no host reads of
+        device data, no plan chosen from this step's lengths): only on ``num_reqs``,
+        ``common.max_seq_len`` and the shapes. The default calls `build`, which is right for a
+        backend whose plan uses no values; a backend whose plan does must override this.
+        """
+        return self.build(common)
+
 
 class AttentionImpl(abc.ABC, Generic[M]):
     """One attention layer's computation over the paged KV cache.
