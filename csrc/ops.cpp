@@ -202,7 +202,7 @@ void decode(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache,
             const std::optional<at::Tensor>& alibi_slopes, int64_t window,
             int64_t partition_size, int64_t max_partitions, bool grouped,
             const at::Tensor& tmp_out, const at::Tensor& max_logits,
-            const at::Tensor& exp_sums) {
+            const at::Tensor& exp_sums, int64_t kernel, int64_t unroll) {
   AttentionParams p =
       common_params(out, query, kv_cache, block_table, seq_lens, query_start_loc, decode_reqs,
                     block_size, num_kv_heads, scale, soft_cap, alibi_slopes, window);
@@ -223,6 +223,19 @@ void decode(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache,
     p.max_logits = max_logits.data_ptr<float>();
     p.exp_sums = exp_sums.data_ptr<float>();
   }
+  TORCH_CHECK(kernel == 0 || kernel == 1, "decode kernel must be 0 (classic) or 1 (mma), got ",
+              kernel);
+  if (kernel == 1) {
+    TORCH_CHECK(query.scalar_type() != at::kFloat && query.size(2) <= 128,
+                "the mma decode kernel takes float16/bfloat16 and head sizes 64-128, got ",
+                query.scalar_type(), " and ", query.size(2), "; use the classic kernel");
+    TORCH_CHECK(unroll >= 1 && unroll <= 3, "mma decode unroll must be 1, 2 (tiles loaded "
+                "together into registers) or 3 (cp.async ring), got ", unroll);
+    p.decode_unroll = static_cast<int>(unroll);
+    launch_for_dtype(p, query, launch_decode_mma_f16, launch_decode_mma_bf16, nullptr,
+                     "decode (mma)");
+    return;
+  }
   launch_for_dtype(p, query, launch_decode_f16, launch_decode_bf16, launch_decode_f32, "decode");
 }
 
@@ -231,7 +244,7 @@ void prefill(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache
              const at::Tensor& query_start_loc, const at::Tensor& tiles, int64_t block_size,
              int64_t num_kv_heads, double scale, double soft_cap,
              const std::optional<at::Tensor>& alibi_slopes, int64_t window, bool causal,
-             bool lane_per_key) {
+             int64_t variant, int64_t tile_rows) {
   AttentionParams p =
       common_params(out, query, kv_cache, block_table, seq_lens, query_start_loc, tiles,
                     block_size, num_kv_heads, scale, soft_cap, alibi_slopes, window);
@@ -239,7 +252,22 @@ void prefill(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache
               "tiles must be a contiguous [num_tiles, 2] int32 tensor of (request, first row)");
   p.num_items = static_cast<int>(tiles.size(0));
   p.causal = causal;
-  p.prefill_lane_per_key = lane_per_key;
+  TORCH_CHECK(variant >= 0 && variant <= 3, "prefill variant must be 0 (mma), 1 (wmma), 2 "
+              "(wmma, lane per key) or 3 (mma, pipelined gather), got ", variant);
+  const bool mma = variant == 0 || variant == 3;
+  TORCH_CHECK(tile_rows == 64 || (mma && tile_rows == 128), "prefill tiles must have ",
+              "64 query rows (128 with the mma kernel), got ", tile_rows);
+  if (mma) {
+    TORCH_CHECK(query.scalar_type() != at::kFloat && query.size(2) <= 128,
+                "the mma prefill kernel takes float16/bfloat16 and head sizes 64-128, got ",
+                query.scalar_type(), " and ", query.size(2), "; use variant 1 (wmma)");
+    p.prefill_rows = static_cast<int>(tile_rows);
+    p.prefill_pipe = variant == 3;
+    launch_for_dtype(p, query, launch_prefill_mma_f16, launch_prefill_mma_bf16, nullptr,
+                     "prefill (mma)");
+    return;
+  }
+  p.prefill_lane_per_key = variant == 2;
   launch_for_dtype(p, query, launch_prefill_f16, launch_prefill_bf16, launch_prefill_f32,
                    "prefill");
 }
@@ -253,6 +281,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill", &pagedcore::prefill, "Paged prefill / chunked-prefill attention");
   m.def("decode_smem_bytes", &pagedcore::decode_smem_bytes,
         "Dynamic shared memory of one per-head decode thread block");
+  m.def("decode_mma_smem_bytes", &pagedcore::decode_mma_smem_bytes,
+        "Dynamic shared memory of one mma decode thread block");
   m.def("decode_grouped_smem_bytes", &pagedcore::decode_grouped_smem_bytes,
         "Dynamic shared memory of one grouped decode thread block");
 }

@@ -44,6 +44,9 @@ struct AttentionParams {
   int window;                  // 0 = none
   bool causal;
   bool prefill_lane_per_key;   // prefill: the first softmax formulation (reference path)
+  int decode_unroll;           // mma decode: 16-key tiles whose loads are issued together (1, 2)
+  int prefill_rows;            // mma prefill: query rows per tile (64 or 128)
+  bool prefill_pipe;           // mma prefill: pipelined K/V gather (block table read ahead)
   // decode only
   int partition_size;          // tokens, a multiple of block_size
   int max_partitions;          // grid.z; 1 = one pass (tmp buffers unused)
@@ -61,6 +64,12 @@ cudaError_t launch_decode_f16(const AttentionParams& p, int head_size, cudaStrea
 cudaError_t launch_decode_bf16(const AttentionParams& p, int head_size, cudaStream_t stream);
 cudaError_t launch_decode_f32(const AttentionParams& p, int head_size, cudaStream_t stream);
 
+// Tensor-core kernels (fp16 / bf16, head sizes 64-128): decode_mma.cuh, prefill_mma.cuh.
+cudaError_t launch_decode_mma_f16(const AttentionParams& p, int head_size, cudaStream_t stream);
+cudaError_t launch_decode_mma_bf16(const AttentionParams& p, int head_size, cudaStream_t stream);
+cudaError_t launch_prefill_mma_f16(const AttentionParams& p, int head_size, cudaStream_t stream);
+cudaError_t launch_prefill_mma_bf16(const AttentionParams& p, int head_size, cudaStream_t stream);
+
 cudaError_t launch_prefill_f16(const AttentionParams& p, int head_size, cudaStream_t stream);
 cudaError_t launch_prefill_bf16(const AttentionParams& p, int head_size, cudaStream_t stream);
 cudaError_t launch_prefill_f32(const AttentionParams& p, int head_size, cudaStream_t stream);
@@ -71,6 +80,11 @@ constexpr int kGroupChunkMax = 8;  // query heads a grouped block accumulates at
 inline int decode_smem_bytes(int head_size, int partition_size) {
   return static_cast<int>(sizeof(float)) *
          (head_size + partition_size + (kDecodeThreads / 32) * head_size + 32);
+}
+// mma decode: four warps' partial outputs (16 head rows each) plus their max and sum.
+constexpr int kMmaDecodeThreads = 128;
+inline int decode_mma_smem_bytes(int head_size) {
+  return static_cast<int>(sizeof(float)) * (kMmaDecodeThreads / 32) * 16 * (head_size + 2);
 }
 inline int decode_grouped_smem_bytes(int head_size, int partition_size, int group) {
   return static_cast<int>(sizeof(float)) *

@@ -4,6 +4,8 @@ backend and reports through `is_available()` why it cannot run.
 
 Environment:
     PAGEDCORE_CUDA_PAGED_NO_BUILD=1   skip the extension even where it could be built.
+    PAGEDCORE_CUDA_PAGED_ARCHS=90     compute capabilities to build for, comma-separated
+                                      (default "80,90"); PTX of the last one is embedded.
     MAX_JOBS=N                        parallel nvcc jobs (ninja), e.g. 16.
 """
 
@@ -19,12 +21,18 @@ from setuptools import setup
 HERE = Path(__file__).resolve().parent
 CSRC = HERE.parent.parent / "csrc"
 
-#: sm_80 and sm_90 machine code plus compute_90 PTX for newer chips.
-NVCC_ARCH_FLAGS = [
-    "-gencode=arch=compute_80,code=sm_80",
-    "-gencode=arch=compute_90,code=sm_90",
-    "-gencode=arch=compute_90,code=compute_90",
-]
+#: Default: sm_80 and sm_90 machine code plus compute_90 PTX for newer chips.
+DEFAULT_ARCHS = "80,90"
+
+
+def nvcc_arch_flags(archs: str) -> list[str]:
+    """``-gencode`` flags for comma-separated compute capabilities ("80,90"), plus PTX of the
+    last one so newer GPUs can JIT it."""
+    caps = [a.strip() for a in archs.split(",") if a.strip()]
+    if not caps or not all(a.isdigit() for a in caps):
+        raise SystemExit(f"PAGEDCORE_CUDA_PAGED_ARCHS must be like '80,90', got {archs!r}")
+    flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in caps]
+    return [*flags, f"-gencode=arch=compute_{caps[-1]},code=compute_{caps[-1]}"]
 
 
 def _skip(reason: str) -> tuple[list[Any], dict[str, Any]]:
@@ -54,7 +62,8 @@ def _extensions() -> tuple[list[Any], dict[str, Any]]:
         include_dirs=[str(CSRC)],
         extra_compile_args={
             "cxx": ["-O3"],
-            "nvcc": ["-O3", "-lineinfo", *NVCC_ARCH_FLAGS],
+            "nvcc": ["-O3", "-lineinfo", *nvcc_arch_flags(
+                os.environ.get("PAGEDCORE_CUDA_PAGED_ARCHS", DEFAULT_ARCHS))],
         },
     )
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}

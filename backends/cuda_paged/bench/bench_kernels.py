@@ -1,11 +1,14 @@
 """Timings of the cuda_paged kernels on one GPU; prints tables and writes JSON.
 
 bf16, 32 query heads / 8 KV heads, head size 128, block size 16 (the Triton issue's shapes):
-device copy bandwidth; decode at 64x4096, 8x32768, 256x1024 (auto pass, one pass, partitioned)
-against contiguous SDPA; the one-pass / partitioned crossover grid; causal prefill 4x2048 and
-4x8192 against contiguous SDPA; a mixed step (64 decodes + one 2048-token chunk).
+device copy bandwidth; decode at 64x4096, 8x32768, 256x1024 (every kernel variant: MMA one
+pass / partitions / unroll, CLASSIC grouped) against contiguous SDPA; the MMA one-pass /
+partitioned crossover grid; causal prefill 4x2048 and 4x8192 and a 2048-token chunk over a
+6144-token prefix (MMA and WMMA kernels) against contiguous SDPA; a mixed step (64 decodes +
+one 2048-token chunk).
 
     python backends/cuda_paged/bench/bench_kernels.py --json OUT.json [--commit SHA]
+        [--sections decode,prefill,mixed,crossover]
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from pagedcore_cuda_paged import CudaPagedBackend
-from pagedcore_cuda_paged.plan import DecodePass, DecodePolicy
+from pagedcore_cuda_paged.plan import DecodeKernel, DecodePass, DecodePolicy, PrefillKernel
 
 from pagedcore.attention.metadata import CommonAttentionMetadata
 from pagedcore.kv_cache.spec import FullAttentionSpec
@@ -91,9 +94,9 @@ class Paged:
         self.spec = FullAttentionSpec(block_size=B, num_kv_heads=HKV, head_size=D, dtype=DT)
 
     def runner(self, policy: DecodePolicy | None = None,
-               lane_per_key: bool = False) -> Callable[[], torch.Tensor]:
+               prefill: PrefillKernel = PrefillKernel.MMA) -> Callable[[], torch.Tensor]:
         builder = CudaPagedBackend.get_builder_cls()(self.spec, ["b"], DEV, policy=policy,
-                                                     prefill_lane_per_key=lane_per_key)
+                                                     prefill_kernel=prefill)
         md = builder.build(self.common)
         out = torch.empty_like(self.q)
         kv = self.q[:, :HKV]
@@ -120,25 +123,44 @@ def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
 
 
+DECODE_SHAPES = [(64, 4096), (8, 32768), (256, 1024)]  # (batch, context)
+PREFILL_SHAPES = [(4, 0, 2048), (4, 0, 8192), (4, 6144, 2048)]  # (batch, prefix, chunk)
+CROSS_CTX, CROSS_BATCH = [1024, 4096, 16384, 32768], [1, 4, 16, 64, 128, 256]
+ONE, PART = DecodePass.ONE_PASS, DecodePass.PARTITIONED
+CLASSIC = DecodeKernel.CLASSIC
+DECODE_VARIANTS: list[tuple[str, DecodePolicy | None]] = [
+    ("mma_one_pass_u1", DecodePolicy(force=ONE, unroll=1)),
+    ("mma_one_pass_u2", DecodePolicy(force=ONE, unroll=2)),
+    ("mma_part512", DecodePolicy(force=PART, partition_size=512, unroll=1)),
+    ("mma_part1024", DecodePolicy(force=PART, partition_size=1024, unroll=1)),
+    ("mma_part2048", DecodePolicy(force=PART, partition_size=2048, unroll=1)),
+    ("mma_part1024_u2", DecodePolicy(force=PART, partition_size=1024, unroll=2)),
+    ("mma_ring_one_pass", DecodePolicy(force=ONE, unroll=3)),
+    ("mma_ring_part1024", DecodePolicy(force=PART, partition_size=1024, unroll=3)),
+    ("mma_ring_part2048", DecodePolicy(force=PART, partition_size=2048, unroll=3)),
+    ("classic_grouped_one_pass", DecodePolicy(force=ONE, kernel=CLASSIC)),
+    ("classic_grouped_part1024", DecodePolicy(force=PART, partition_size=1024,
+                                              kernel=CLASSIC)),
+    ("auto", None),  # the shipped planner; timed last (the first timing of a shape runs cold)
+]
+
+
 def bench_decode(copy: float) -> list[dict[str, Any]]:
     rows = []
-    for batch, ctx in [(64, 4096), (8, 32768), (256, 1024)]:
+    for batch, ctx in DECODE_SHAPES:
         paged = Paged([(ctx - 1, 1)] * batch)
         sdpa_fn, ref = sdpa_uniform(batch, 1, ctx, False, paged)
         sdpa_ms = time_ms(sdpa_fn)
         gb = paged.kv_bytes() / 1e9
-        for label, policy in [
-            ("auto", None),
-            ("grouped_one_pass", DecodePolicy(force=DecodePass.ONE_PASS)),
-            ("grouped_partitioned", DecodePolicy(force=DecodePass.PARTITIONED)),
-            ("grouped_part1024", DecodePolicy(force=DecodePass.PARTITIONED,
-                                              partition_size=1024)),
-            ("per_head_one_pass", DecodePolicy(force=DecodePass.ONE_PASS, group_heads=False)),
-            ("per_head_partitioned", DecodePolicy(force=DecodePass.PARTITIONED,
-                                                  group_heads=False)),
-        ]:
-            fn = paged.runner(policy)
-            ms = time_ms(fn)
+        time_ms(paged.runner())  # discarded: the first timing after a new cache runs cold
+        for label, policy in DECODE_VARIANTS:
+            try:
+                fn = paged.runner(policy)
+                ms = time_ms(fn)
+            except Exception as exc:  # report and continue
+                rows.append(dict(case="decode", batch=batch, ctx=ctx,
+                                 impl=f"cuda_paged/{label}", error=repr(exc)))
+                continue
             bw = gb / ms * 1e3
             rows.append(dict(case="decode", batch=batch, ctx=ctx, impl=f"cuda_paged/{label}",
                              ms=ms, gbps=bw, frac_copy=bw / copy, vs_sdpa=sdpa_ms / ms,
@@ -151,19 +173,21 @@ def bench_decode(copy: float) -> list[dict[str, Any]]:
 
 
 def bench_crossover() -> list[dict[str, Any]]:
-    """One pass against partitioned, grouped kernel (the per-head grid is in the docs)."""
+    """MMA kernel: one pass against partition sizes, over batch x context."""
     rows = []
-    for ctx in [1024, 4096, 16384]:
-        for batch in [4, 16, 64, 128, 256]:
+    for ctx in CROSS_CTX:
+        for batch in CROSS_BATCH:
             if batch * ctx > (1 << 21):
                 continue
             paged = Paged([(ctx - 1, 1)] * batch)
-            row: dict[str, Any] = dict(batch=batch, ctx=ctx, grouped_blocks=batch * HKV)
-            row["one_pass_ms"] = time_ms(
-                paged.runner(DecodePolicy(force=DecodePass.ONE_PASS)), iters=5)
-            for part in (256, 512, 1024):
-                row[f"part{part}_ms"] = time_ms(paged.runner(
-                    DecodePolicy(partition_size=part, force=DecodePass.PARTITIONED)), iters=5)
+            row: dict[str, Any] = dict(batch=batch, ctx=ctx, mma_blocks=batch * HKV)
+            row["one_pass_ms"] = time_ms(paged.runner(DecodePolicy(force=ONE, unroll=1)),
+                                         iters=5)
+            for part in (256, 512, 1024, 2048):
+                if part < ctx:
+                    row[f"part{part}_ms"] = time_ms(paged.runner(
+                        DecodePolicy(partition_size=part, force=PART, unroll=1)), iters=5)
+            row["auto_ms"] = time_ms(paged.runner(), iters=5)
             rows.append(row)
             del paged
     torch.cuda.empty_cache()
@@ -172,18 +196,40 @@ def bench_crossover() -> list[dict[str, Any]]:
 
 def bench_prefill() -> list[dict[str, Any]]:
     rows = []
-    for batch, length in [(4, 2048), (4, 8192)]:
-        paged = Paged([(0, length)] * batch)
-        sdpa_fn, ref = sdpa_uniform(batch, length, length, True, paged)
-        flops = 2 * batch * HQ * D * length * length  # causal half of 4*B*H*D*L^2
+    for batch, ctx, length in PREFILL_SHAPES:
+        paged = Paged([(ctx, length)] * batch)
+        if ctx == 0:
+            sdpa_fn, ref = sdpa_uniform(batch, length, length, True, paged)
+        else:  # a chunk over a prefix: SDPA with an explicit bottom-right causal mask
+            q = paged.q.view(batch, length, HQ, D).transpose(1, 2).contiguous()
+            k = torch.stack(paged.k).transpose(1, 2).contiguous()
+            v = torch.stack(paged.v).transpose(1, 2).contiguous()
+            mask = torch.ones(length, ctx + length, dtype=torch.bool, device=DEV).tril(ctx)
+
+            def sdpa_fn(q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v,
+                        mask: torch.Tensor = mask) -> torch.Tensor:
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                      enable_gqa=True)
+
+            ref = sdpa_fn().transpose(1, 2).reshape(batch * length, HQ, D)
+        # Causal FLOPs: 4 * D per visible (query, key) pair.
+        pairs = batch * (length * ctx + length * (length + 1) // 2)
+        flops = 4 * HQ * D * pairs
         sdpa_ms = time_ms(sdpa_fn, iters=5)
-        for label, lane_per_key in (("two_lanes_per_row", False), ("lane_per_key", True)):
-            fn = paged.runner(lane_per_key=lane_per_key)
-            ms = time_ms(fn, iters=5)
-            rows.append(dict(case="prefill", impl=label, batch=batch, len=length, ms=ms,
-                             tflops=flops / ms / 1e9, sdpa_ms=sdpa_ms,
-                             sdpa_tflops=flops / sdpa_ms / 1e9, vs_sdpa=sdpa_ms / ms,
-                             rel_err=rel(fn(), ref)))
+        shape = f"{batch}x{length}" + (f"+{ctx}cached" if ctx else "")
+        for kern in (PrefillKernel.MMA_128_PIPE, PrefillKernel.MMA_PIPE, PrefillKernel.MMA_128,
+                     PrefillKernel.MMA, PrefillKernel.WMMA):
+            try:
+                fn = paged.runner(prefill=kern)
+                ms = time_ms(fn, iters=5)
+            except Exception as exc:  # report and continue
+                rows.append(dict(case="prefill", impl=f"cuda_paged/{kern.value}", batch=batch,
+                                 prefix=ctx, len=length, shape=shape, error=repr(exc)))
+                continue
+            rows.append(dict(case="prefill", impl=f"cuda_paged/{kern.value}", batch=batch,
+                             prefix=ctx, len=length, shape=shape, ms=ms, tflops=flops / ms / 1e9,
+                             sdpa_ms=sdpa_ms, sdpa_tflops=flops / sdpa_ms / 1e9,
+                             vs_sdpa=sdpa_ms / ms, rel_err=rel(fn(), ref)))
         del paged
         torch.cuda.empty_cache()
     return rows
@@ -204,6 +250,7 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--skip-crossover", action="store_true")
+    ap.add_argument("--sections", default="decode,prefill,mixed,crossover")
     args = ap.parse_args()
     torch.manual_seed(0)
     result: dict[str, Any] = dict(
@@ -223,10 +270,14 @@ def main() -> None:
 
     copy = copy_gbps()
     save("copy", {"copy_gbps": copy})
-    save("decode", bench_decode(copy))
-    save("prefill", bench_prefill())
-    save("mixed", bench_mixed())
-    if not args.skip_crossover:
+    sections = args.sections.split(",")
+    if "decode" in sections:
+        save("decode", bench_decode(copy))
+    if "prefill" in sections:
+        save("prefill", bench_prefill())
+    if "mixed" in sections:
+        save("mixed", bench_mixed())
+    if "crossover" in sections and not args.skip_crossover:
         save("crossover", bench_crossover())
 
 

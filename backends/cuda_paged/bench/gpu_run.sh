@@ -14,12 +14,17 @@ if [[ $STAGES == *build* ]]; then
   which python3 nvcc; python3 -c "import torch; print(torch.__version__, torch.version.cuda)"
   python3 -m pip install -v --no-build-isolation --no-deps -e . ./backends/cuda_paged \
     >"$OUT/build.log" 2>&1 || { tail -60 "$OUT/build.log"; exit 1; }
+  # (PAGEDCORE_CUDA_PAGED_ARCHS=90 in the environment builds sm_90 only: faster)
   echo "build seconds: $(( $(date +%s) - start ))" | tee -a "$OUT/build.log"
   grep "pagedcore-cuda-paged:" "$OUT/build.log"
   python3 -c "import torch, pagedcore_cuda_paged._C as c; print('extension', c.__file__)" \
     || { grep -iE "error|warning: " "$OUT/build.log" | head -40; exit 1; }
 fi
-[[ $STAGES == *check* ]] && timeout 90 python3 $B/check_gpu.py 2>&1 | tee "$OUT/check.log" | grep -v ^PASS
+if [[ $STAGES == *check* ]]; then
+  timeout 120 python3 $B/check_gpu.py --json "$OUT/check.json" 2>&1 | tee "$OUT/check.log" \
+    | grep -v ^PASS
+  timeout 30 python3 $B/check_gpu.py --graphs 2>&1 | tee "$OUT/graphs.log"
+fi
 [[ $STAGES == *bench* ]] && timeout 150 python3 $B/bench_kernels.py --commit "$COMMIT" \
   --json "$OUT/cuda_paged_h200.json" 2>&1 | tee "$OUT/bench.log"
 if [[ $STAGES == *sanitize* ]]; then

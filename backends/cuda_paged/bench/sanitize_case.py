@@ -11,15 +11,34 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from check_gpu import run_case
-from pagedcore_cuda_paged.plan import DecodePass
+from check_gpu import LONG, run_case
+from pagedcore_cuda_paged.plan import DecodeKernel, DecodePass, PrefillKernel
 
+MMA, CLASSIC = DecodeKernel.MMA, DecodeKernel.CLASSIC
 errs = []
 CONFIGS = ((torch.float16, 16, 64), (torch.bfloat16, 8, 80), (torch.float32, 32, 64))
+VARIANTS = ((MMA, True, PrefillKernel.MMA, 1), (MMA, True, PrefillKernel.MMA, 2),
+            (MMA, True, PrefillKernel.MMA_128, 3),
+            (CLASSIC, True, PrefillKernel.WMMA, 1), (CLASSIC, False, PrefillKernel.WMMA, 1))
 for dtype, block, head in CONFIGS:
     for force in (DecodePass.ONE_PASS, DecodePass.PARTITIONED):
-        for grouped in (True, False):
+        for kernel, grouped, prefill, unroll in VARIANTS:
+            if dtype == torch.float32 and kernel is MMA:
+                continue
             errs.append(run_case(dtype, head, block, 2, 4, window=37, alibi=True, cap=None,
-                                 force=force, seed=1, group_heads=grouped))
+                                 force=force, seed=1, group_heads=grouped, kernel=kernel,
+                                 prefill=prefill, unroll=unroll))
+# Long chunks (several key tiles, double buffering) and a 16-head group through MMA.
+errs.append(run_case(torch.bfloat16, 128, 16, 2, 4, window=None, alibi=False, cap=None,
+                     force=None, seed=2, reqs=LONG, partition_size=256))
+errs.append(run_case(torch.float16, 64, 32, 1, 16, window=100, alibi=True, cap=None,
+                     force=DecodePass.PARTITIONED, seed=3, reqs=LONG, partition_size=128))
+errs.append(run_case(torch.bfloat16, 80, 8, 2, 2, window=90, alibi=False, cap=5.0,
+                     force=None, seed=4, reqs=LONG, prefill=PrefillKernel.MMA_128))
+for prefill in (PrefillKernel.MMA_128_PIPE, PrefillKernel.MMA_PIPE):
+    errs.append(run_case(torch.float16, 96, 16, 2, 2, window=90, alibi=True, cap=None,
+                         force=None, seed=5, reqs=LONG, prefill=prefill))
 torch.cuda.synchronize()
 print("sanitize case rel errors:", errs)
+bad = [e for e in errs if not e <= 2e-2]
+sys.exit(1 if bad else 0)

@@ -17,11 +17,15 @@ __all__ = ["CudaPagedBackend"]
 
 
 class CudaPagedBackend(AttentionBackend):
-    """pagedcore's own CUDA kernels (csrc/): 16-byte-vector K/V layout, one-pass and
-    partitioned decode, tensor-core (WMMA) prefill over the paged cache.
+    """pagedcore's own CUDA kernels (csrc/): 16-byte-vector K/V layout, tensor-core
+    (flash-decoding style) and CUDA-core decode, one pass or partitioned, FlashAttention-2
+    style tensor-core prefill over the paged cache.
 
     KV cache per layer: ``[2, num_blocks, num_kv_heads * head_size * block_size]``, K and V
     views described in `pagedcore_cuda_paged.layout`.
+
+    CUDA graphs: uniform single-token decode steps (`build_for_cudagraph_capture` plans the
+    launch for the largest length; the forward pass makes no host reads of device data).
     """
 
     name: ClassVar[str] = "cuda_paged"
@@ -34,7 +38,9 @@ class CudaPagedBackend(AttentionBackend):
     supports_sliding_window: ClassVar[bool] = True
     supports_alibi: ClassVar[bool] = True
     supports_logits_soft_cap: ClassVar[bool] = True
-    cudagraph_support: ClassVar[CudaGraphSupport] = CudaGraphSupport.NEVER
+    cudagraph_support: ClassVar[CudaGraphSupport] = (
+        CudaGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    )
 
     @classmethod
     def is_available(cls) -> str | None:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from pagedcore.attention.backend import AttentionImpl
 from pagedcore_cuda_paged._ext import load_ops
 from pagedcore_cuda_paged.metadata import CudaPagedMetadata
-from pagedcore_cuda_paged.plan import DecodePass, decode_plan
+from pagedcore_cuda_paged.plan import DecodePass, capture_span_bound, decode_plan
 
 if TYPE_CHECKING:
     import torch
@@ -125,6 +125,10 @@ class CudaPagedImpl(AttentionImpl[CudaPagedMetadata]):
                 num_kv_heads=self.num_kv_heads, head_size=self.head_size,
                 block_size=block_size, sliding_window=self.sliding_window,
                 policy=metadata.policy, smem_limit=_smem_limit(query.device),
+                is_float32=query.dtype == torch.float32,
+                max_span=None if metadata.decode_max_seq_len is None else capture_span_bound(
+                    metadata.decode_max_seq_len, block_size=block_size,
+                    sliding_window=self.sliding_window),
             )
             if launch.mode is DecodePass.PARTITIONED:
                 rows = metadata.num_decodes * self.num_heads * launch.max_partitions
@@ -139,12 +143,13 @@ class CudaPagedImpl(AttentionImpl[CudaPagedMetadata]):
                 out, query, kv_cache, *common, metadata.decode_reqs, block_size,
                 self.num_kv_heads, self.scale, cap, alibi, window, launch.partition_size,
                 launch.max_partitions, launch.grouped, tmp, max_logits, exp_sums,
+                launch.kernel_code, launch.unroll,
             )
         if metadata.num_prefill_tiles:
             ops.prefill(
                 out, query, kv_cache, *common, metadata.prefill_tiles, block_size,
                 self.num_kv_heads, self.scale, cap, alibi, window, metadata.causal,
-                metadata.prefill_lane_per_key,
+                metadata.prefill_variant, metadata.prefill_rows,
             )
         if output is not None and out is not output:
             output.copy_(out)

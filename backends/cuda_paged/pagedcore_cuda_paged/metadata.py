@@ -8,7 +8,13 @@ from typing import TYPE_CHECKING, ClassVar
 import attrs
 
 from pagedcore.attention.backend import MetadataBuilder
-from pagedcore_cuda_paged.plan import DecodePolicy, prefill_tiles
+from pagedcore_cuda_paged.plan import (
+    DEFAULT_PREFILL_KERNEL,
+    DecodePolicy,
+    PrefillKernel,
+    prefill_kernel_code,
+    prefill_tiles,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -33,16 +39,21 @@ class CudaPagedMetadata:
         Their ``seq_lens`` on the CPU, for choosing the decode pass.
     prefill_tiles:
         ``[num_tiles, 2]`` int32 ``(request, first query row)`` for requests with more than
-        one new token (the prefill kernel, 64 rows a tile).
+        one new token (the prefill kernel, `prefill_rows` rows a tile).
     block_size:
         Tokens per KV-cache block.
     policy:
         When decode runs partitioned.
-    prefill_lane_per_key:
-        Run the prefill softmax in its first formulation (one lane per key, rows in turn), a
-        slower reference path kept for comparison; the default has two lanes per row.
+    prefill_kernel:
+        Which prefill kernel was asked for (`PrefillKernel`).
+    prefill_variant, prefill_rows:
+        What runs: the extension's variant (0 mma, 1 wmma, 2 wmma lane per key; MMA falls
+        back to WMMA for float32 and head size 256) and query rows per tile.
     causal:
         Decoder self-attention (the query aligned to the end of its sequence).
+    decode_max_seq_len:
+        Set by `CudaPagedMetadataBuilder.build_for_cudagraph_capture`: the decode launch is
+        planned for any lengths up to this (``decode_seq_lens`` are then placeholders).
     """
 
     num_actual_tokens: int
@@ -55,8 +66,11 @@ class CudaPagedMetadata:
     prefill_tiles: torch.Tensor
     block_size: int
     policy: DecodePolicy
-    prefill_lane_per_key: bool = False
+    prefill_kernel: PrefillKernel = DEFAULT_PREFILL_KERNEL
+    prefill_variant: int = 0
+    prefill_rows: int = 128
     causal: bool = True
+    decode_max_seq_len: int | None = None
 
     @property
     def num_decodes(self) -> int:
@@ -75,9 +89,9 @@ class CudaPagedMetadataBuilder(MetadataBuilder[CudaPagedMetadata]):
     kv_cache_spec, layer_names, device:
         As for every `MetadataBuilder`.
     policy:
-        Decode pass policy (defaults measured on the H200).
-    prefill_lane_per_key:
-        See `CudaPagedMetadata.prefill_lane_per_key`.
+        Decode kernel and pass policy (defaults measured on the H200).
+    prefill_kernel:
+        See `CudaPagedMetadata.prefill_kernel`.
     """
 
     reorder_batch_threshold: ClassVar[int] = 1
@@ -89,11 +103,11 @@ class CudaPagedMetadataBuilder(MetadataBuilder[CudaPagedMetadata]):
         device: torch.device,
         *,
         policy: DecodePolicy | None = None,
-        prefill_lane_per_key: bool = False,
+        prefill_kernel: PrefillKernel = DEFAULT_PREFILL_KERNEL,
     ) -> None:
         super().__init__(kv_cache_spec, layer_names, device)
         self.policy = DecodePolicy() if policy is None else policy
-        self.prefill_lane_per_key = prefill_lane_per_key
+        self.prefill_kernel = prefill_kernel
 
     def build(
         self, common: CommonAttentionMetadata, *, common_prefix_len: int = 0
@@ -103,7 +117,10 @@ class CudaPagedMetadataBuilder(MetadataBuilder[CudaPagedMetadata]):
         query_lens = common.query_lens_cpu.tolist()
         seq_lens = common.seq_lens_cpu.tolist()
         decodes = [i for i, q in enumerate(query_lens) if q == 1]
-        tiles = prefill_tiles(query_lens)
+        spec = self.kv_cache_spec
+        variant, rows = prefill_kernel_code(self.prefill_kernel, head_size=spec.head_size,
+                                            is_float32=spec.dtype == "float32")
+        tiles = prefill_tiles(query_lens, rows)
         device = common.query_start_loc.device
 
         def int32(rows: list[int] | list[tuple[int, int]], shape: tuple[int, ...]) -> torch.Tensor:
@@ -121,6 +138,29 @@ class CudaPagedMetadataBuilder(MetadataBuilder[CudaPagedMetadata]):
             prefill_tiles=int32(tiles, (len(tiles), 2)),
             block_size=self.kv_cache_spec.block_size,
             policy=self.policy,
-            prefill_lane_per_key=self.prefill_lane_per_key,
+            prefill_kernel=self.prefill_kernel,
+            prefill_variant=variant,
+            prefill_rows=rows,
             causal=common.causal,
+        )
+
+    def build_for_cudagraph_capture(self, common: CommonAttentionMetadata) -> CudaPagedMetadata:
+        """Plan a uniform single-token decode batch for capture and every replay.
+
+        Nothing depends on this step's lengths: the decode launch (kernel, pass, partition
+        count) is planned for ``common.max_seq_len`` (`decode_max_seq_len`), the kernels read
+        the actual ``seq_lens`` on the device and skip partitions past them, and every
+        request is a decode (``decode_reqs`` = 0..num_reqs-1, fixed).
+        """
+        query_lens = common.query_lens_cpu.tolist()
+        if any(q != 1 for q in query_lens):
+            raise ValueError(
+                "build_for_cudagraph_capture takes uniform single-token decode batches only "
+                f"(query lengths {sorted(set(query_lens))})"
+            )
+        meta = self.build(common)
+        return attrs.evolve(
+            meta,
+            decode_seq_lens=[common.max_seq_len] * len(query_lens),
+            decode_max_seq_len=common.max_seq_len,
         )

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 from pagedcore_cuda_paged.layout import gather_kv, write_kv
-from pagedcore_cuda_paged.plan import PREFILL_TILE_ROWS, num_partitions
+from pagedcore_cuda_paged.plan import num_partitions
 from pagedcore_cuda_paged.torch_ref import attention_reference
 
 
@@ -47,8 +47,12 @@ class FakeOps:
                decode_reqs: torch.Tensor, block_size: int, num_kv_heads: int, scale: float,
                soft_cap: float, alibi: torch.Tensor | None, window: int, partition_size: int,
                max_partitions: int, grouped: bool, tmp_out: torch.Tensor,
-               max_logits: torch.Tensor, exp_sums: torch.Tensor) -> None:
+               max_logits: torch.Tensor, exp_sums: torch.Tensor, kernel: int,
+               unroll: int) -> None:
         assert decode_reqs.dtype == torch.int32
+        assert kernel in (0, 1) and unroll in (1, 2, 3)
+        if kernel == 1:  # mma: fp16/bf16, head sizes <= 128, always grouped
+            assert query.dtype != torch.float32 and query.shape[2] <= 128
         assert partition_size > 0 and partition_size % block_size == 0
         n, hq, d = decode_reqs.numel(), query.shape[1], query.shape[2]
         for req in decode_reqs.tolist():
@@ -62,8 +66,8 @@ class FakeOps:
             rows = n * hq * max_partitions
             assert tmp_out.numel() >= rows * d and max_logits.numel() >= rows
             assert exp_sums.numel() >= rows
-        assert not grouped or query.shape[1] > num_kv_heads
-        self.calls.append(("decode", partition_size, max_partitions, grouped))
+        assert kernel == 1 or not grouped or query.shape[1] > num_kv_heads
+        self.calls.append(("decode", partition_size, max_partitions, grouped, kernel))
         for req in decode_reqs.tolist():
             self._one(out, query, kv_cache, block_table, seq_lens, qsl, req, block_size,
                       num_kv_heads, scale, soft_cap, alibi, window, True)
@@ -72,14 +76,18 @@ class FakeOps:
                 block_table: torch.Tensor, seq_lens: torch.Tensor, qsl: torch.Tensor,
                 tiles: torch.Tensor, block_size: int, num_kv_heads: int, scale: float,
                 soft_cap: float, alibi: torch.Tensor | None, window: int,
-                causal: bool, lane_per_key: bool) -> None:
+                causal: bool, variant: int, tile_rows: int) -> None:
         assert tiles.dtype == torch.int32 and tiles.dim() == 2 and tiles.shape[1] == 2
+        assert variant in (0, 1, 2, 3)
+        assert tile_rows == 64 or (variant in (0, 3) and tile_rows == 128)
+        if variant in (0, 3):  # mma: fp16/bf16, head sizes <= 128
+            assert query.dtype != torch.float32 and query.shape[2] <= 128
         covered: dict[int, list[int]] = {}
         for req, row in tiles.tolist():
             covered.setdefault(req, []).append(row)
         for req, rows in covered.items():
             q_len = int(qsl[req + 1]) - int(qsl[req])
-            assert rows == list(range(0, q_len, PREFILL_TILE_ROWS)), (req, rows, q_len)
+            assert rows == list(range(0, q_len, tile_rows)), (req, rows, q_len)
             self._one(out, query, kv_cache, block_table, seq_lens, qsl, req, block_size,
                       num_kv_heads, scale, soft_cap, alibi, window, causal)
-        self.calls.append(("prefill", len(tiles)))
+        self.calls.append(("prefill", len(tiles), variant, tile_rows))

@@ -7,13 +7,13 @@ import importlib.metadata
 
 import pytest
 import torch
-from check_gpu import run_case
+from check_gpu import run_case, run_graph_case
 from fake_ops import FakeOps
 from pagedcore_cuda_paged import CudaPagedBackend
 from pagedcore_cuda_paged._ext import load_ops, unavailable_reason
-from pagedcore_cuda_paged.plan import DecodePass
+from pagedcore_cuda_paged.plan import DecodeKernel, DecodePass
 
-from pagedcore.attention.backend import AttentionConfig
+from pagedcore.attention.backend import AttentionConfig, CudaGraphSupport
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -94,3 +94,38 @@ def test_fake_ops_catch_a_wrong_block_table(fake_ops: FakeOps,
     err = run_case(torch.float32, 64, 16, 2, 4, window=None, alibi=False, cap=None,
                    force=None, seed=3, device="cpu")
     assert not err <= 1e-3  # large error or NaN
+
+
+@pytest.mark.parametrize("dtype,head,block,window,kernel", [
+    (torch.bfloat16, 128, 16, None, DecodeKernel.MMA),
+    (torch.float32, 64, 8, 100, DecodeKernel.CLASSIC),
+])
+def test_capture_plan_holds_for_rewritten_lengths(
+    fake_ops: FakeOps, dtype: torch.dtype, head: int, block: int, window: int | None,
+    kernel: DecodeKernel,
+) -> None:
+    # Planned once at "capture" with short lengths, replayed after in-place rewrites up to
+    # max_seq_len: FakeOps asserts every request's partitions fit the planned launch.
+    err = run_graph_case(dtype, head, block, window=window, kernel=kernel, device="cpu")
+    assert err <= (1e-3 if dtype == torch.float32 else 2e-2)
+    decodes = [c for c in fake_ops.calls if c[0] == "decode"]
+    assert len(decodes) == 2 and len(set(decodes)) == 1  # one launch shape throughout
+    assert CudaPagedBackend.cudagraph_support >= CudaGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+
+def test_capture_plan_rejects_prefills() -> None:
+    from pagedcore.attention.metadata import CommonAttentionMetadata
+    from pagedcore.kv_cache.spec import FullAttentionSpec
+
+    qsl = torch.tensor([0, 1, 3], dtype=torch.int32)
+    seq = torch.tensor([5, 9], dtype=torch.int32)
+    common = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq, seq_lens_cpu=seq,
+        num_reqs=2, num_actual_tokens=3, max_query_len=2, max_seq_len=9,
+        block_table=torch.zeros(2, 1, dtype=torch.int32),
+        slot_mapping=torch.full((3,), -1, dtype=torch.int64),
+        positions=torch.zeros(3, dtype=torch.int64))
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)
+    builder = CudaPagedBackend.get_builder_cls()(spec, ["l"], torch.device("cpu"))
+    with pytest.raises(ValueError, match="single-token decode"):
+        builder.build_for_cudagraph_capture(common)

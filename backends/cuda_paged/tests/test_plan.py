@@ -2,30 +2,39 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from pagedcore_cuda_paged.plan import (
+    MMA_MAX_HEAD_SIZE,
     PREFILL_TILE_ROWS,
+    DecodeKernel,
     DecodePass,
     DecodePolicy,
+    PrefillKernel,
     decode_grouped_smem_bytes,
+    decode_mma_smem_bytes,
     decode_plan,
     decode_smem_bytes,
     decode_span,
     num_partitions,
+    prefill_kernel_code,
     prefill_tiles,
 )
 
 BIG_SMEM = 227 * 1024
 
 
-def plan(seq_lens: list[int], **kw: object) -> object:
+def plan(seq_lens: list[int], *, mma: bool = False, **kw: object) -> object:
+    """decode_plan with the CLASSIC kernel unless `mma` (these tests pin the kernel family)."""
     args: dict[str, object] = dict(num_heads=32, num_kv_heads=32, head_size=128,
                                    block_size=16,
                                    sliding_window=None, policy=DecodePolicy(),
                                    smem_limit=BIG_SMEM)
     args.update(kw)
+    kernel = DecodeKernel.MMA if mma else DecodeKernel.CLASSIC
+    args["policy"] = attrs.evolve(args["policy"], kernel=kernel)  # type: ignore[misc]
     return decode_plan(seq_lens, **args)  # type: ignore[arg-type]
 
 
@@ -99,6 +108,7 @@ def test_policy_validation() -> None:
 def test_prefill_tiles_cover_rows_of_multi_token_requests() -> None:
     tiles = prefill_tiles([1, 130, 0, 2, 64, 1])
     assert tiles == [(1, 0), (1, 64), (1, 128), (3, 0), (4, 0)]
+    assert prefill_tiles([1, 130, 0, 2], 128) == [(1, 0), (1, 128), (3, 0)]
     assert PREFILL_TILE_ROWS == 64
 
 
@@ -116,3 +126,67 @@ def test_grouping_counts_kv_heads_and_sizes_shared_memory() -> None:
     forced = plan([8192], num_heads=32, num_kv_heads=4,
                   policy=DecodePolicy(force=DecodePass.ONE_PASS))
     assert forced.grouped and forced.mode is DecodePass.PARTITIONED  # 8 * 8192 * 4 B > 227 KB
+
+
+def test_mma_one_pass_has_no_shared_memory_bound() -> None:
+    # Scores live in registers: a 100k-token one pass fits where CLASSIC must partition.
+    launch = plan([100_000] * 512, mma=True, num_kv_heads=8,
+                  policy=DecodePolicy(min_one_pass_blocks=64))
+    assert launch.kernel is DecodeKernel.MMA and launch.kernel_code == 1
+    assert launch.mode is DecodePass.ONE_PASS and launch.grouped
+    assert decode_mma_smem_bytes(128) == 4 * 4 * 16 * (128 + 2)  # csrc/params.h
+
+
+def test_mma_block_count_is_per_kv_head_and_16_head_chunk() -> None:
+    # 8 decodes x 8 KV heads = 64 blocks < min: partitioned; 16 decodes x 2 chunks x 2 = 64.
+    pol = DecodePolicy(partition_size=512, min_one_pass_blocks=65)
+    assert plan([4096] * 8, mma=True, num_kv_heads=8, policy=pol).mode is DecodePass.PARTITIONED
+    pol = DecodePolicy(partition_size=512, min_one_pass_blocks=64)
+    assert plan([4096] * 8, mma=True, num_kv_heads=8, policy=pol).mode is DecodePass.ONE_PASS
+    wide = plan([4096] * 16, mma=True, num_heads=64, num_kv_heads=2, policy=pol)
+    assert wide.mode is DecodePass.ONE_PASS  # 16 * 2 * ceil(32 / 16) = 64 blocks
+    launch = plan([4096] * 8, mma=True, num_kv_heads=8,
+                  policy=DecodePolicy(partition_size=512, force=DecodePass.PARTITIONED,
+                                      unroll=2))
+    assert launch.max_partitions == 8 and launch.unroll == 2
+
+
+def test_mma_falls_back_to_classic_where_it_does_not_apply() -> None:
+    fp32 = plan([100], mma=True, is_float32=True)
+    assert fp32.kernel is DecodeKernel.CLASSIC and fp32.kernel_code == 0 and fp32.unroll == 1
+    big = plan([100], mma=True, head_size=256, policy=DecodePolicy(unroll=2))
+    assert big.kernel is DecodeKernel.CLASSIC and big.unroll == 1
+    assert plan([100], mma=True, head_size=MMA_MAX_HEAD_SIZE).kernel is DecodeKernel.MMA
+    assert prefill_kernel_code(PrefillKernel.MMA, head_size=128, is_float32=False) == (0, 64)
+    assert prefill_kernel_code(PrefillKernel.MMA_128, head_size=80, is_float32=False) == (0, 128)
+    assert prefill_kernel_code(PrefillKernel.MMA, head_size=256, is_float32=False) == (1, 64)
+    assert prefill_kernel_code(PrefillKernel.MMA_128, head_size=64, is_float32=True) == (1, 64)
+    assert prefill_kernel_code(PrefillKernel.WMMA, head_size=64, is_float32=False) == (1, 64)
+    assert prefill_kernel_code(PrefillKernel.MMA_PIPE, head_size=64, is_float32=False) == (3, 64)
+    code = prefill_kernel_code(PrefillKernel.MMA_128_PIPE, head_size=128, is_float32=False)
+    assert code == (3, 128)
+    assert prefill_kernel_code(PrefillKernel.MMA_128_PIPE, head_size=256,
+                               is_float32=False) == (1, 64)
+    code = prefill_kernel_code(PrefillKernel.WMMA_LANE_PER_KEY, head_size=64, is_float32=False)
+    assert code == (2, 64)
+    with pytest.raises(ValueError, match="unroll"):
+        DecodePolicy(unroll=4)
+    assert plan([100], mma=True, policy=DecodePolicy(unroll=3)).unroll == 3
+
+
+def test_mma_measured_defaults() -> None:
+    # docs/benchmarks/cuda_paged.md: one pass from 512 blocks or up to 1024 tokens (unroll 2);
+    # else the smallest of 512/1024/2048-token partitions keeping the grid <= 256 blocks.
+    def mma_plan(batch: int, ctx: int) -> object:
+        return plan([ctx] * batch, mma=True, num_kv_heads=8)
+
+    for batch, ctx in [(64, 4096), (256, 1024), (1, 1024), (128, 16384)]:
+        launch = mma_plan(batch, ctx)
+        assert launch.mode is DecodePass.ONE_PASS and launch.unroll == 2, (batch, ctx)
+    for batch, ctx, part in [(8, 32768, 2048), (1, 16384, 512), (4, 4096, 512),
+                             (16, 4096, 2048), (1, 32768, 1024)]:
+        launch = mma_plan(batch, ctx)
+        assert launch.mode is DecodePass.PARTITIONED and launch.unroll == 1, (batch, ctx)
+        assert launch.partition_size == part, (batch, ctx, launch.partition_size)
+    classic = plan([32768] * 8)  # CLASSIC keeps its own measured 1024-token partitions
+    assert classic.partition_size == 1024

@@ -1,0 +1,116 @@
+"""The tensor-core kernels' fragment and index arithmetic, replayed on CPU (`mma_emulation`)
+against the reference: NaN-poisoned cache, permuted blocks, GQA, window / ALiBi / soft-cap,
+partitions, unroll, chunked prefill over a cached prefix. A wrong permutation, mask or edge
+zeroing shows up as a large error or a NaN."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from mma_emulation import decode_mma, gather_plan, prefill_mma
+from pagedcore_cuda_paged.layout import kv_cache_shape, split_kv_cache, write_kv
+from pagedcore_cuda_paged.plan import decode_span, num_partitions
+from pagedcore_cuda_paged.torch_ref import attention_reference
+
+
+def _paged(seq_len: int, hkv: int, head: int, block: int, seed: int):  # type: ignore[no-untyped-def]
+    gen = torch.Generator().manual_seed(seed)
+    n = math.ceil(seq_len / block)
+    num_blocks = n + 4
+    ids = (torch.randperm(num_blocks - 1, generator=gen) + 1)[:n].tolist()
+    k = torch.randn(seq_len, hkv, head, generator=gen).to(torch.bfloat16)
+    v = torch.randn(seq_len, hkv, head, generator=gen).to(torch.bfloat16)
+    cache = torch.full(kv_cache_shape(num_blocks, block, hkv, head, "auto"), float("nan"),
+                       dtype=torch.bfloat16)
+    pos = torch.arange(seq_len)
+    slots = torch.tensor(ids)[pos // block] * block + pos % block
+    write_kv(k, v, cache, slots, block_size=block)
+    kv, vv = split_kv_cache(cache, block_size=block, num_kv_heads=hkv, head_size=head)
+    return ids, k, v, kv.double(), vv.double(), gen
+
+
+def _slopes(n: int) -> list[float]:
+    return [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
+
+
+@pytest.mark.parametrize(
+    "seq_len,head,block,group,window,alibi,cap,part,unroll",
+    [
+        (300, 64, 16, 4, None, False, 0.0, None, 1),
+        (77, 80, 8, 24, 37, True, 0.0, 32, 2),  # two 16-head chunks, the second of 8
+        (130, 64, 32, 16, None, False, 5.0, 64, 1),
+        (45, 96, 16, 7, 20, True, 5.0, None, 2),
+    ],
+)
+def test_decode_mma_model(seq_len: int, head: int, block: int, group: int, window: int | None,
+                          alibi: bool, cap: float, part: int | None, unroll: int) -> None:
+    hkv = 2 if group <= 8 else 1
+    hq = hkv * group
+    ids, k, v, kv, vv, gen = _paged(seq_len, hkv, head, block, seed=seq_len)
+    q = torch.randn(hq, head, generator=gen).to(torch.bfloat16)
+    slopes = _slopes(hq) if alibi else None
+    ref = attention_reference(q[None], k, v, scale=head**-0.5, sliding_window=window,
+                              alibi_slopes=slopes, logits_soft_cap=cap or None)[0]
+    begin, ctx_start = decode_span(seq_len, block_size=block, sliding_window=window)
+    psize = part or (-(-(seq_len - begin) // block) * block)
+    nparts = num_partitions(seq_len, partition_size=psize, block_size=block,
+                            sliding_window=window)
+    out = torch.zeros(hq, head, dtype=torch.float64)
+    for kv_head in range(hkv):
+        for chunk in range(-(-group // 16)):
+            res = [decode_mma(q.double(), kv, vv, ids, seq_len, kv_head=kv_head, group=group,
+                              chunk=chunk, ctx_start=ctx_start, p_begin=begin + i * psize,
+                              p_end=min(begin + (i + 1) * psize, seq_len), scale=head**-0.5,
+                              cap=cap, slopes=slopes, unroll=unroll) for i in range(nparts)]
+            h0 = kv_head * group + chunk * 16
+            for row in range(res[0][0].shape[0]):  # decode_reduce_kernel's merge
+                mx = max(r[1][row] for r in res)
+                w = [r[2][row] * math.exp(r[1][row] - mx) for r in res]
+                out[h0 + row] = sum(wi * r[0][row] for wi, r in zip(w, res, strict=True)) / sum(w)
+    err = float((out - ref.double()).abs().max() / ref.abs().max())
+    assert err < 1e-6, err
+
+
+@pytest.mark.parametrize(
+    "ctx,q_len,head,block,window,alibi,cap,mt",
+    [
+        (70, 100, 64, 16, 0, False, 0.0, 1),
+        (5, 67, 80, 8, 50, True, 0.0, 1),
+        (129, 3, 64, 32, 0, False, 5.0, 1),
+        (40, 150, 64, 16, 90, False, 0.0, 2),
+    ],
+)
+def test_prefill_mma_model(ctx: int, q_len: int, head: int, block: int, window: int,
+                           alibi: bool, cap: float, mt: int) -> None:
+    hkv, group = 2, 2
+    hq, seq_len = hkv * group, ctx + q_len
+    ids, k, v, kv, vv, gen = _paged(seq_len, hkv, head, block, seed=q_len)
+    q = torch.randn(q_len, hq, head, generator=gen).to(torch.bfloat16)
+    slopes = _slopes(hq) if alibi else None
+    ref = attention_reference(q, k, v, scale=head**-0.5, sliding_window=window or None,
+                              alibi_slopes=slopes, logits_soft_cap=cap or None)
+    head_idx = 3  # KV head 1
+    out = torch.cat([
+        prefill_mma(q.double(), kv, vv, ids, seq_len=seq_len, q_len=q_len, row0=row0,
+                    head=head_idx, kv_head=head_idx // group, scale=head**-0.5, cap=cap,
+                    slope=slopes[head_idx] if slopes else 0.0, window=window, mt=mt)
+        for row0 in range(0, q_len, 64 * mt)])
+    want = ref[:, head_idx].double()
+    err = float((out - want).abs().max() / want.abs().max())
+    assert err < 1e-6, err
+
+
+@pytest.mark.parametrize("head", [64, 80, 96, 112, 128])
+@pytest.mark.parametrize("block", [8, 16, 32])
+def test_pipelined_gather_reads_what_the_per_vector_gather_reads(head: int, block: int) -> None:
+    # Every smem vector of a K / V^T tile: same source (or zero fill) in both gathers, for
+    # tiles inside, straddling and past the visible range [kv_lo, kv_hi).
+    bt = [(7 * i + 3) % 41 + 1 for i in range(40)]
+    for kt, kv_lo, kv_hi in [(0, 0, 500), (64, 70, 121), (128, 0, 130), (192, 150, 250),
+                             (256, 0, 257)]:
+        want = gather_plan(head, block, bt, kt, kv_lo, kv_hi, pipelined=False)
+        got = gather_plan(head, block, bt, kt, kv_lo, kv_hi, pipelined=True)
+        assert got == want
+        assert len(want) == 64 * head // 8 + head * 8

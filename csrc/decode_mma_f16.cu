@@ -1,0 +1,8 @@
+// Tensor-core decode kernels instantiated for __half (own file so the build runs in parallel).
+#include "decode_mma.cuh"
+
+namespace pagedcore {
+cudaError_t launch_decode_mma_f16(const AttentionParams& p, int head_size, cudaStream_t stream) {
+  return launch_decode_mma<__half>(p, head_size, stream);
+}
+}  // namespace pagedcore

@@ -1,0 +1,421 @@
+// Paged prefill / chunked prefill on tensor cores, FlashAttention-2 style (fp16 and bf16,
+// head sizes 64-128; fp32 and head size 256 keep the WMMA / CUDA-core kernel of prefill.cuh).
+//
+// Grid (num_tiles, Hq), 4 warps. A tile is 64 * MT query rows of one request (`work` lists
+// (request, first row)), warp w owning MT blocks of 16 rows as the M dimension of
+// `mma.m16n8k16` (MT = 2: each K/V fragment read from shared memory feeds two mmas, and each
+// K/V tile serves twice the rows). Key tiles of 64 are gathered from the paged cache through the block table
+// into shared memory with cp.async, double buffered (the next tile streams in while the
+// current one is computed): K as [key][dim] (16-byte vectors of the K layout land as they
+// are), V transposed as [dim][key] (the V layout's rows), so `ldmatrix` (no transpose) gives
+// the B fragments of both S = Q K^T and O += P V. Q fragments are loaded once into registers
+// (MT = 1) or reread from shared memory per k-step (MT = 2, for the register budget);
+// S, P, the running max / sum (fp32, log2 units) and O stay in registers, FA2's layout: the
+// C fragment of S is the A fragment of P. Key tiles past the causal diagonal of the tile's
+// last row are never visited; masks are applied only on tiles that need them.
+// Keys outside [kv_lo, kv_hi) are zero-filled by cp.async (whole 16-byte vectors) or zeroed in
+// shared memory (vectors straddling an edge), so NaNs in unused slots never reach a product.
+#pragma once
+#include "dtype.cuh"
+#include "mma.cuh"
+#include "params.h"
+
+namespace pagedcore {
+
+constexpr int kFaThreads = 128;
+constexpr int kFaKeys = 64;  // keys per shared-memory tile
+
+template <typename T, int HEAD, int MT>
+struct FaSmem {
+  static constexpr int ROWS = 64 * MT;      // query rows per tile
+  static constexpr int LDK = HEAD + 8;      // Q / K row stride (elements): 16-byte aligned rows,
+  static constexpr int LDV = kFaKeys + 8;   // V^T row stride;  both skew ldmatrix banks
+  static constexpr int Q_BYTES = ROWS * LDK * 2;
+  static constexpr int K_BYTES = kFaKeys * LDK * 2;
+  static constexpr int V_BYTES = HEAD * LDV * 2;
+  static constexpr int K_OFF = Q_BYTES;
+  static constexpr int V_OFF = K_OFF + 2 * K_BYTES;
+  static constexpr int BYTES = V_OFF + 2 * V_BYTES;
+};
+
+template <typename T, int HEAD, int MT, bool PIPE>
+__global__ void __launch_bounds__(kFaThreads) prefill_mma_kernel(AttentionParams p) {
+  using L = FaSmem<T, HEAD, MT>;
+  constexpr int kFaRows = L::ROWS;
+  constexpr int CH = HEAD / 8;   // 16-byte vectors per row
+  constexpr int KS = HEAD / 16;  // k-steps of S = Q K^T
+  constexpr int NT = HEAD / 8;   // n-tiles of O
+  static_assert(HEAD % 16 == 0 && NT % 2 == 0, "head size must be a multiple of 16");
+
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* q_s = reinterpret_cast<T*>(smem_raw);
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;
+  // Heaviest tiles (last rows of a request under causal masking) are listed last: run first.
+  const int tile = gridDim.x - 1 - blockIdx.x;
+  const int head = blockIdx.y;
+  const int req = p.work[2 * tile];
+  const int row0 = p.work[2 * tile + 1];
+  const int q_begin = p.query_start_loc[req];
+  const int q_len = p.query_start_loc[req + 1] - q_begin;
+  const int seq_len = p.seq_lens[req];
+  const int ctx = seq_len - q_len;  // position of query row 0
+  const int rows = min(kFaRows, q_len - row0);
+  const int kv_head = head / (p.num_heads / p.num_kv_heads);
+  const float slope = p.alibi_slopes != nullptr ? p.alibi_slopes[head] : 0.f;
+  const bool plain = p.alibi_slopes == nullptr && p.soft_cap <= 0.f;
+  const float scale_log2 = p.scale * kLog2e;
+
+  const int first_pos = ctx + row0;
+  const int last_pos = ctx + row0 + rows - 1;
+  const int kv_lo = p.window > 0 ? max(0, first_pos - p.window + 1) : 0;
+  const int kv_hi = p.causal ? min(seq_len, last_pos + 1) : seq_len;
+
+  // Q tile -> shared memory (rows past the request are zeros).
+  {
+    const T* query = static_cast<const T*>(p.query);
+    for (int i = tid; i < kFaRows * CH; i += kFaThreads) {
+      const int r = i / CH, c = i % CH;
+      const bool ok = r < rows;
+      const T* src = query + static_cast<int64_t>(q_begin + (ok ? row0 + r : 0)) * p.q_stride_t +
+                     static_cast<int64_t>(head) * p.q_stride_h + c * 8;
+      cp_async_16(q_s + r * L::LDK + c * 8, src, ok);
+    }
+    cp_async_commit();
+  }
+
+  const int* bt = p.block_table + static_cast<int64_t>(req) * p.block_table_stride;
+  const T* k_cache = static_cast<const T*>(p.k_cache);
+  const T* v_cache = static_cast<const T*>(p.v_cache);
+  const int B = p.block_size;
+  const int64_t blk_stride = static_cast<int64_t>(p.num_kv_heads) * HEAD * B;
+  const int64_t head_off = static_cast<int64_t>(kv_head) * HEAD * B;
+
+  // PIPE: the gather with compile-time trip counts. Thread tid always handles key
+  // tid % 64 of a K tile (chunks tid / 64 + 2r) and 8-key group tid % 8 of a V tile (dims
+  // tid / 8 + 16r), so it needs two block-table entries per tile; they are read one tile ahead
+  // (`lookup`), and the tile's cp.asyncs are issued back to back with shift / mask for the
+  // power-of-two block size. (!PIPE: the first formulation, one lookup and one integer
+  // division per 16-byte vector, each cp.async waiting on its lookup.)
+  const int bshift = 31 - __clz(B);
+  const int k_kk = tid % kFaKeys, k_c0 = tid / kFaKeys;
+  const int v_kc = tid % (kFaKeys / 8), v_d0 = tid / (kFaKeys / 8);
+  static_assert(kFaThreads % kFaKeys == 0 && (kFaKeys * CH) % kFaThreads == 0 &&
+                    (HEAD * (kFaKeys / 8)) % kFaThreads == 0,
+                "gather trip counts must be exact");
+  auto lookup = [&](int kt, int& kph, int& vph) {
+    const int pos = kt + k_kk;
+    kph = pos >= kv_lo && pos < kv_hi ? bt[pos >> bshift] : -1;
+    const int pos0 = kt + v_kc * 8;
+    vph = pos0 + 8 > kv_lo && pos0 < kv_hi ? bt[pos0 >> bshift] : -1;
+  };
+  auto load_kv_pipe = [&](int kt, int stage, int kph, int vph) {
+    T* k_s = reinterpret_cast<T*>(smem_raw + L::K_OFF + stage * L::K_BYTES);
+    T* v_s = reinterpret_cast<T*>(smem_raw + L::V_OFF + stage * L::V_BYTES);
+    const bool kok = kph >= 0, vok = vph >= 0;
+    const T* ksrc = k_cache + static_cast<int64_t>(kok ? kph : 0) * blk_stride + head_off +
+                    (kok ? (kt + k_kk) & (B - 1) : 0) * 8;
+#pragma unroll
+    for (int r = 0; r < (kFaKeys * CH) / kFaThreads; ++r) {
+      const int c = k_c0 + r * (kFaThreads / kFaKeys);
+      cp_async_16(k_s + k_kk * L::LDK + c * 8, ksrc + static_cast<int64_t>(c) * B * 8, kok);
+    }
+    const T* vsrc = v_cache + static_cast<int64_t>(vok ? vph : 0) * blk_stride + head_off +
+                    (vok ? (kt + v_kc * 8) & (B - 1) : 0);
+#pragma unroll
+    for (int r = 0; r < (HEAD * (kFaKeys / 8)) / kFaThreads; ++r) {
+      const int d = v_d0 + r * (kFaThreads / (kFaKeys / 8));
+      cp_async_16(v_s + d * L::LDV + v_kc * 8, vsrc + static_cast<int64_t>(d) * B, vok);
+    }
+  };
+
+  auto load_kv = [&](int kt, int stage) {
+    T* k_s = reinterpret_cast<T*>(smem_raw + L::K_OFF + stage * L::K_BYTES);
+    T* v_s = reinterpret_cast<T*>(smem_raw + L::V_OFF + stage * L::V_BYTES);
+    // K: keys fastest, so a warp reads consecutive 16-byte vectors of one block.
+    for (int i = tid; i < kFaKeys * CH; i += kFaThreads) {
+      const int kk = i % kFaKeys, c = i / kFaKeys;
+      const int pos = kt + kk;
+      const bool ok = pos >= kv_lo && pos < kv_hi;
+      const int64_t phys = ok ? bt[pos / B] : 0;
+      const T* src = k_cache + phys * blk_stride + head_off +
+                     (static_cast<int64_t>(c) * B + (ok ? pos % B : 0)) * 8;
+      cp_async_16(k_s + kk * L::LDK + c * 8, src, ok);
+    }
+    // V^T: one 16-byte vector = 8 consecutive keys of one dim (8 divides the block size).
+    for (int i = tid; i < HEAD * (kFaKeys / 8); i += kFaThreads) {
+      const int kc = i % (kFaKeys / 8), d = i / (kFaKeys / 8);
+      const int pos0 = kt + kc * 8;
+      const bool ok = pos0 + 8 > kv_lo && pos0 < kv_hi;
+      const int64_t phys = ok ? bt[pos0 / B] : 0;
+      const T* src = v_cache + phys * blk_stride + head_off + static_cast<int64_t>(d) * B +
+                     (ok ? pos0 % B : 0);
+      cp_async_16(v_s + d * L::LDV + kc * 8, src, ok);
+    }
+  };
+
+  const int kt_begin = (kv_lo / kFaKeys) * kFaKeys;
+  const int n_kt = kv_hi > kt_begin ? cdiv(kv_hi - kt_begin, kFaKeys) : 0;
+  int kph = -1, vph = -1;  // PIPE: block-table entries of the next tile to load
+  if (n_kt > 0) {
+    if constexpr (PIPE) {
+      lookup(kt_begin, kph, vph);
+      load_kv_pipe(kt_begin, 0, kph, vph);
+      if (n_kt > 1) lookup(kt_begin + kFaKeys, kph, vph);
+    } else {
+      load_kv(kt_begin, 0);
+    }
+  }
+  cp_async_commit();
+  cp_async_wait<1>();  // Q has landed (the first K/V tile may still be in flight)
+  __syncthreads();
+
+  // Q A fragments of m-tile mt, k-step ks (rows warp * 16 * MT + 16 * mt ..).
+  auto load_q = [&](uint32_t (&f)[4], int mt, int ks) {
+    const int r = (warp * MT + mt) * 16 + (lane / 8 % 2) * 8 + lane % 8;
+    ldmatrix_x4(f, q_s + r * L::LDK + ks * 16 + (lane / 16) * 8);
+  };
+  constexpr int QREG = MT == 1 ? KS : 1;  // MT = 1 keeps every k-step's Q in registers
+  uint32_t qf[QREG][4];
+  if constexpr (MT == 1) {
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) load_q(qf[ks], 0, ks);
+  }
+
+  float o[MT][NT][4];
+  float m[MT][2], l[MT][2];
+  int pos_q[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) o[mt][j][0] = o[mt][j][1] = o[mt][j][2] = o[mt][j][3] = 0.f;
+    m[mt][0] = m[mt][1] = -INFINITY;
+    l[mt][0] = l[mt][1] = 0.f;
+    pos_q[mt][0] = first_pos + (warp * MT + mt) * 16 + g;
+    pos_q[mt][1] = pos_q[mt][0] + 8;
+  }
+
+  for (int i = 0; i < n_kt; ++i) {
+    const int kt = kt_begin + i * kFaKeys;
+    const int stage = i & 1;
+    if (i + 1 < n_kt) {
+      if constexpr (PIPE) {
+        load_kv_pipe(kt + kFaKeys, stage ^ 1, kph, vph);
+        if (i + 2 < n_kt) lookup(kt + 2 * kFaKeys, kph, vph);
+      } else {
+        load_kv(kt + kFaKeys, stage ^ 1);
+      }
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const T* k_s = reinterpret_cast<const T*>(smem_raw + L::K_OFF + stage * L::K_BYTES);
+    T* v_s = reinterpret_cast<T*>(smem_raw + L::V_OFF + stage * L::V_BYTES);
+
+    // Zero the keys outside [kv_lo, kv_hi) of the (at most two) V vectors straddling an edge.
+    const int lo_vec = (kv_lo / 8) * 8, hi_vec = (kv_hi / 8) * 8;
+    const bool fix_lo = kv_lo % 8 != 0 && lo_vec >= kt && lo_vec < kt + kFaKeys;
+    const bool fix_hi = kv_hi % 8 != 0 && hi_vec >= kt && hi_vec < kt + kFaKeys &&
+                        !(fix_lo && hi_vec == lo_vec);
+    if (fix_lo || fix_hi) {
+      for (int e = tid; e < 2 * HEAD; e += kFaThreads) {
+        const int which = e / HEAD, d = e % HEAD;
+        if (which == 0 ? !fix_lo : !fix_hi) continue;
+        const int vec = which == 0 ? lo_vec : hi_vec;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          if (vec + j < kv_lo || vec + j >= kv_hi) {
+            v_s[d * L::LDV + vec - kt + j] = from_float<T>(0.f);
+          }
+        }
+      }
+      __syncthreads();
+    }
+
+    // S = Q K^T: 16 * MT rows x 64 keys per warp (8 n-tiles per m-tile).
+    float s[MT][8][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.f;
+    }
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      uint32_t qk[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        if constexpr (MT == 1) {
+#pragma unroll
+          for (int x = 0; x < 4; ++x) qk[mt][x] = qf[ks][x];
+        } else {
+          load_q(qk[mt], mt, ks);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 8; j += 2) {
+        uint32_t r[4];
+        const int key = (j + lane / 16) * 8 + lane % 8;
+        ldmatrix_x4(r, k_s + key * L::LDK + ks * 16 + (lane / 8 % 2) * 8);
+        const uint32_t b0[2] = {r[0], r[1]};
+        const uint32_t b1[2] = {r[2], r[3]};
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma_acc<T>(s[mt][j], qk[mt], b0);
+          mma_acc<T>(s[mt][j + 1], qk[mt], b1);
+        }
+      }
+    }
+
+    // Online softmax in registers; rows g (r = 0) and g + 8 (r = 1).
+    const bool need_mask = kt < kv_lo || kt + kFaKeys > kv_hi ||
+                           (p.causal && kt + kFaKeys - 1 > first_pos) ||
+                           (p.window > 0 && kt <= last_pos - p.window);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int pos_k = kt + 8 * j + 2 * t + e;
+          const int pq = pos_q[mt][r];
+          float v = s[mt][j][2 * r + e];
+          v = plain ? v * scale_log2
+                    : kLog2e * transform_score(v, p.scale, p.soft_cap, slope, pos_k, pq);
+          if (need_mask) {
+            bool vis = pos_k >= kv_lo && pos_k < kv_hi;
+            if (p.causal) vis = vis && pos_k <= pq;
+            if (p.window > 0) vis = vis && pq - pos_k < p.window;
+            v = vis ? v : -INFINITY;
+          }
+          s[mt][j][2 * r + e] = v;
+          mx = fmaxf(mx, v);
+        }
+      }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m[mt][r], mx);
+      const float alpha = m_new == -INFINITY ? 1.f : fast_exp2(m[mt][r] - m_new);
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float pv = fast_exp2(s[mt][j][2 * r + e] - m_use);  // exp2(-inf) = 0
+          s[mt][j][2 * r + e] = pv;
+          sum += pv;
+        }
+      }
+      l[mt][r] = l[mt][r] * alpha + sum;
+      m[mt][r] = m_new;
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        o[mt][j][2 * r] *= alpha;
+        o[mt][j][2 * r + 1] *= alpha;
+      }
+    }
+    }
+
+    // O += P V: k-steps of 16 keys; P's A fragment is S's C fragment of n-tiles 2kk, 2kk + 1.
+#pragma unroll
+    for (int kk = 0; kk < kFaKeys / 16; ++kk) {
+      uint32_t a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        a[mt][0] = pack2<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+        a[mt][1] = pack2<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+        a[mt][2] = pack2<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+        a[mt][3] = pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+      }
+#pragma unroll
+      for (int n = 0; n < NT; n += 2) {
+        uint32_t r[4];
+        const int d = (n + lane / 16) * 8 + lane % 8;
+        ldmatrix_x4(r, v_s + d * L::LDV + kk * 16 + (lane / 8 % 2) * 8);
+        const uint32_t b0[2] = {r[0], r[1]};
+        const uint32_t b1[2] = {r[2], r[3]};
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma_acc<T>(o[mt][n], a[mt], b0);
+          mma_acc<T>(o[mt][n + 1], a[mt], b1);
+        }
+      }
+    }
+    __syncthreads();  // this stage is refilled by the next iteration's load
+  }
+
+  T* out = static_cast<T*>(p.out);
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float lr = l[mt][r];
+      lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+      lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+      const int row = (warp * MT + mt) * 16 + g + 8 * r;
+      if (row >= rows) continue;
+      const float inv = lr > 0.f ? 1.f / lr : 0.f;
+      T* orow = out + static_cast<int64_t>(q_begin + row0 + row) * p.o_stride_t +
+                static_cast<int64_t>(head) * p.o_stride_h + 2 * t;
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        *reinterpret_cast<uint32_t*>(orow + 8 * j) =
+            pack2<T>(o[mt][j][2 * r] * inv, o[mt][j][2 * r + 1] * inv);
+      }
+    }
+  }
+}
+
+template <typename T, int HEAD, int MT, bool PIPE>
+cudaError_t launch_prefill_mma_cfg(const AttentionParams& p, cudaStream_t stream) {
+  constexpr int smem = FaSmem<T, HEAD, MT>::BYTES;
+  auto kernel = prefill_mma_kernel<T, HEAD, MT, PIPE>;
+  if (smem > 48 * 1024) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return err;
+  }
+  kernel<<<dim3(p.num_items, p.num_heads), kFaThreads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// `p.prefill_rows`: query rows per tile of the planner's `work` list, 64 or 128;
+// `p.prefill_pipe`: the pipelined gather (see the kernel).
+template <typename T, int HEAD>
+cudaError_t launch_prefill_mma_head(const AttentionParams& p, cudaStream_t stream) {
+  if (p.prefill_pipe) {
+    if (p.prefill_rows == 128) return launch_prefill_mma_cfg<T, HEAD, 2, true>(p, stream);
+    if (p.prefill_rows == 64) return launch_prefill_mma_cfg<T, HEAD, 1, true>(p, stream);
+    return cudaErrorInvalidValue;
+  }
+  if (p.prefill_rows == 128) return launch_prefill_mma_cfg<T, HEAD, 2, false>(p, stream);
+  if (p.prefill_rows == 64) return launch_prefill_mma_cfg<T, HEAD, 1, false>(p, stream);
+  return cudaErrorInvalidValue;
+}
+
+template <typename T>
+cudaError_t launch_prefill_mma(const AttentionParams& p, int head_size, cudaStream_t stream) {
+  if (p.num_items == 0) return cudaSuccess;
+  switch (head_size) {
+    case 64:
+      return launch_prefill_mma_head<T, 64>(p, stream);
+    case 80:
+      return launch_prefill_mma_head<T, 80>(p, stream);
+    case 96:
+      return launch_prefill_mma_head<T, 96>(p, stream);
+    case 112:
+      return launch_prefill_mma_head<T, 112>(p, stream);
+    case 128:
+      return launch_prefill_mma_head<T, 128>(p, stream);
+    default:
+      return cudaErrorInvalidValue;  // 256: prefill.cuh (register budget)
+  }
+}
+
+}  // namespace pagedcore
