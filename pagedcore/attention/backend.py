@@ -303,6 +303,17 @@ class MetadataBuilder(abc.ABC, Generic[M]):
         device data, no plan chosen from this step's lengths): only on ``num_reqs``,
         ``common.max_seq_len`` and the shapes. The default calls `build`, which is right for a
         backend whose plan uses no values; a backend whose plan does must override this.
+
+        Mixed steps (backends declaring ``ALWAYS`` only): the engine also captures steps of
+        any mix of decodes and prefill chunks, per *token* bucket ``T``. Then `common` has
+        ``num_reqs`` = the engine's ``max_num_seqs``, ``num_actual_tokens`` = ``T``,
+        ``max_query_len`` = ``T`` and ``max_seq_len`` = ``max_model_len``, and the metadata
+        must stay valid for any later contents in which requests keep decode-first order,
+        every query length is in ``[0, T]`` with their sum at most ``T``, and every
+        ``seq_lens`` entry is at least its query length and at most ``max_seq_len``.
+        Padding requests (after the real ones) have query length 0, ``seq_lens`` 0 and a
+        block-table row of zeros; padding tokens (after the last real token) belong to no
+        request, have ``slot_mapping`` -1 and position 0, and their outputs are discarded.
         """
         return self.build(common)
 

@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import attrs
+
 if TYPE_CHECKING:
     import torch
 
@@ -22,7 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BLOCK_SIZE", "HEAD_SIZE", "NUM_HEADS", "NUM_KV_HEADS", "BackendUnderTest", "PagedKV",
-    "copy_bandwidth_gbps", "time_ms",
+    "copy_bandwidth_gbps", "graph_time_ms", "host_ms", "time_ms",
 ]
 
 #: Query heads, KV heads and head size of every kernel bench case.
@@ -39,11 +41,13 @@ def _sync(device: torch.device) -> None:
 
 
 def time_ms(fn: Callable[[], object], device: torch.device, *, budget_ms: float = 400.0) -> float:
-    """Median milliseconds per call of `fn`, after a warm-up.
+    """Median milliseconds of device time per call of `fn`, after a warm-up.
 
-    On CUDA each sample is a run of back-to-back calls between two CUDA events, L2 flushed
-    (256 MB written) before it: the host's launch latency overlaps the previous call, as in a
-    multi-layer forward, instead of being counted as kernel time.
+    On CUDA each sample is a run of back-to-back calls (about 2 ms in all) between two CUDA
+    events, after an L2 flush (256 MB written) and a GPU spin long enough for the host to
+    queue the whole run: the device never waits for the host, as in a multi-layer forward
+    whose host runs ahead, so the figure is the calls' device time and counts none of the
+    bench's (or the backend's) Python. `host_ms` measures that host side separately.
     """
     import torch
 
@@ -57,10 +61,14 @@ def time_ms(fn: Callable[[], object], device: torch.device, *, budget_ms: float 
     reps = int(min(30, max(3, budget_ms / max(once, 1e-3))))
     times = []
     if device.type == "cuda":
-        inner = int(min(20, max(1, 1.0 / max(once, 1e-3))))
+        host = host_ms(fn, device)
+        inner = int(min(50, max(1, 2.0 / max(once, 1e-3))))
         flush = torch.empty(256 << 20, dtype=torch.int8, device=device)
+        # ~2e6 SM cycles per ms (H100/H200 clocks); twice the host's time for the run.
+        spin = int(min(50.0, 2.0 * host * inner + 0.2) * 2e6)
         for _ in range(reps):
             flush.zero_()
+            torch.cuda._sleep(spin)  # type: ignore[no-untyped-call]
             start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             start.record()
@@ -75,6 +83,47 @@ def time_ms(fn: Callable[[], object], device: torch.device, *, budget_ms: float 
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
     return float(statistics.median(times))
+
+
+def host_ms(fn: Callable[[], object], device: torch.device, *, calls: int = 20) -> float:
+    """Host milliseconds per call of `fn` without waiting for the device (launch cost).
+
+    When this exceeds `time_ms`, a model calling `fn` once per layer is bound by the host
+    unless the calls are captured in a CUDA graph.
+    """
+    fn()
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t0) * 1e3 / calls
+    _sync(device)
+    return host
+
+
+def graph_time_ms(
+    fn: Callable[[], object], device: torch.device, *, calls: int = 10, budget_ms: float = 200.0
+) -> float:
+    """Device milliseconds per call of `fn` replayed from a CUDA graph of `calls` calls.
+
+    `fn` must be capturable (no host reads of device values, static buffers). The graph
+    replays `calls` back-to-back calls, timed like `time_ms` (one replay per event pair).
+    """
+    import torch
+
+    stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):  # warm-up off the default stream, as capture requires
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    _sync(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    _sync(device)
+    return time_ms(graph.replay, device, budget_ms=budget_ms) / calls
 
 
 def copy_bandwidth_gbps(device: torch.device, *, quick: bool) -> float:
@@ -198,6 +247,7 @@ class BackendUnderTest:
         from pagedcore.kv_cache.spec import FullAttentionSpec
 
         dtype, device, block_size = kv.key.dtype, kv.key.device, kv.block_size
+        self.backend = backend
         shape = backend.get_kv_cache_shape(kv.num_blocks, block_size, NUM_KV_HEADS, HEAD_SIZE)
         self.kv_cache = torch.empty(shape, dtype=dtype, device=device)
         spec = FullAttentionSpec(
@@ -220,6 +270,34 @@ class BackendUnderTest:
 
         metadata = self.builder.build(kv.common(q_lens, reqs))
         idx = kv.new_tokens(q_lens, reqs)
+        key, value = kv.key[idx], kv.value[idx]
+        out = torch.empty_like(query)
+        impl, cache = self.impl, self.kv_cache
+
+        def run() -> Any:
+            return impl.forward(query, key, value, cache, metadata, output=out)
+
+        return run
+
+    def capture_runner(
+        self, kv: PagedKV, reqs: list[int], query: torch.Tensor, *, max_seq_len: int
+    ) -> Callable[[], Any] | None:
+        """Like `runner` for a single-token decode of `reqs`, planned for CUDA-graph capture.
+
+        The plan comes from ``build_for_cudagraph_capture`` with ``max_seq_len`` as the
+        longest sequence a replay may hold; None when the backend declares no graph support.
+        """
+        import torch
+
+        from pagedcore.attention import CommonAttentionMetadata, CudaGraphSupport
+
+        if self.backend.cudagraph_support < CudaGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE:
+            return None
+        common = kv.common([1] * len(reqs), reqs)
+        fields = {a.name: getattr(common, a.name) for a in attrs.fields(type(common))}
+        common = CommonAttentionMetadata(**{**fields, "max_seq_len": max_seq_len})
+        metadata = self.builder.build_for_cudagraph_capture(common)
+        idx = kv.new_tokens([1] * len(reqs), reqs)
         key, value = kv.key[idx], kv.value[idx]
         out = torch.empty_like(query)
         impl, cache = self.impl, self.kv_cache

@@ -11,6 +11,9 @@ batch x context 64x4096, 8x32768, 256x1024; causal prefill of 4x2048 and 4x8192 
 batch of 64 decodes (context 4096) plus one 2,048-token chunk continuing a 2,048-token cached
 prefix, against the decode and prefill parts run as two separate ``forward`` calls.
 
+Decode rows of backends that support CUDA graphs get a second row, ``NAME+cudagraph``: the
+step planned by ``build_for_cudagraph_capture`` and replayed from a captured graph.
+
 The measuring primitives (`time_ms`, `PagedKV`, `BackendUnderTest`, ...) live in
 `pagedcore.bench.kernel_primitives` and are re-exported here.
 """
@@ -32,6 +35,8 @@ from pagedcore.bench.kernel_primitives import (
     BackendUnderTest,
     PagedKV,
     copy_bandwidth_gbps,
+    graph_time_ms,
+    host_ms,
     time_ms,
 )
 
@@ -94,11 +99,11 @@ def bench_uniform(
     shape = f"{batch}x{length}"
     rows: list[dict[str, Any]] = []
 
-    def row(name: str, ms: float, err: float | None) -> None:
+    def row(name: str, ms: float, err: float | None, **extra: Any) -> None:
         rows.append({
             "case": kind, "shape": shape, "impl": name, "ms": ms,
             "kv_GBps": kv_bytes / ms / 1e6, "pct_copy": 100 * kv_bytes / ms / 1e6 / copy_gbps,
-            "TFLOPs": flops / ms / 1e9, "rel_err_vs_sdpa": err,
+            "TFLOPs": flops / ms / 1e9, "rel_err_vs_sdpa": err, **extra,
         })
 
     def sdpa() -> torch.Tensor:
@@ -121,7 +126,10 @@ def bench_uniform(
             under = BackendUnderTest(backend, kv)
             run = under.runner(kv, [q_len] * batch, list(range(batch)), query)
             out = run()
-            row(backend.name, time_ms(run, device), _rel(out, ref))
+            host = host_ms(run, device) if device.type == "cuda" else None
+            row(backend.name, time_ms(run, device), _rel(out, ref), host_ms=host)
+            if kind == "decode" and device.type == "cuda":
+                _graph_row(under, kv, query, ref, row)
             del under
         except Exception as exc:  # one failing backend must not sink the others' figures
             rows.append(_failure(kind, shape, backend.name, exc))
@@ -130,6 +138,23 @@ def bench_uniform(
         if "ms" in r:
             r["speed_vs_sdpa"] = ref_ms / r["ms"]
     return rows
+
+
+def _graph_row(
+    under: BackendUnderTest, kv: PagedKV, query: torch.Tensor, ref: torch.Tensor,
+    row: Callable[..., None],
+) -> None:
+    """A "NAME+cudagraph" row: the decode planned for capture, replayed from a CUDA graph."""
+    name = f"{under.backend.name}+cudagraph"
+    try:
+        reqs = list(range(len(kv.seq_lens)))
+        graphed = under.capture_runner(kv, reqs, query, max_seq_len=max(kv.seq_lens))
+        if graphed is not None:
+            out = graphed()
+            row(name, graph_time_ms(graphed, query.device), _rel(out, ref))
+    except Exception as exc:
+        click.echo(f"{name} failed: {type(exc).__name__}: {exc}", err=True)
+        row(name, float("nan"), None, error=f"{type(exc).__name__}: {exc}")
 
 
 def _failure(case: str, shape: str, name: str, exc: Exception) -> dict[str, Any]:
@@ -223,9 +248,9 @@ def _print_table(rows: list[dict[str, Any]], copy_gbps: float) -> None:
     from rich.table import Table
 
     table = Table(title=f"attention kernels (copy bandwidth {copy_gbps:.0f} GB/s)")
-    cols = ["case", "shape", "impl", "ms", "kv_GBps", "pct_copy", "TFLOPs", "speed_vs_sdpa",
-            "separate_ms", "mixed_over_separate", "rel_err_vs_sdpa", "rel_err_mixed_vs_separate",
-            "error"]
+    cols = ["case", "shape", "impl", "ms", "host_ms", "kv_GBps", "pct_copy", "TFLOPs",
+            "speed_vs_sdpa", "separate_ms", "mixed_over_separate", "rel_err_vs_sdpa",
+            "rel_err_mixed_vs_separate", "error"]
     for c in cols:
         table.add_column(c)
     for r in rows:
@@ -284,8 +309,13 @@ def kernels(names: tuple[str, ...], json_path: str | None, quick: bool) -> None:
                        "num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS,
                        "head_size": HEAD_SIZE, "block_size": BLOCK_SIZE,
                        "sdpa": "torch SDPA on contiguous [B, H, S, D], enable_gqa=True",
-                       "timing": "median over samples of CUDA-event time per call; a sample is "
-                                 "up to 20 back-to-back calls (about 1 ms) after an L2 flush"},
+                       "timing": "median over samples of CUDA-event device time per call; a "
+                                 "sample is ~2 ms of back-to-back calls queued behind a GPU "
+                                 "spin after an L2 flush (the host runs ahead, as in a "
+                                 "multi-layer model); host_ms: host time per call, not "
+                                 "waiting for the device; NAME+cudagraph: the decode planned "
+                                 "by build_for_cudagraph_capture, replayed from a CUDA graph "
+                                 "of 10 calls"},
             "copy_bandwidth_GBps": copy_gbps,
             "skipped": skipped,
             "results": rows,

@@ -36,7 +36,10 @@ __all__ = [
 
 def git_commit() -> str | None:
     """``HEAD`` of the checkout this module lives in, with ``+dirty`` when the tree has
-    uncommitted changes; None outside a git checkout."""
+    uncommitted changes; outside a git checkout (a copy of the tree sent to a GPU machine) the
+    ``PAGEDCORE_GIT_COMMIT`` environment variable, else None."""
+    if "PAGEDCORE_GIT_COMMIT" in os.environ:
+        return os.environ["PAGEDCORE_GIT_COMMIT"]
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,

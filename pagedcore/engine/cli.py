@@ -63,8 +63,11 @@ def _percentile(values: list[float], q: float) -> float:
               help="torch CPU threads (the demo model is tiny: one is fastest).")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
               help="Write the summary figures to this JSON file.")
+@click.option("--enforce-eager", is_flag=True,
+              help="Never use CUDA graphs for decode steps (default: on where supported).")
 def demo(num_requests: int, device: str | None, backend: str | None, kv_cache_mb: float,
-         max_num_batched_tokens: int, seed: int, threads: int, json_path: str | None) -> None:
+         max_num_batched_tokens: int, seed: int, threads: int, json_path: str | None,
+         enforce_eager: bool) -> None:
     """Serve a synthetic chat workload with the built-in model (no download) and summarise."""
     import torch
     from rich.console import Console
@@ -80,7 +83,8 @@ def demo(num_requests: int, device: str | None, backend: str | None, kv_cache_mb
     try:
         llm = LLM("demo", device=device, max_model_len=1024, block_size=16,
                   max_num_batched_tokens=max_num_batched_tokens,
-                  kv_cache_memory_bytes=int(kv_cache_mb * 2**20), backend=backend, seed=seed)
+                  kv_cache_memory_bytes=int(kv_cache_mb * 2**20), backend=backend, seed=seed,
+                  enforce_eager=enforce_eager)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
     work = synthetic_workload(num_requests, seed=seed)
@@ -125,6 +129,7 @@ def demo(num_requests: int, device: str | None, backend: str | None, kv_cache_mb
         "kv_blocks": stats["num_blocks"],
         "peak_kv_usage": peak_usage,
         "steps": stats["steps"],
+        "cudagraph": stats["cudagraph"],
     }
     table = Table(title="pagedcore demo")
     table.add_column("metric")
@@ -143,6 +148,8 @@ def demo(num_requests: int, device: str | None, backend: str | None, kv_cache_mb
         ("preemptions", str(stats["preemptions"])),
         ("KV blocks / peak usage", f"{stats['num_blocks']} / {100 * peak_usage:.0f}%"),
         ("engine steps", str(stats["steps"])),
+        ("CUDA graphs (decode)", "on" if stats["cudagraph"]["enabled"]
+         else f"off ({stats['cudagraph']['reason']})"),
     ]
     for name, value in rows:
         table.add_row(name, value)
@@ -170,10 +177,12 @@ def demo(num_requests: int, device: str | None, backend: str | None, kv_cache_mb
 @click.option("--backend", default=None)
 @click.option("--max-model-len", default=None, type=int)
 @click.option("--stream/--no-stream", default=False, help="Print tokens as they arrive.")
+@click.option("--enforce-eager", is_flag=True,
+              help="Never use CUDA graphs for decode steps (default: on where supported).")
 def generate(prompts: tuple[str, ...], token_ids: tuple[str, ...], model: str, max_tokens: int,
              temperature: float, top_p: float, top_k: int | None, seed: int,
              device: str | None, dtype: str | None, backend: str | None,
-             max_model_len: int | None, stream: bool) -> None:
+             max_model_len: int | None, stream: bool, enforce_eager: bool) -> None:
     """Generate continuations of prompts with a model."""
     from pagedcore.engine.llm import LLM
     from pagedcore.engine.sampling_params import SamplingParams
@@ -191,7 +200,7 @@ def generate(prompts: tuple[str, ...], token_ids: tuple[str, ...], model: str, m
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                 top_k=top_k, seed=seed)
         llm = LLM(model, device=device, dtype=dtype, backend=backend, seed=seed,
-                  max_model_len=max_model_len)
+                  max_model_len=max_model_len, enforce_eager=enforce_eager)
         if stream:
             for out in llm.stream(inputs, params):
                 if out.finished:

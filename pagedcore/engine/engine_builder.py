@@ -6,6 +6,7 @@ bookkeeping and the step loop.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
@@ -62,6 +63,8 @@ def build_engine(
     scheduling_policy: Literal["fcfs", "priority"],
     tokenizer: Any,
     tensor_parallel_size: int,
+    enforce_eager: bool = False,
+    cudagraph_capture_sizes: Sequence[int] | None = None,
 ) -> EngineParts:
     """Load the model and build its KV cache, scheduler and runner (see `LLM` for the args).
 
@@ -139,6 +142,12 @@ def build_engine(
         max_model_len=max_model_len,
         num_heads=None if tp is None else int(rank_config.num_attention_heads),
     )
+    if enforce_eager:
+        local.cudagraph_disabled_reason = "enforce_eager=True"
+    elif tp is not None:
+        local.cudagraph_disabled_reason = "tensor parallelism runs every step eagerly"
+    else:
+        local.enable_cudagraphs(sizes=cudagraph_capture_sizes)
     runner: ModelRunner | TensorParallelExecutor = local
     if tp is not None:
         runner = tp.attach(

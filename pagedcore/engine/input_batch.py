@@ -1,7 +1,11 @@
 """Flatten a scheduled step into `[T]` tensors and per-group attention metadata.
 
 Persistent host buffers (pinned on CUDA) and device buffers are allocated once at their largest
-size; each step fills a prefix of them, so preparing a step allocates almost nothing.
+size; each step fills a prefix of them, so preparing a step allocates almost nothing. Block
+tables are always ``max_blocks`` wide and a row is rewritten only when the request in it has
+other blocks than last step. A step of single-token decodes can be padded to a CUDA-graph
+bucket (`prepare(..., pad_to=...)`): its inputs then land in the buffers exactly where the
+bucket's captured graph reads them (`graph_common`, `graph_inputs`).
 """
 
 from __future__ import annotations
@@ -42,6 +46,9 @@ class StepInputs:
         The `ScheduledRequest` behind each logits row.
     order:
         The scheduled requests in batch (decode-first) order.
+    cudagraph_bucket:
+        For a step padded to a CUDA-graph bucket: the bucket (``input_ids`` and the metadata
+        cover ``bucket`` requests, the real ones first); None for an eager step.
     """
 
     input_ids: torch.Tensor
@@ -50,6 +57,7 @@ class StepInputs:
     logits_indices: torch.Tensor
     sample_rows: tuple[ScheduledRequest, ...]
     order: tuple[ScheduledRequest, ...]
+    cudagraph_bucket: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -112,8 +120,11 @@ class InputBatch:
         self.device = device
         self.block_sizes = list(block_sizes)
         self.decode_threshold = decode_threshold
+        self.max_model_len = max_model_len
         self.max_blocks = [cdiv(max_model_len, b) for b in self.block_sizes]
-        t = max_num_batched_tokens
+        # A padded decode batch has as many tokens as requests: size the token buffers for
+        # whichever is larger.
+        t = max(max_num_batched_tokens, max_num_seqs)
         self._ids = _Buffer(t, torch.int64, device)
         self._pos = _Buffer(t, torch.int64, device)
         self._qsl = _Buffer(max_num_seqs + 1, torch.int32, device)
@@ -121,13 +132,36 @@ class InputBatch:
         self._logit_rows = _Buffer(max_num_seqs, torch.int64, device)
         self._slots = [_Buffer(t, torch.int64, device) for _ in self.block_sizes]
         self._tables = [_Buffer(max_num_seqs * m, torch.int32, device) for m in self.max_blocks]
+        self._max_num_seqs = max_num_seqs
+        self._max_num_tokens = max_num_batched_tokens
+        # The block-id tuple each host block-table row holds (None: zeros). Holding the tuple
+        # keeps its identity unique, so `is` tells whether a row must be rewritten.
+        self._row_owner: list[tuple[list[int], ...] | None] = [None] * max_num_seqs
+
+    # ---- the step -------------------------------------------------------------------------
 
     def prepare(
         self,
         scheduled: Sequence[ScheduledRequest],
         block_ids: Callable[[str], tuple[list[int], ...]],
+        *,
+        pad_to: int | None = None,
     ) -> StepInputs:
-        """Flatten `scheduled`, reading each request's block ids through `block_ids`."""
+        """Flatten `scheduled`, reading each request's block ids through `block_ids`.
+
+        Parameters
+        ----------
+        scheduled:
+            The step's requests (any order; decodes are moved first).
+        block_ids:
+            Block ids per KV-cache group of a request id.
+        pad_to:
+            For a CUDA-graph step: every request has one query token and the batch is padded
+            with padding requests to `pad_to` requests, laid out in the persistent buffers
+            exactly as `graph_common` describes them (block tables ``max_blocks`` wide).
+        """
+        if pad_to is not None:
+            return self._prepare_padded_decode(scheduled, block_ids, pad_to)
         order_idx = decode_first_order([s.num_new_tokens for s in scheduled], self.decode_threshold)
         order = [scheduled[i] for i in order_idx]
         num_reqs = len(order)
@@ -136,10 +170,10 @@ class InputBatch:
         cu = np.zeros(num_reqs + 1, np.int64)
         np.cumsum(query_lens, out=cu[1:])
         num_tokens = int(cu[-1])
-        if num_tokens > self._ids.np.shape[0] or num_reqs + 1 > self._qsl.np.shape[0]:
+        if num_tokens > self._max_num_tokens or num_reqs > self._max_num_seqs:
             raise ValueError(
                 f"step of {num_tokens} tokens / {num_reqs} requests exceeds the batch limits "
-                f"({self._ids.np.shape[0]} tokens, {self._qsl.np.shape[0] - 1} requests)"
+                f"({self._max_num_tokens} tokens, {self._max_num_seqs} requests)"
             )
 
         flat = itertools.chain.from_iterable(
@@ -152,52 +186,195 @@ class InputBatch:
         self._qsl.np[: num_reqs + 1] = cu
         seq_lens = starts + query_lens
         self._seq.np[:num_reqs] = seq_lens
+        tables = self._fill_tables(order, block_ids)
+        for g, (table, block_size) in enumerate(zip(tables, self.block_sizes, strict=True)):
+            self._slots[g].np[:num_tokens] = (
+                table[req_of_token, positions // block_size].astype(np.int64) * block_size
+                + positions % block_size
+            )
+        return self._finish(
+            order,
+            num_reqs=num_reqs,
+            num_tokens=num_tokens,
+            widths=self.max_blocks,
+            max_query_len=int(query_lens.max()) if num_reqs else 0,
+            max_seq_len=int(seq_lens.max()) if num_reqs else 0,
+            sample_rows=[int(cu[i + 1]) - 1 for i, s in enumerate(order) if s.samples],
+            bucket=None,
+        )
 
-        sample_rows = tuple(s for s in order if s.samples)
-        rows = [int(cu[i + 1]) - 1 for i, s in enumerate(order) if s.samples]
-        self._logit_rows.np[: len(rows)] = rows
+    def _prepare_padded_decode(
+        self,
+        scheduled: Sequence[ScheduledRequest],
+        block_ids: Callable[[str], tuple[list[int], ...]],
+        bucket: int,
+    ) -> StepInputs:
+        order = list(scheduled)
+        n = len(order)
+        if n > bucket or bucket > self._max_num_seqs:
+            raise ValueError(
+                f"cannot pad a decode batch of {n} requests to {bucket} (at most "
+                f"{self._max_num_seqs} requests)"
+            )
+        if [s.num_new_tokens for s in order].count(1) != n:
+            raise ValueError("a padded (CUDA-graph) step needs every query length to be 1")
+        start_list = [s.start for s in order]
+        starts = np.array(start_list, np.int64)
+        # (Graphs run on a local runner only, whose requests index like lists.)
+        self._ids.np[:n] = [s.request.all_token_ids[s.start] for s in order]
+        self._ids.np[n:bucket] = 0
+        self._pos.np[:n] = starts
+        self._pos.np[n:bucket] = 0
+        self._qsl.np[: bucket + 1] = np.arange(bucket + 1)
+        self._seq.np[:n] = starts + 1
+        self._seq.np[n:bucket] = 1
+        tables = self._fill_tables(order, block_ids, num_rows=bucket)
+        for g, (table, block_size) in enumerate(zip(tables, self.block_sizes, strict=True)):
+            slots = self._slots[g].np
+            slots[:n] = (
+                table[np.arange(n), starts // block_size].astype(np.int64) * block_size
+                + starts % block_size
+            )
+            slots[n:bucket] = -1
+        return self._finish(
+            order,
+            num_reqs=bucket,
+            num_tokens=bucket,
+            widths=self.max_blocks,
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+            sample_rows=[i for i, s in enumerate(order) if s.samples],
+            bucket=bucket,
+        )
 
+    def _fill_tables(
+        self,
+        order: Sequence[ScheduledRequest],
+        block_ids: Callable[[str], tuple[list[int], ...]],
+        num_rows: int | None = None,
+    ) -> list[np.ndarray]:
+        """Bring each group's persistent ``[rows, max_blocks]`` host block table up to date.
+
+        Row ``i`` is rewritten only when it held a different block-id tuple last step (the
+        scheduler hands out a new tuple whenever a request's blocks change, and the running
+        order is stable, so a decode step rewrites almost nothing). Rows past ``len(order)``
+        (up to `num_rows`) are zero (the null block).
+        """
+        num_reqs = len(order)
+        num_rows = num_reqs if num_rows is None else num_rows
+        tables = [
+            self._tables[g].np[: num_rows * m].reshape(num_rows, m)
+            for g, m in enumerate(self.max_blocks)
+        ]
+        owners = self._row_owner
+        for i, s in enumerate(order):
+            ids = block_ids(s.request.request_id)
+            if owners[i] is ids:
+                continue
+            for table, row in zip(tables, ids, strict=True):
+                n = len(row)
+                table[i, :n] = row
+                table[i, n:] = 0
+            owners[i] = ids
+        for i in range(num_reqs, num_rows):
+            if owners[i] is not None:
+                for table in tables:
+                    table[i] = 0
+                owners[i] = None
+        return tables
+
+    def _finish(
+        self,
+        order: list[ScheduledRequest],
+        *,
+        num_reqs: int,
+        num_tokens: int,
+        widths: Sequence[int],
+        max_query_len: int,
+        max_seq_len: int,
+        sample_rows: list[int],
+        bucket: int | None,
+    ) -> StepInputs:
+        """Upload the filled host buffers and wrap them as `StepInputs`."""
+        self._logit_rows.np[: len(sample_rows)] = sample_rows
         input_ids = self._ids.upload(num_tokens)
         pos_dev = self._pos.upload(num_tokens)
         qsl_dev = self._qsl.upload(num_reqs + 1)
         seq_dev = self._seq.upload(num_reqs)
         qsl_cpu = self._qsl.host_view(num_reqs + 1).clone()
         seq_cpu = self._seq.host_view(num_reqs).clone()
-        per_request_ids = [block_ids(s.request.request_id) for s in order]
-        common: list[CommonAttentionMetadata] = []
-        for g, block_size in enumerate(self.block_sizes):
-            lists = [ids[g] for ids in per_request_ids]
-            width = max(1, max((len(b) for b in lists), default=1))
-            table = self._tables[g].np[: num_reqs * width].reshape(num_reqs, width)
-            table.fill(0)
-            for i, b in enumerate(lists):
-                table[i, : len(b)] = b
-            slots = self._slots[g].np
-            slots[:num_tokens] = (
-                table[req_of_token, positions // block_size].astype(np.int64) * block_size
-                + positions % block_size
+        common = tuple(
+            CommonAttentionMetadata(
+                query_start_loc=qsl_dev,
+                query_start_loc_cpu=qsl_cpu,
+                seq_lens=seq_dev,
+                seq_lens_cpu=seq_cpu,
+                num_reqs=num_reqs,
+                num_actual_tokens=num_tokens,
+                max_query_len=max_query_len,
+                max_seq_len=max_seq_len,
+                block_table=self._tables[g].upload(num_reqs * w, (num_reqs, w)),
+                slot_mapping=self._slots[g].upload(num_tokens),
+                positions=pos_dev,
+                causal=True,
             )
-            common.append(
-                CommonAttentionMetadata(
-                    query_start_loc=qsl_dev,
-                    query_start_loc_cpu=qsl_cpu,
-                    seq_lens=seq_dev,
-                    seq_lens_cpu=seq_cpu,
-                    num_reqs=num_reqs,
-                    num_actual_tokens=num_tokens,
-                    max_query_len=int(query_lens.max()) if num_reqs else 0,
-                    max_seq_len=int(seq_lens.max()) if num_reqs else 0,
-                    block_table=self._tables[g].upload(num_reqs * width, (num_reqs, width)),
-                    slot_mapping=self._slots[g].upload(num_tokens),
-                    positions=pos_dev,
-                    causal=True,
-                )
-            )
+            for g, w in enumerate(widths)
+        )
         return StepInputs(
             input_ids=input_ids,
             positions=pos_dev,
-            common=tuple(common),
-            logits_indices=self._logit_rows.upload(len(rows)),
-            sample_rows=sample_rows,
+            common=common,
+            logits_indices=self._logit_rows.upload(len(sample_rows)),
+            sample_rows=tuple([s for s in order if s.samples]),
             order=tuple(order),
+            cudagraph_bucket=bucket,
+        )
+
+    # ---- CUDA graphs ----------------------------------------------------------------------
+
+    def write_padding(self, bucket: int) -> None:
+        """Fill the persistent buffers with a batch of `bucket` padding requests (seq_len 1,
+        null-block rows, slot -1, input id 0, position 0): the batch graphs are captured on."""
+        self._ids.np[:bucket] = 0
+        self._pos.np[:bucket] = 0
+        self._qsl.np[: bucket + 1] = np.arange(bucket + 1)
+        self._seq.np[:bucket] = 1
+        for g, m in enumerate(self.max_blocks):
+            self._tables[g].np[: bucket * m] = 0
+            self._slots[g].np[:bucket] = -1
+        self._row_owner[:bucket] = [None] * bucket
+        self._ids.upload(bucket)
+        self._pos.upload(bucket)
+        self._qsl.upload(bucket + 1)
+        self._seq.upload(bucket)
+        for g, m in enumerate(self.max_blocks):
+            self._tables[g].upload(bucket * m)
+            self._slots[g].upload(bucket)
+
+    def graph_inputs(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The persistent ``[bucket]`` int64 input-id and position buffers on the device."""
+        return self._ids.device[:bucket], self._pos.device[:bucket]
+
+    def graph_common(self, bucket: int) -> tuple[CommonAttentionMetadata, ...]:
+        """Per group, the metadata of a `bucket`-request decode batch over the persistent
+        buffers (what `MetadataBuilder.build_for_cudagraph_capture` receives): block tables
+        ``[bucket, max_blocks]``, ``max_seq_len = max_model_len``."""
+        qsl = self._qsl.device[: bucket + 1]
+        seq = self._seq.device[:bucket]
+        return tuple(
+            CommonAttentionMetadata(
+                query_start_loc=qsl,
+                query_start_loc_cpu=self._qsl.host_view(bucket + 1),
+                seq_lens=seq,
+                seq_lens_cpu=self._seq.host_view(bucket),
+                num_reqs=bucket,
+                num_actual_tokens=bucket,
+                max_query_len=1,
+                max_seq_len=self.max_model_len,
+                block_table=self._tables[g].device[: bucket * m].view(bucket, m),
+                slot_mapping=self._slots[g].device[:bucket],
+                positions=self._pos.device[:bucket],
+                causal=True,
+            )
+            for g, m in enumerate(self.max_blocks)
         )

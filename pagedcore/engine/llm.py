@@ -74,6 +74,13 @@ class LLM:
         `model` must be loadable by every rank (not a loaded model) and the KV-cache budget is
         per rank; ``llm.runner.shutdown()`` stops the workers (also done at exit). See
         ``docs/distributed.md``.
+    enforce_eager:
+        Never use CUDA graphs. By default, on CUDA with backends that declare
+        ``cudagraph_support >= UNIFORM_SINGLE_TOKEN_DECODE``, steps whose every request has
+        one query token replay a graph captured at start-up for their batch-size bucket
+        (``stats()["cudagraph"]`` says whether graphs are on, and why not).
+    cudagraph_capture_sizes:
+        The buckets (None: 1, 2, 4, 8, 16, 24, ... up to `max_num_seqs`).
 
     Examples
     --------
@@ -102,6 +109,8 @@ class LLM:
         scheduling_policy: Literal["fcfs", "priority"] = "fcfs",
         tokenizer: Any = None,
         tensor_parallel_size: int = 1,
+        enforce_eager: bool = False,
+        cudagraph_capture_sizes: Sequence[int] | None = None,
     ) -> None:
         parts = build_engine(
             model, dtype=dtype, device=device, block_size=block_size,
@@ -113,7 +122,8 @@ class LLM:
             kv_cache_memory_bytes=kv_cache_memory_bytes,
             gpu_memory_utilization=gpu_memory_utilization, backend=backend, seed=seed,
             scheduling_policy=scheduling_policy, tokenizer=tokenizer,
-            tensor_parallel_size=tensor_parallel_size,
+            tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
+            cudagraph_capture_sizes=cudagraph_capture_sizes,
         )
         self.device = parts.device
         self.dtype = parts.dtype
@@ -162,7 +172,27 @@ class LLM:
             "steps": self.num_steps,
             "host_time_s": self.host_time,
             "step_time_s": self.step_time,
+            "cudagraph": self.cudagraph_status(),
         }
+
+    def cudagraph_status(self) -> dict[str, Any]:
+        """Whether decode steps replay CUDA graphs: ``{"enabled", "reason", "sizes",
+        "capture_seconds"}`` (``reason`` says why not when disabled)."""
+        runner: Any = self.runner
+        graphs = getattr(runner, "graphs", None)
+        if graphs is None:
+            reason = getattr(runner, "cudagraph_disabled_reason", None)
+            if reason is None:  # tensor-parallel executor
+                reason = getattr(getattr(runner, "_runner", None), "cudagraph_disabled_reason",
+                                 "not available")
+            return {"enabled": False, "reason": reason, "sizes": [], "capture_seconds": 0.0}
+        mixed = getattr(runner, "mixed_graphs", None)
+        return {"enabled": True, "reason": None, "sizes": list(graphs.sizes),
+                "capture_seconds": graphs.capture_seconds,
+                # Mixed/prefill steps (pagedcore.engine.mixed_graphs): token buckets.
+                "mixed_sizes": [] if mixed is None else list(mixed.sizes),
+                "mixed_capture_seconds": 0.0 if mixed is None else mixed.capture_seconds,
+                "mixed_reason": getattr(runner, "mixed_graphs_disabled_reason", None)}
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -212,8 +242,14 @@ class LLM:
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, *, finished_only: bool = False) -> list[RequestOutput]:
         """Run one engine step; return the outputs of the requests that changed.
+
+        Parameters
+        ----------
+        finished_only:
+            Return (and build) only the outputs of requests that finished: an offline loop
+            needs no others, and building one per running request per step costs host time.
 
         Raises
         ------
@@ -235,7 +271,12 @@ class LLM:
         for request in changed:
             if request.status.finished:
                 self.sampler.forget(request.request_id)
-        outputs = [self._output(p) for p in self._parents_of(changed).values()]
+        if finished_only:
+            done = self._parents_of(r for r in changed if r.status.finished).values()
+            parents = [p for p in done if all(c.status.finished for c in p.children)]
+        else:
+            parents = list(self._parents_of(changed).values())
+        outputs = [self._output(p) for p in parents]
         self.step_time += time.perf_counter() - t0
         self.num_steps += 1
         return outputs
@@ -389,7 +430,7 @@ class LLM:
             task = progress.add_task("generating", total=len(ids))
         try:
             while len(done) < len(ids):
-                outs = self.step()
+                outs = self.step(finished_only=on_step is None)
                 for out in outs:
                     if out.finished and out.request_id in wanted:
                         done[out.request_id] = out

@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pagedcore.engine import attention_hook
+from pagedcore.engine.cuda_graph import (
+    DecodeGraphs,
+    GraphCapturer,
+    capture_sizes,
+    cudagraph_unsupported_reason,
+)
 from pagedcore.engine.input_batch import InputBatch, StepInputs
+from pagedcore.engine.mixed_graphs import MixedGraphs, enable_mixed_graphs
 from pagedcore.kv_cache.spec import (
     KVCacheConfig,
     KVCacheTensor,
@@ -142,6 +150,16 @@ class ModelRunner:
             device=device,
             decode_threshold=min(b.reorder_batch_threshold for b in self.builders),
         )
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        #: Captured mixed/prefill-step graphs per token bucket (None: such steps run eagerly).
+        self.mixed_graphs: MixedGraphs | None = None
+        #: Why mixed steps run eagerly (None while mixed graphs are in use).
+        self.mixed_graphs_disabled_reason: str | None = "not enabled"
+        #: Captured decode graphs (None: every step runs eagerly).
+        self.graphs: DecodeGraphs | None = None
+        #: Why decode steps run eagerly (None while graphs are in use).
+        self.cudagraph_disabled_reason: str | None = "not enabled"
 
     @property
     def backend_names(self) -> list[str]:
@@ -181,16 +199,138 @@ class ModelRunner:
             raise ValueError(f"KV-cache config backs no tensor for layers {sorted(missing)}")
         return caches
 
+    # ---- CUDA graphs ----------------------------------------------------------------------
+
+    def enable_cudagraphs(
+        self,
+        *,
+        sizes: Sequence[int] | None = None,
+        capturer: GraphCapturer | None = None,
+        capture_now: bool = True,
+    ) -> str | None:
+        """Run uniform single-token decode steps as CUDA graphs, one per batch-size bucket.
+
+        Parameters
+        ----------
+        sizes:
+            Buckets (None: `capture_sizes` of ``max_num_seqs``); larger batches run eagerly.
+        capturer:
+            None: `CudaGraphCapturer` when the device is CUDA and every group's backend
+            declares ``cudagraph_support >= UNIFORM_SINGLE_TOKEN_DECODE``. A given capturer
+            (tests: `EagerCapturer`) skips those checks.
+        capture_now:
+            Capture every bucket now (largest first) instead of on first use.
+
+        Returns
+        -------
+        str or None
+            Why graphs stay off (None: enabled); also kept in ``cudagraph_disabled_reason``.
+        """
+        automatic = capturer is None
+        if capturer is None:
+            reason = cudagraph_unsupported_reason(self.backends, self.device)
+            if reason is not None:
+                self.cudagraph_disabled_reason = reason
+                return reason
+            from pagedcore.engine.cuda_graph import CudaGraphCapturer
+
+            capturer = CudaGraphCapturer(self.device)
+        limit = self.max_num_seqs
+        chosen = [s for s in (capture_sizes(limit) if sizes is None else sizes) if s <= limit]
+        if not chosen:
+            raise ValueError(f"no capture size in {sizes} is <= max_num_seqs={limit}")
+        self.graphs = DecodeGraphs(
+            sizes=chosen, capturer=capturer, make_forward=self._graph_forward
+        )
+        self.cudagraph_disabled_reason = None
+        # Mixed steps too, when every backend declares ALWAYS (captured first: the largest
+        # graphs, whose pool memory the decode graphs then reuse).
+        self.mixed_graphs, self.mixed_graphs_disabled_reason = enable_mixed_graphs(
+            self, capturer=capturer, capture_now=capture_now, check_device=automatic,
+            strict=not automatic,
+        )
+        if capture_now:
+            try:
+                self.graphs.capture_all()
+            except Exception as exc:
+                if not automatic:
+                    raise
+                # A backend that declares support but cannot be captured: serve eagerly
+                # (slower, still correct) and say why.
+                self.graphs = None
+                self.cudagraph_disabled_reason = (
+                    f"capture failed: {type(exc).__name__}: {exc}"[:500]
+                )
+                warnings.warn(
+                    f"CUDA graphs disabled, decode steps run eagerly: "
+                    f"{self.cudagraph_disabled_reason}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                return self.cudagraph_disabled_reason
+        return None
+
+    def _graph_forward(self, bucket: int) -> Callable[[], torch.Tensor]:
+        """The forward a bucket's graph records, over the persistent buffers."""
+        import torch
+
+        self.input_batch.write_padding(bucket)
+        common = self.input_batch.graph_common(bucket)
+        metadata = tuple(
+            b.build_for_cudagraph_capture(c) for b, c in zip(self.builders, common, strict=True)
+        )
+        ctx = attention_hook.StepContext(
+            layers=self.layers,
+            metadata=metadata,
+            slot_mappings=tuple(c.slot_mapping for c in common),
+        )
+        input_ids, positions = self.input_batch.graph_inputs(bucket)
+
+        def forward() -> torch.Tensor:
+            with torch.inference_mode():
+                hidden: torch.Tensor = self._hidden(input_ids, positions, ctx)
+            return hidden
+
+        return forward
+
+    def _graph_bucket(self, scheduled: Sequence[ScheduledRequest]) -> int | None:
+        if self.graphs is None or not scheduled:
+            return None
+        n = len(scheduled)
+        if [s.num_new_tokens for s in scheduled].count(1) != n:
+            return None
+        return self.graphs.bucket_for(n)
+
+    # ---- the step -------------------------------------------------------------------------
+
     def prepare(
         self,
         scheduled: Sequence[ScheduledRequest],
         block_ids: Callable[[str], tuple[list[int], ...]],
     ) -> StepInputs:
-        """Flatten the step into tensors and per-group metadata."""
-        return self.input_batch.prepare(scheduled, block_ids)
+        """Flatten the step into tensors and per-group metadata (padded to a CUDA-graph
+        bucket when the step is all single-token decodes and graphs are enabled)."""
+        bucket = self._graph_bucket(scheduled)
+        if bucket is not None:
+            assert self.graphs is not None
+            # Capture (which fills the buffers with padding) before this step's inputs land.
+            self.graphs.capture(bucket)
+        return self.input_batch.prepare(scheduled, block_ids, pad_to=bucket)
+
+    def _hidden(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: attention_hook.StepContext
+    ) -> torch.Tensor:
+        out = self.base_model(
+            input_ids=input_ids.unsqueeze(0),
+            position_ids=positions.unsqueeze(0),
+            use_cache=False,
+            pagedcore_ctx=ctx,
+        )
+        hidden: torch.Tensor = out.last_hidden_state[0]
+        return hidden
 
     def execute(self, inputs: StepInputs) -> torch.Tensor:
-        """Run the model on a prepared step.
+        """Run the model on a prepared step (replaying its bucket's graph when it has one).
 
         Returns
         -------
@@ -199,24 +339,24 @@ class ModelRunner:
         """
         import torch
 
-        metadata = tuple(
-            builder.build(common) for builder, common in zip(self.builders, inputs.common,
-                                                             strict=True)
-        )
-        ctx = attention_hook.StepContext(
-            layers=self.layers,
-            metadata=metadata,
-            slot_mappings=tuple(c.slot_mapping for c in inputs.common),
-        )
         with torch.inference_mode():
-            out = self.base_model(
-                input_ids=inputs.input_ids.unsqueeze(0),
-                position_ids=inputs.positions.unsqueeze(0),
-                use_cache=False,
-                pagedcore_ctx=ctx,
-            )
-            hidden = out.last_hidden_state[0].index_select(0, inputs.logits_indices)
-            logits: torch.Tensor = self.lm_head(hidden)
+            if inputs.cudagraph_bucket is not None:
+                assert self.graphs is not None
+                hidden = self.graphs.replay(inputs.cudagraph_bucket)
+            elif self.mixed_graphs is not None and self.mixed_graphs.bucket_for(inputs):
+                hidden = self.mixed_graphs.run(inputs)
+            else:
+                metadata = tuple(
+                    builder.build(common)
+                    for builder, common in zip(self.builders, inputs.common, strict=True)
+                )
+                ctx = attention_hook.StepContext(
+                    layers=self.layers,
+                    metadata=metadata,
+                    slot_mappings=tuple(c.slot_mapping for c in inputs.common),
+                )
+                hidden = self._hidden(inputs.input_ids, inputs.positions, ctx)
+            logits: torch.Tensor = self.lm_head(hidden.index_select(0, inputs.logits_indices))
             cap = self.final_logit_softcap
             if cap is not None:
                 logits = torch.tanh(logits / cap) * cap

@@ -15,6 +15,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from pagedcore.engine.request import Request, RequestStatus
+from pagedcore.engine.request_blocks import LOOKAHEAD_BLOCKS, LOOKAHEAD_MAX_USAGE, RequestBlocks
+from pagedcore.engine.schedule_undo import ScheduleUndo
 from pagedcore.engine.scheduler_types import (
     KVManagerLike,
     ScheduledRequest,
@@ -22,9 +24,11 @@ from pagedcore.engine.scheduler_types import (
     SchedulerOutput,
     SchedulerStats,
 )
-from pagedcore.kv_cache.spec import FullAttentionSpec, KVCacheConfig, cdiv
+from pagedcore.kv_cache.spec import KVCacheConfig, cdiv
 
 __all__ = [
+    "LOOKAHEAD_BLOCKS",
+    "LOOKAHEAD_MAX_USAGE",
     "KVManagerLike",
     "ScheduledRequest",
     "Scheduler",
@@ -45,6 +49,9 @@ class Scheduler:
         Allocates KV blocks (`pagedcore.kv_cache.KVCacheManager`).
     kv_cache_config:
         The cache layout, used to reject requests that could never fit.
+    lookahead_blocks:
+        Blocks a decode running past its blocks reserves ahead while the cache is less than
+        `LOOKAHEAD_MAX_USAGE` full (0: allocate exactly).
     """
 
     def __init__(
@@ -52,6 +59,8 @@ class Scheduler:
         config: SchedulerConfig,
         kv_cache_manager: KVManagerLike,
         kv_cache_config: KVCacheConfig,
+        *,
+        lookahead_blocks: int = LOOKAHEAD_BLOCKS,
     ) -> None:
         self.config = config
         self.kv = kv_cache_manager
@@ -61,16 +70,13 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
         self.errors: dict[str, str] = {}
-        # Block ids per running request, refreshed whenever its blocks can change (after
-        # allocate_slots), so the runner does not query the manager for every request each step.
-        self._block_ids: dict[str, tuple[list[int], ...]] = {}
-        # Tokens the request's allocated blocks can hold. With full attention only, a step that
-        # stays inside them and completes no block changes nothing in the manager (no new block,
-        # nothing new to cache, nothing leaves a window), so allocate_slots is skipped.
-        self._capacity: dict[str, int] = {}
-        self._block_sizes = [g.spec.block_size for g in kv_cache_config.groups]
-        self._fast_path = all(isinstance(g.spec, FullAttentionSpec)
-                              for g in kv_cache_config.groups)
+        # Block ids and capacity per running request; allocation and the decode fast path.
+        self.blocks = RequestBlocks(kv_cache_manager, kv_cache_config,
+                                    lookahead_blocks=lookahead_blocks)
+        # What the schedule() in progress changed (None outside schedule()).
+        self._undo: ScheduleUndo | None = None
+        # Requests rejected by a schedule() that then failed: reported by the next one.
+        self._carried_rejected: list[Request] = []
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -136,7 +142,7 @@ class Scheduler:
 
     def block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """Block ids of a scheduled request per KV-cache group (a block-table row each)."""
-        return self._block_ids[request_id]
+        return self.blocks.ids[request_id]
 
     def _allocate(
         self,
@@ -146,35 +152,17 @@ class Scheduler:
         num_cached: int = 0,
         cached_blocks: Any = None,
     ) -> bool:
-        rid = request.request_id
-        start = request.num_computed_tokens + num_cached
-        end = start + num_new
-        if (
-            self._fast_path
-            and cached_blocks is None
-            and end <= self._capacity.get(rid, 0)
-            and all(end // b == start // b for b in self._block_sizes)
-        ):
-            return True
-        if cached_blocks is None:
-            allocated = self.kv.allocate_slots(request, num_new)
-        else:
-            allocated = self.kv.allocate_slots(
-                request, num_new, num_new_computed_tokens=num_cached,
-                new_computed_blocks=cached_blocks,
-            )
-        if allocated is None:
-            return False
-        self._block_ids[rid] = self.kv.get_block_ids(rid)
-        self._capacity[rid] = min(cdiv(end, b) * b for b in self._block_sizes)
-        return True
+        return self.blocks.allocate(request, num_new, num_cached=num_cached,
+                                    cached_blocks=cached_blocks, undo=self._undo)
 
     def _free(self, request: Request) -> None:
-        self.kv.free(request)
-        self._block_ids.pop(request.request_id, None)
-        self._capacity.pop(request.request_id, None)
+        self.blocks.free(request)
 
     def _preempt(self, request: Request) -> None:
+        # Blocks this step allocated for it (when it was scheduled earlier in this step, e.g.
+        # under the priority policy) are registered in the prefix cache but never written.
+        self.kv.uncache_unwritten_blocks(request.request_id, request.num_computed_tokens)
+        self.blocks.register_written(request)
         self._free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -189,17 +177,55 @@ class Scheduler:
         self.requests.pop(request.request_id, None)
 
     def schedule(self) -> SchedulerOutput:
-        """Choose this step's tokens and allocate their KV slots."""
+        """Choose this step's tokens and allocate their KV slots.
+
+        Transactional: when anything inside raises (the KV manager, a broken invariant), the
+        step's admissions are undone (requests back in the waiting queue, unchanged), no
+        request's ``num_computed_tokens`` moves, the prefix-cache entries of blocks this step
+        was about to fill are dropped, and requests rejected so far are reported by the next
+        `schedule()`; then the exception propagates. Preemptions already made stand: a
+        preempted request is a valid waiting request that loses nothing.
+        """
+        undo = ScheduleUndo(stats=(self.stats.prompt_tokens, self.stats.prefix_hit_tokens))
+        self._undo = undo
+        try:
+            return self._schedule(undo)
+        except BaseException:
+            self._carried_rejected = undo.rollback(
+                running=self.running, waiting=self.waiting, kv=self.kv, stats=self.stats,
+                free=self._free,
+            )
+            raise
+        finally:
+            self._undo = None
+
+    def _schedule(self, undo: ScheduleUndo) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        scheduled: dict[str, ScheduledRequest] = {}
+        scheduled = undo.scheduled
         preempted: list[Request] = []
-        rejected: list[Request] = []
+        rejected = undo.rejected
+        rejected.extend(self._carried_rejected)
+        self._carried_rejected = []
 
         index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
+        running = self.running
+        capacity = self.blocks.capacity
+        # Decode fast path (see `RequestBlocks.allocate`), inlined: this loop runs for every
+        # running request.
+        fast = self.blocks.fast_path
+        while index < len(running) and budget > 0:
+            request = running[index]
             start = request.num_computed_tokens
-            num_new = self._num_new_tokens(request, start, budget)
+            num_new = request.num_tokens - start
+            if num_new == 1 and fast:
+                rid = request.request_id
+                if start < capacity.get(rid, 0):
+                    scheduled[rid] = ScheduledRequest(request, start, 1, samples=True)
+                    budget -= 1
+                    index += 1
+                    continue
+            if num_new > 1:  # a decode (one token) never hits the threshold or the budget
+                num_new = self._num_new_tokens(request, start, budget)
             if num_new <= 0:
                 index += 1
                 continue
@@ -232,18 +258,22 @@ class Scheduler:
             index += 1
 
         if not preempted:
-            self._schedule_waiting(budget, scheduled, rejected)
+            budget = self._schedule_waiting(budget, scheduled, rejected)
 
-        for item in scheduled.values():
-            item.request.num_computed_tokens = item.end
-        self.stats.num_running = len(self.running)
-        self.stats.num_waiting = len(self.waiting)
-        self.stats.kv_cache_usage = float(self.kv.usage)
-        return SchedulerOutput(tuple(scheduled.values()), tuple(preempted), tuple(rejected))
+        stats = (len(self.running), len(self.waiting), float(self.kv.usage))
+        output = SchedulerOutput(
+            tuple(scheduled.values()), tuple(preempted), tuple(rejected),
+            total_tokens=self.config.max_num_batched_tokens - budget,
+        )
+        for item in output.scheduled:
+            item.request.num_computed_tokens = item.start + item.num_new_tokens
+        self.stats.num_running, self.stats.num_waiting, self.stats.kv_cache_usage = stats
+        return output
 
     def _schedule_waiting(
         self, budget: int, scheduled: dict[str, ScheduledRequest], rejected: list[Request]
-    ) -> None:
+    ) -> int:
+        """Admit waiting requests into the remaining `budget`; returns what is left."""
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self._peek_waiting()
             computed_blocks, num_cached = self.kv.get_computed_blocks(request)
@@ -263,6 +293,8 @@ class Scheduler:
                     rejected.append(request)
                     continue
                 break
+            assert self._undo is not None
+            self._undo.admitted.append((request, request.status, request.num_cached_tokens))
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
@@ -273,6 +305,7 @@ class Scheduler:
             self.running.append(request)
             scheduled[request.request_id] = ScheduledRequest(request, num_cached, num_new)
             budget -= num_new
+        return budget
 
     # ---- results ---------------------------------------------------------------------------
 
@@ -301,6 +334,7 @@ class Scheduler:
             request.metrics.last_token_time = now
             status = self._stop_status(request, token)
             if status is not None:
+                self.blocks.register_written(request)
                 self._finish(request, status, now=now)
             changed.append(request)
         return changed
@@ -367,3 +401,4 @@ class Scheduler:
         for request in aborted:
             self._finish(request, RequestStatus.FINISHED_ABORTED, now=now)
         return aborted
+

@@ -90,22 +90,42 @@ class SchedulerConfig:
             )
 
 
-@attrs.frozen
 class ScheduledRequest:
-    """One request's share of a step: tokens ``[start, start + num_new_tokens)``."""
+    """One request's share of a step: tokens ``[start, start + num_new_tokens)``.
 
-    request: Request
-    start: int
-    num_new_tokens: int
-    #: True when the step reaches the request's last known token, so it yields logits.
-    samples: bool = attrs.field(init=False)
+    A plain slotted class (one is made per running request per step; attrs' frozen
+    ``__init__`` costs twice as much). Treat it as immutable.
 
-    def __attrs_post_init__(self) -> None:
-        object.__setattr__(self, "samples", self.end == self.request.num_tokens)
+    Attributes
+    ----------
+    request:
+        The request.
+    start:
+        Its tokens already computed before this step.
+    num_new_tokens:
+        Tokens this step computes.
+    samples:
+        True when the step reaches the request's last known token, so it yields logits.
+    """
+
+    __slots__ = ("num_new_tokens", "request", "samples", "start")
+
+    def __init__(
+        self, request: Request, start: int, num_new_tokens: int, *, samples: bool | None = None
+    ) -> None:
+        self.request = request
+        self.start = start
+        self.num_new_tokens = num_new_tokens
+        #: None: derived from the request (pass it only when known, as a hot-path shortcut).
+        self.samples = start + num_new_tokens == request.num_tokens if samples is None else samples
 
     @property
     def end(self) -> int:
         return self.start + self.num_new_tokens
+
+    def __repr__(self) -> str:
+        return (f"ScheduledRequest({self.request.request_id!r}, start={self.start}, "
+                f"num_new_tokens={self.num_new_tokens})")
 
 
 @attrs.frozen
@@ -116,9 +136,13 @@ class SchedulerOutput:
     preempted: tuple[Request, ...] = ()
     #: Requests that can never be served, finished with an error during this schedule().
     rejected: tuple[Request, ...] = ()
+    #: Tokens of the step (None: counted from `scheduled` when asked).
+    total_tokens: int | None = None
 
     @property
     def num_scheduled_tokens(self) -> int:
+        if self.total_tokens is not None:
+            return self.total_tokens
         return sum(s.num_new_tokens for s in self.scheduled)
 
     @property

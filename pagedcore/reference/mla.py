@@ -39,6 +39,7 @@ __all__ = [
     "ReferenceMLAMetadata",
     "ReferenceMLAMetadataBuilder",
     "check_mla_cache_shape",
+    "check_mla_write_args",
     "write_mla_cache",
 ]
 
@@ -46,11 +47,11 @@ __all__ = [
 M = TypeVar("M")
 
 
-def write_mla_cache(key: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter ``key`` ``[T, 1, L + R]`` into ``kv_cache`` ``[N, B, L + R]`` at ``slot_mapping``.
-
-    Tokens whose slot is ``-1`` (padding) are skipped. Shapes are checked with clear errors.
-    """
+def check_mla_write_args(
+    key: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Raise a clear `ValueError` unless ``key`` ``[T, 1, L + R]``, ``kv_cache``
+    ``[N, B, L + R]`` and ``slot_mapping`` ``[T']`` (``T' <= T``) fit together."""
     if key.dim() != 3 or key.shape[1] != 1:
         raise ValueError(f"MLA key must be [T, 1, L + R], got {tuple(key.shape)}")
     if kv_cache.dim() != 3 or kv_cache.shape[-1] != key.shape[-1]:
@@ -58,13 +59,32 @@ def write_mla_cache(key: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: tor
             f"MLA kv_cache must be [num_blocks, block_size, {key.shape[-1]}], "
             f"got {tuple(kv_cache.shape)}"
         )
+    if slot_mapping.dim() != 1:
+        raise ValueError(f"slot_mapping must be [T], got {tuple(slot_mapping.shape)}")
+    if key.shape[0] < slot_mapping.shape[0]:
+        raise ValueError(
+            f"key has {key.shape[0]} tokens but slot_mapping has {slot_mapping.shape[0]}"
+        )
+
+
+def write_mla_cache(key: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter ``key`` ``[T, 1, L + R]`` into ``kv_cache`` ``[N, B, L + R]`` at ``slot_mapping``.
+
+    Tokens whose slot is ``-1`` (padding) are skipped. There is no host sync (no boolean
+    indexing): every token writes to its slot clamped to 0, and a padding token writes back
+    the value slot 0 already holds, so slot 0 (in the null block) is left unchanged. Shapes
+    are checked with clear errors.
+    """
+    import torch
+
+    check_mla_write_args(key, kv_cache, slot_mapping)
     num_tokens = slot_mapping.shape[0]
-    if key.shape[0] < num_tokens:
-        raise ValueError(f"key has {key.shape[0]} tokens but slot_mapping has {num_tokens}")
     slots = slot_mapping.to(kv_cache.device).long()
-    valid = slots >= 0
+    valid = (slots >= 0).unsqueeze(1)
+    index = slots.clamp(min=0)
     flat = kv_cache.view(-1, kv_cache.shape[-1])
-    flat[slots[valid]] = key[:num_tokens, 0][valid].to(kv_cache.dtype)
+    rows = key[:num_tokens, 0].to(kv_cache.dtype)
+    flat.index_copy_(0, index, torch.where(valid, rows, flat.index_select(0, index)))
 
 
 @attrs.frozen(kw_only=True)

@@ -14,7 +14,8 @@ from pagedcore.kv_cache.spec import FullAttentionSpec, KVCacheConfig, KVCacheGro
 BLOCK = 4
 
 
-def make_scheduler(num_blocks: int = 64, **config: object) -> Scheduler:
+def make_scheduler(num_blocks: int = 64, lookahead_blocks: int = 0,
+                   **config: object) -> Scheduler:
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=8, dtype="float32")
     kv_config = KVCacheConfig(
         num_blocks=num_blocks,
@@ -22,7 +23,7 @@ def make_scheduler(num_blocks: int = 64, **config: object) -> Scheduler:
     )
     cfg = SchedulerConfig(**{"max_model_len": 64, **config})  # type: ignore[arg-type]
     manager = KVCacheManager(kv_config, cfg.max_model_len, enable_caching=True)
-    return Scheduler(cfg, manager, kv_config)
+    return Scheduler(cfg, manager, kv_config, lookahead_blocks=lookahead_blocks)
 
 
 _arrivals = iter(range(10**6))

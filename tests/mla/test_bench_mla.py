@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
+import pytest
 import torch
 from click.testing import CliRunner
 
@@ -31,3 +33,54 @@ def test_cli_writes_json_without_gpu(tmp_path: Path) -> None:
     assert info["kernel"] == [] and info["kernel_skipped"]
     assert info["capacity"][1]["model"] == "DeepSeek-V3"
     assert info["command"].startswith("pagedcore bench mla")
+
+
+def test_quick_variant_bench_in_interpreter(tmp_path: Path) -> None:
+    """`--quick --variants a,b --check` times both variants on a tiny case, checks them against
+    the reference and writes rows, conformance results and a summary."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        return
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    pytest.importorskip("pagedcore_triton.mla")
+    out = tmp_path / "mla.json"
+    result = CliRunner().invoke(
+        mla, ["--quick", "--variants", "n32s5,n32s5c4", "--json", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    info = json.loads(out.read_text())
+    rows = info["kernel"]
+    assert [r["variant"] for r in rows] == ["n32s5", "n32s5c4"]
+    assert all(r["rel_err"] < 1e-4 and r["ms"] > 0 for r in rows)
+    assert sum(bool(r.get("best_for_shape")) for r in rows) == 1
+    assert [json.loads(line)["variant"] for line in
+            (tmp_path / "mla.json.rows.jsonl").read_text().splitlines()] == ["n32s5", "n32s5c4"]
+    assert info["summary"]["best_variant"] is None  # no copy bandwidth on CPU
+    assert "--variants n32s5,n32s5c4" in info["command"]
+
+
+def test_unknown_variant_is_a_usage_error() -> None:
+    if torch.cuda.is_available():
+        return
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    pytest.importorskip("pagedcore_triton.mla")
+    result = CliRunner().invoke(mla, ["--quick", "--variants", "nope", "--no-time"])
+    assert result.exit_code == 2
+    assert "unknown MLA kernel variant 'nope'" in result.output
+    assert "n32s5" in result.output
+
+
+def test_summary_picks_the_variant_with_the_best_mean() -> None:
+    from pagedcore.bench.mla_kernel import summarize
+
+    def row(variant: str, batch: int, pct: float, rel: float = 1e-3) -> dict[str, object]:
+        return {"variant": variant, "batch": batch, "context": 1024, "pct_copy": pct,
+                "rel_err": rel}
+
+    rows = [row("a", 1, 90.0), row("a", 2, 40.0), row("b", 1, 70.0), row("b", 2, 69.0),
+            row("b", 2, 60.0), row("c", 1, 99.0, rel=0.5), row("c", 2, 99.0, rel=0.5)]
+    s = summarize(rows)
+    assert s["variant_worst_shape_pct"] == {"a": 40.0, "b": 69.0}  # c is wrong: ignored
+    assert s["best_variant"] == "b"
+    assert s["best_pct_of_copy_per_shape"] == {"1x1024": 90.0, "2x1024": 69.0}
+    assert s["met"] is False

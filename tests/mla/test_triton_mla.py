@@ -7,6 +7,8 @@ import torch
 
 pytest.importorskip("triton")
 mla = pytest.importorskip("pagedcore_triton.mla")
+MLAKernelConfig = mla.MLAKernelConfig
+MLASplitRule = mla.MLASplitRule
 
 from pagedcore.attention import AttentionConfig  # noqa: E402
 from pagedcore.conformance.mla import (  # noqa: E402
@@ -15,6 +17,7 @@ from pagedcore.conformance.mla import (  # noqa: E402
     build_mla_case,
     run_mla_case,
 )
+from pagedcore.reference.mla import MLAImpl  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -28,7 +31,7 @@ def test_triton_mla_matches_reference(spec: MLABatchSpec) -> None:
 
 def test_split_kv_path_is_taken_and_correct() -> None:
     """Long contexts with few tokens split the context; the merged result still matches."""
-    rule = mla.TritonMLAImpl.split_rule
+    rule = mla.DEFAULT_MLA_KERNEL.split
     assert mla.choose_mla_splits(rule, num_tokens=2, head_blocks=1, max_seq_len=300) == 2
     assert mla.choose_mla_splits(rule, num_tokens=2, head_blocks=1, max_seq_len=100) == 1
     assert mla.choose_mla_splits(rule, num_tokens=1000, head_blocks=1, max_seq_len=9999) == 1
@@ -37,6 +40,80 @@ def test_split_kv_path_is_taken_and_correct() -> None:
     case = build_mla_case(spec, dtype=torch.float32, device=DEVICE, seed=2)
     result = run_mla_case(mla.TritonMLABackend, case, device=DEVICE)
     assert result.passed, result.detail
+
+
+#: More splits than the merge reads per chunk (16), several of them empty for short tokens.
+MANY_SPLITS = MLAKernelConfig(
+    name="many_splits", block_n=16,
+    split=MLASplitRule(target_programs=10**6, min_tokens_per_split=16, max_splits=64),
+)
+
+
+@pytest.mark.parametrize(
+    "config", [*mla.MLA_KERNEL_CONFIGS.values(), MANY_SPLITS], ids=lambda c: c.name
+)
+def test_every_kernel_variant_matches_reference(
+    config: MLAKernelConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each variant the bench times (tile, stages, split rule) is exact on a batch that splits
+    and mixes a long decode with a short prefill (NaN in every unused slot)."""
+    monkeypatch.setattr(mla.TritonMLAImpl, "kernel_config", config)
+    if config is MANY_SPLITS:  # the merge's whole-row programs (else 128-column slices)
+        monkeypatch.setattr(mla.TritonMLAImpl, "merge_whole_row_pairs", 1)
+    spec = MLABatchSpec(name="variant", query_lens=(1, 3), seq_lens=(1100, 40), block_size=16,
+                        num_heads=4, kv_lora_rank=160, rope_head_dim=16, num_pad_tokens=2)
+    case = build_mla_case(spec, dtype=torch.float32, device=DEVICE, seed=4)
+    splits = mla.choose_mla_splits(config.split, num_tokens=4, head_blocks=1,
+                                   max_seq_len=1100)
+    assert splits > 1
+    if config is MANY_SPLITS:
+        assert splits == 64
+    result = run_mla_case(mla.TritonMLABackend, case, device=DEVICE)
+    assert result.passed, result.detail
+
+
+def _nan_cache(num_blocks: int, block_size: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.full((num_blocks, block_size, dim), float("nan"), dtype=dtype, device=DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("impl_name", ["triton", "reference"])
+def test_cache_write_skips_padding_without_host_sync(impl_name: str, dtype: torch.dtype) -> None:
+    """Rows land in their slots (odd row size 40), padding (-1) writes nothing, every other
+    slot keeps its NaN; on a GPU the write must not synchronise with the host."""
+    gen = torch.Generator().manual_seed(5)
+    num_blocks, block_size, dim = 6, 4, 40
+    key = torch.randn(7, 1, dim, generator=gen).to(DEVICE, dtype)
+    slots = torch.tensor([9, -1, 4, 23, -1, 13], dtype=torch.int64, device=DEVICE)
+    impl_cls = mla.TritonMLAImpl if impl_name == "triton" else MLAImpl
+    impl = impl_cls(4, dim, 0.1, kv_lora_rank=32)
+    cache = _nan_cache(num_blocks, block_size, dim, dtype)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        impl.do_kv_cache_update(key, key, cache, slots)  # key has one extra token: unused
+    finally:
+        if DEVICE == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+    flat = cache.view(-1, dim).cpu()
+    written = {9: 0, 4: 2, 23: 3, 13: 5}
+    for slot in range(num_blocks * block_size):
+        if slot in written:
+            assert torch.equal(flat[slot], key[written[slot], 0].cpu()), slot
+        else:
+            assert flat[slot].isnan().all(), f"slot {slot} was written"
+
+
+def test_cache_write_rejects_bad_shapes() -> None:
+    impl = mla.TritonMLAImpl(4, 40, 0.1, kv_lora_rank=32)
+    cache = _nan_cache(2, 4, 40, torch.float32)
+    with pytest.raises(ValueError, match="slot_mapping has 3"):
+        impl.do_kv_cache_update(torch.zeros(2, 1, 40, device=DEVICE),
+                                cache, cache, torch.zeros(3, dtype=torch.int64, device=DEVICE))
+    with pytest.raises(ValueError, match=r"MLA key must be \[T, 1, L \+ R\]"):
+        impl.do_kv_cache_update(torch.zeros(2, 2, 40, device=DEVICE),
+                                cache, cache, torch.zeros(2, dtype=torch.int64, device=DEVICE))
 
 
 def test_bfloat16_close_to_reference() -> None:

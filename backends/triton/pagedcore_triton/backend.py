@@ -27,6 +27,10 @@ if TYPE_CHECKING:
 
 __all__ = ["TritonAttentionBackend", "TritonAttentionMetadata", "TritonMetadataBuilder"]
 
+#: Bound on ``T * segments`` of a split mixed capture: its partials take ``T * Hq * segments
+#: * (HEAD_PAD + 2)`` float32 per bucket (29 MB for 14 heads of 64 at 8192).
+MIXED_SPLIT_TOKEN_SLOTS = 8192
+
 
 @attrs.frozen(kw_only=True)
 class TritonAttentionMetadata:
@@ -47,6 +51,9 @@ class TritonAttentionMetadata:
     parts:
         The kernel launches of the step, in order (a decode part first when the batch mixes
         decodes and prefills and `TritonMetadataBuilder.separate_decode_launch` is set).
+    launches:
+        Launches prepared by the first layer that ran this plan, reused by the others (keyed
+        by part and layer shape; holds the split-KV scratch). Filled by the impl.
     """
 
     query_start_loc: torch.Tensor
@@ -55,6 +62,7 @@ class TritonAttentionMetadata:
     num_actual_tokens: int
     causal: bool
     parts: tuple[LaunchPart, ...]
+    launches: dict[tuple[Any, ...], Any] = attrs.field(factory=dict, eq=False, repr=False)
 
 
 class TritonMetadataBuilder(MetadataBuilder[TritonAttentionMetadata]):
@@ -131,6 +139,114 @@ class TritonMetadataBuilder(MetadataBuilder[TritonAttentionMetadata]):
             parts=tuple(parts),
         )
 
+    def build_for_cudagraph_capture(
+        self, common: CommonAttentionMetadata
+    ) -> TritonAttentionMetadata:
+        """Plan a uniform single-token decode batch once, valid for every replay.
+
+        One launch over all ``num_reqs`` requests; its split-KV segments come from
+        ``common.max_seq_len`` (the longest sequence a replay may hold), never from this
+        step's lengths. Segments that a shorter sequence leaves empty contribute nothing to
+        the merge, so the plan is exact for every ``seq_lens`` in ``[1, max_seq_len]``.
+
+        A mixed token bucket (``max_query_len == num_actual_tokens == T > 1``) gets one
+        launch over all ``num_reqs`` requests and ``T`` tokens with prefill tiles and no
+        split-KV (`_plan_mixed_capture`).
+        """
+        mixed = 1 < common.max_query_len == common.num_actual_tokens
+        if not mixed and (
+            common.max_query_len > 1 or common.num_actual_tokens != common.num_reqs
+        ):
+            raise ValueError(
+                "build_for_cudagraph_capture serves uniform single-token decode batches or "
+                "mixed token buckets (max_query_len == num_actual_tokens) only "
+                f"(got max_query_len={common.max_query_len}, "
+                f"num_actual_tokens={common.num_actual_tokens}, num_reqs={common.num_reqs}); "
+                "plan other steps with build()"
+            )
+        if common.block_table.stride(-1) != 1:
+            raise ValueError(
+                "build_for_cudagraph_capture needs a block table with a contiguous last "
+                "dimension: the plan keeps a view of the buffer the engine rewrites in place"
+            )
+        if mixed:
+            return self._plan_mixed_capture(common)
+        num_reqs = common.num_reqs
+        segments = choose_num_segments(
+            self.split_rule,
+            num_reqs=num_reqs,
+            num_kv_heads=self.kv_cache_spec.num_kv_heads,
+            max_seq_len=common.max_seq_len,
+            max_query_len=1,
+        )
+        part = LaunchPart(
+            req_begin=0,
+            req_end=num_reqs,
+            token_begin=0,
+            token_end=num_reqs,
+            max_query_len=1,
+            num_segments=segments,
+        )
+        return TritonAttentionMetadata(
+            query_start_loc=common.query_start_loc,
+            seq_lens=common.seq_lens,
+            block_table=common.block_table,
+            num_actual_tokens=common.num_actual_tokens,
+            causal=common.causal,
+            parts=(part,) if num_reqs > 0 else (),
+        )
+
+    def _plan_mixed_capture(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
+        """One unified launch for a captured mixed step of ``T`` token slots.
+
+        The grid (``T // BLOCK_Q + num_reqs`` q-blocks) depends only on ``T`` and
+        ``num_reqs``; the kernel finds each program's request from ``query_start_loc`` at
+        run time, and a program whose request has fewer query tokens than its offset (every
+        program of a padding request with query length 0 and ``seq_lens`` 0) returns before
+        reading anything else. Padding tokens after the last real one belong to no program.
+        Prefill tiles (from ``max_query_len = T``) and `_mixed_segments` split-KV segments,
+        so nothing depends on the buffers' values.
+        """
+        part = LaunchPart(
+            req_begin=0,
+            req_end=common.num_reqs,
+            token_begin=0,
+            token_end=common.num_actual_tokens,
+            max_query_len=common.max_query_len,
+            num_segments=self._mixed_segments(common.num_actual_tokens, common.max_seq_len),
+        )
+        return TritonAttentionMetadata(
+            query_start_loc=common.query_start_loc,
+            seq_lens=common.seq_lens,
+            block_table=common.block_table,
+            num_actual_tokens=common.num_actual_tokens,
+            causal=common.causal,
+            parts=(part,) if common.num_reqs > 0 else (),
+        )
+
+    def _mixed_segments(self, num_tokens: int, max_seq_len: int) -> int:
+        """Split-KV segments of a mixed capture of `num_tokens` token slots.
+
+        A small bucket holds few q-blocks (a 64-token chunk of a GQA-7 model is 4 q-blocks
+        per KV head), each walking its whole context alone: on the H200 a warm prefix hit of
+        4K tokens then took ~5 ms of attention on 8 SMs. So, from the shapes only, split the
+        context like a decode launch does (`split_rule`), estimating ``cdiv(T, 16) * Hkv``
+        programs (16 query tokens per q-block, a bound for GQA groups up to 8), and keep the
+        split partials at most ``MIXED_SPLIT_TOKEN_SLOTS`` token-segments. Segments that a
+        shorter context leaves empty weigh nothing in the merge.
+        """
+        rule = self.split_rule
+        programs = -(-num_tokens // 16) * self.kv_cache_spec.num_kv_heads
+        segments = 1
+        while (
+            segments * 2 <= rule.max_segments
+            and programs * segments * 2 <= rule.target_programs
+            and max_seq_len // (segments * 2) >= rule.min_tokens_per_segment
+            and num_tokens * segments * 2 <= MIXED_SPLIT_TOKEN_SLOTS
+        ):
+            segments *= 2
+        return segments
+
 
 class _TritonBackendMeta(abc.ABCMeta):
     """Reads ``supported_devices`` from the environment when asked, not when imported."""
@@ -157,7 +273,9 @@ class TritonAttentionBackend(AttentionBackend, metaclass=_TritonBackendMeta):
     supports_sliding_window: ClassVar[bool] = True
     supports_alibi: ClassVar[bool] = True
     supports_logits_soft_cap: ClassVar[bool] = True
-    cudagraph_support: ClassVar[CudaGraphSupport] = CudaGraphSupport.NEVER
+    #: Uniform decode batches and mixed token buckets, planned by
+    #: `TritonMetadataBuilder.build_for_cudagraph_capture`.
+    cudagraph_support: ClassVar[CudaGraphSupport] = CudaGraphSupport.ALWAYS
 
     @classmethod
     def is_available(cls) -> str | None:

@@ -35,6 +35,11 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
 
     def setup(self) -> None:
         self._slopes: dict[torch.device, torch.Tensor] = {}
+        self._features = (
+            self.alibi_slopes is not None,
+            self.sliding_window is not None,
+            self.logits_soft_cap is not None,
+        )
 
     def _alibi(self, device: torch.device) -> torch.Tensor | None:
         if self.alibi_slopes is None:
@@ -95,7 +100,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         """Attention for the step's ``[T, Hq, D]`` queries over the paged cache (which already
         holds this step's K/V); `key`/`value` are not read. Returns ``[T, Hq, D]``."""
         self._check(query, kv_cache)
-        from pagedcore_triton.ops import paged_attention
+        from pagedcore_triton.ops import prepare_launch, run_launch
 
         if query.stride(-1) != 1:
             query = query.contiguous()
@@ -104,17 +109,32 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         elif output.stride(-1) != 1:
             raise ValueError("output must have a contiguous last dimension")
         slopes = self._alibi(query.device)
-        for part in metadata.parts:
-            paged_attention(
+        # The first layer of a step prepares each launch; the others reuse it (no device reads,
+        # so this also holds under CUDA-graph capture and replay).
+        shape_key = (query.shape[1], query.dtype, kv_cache.shape, self._features)
+        for i, part in enumerate(metadata.parts):
+            launch = metadata.launches.get((i, shape_key))
+            if launch is None:
+                launch = prepare_launch(
+                    part,
+                    query_shape=(query.shape[0], query.shape[1], query.shape[2]),
+                    dtype=query.dtype,
+                    kv_cache_shape=tuple(kv_cache.shape),
+                    query_start_loc=metadata.query_start_loc,
+                    seq_lens=metadata.seq_lens,
+                    block_table=metadata.block_table,
+                    causal=metadata.causal,
+                    use_alibi=slopes is not None,
+                    sliding_window=self.sliding_window,
+                    logits_soft_cap=self.logits_soft_cap,
+                )
+                metadata.launches[(i, shape_key)] = launch
+            run_launch(
+                launch,
                 query,
                 kv_cache,
                 output,
-                query_start_loc=metadata.query_start_loc,
-                seq_lens=metadata.seq_lens,
-                block_table=metadata.block_table,
-                part=part,
                 scale=self.scale,
-                causal=metadata.causal,
                 alibi_slopes=slopes,
                 sliding_window=self.sliding_window,
                 logits_soft_cap=self.logits_soft_cap,

@@ -20,10 +20,13 @@ from pagedcore.attention import (
     MetadataBuilder,
 )
 from pagedcore.attention.mla import MLAAttentionBackend
-from pagedcore.reference.mla import MLAImplBase
+from pagedcore.reference.mla import MLAImplBase, check_mla_write_args
 from pagedcore_triton._env import interpreting, triton_unavailable_reason
 
 __all__ = [
+    "DEFAULT_MLA_KERNEL",
+    "MLA_KERNEL_CONFIGS",
+    "MLAKernelConfig",
     "MLASplitRule",
     "TritonMLABackend",
     "TritonMLAImpl",
@@ -40,10 +43,11 @@ def _next_pow2(x: int) -> int:
 @attrs.frozen(kw_only=True)
 class MLASplitRule:
     """Split-KV rule: double the splits while the grid stays within `target_programs` programs
-    (4 per SM of an H200's 132), each split keeps at least `min_tokens_per_split` positions, and
-    the count stays at most `max_splits` (a power of two)."""
+    (about one wave of resident programs on an H200's 132 SMs), each split keeps at least
+    `min_tokens_per_split` positions, and the count stays at most `max_splits` (a power of
+    two)."""
 
-    target_programs: int = 528
+    target_programs: int = 264
     min_tokens_per_split: int = 128
     max_splits: int = 64
 
@@ -61,6 +65,66 @@ def choose_mla_splits(
     ):
         splits *= 2
     return splits
+
+
+@attrs.frozen(kw_only=True)
+class MLAKernelConfig:
+    """One launch configuration of the decode kernel (the variants the bench times).
+
+    Attributes
+    ----------
+    name:
+        Short label used by the bench and in ``MLA_KERNEL_CONFIGS``.
+    block_n:
+        Cache positions per inner tile (``BLOCK_N``).
+    num_warps, num_stages:
+        Triton launch options. ``num_stages`` 2-4 leave the row tile single-buffered (the
+        block-table load takes a pipeline stage), 5-6 double-buffer it, 7-8 triple-buffer it.
+    maxnreg:
+        Register cap per thread (None = the compiler's choice); lower caps fit more programs
+        per SM. Ignored under the interpreter.
+    lat_split:
+        Latent column chunks (1, 2 or 4; fewer when the latent is narrow): each chunk has its
+        own score MMA chain and accumulator, so the MMAs of a tile do not form one chain.
+    split:
+        When to split the context into segments (split-KV).
+    """
+
+    name: str
+    block_n: int = 32
+    num_warps: int = 4
+    num_stages: int = 2
+    maxnreg: int | None = None
+    lat_split: int = 1
+    split: MLASplitRule = MLASplitRule()
+
+    def __attrs_post_init__(self) -> None:
+        if self.lat_split not in (1, 2, 4):
+            raise ValueError(f"lat_split must be 1, 2 or 4, got {self.lat_split}")
+
+
+#: The decode variants `pagedcore bench mla --variants` times; ``DEFAULT_MLA_KERNEL`` is the
+#: shipped one (the best measured on the H200, see docs/mla.md). Names: ``n<BLOCK_N>``,
+#: ``s<stages>``, ``c<lat_split>``, ``w<warps>`` (when not 4), ``t<split target>`` (when not
+#: 264).
+MLA_KERNEL_CONFIGS: dict[str, MLAKernelConfig] = {
+    c.name: c
+    for c in (
+        MLAKernelConfig(name="n32s5c4", block_n=32, num_stages=5, lat_split=4),
+        MLAKernelConfig(name="n32s5c4t132", block_n=32, num_stages=5, lat_split=4,
+                        split=MLASplitRule(target_programs=132)),
+        MLAKernelConfig(name="n64s5c4w8", block_n=64, num_warps=8, num_stages=5, lat_split=4,
+                        split=MLASplitRule(target_programs=132)),
+        MLAKernelConfig(name="n32s5c2", block_n=32, num_stages=5, lat_split=2),
+        MLAKernelConfig(name="n32s7c4", block_n=32, num_stages=7, lat_split=4,
+                        split=MLASplitRule(target_programs=132)),
+        # One score-MMA chain over all 576 dims (the first H200 run's best, and the old kernel):
+        MLAKernelConfig(name="n32s5", block_n=32, num_stages=5),
+        MLAKernelConfig(name="n32s2", block_n=32, num_stages=2,
+                        split=MLASplitRule(target_programs=528)),
+    )
+}
+DEFAULT_MLA_KERNEL = MLA_KERNEL_CONFIGS["n32s5c4"]
 
 
 @attrs.frozen(kw_only=True)
@@ -123,12 +187,37 @@ class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
 
     #: Query heads per program (each loaded cache row serves all of them).
     block_h: ClassVar[int] = 16
-    #: When to split the context (per instance, so a bench can try others).
-    split_rule: MLASplitRule = MLASplitRule()
-    #: Positions per inner tile (``BLOCK_N``), warps and pipeline stages of the main kernel.
-    block_n: int = 32
-    num_warps: int = 4
-    num_stages: int = 2
+    #: Tile, launch options and split-KV rule of the decode kernel (per instance, so a bench
+    #: can try others; see `MLA_KERNEL_CONFIGS`).
+    kernel_config: MLAKernelConfig = DEFAULT_MLA_KERNEL
+    #: From this many (token, head) pairs on, one merge program combines a whole latent row.
+    merge_whole_row_pairs: ClassVar[int] = 1024
+
+    def do_kv_cache_update(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Write ``key`` ``[T, 1, L + R]`` into ``kv_cache`` ``[N, B, L + R]`` with one Triton
+        program per token; slots of ``-1`` are skipped on the device (no host sync).
+
+        ``value`` is ignored. Only the first ``len(slot_mapping)`` tokens are written.
+        """
+        from pagedcore_triton.mla_kernels import mla_cache_write_kernel
+
+        check_mla_write_args(key, kv_cache, slot_mapping)
+        num_tokens = slot_mapping.shape[0]
+        if num_tokens == 0:
+            return
+        if key.stride(-1) != 1 or kv_cache.stride(-1) != 1:
+            raise ValueError("triton_mla needs the key and cache contiguous in the last dim")
+        dim = kv_cache.shape[-1]
+        mla_cache_write_kernel[(num_tokens,)](
+            key, kv_cache, slot_mapping, key.stride(0), kv_cache.stride(0), kv_cache.stride(1),
+            DIM=dim, DIM_PAD=_next_pow2(dim), BLOCK_SIZE=kv_cache.shape[1],
+        )
 
     def forward(
         self,
@@ -177,14 +266,20 @@ class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
             out[actual:].zero_()
         if actual == 0:
             return out
+        cfg = self.kernel_config
         lat_pad = max(16, _next_pow2(lat))
         rope = dim - lat
+        lat_split = min(cfg.lat_split, lat_pad // 16)
+        block_size = kv_cache.shape[1]
         block_h = self.block_h
         head_blocks = -(-num_heads // block_h)
-        splits = choose_mla_splits(self.split_rule, num_tokens=actual, head_blocks=head_blocks,
+        splits = choose_mla_splits(cfg.split, num_tokens=actual, head_blocks=head_blocks,
                                    max_seq_len=metadata.max_seq_len)
-        split_len = -(-metadata.max_seq_len // splits)
-        dot_fp32 = interpreting() or query.dtype == torch.float32
+        # Segments start on tile boundaries (whole blocks when BLOCK_N is a multiple of them).
+        seg = -(-metadata.max_seq_len // splits)
+        split_len = -(-seg // cfg.block_n) * cfg.block_n
+        interp = interpreting()
+        dot_fp32 = interp or query.dtype == torch.float32
         if splits > 1:
             part_acc = torch.empty(actual, num_heads, splits, lat_pad, dtype=torch.float32,
                                    device=query.device)
@@ -192,21 +287,28 @@ class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
                                   device=query.device)
         else:
             part_acc = part_ml = out  # unused
+        options: dict[str, Any] = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        if cfg.maxnreg is not None and not interp:
+            options["maxnreg"] = cfg.maxnreg
         mla_decode_kernel[(actual, head_blocks, splits)](
             out, part_acc, part_ml, query, kv_cache, metadata.block_table,
             metadata.token_req, metadata.token_kv_len,
-            num_heads, self.scale * 1.4426950408889634, split_len,
+            num_heads, splits, self.scale * 1.4426950408889634, split_len,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             kv_cache.stride(0), kv_cache.stride(1), metadata.block_table.stride(0),
-            LATENT=lat, LATENT_PAD=lat_pad, ROPE=rope, ROPE_PAD=max(16, _next_pow2(rope)),
-            BLOCK_SIZE=kv_cache.shape[1], BLOCK_H=block_h, BLOCK_N=self.block_n,
-            NUM_SPLITS=splits, DOT_FP32=dot_fp32,
-            num_warps=self.num_warps, num_stages=self.num_stages,
+            LATENT=lat, LATENT_PAD=lat_pad, LAT_SPLIT=lat_split, ROPE=rope,
+            ROPE_PAD=max(16, _next_pow2(rope)), BLOCK_SIZE=block_size, BLOCK_H=block_h,
+            BLOCK_N=cfg.block_n, WRITE_PARTIAL=splits > 1,
+            DOT_FP32=dot_fp32, **options,
         )
         if splits > 1:
-            mla_merge_kernel[(actual, num_heads)](
-                out, part_acc, part_ml, num_heads, out.stride(0), out.stride(1),
-                LATENT=lat, LATENT_PAD=lat_pad, NUM_SPLITS=splits,
+            # About one wave of merge programs: whole rows when there are many (token, head)
+            # pairs, 128-column slices when there are few (few long requests).
+            many = actual * num_heads >= self.merge_whole_row_pairs
+            cols = lat_pad if many else min(128, lat_pad)
+            mla_merge_kernel[(actual, num_heads, lat_pad // cols)](
+                out, part_acc, part_ml, num_heads, splits, out.stride(0), out.stride(1),
+                LATENT=lat, LATENT_PAD=lat_pad, COLS=cols, CHUNK=16,
             )
         return out
 

@@ -5,14 +5,27 @@ The cache is ``[num_blocks, block_size, L + R]``: one row per token holding the 
 latent ``c`` (``L`` values, which are also the values) and the roped shared key ``k_pe``
 (``R`` values). One program serves one query token and ``BLOCK_H`` query heads: every cache
 row it loads is shared by all those heads (the point of MLA: one latent "head"), scores are
-``dot(q_lat, c) + dot(q_pe, k_pe)``, the online softmax runs in base 2, and the output
-accumulates ``p @ c`` in latent space (``[BLOCK_H, L]``).
+``dot(q_lat, c) + dot(q_pe, k_pe)`` (the 576 dims as 512 + 64, no padding to 1024), the online
+softmax runs in base 2 with the scale folded into one multiply, and the output accumulates
+``p @ c`` in latent space (``[BLOCK_H, L]``) inside the MMA.
 
 Each token sees the first ``kv_len`` positions of its request (``kv_len`` = context + its index
 in the step + 1: causal aligned to the end), so one kernel serves decodes and prefill tokens of a
-mixed batch. With ``NUM_SPLITS > 1`` (split-KV, for long contexts with few tokens) the positions
+mixed batch. With ``WRITE_PARTIAL`` (split-KV, for long contexts with few tokens) the positions
 are cut into ``split_len``-token segments computed by separate programs that write partial
 ``(acc, max, sum)``; `mla_merge_kernel` combines them.
+
+Speed notes (H200, bf16, DeepSeek-V2-Lite shapes; from the TTGIR/SASS of Triton 3.6 for sm_90
+and the bench in ``docs/mla.md``):
+
+* Triton's software pipeliner puts the block-table load of a tile one stage before the row
+  loads that depend on it, so ``num_stages`` 2-4 leave the row tile single-buffered (loaded
+  after the previous tile's MMAs and waited for at once). ``num_stages=5`` double-buffers the
+  rows (the next tile is in flight during the MMAs), ``7`` triple-buffers them.
+* With 16 query rows, the score MMA of a tile over all 576 dims is one chain of 36 dependent
+  ``mma.sync`` per warp. ``LAT_SPLIT=4`` cuts the latent into four column chunks with their own
+  loads, MMAs and accumulators: five short independent chains, and half the instructions per
+  tile (smaller address tensors).
 """
 
 from __future__ import annotations
@@ -20,10 +33,65 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["mla_decode_kernel", "mla_merge_kernel"]
+__all__ = ["mla_cache_write_kernel", "mla_decode_kernel", "mla_merge_kernel"]
 
 
 @triton.jit
+def _rows_of_tile(table_row, n0, end, stride_cb, stride_cs, BLOCK_SIZE: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """Element offsets ``[BLOCK_N]`` (int64) of the cache rows of positions ``n0 + i``, and
+    the mask of the positions before `end`. (One block-table entry per position: loading one
+    per block and reshaping kept Triton 3.6 from pipelining the row loads.)"""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < end
+    blk = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
+    row = blk.to(tl.int64) * stride_cb + (offs_n % BLOCK_SIZE).to(tl.int64) * stride_cs
+    return row, n_mask
+
+
+@triton.jit
+def _load_cols(base_ptr, row, n_mask, col0, valid, WIDTH: tl.constexpr, PADDED: tl.constexpr):
+    """``[len(row), WIDTH]`` values at columns ``col0 + j`` of each row; zero where masked
+    (rows past the end, and with `PADDED` columns from `valid` on)."""
+    offs = col0 + tl.arange(0, WIDTH)
+    ptrs = base_ptr + row[:, None] + offs[None, :]
+    if PADDED:
+        out = tl.load(ptrs, mask=n_mask[:, None] & (offs < valid)[None, :], other=0.0)
+    else:
+        out = tl.load(ptrs, mask=n_mask[:, None], other=0.0)
+    return out
+
+
+@triton.jit
+def _scores(q, k, scale_log2, DOT_FP32: tl.constexpr):
+    """``scale_log2 * q @ k^T`` in fp32. The multiply keeps Triton from folding a sum of
+    such dots into one accumulator chain, so the chunks' MMAs stay independent."""
+    if DOT_FP32:  # fp32 caches, and the interpreter (whose bf16 dot is wrong)
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    return s * scale_log2
+
+
+@triton.jit
+def _accumulate(p, c, acc, alpha, DOT_FP32: tl.constexpr):
+    """``acc * alpha + p @ c`` (the rescale, then the MMA accumulating in place)."""
+    acc = acc * alpha[:, None]
+    if DOT_FP32:
+        acc = tl.dot(p, c.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(c.dtype), c, acc)
+    return acc
+
+
+@triton.jit
+def _store_cols(ptrs, acc, col0, mask_rows, valid, WIDTH: tl.constexpr):
+    offs = col0 + tl.arange(0, WIDTH)
+    tl.store(ptrs + offs[None, :], acc.to(ptrs.dtype.element_ty),
+             mask=mask_rows[:, None] & (offs < valid)[None, :])
+
+
+@triton.jit(do_not_specialize=["num_splits"])
 def mla_decode_kernel(
     out_ptr,
     part_acc_ptr,
@@ -34,6 +102,7 @@ def mla_decode_kernel(
     token_req_ptr,
     token_kv_len_ptr,
     num_heads,
+    num_splits,
     scale_log2,
     split_len,
     stride_qt,
@@ -45,15 +114,24 @@ def mla_decode_kernel(
     stride_bt,
     LATENT: tl.constexpr,
     LATENT_PAD: tl.constexpr,
+    LAT_SPLIT: tl.constexpr,
     ROPE: tl.constexpr,
     ROPE_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    WRITE_PARTIAL: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
-    """Grid ``(tokens, cdiv(H, BLOCK_H), NUM_SPLITS)``; see the module docstring."""
+    """Grid ``(tokens, cdiv(H, BLOCK_H), num_splits)``; see the module docstring.
+
+    The latent dims are handled as ``LAT_SPLIT`` (1, 2 or 4) column chunks of
+    ``LATENT_PAD // LAT_SPLIT``, each with its own load, score MMA and accumulator, so the
+    score MMAs form short independent chains instead of one chain over all 576 dims.
+    """
+    CW: tl.constexpr = LATENT_PAD // LAT_SPLIT
+    LP: tl.constexpr = LATENT_PAD != LATENT
+    RP: tl.constexpr = ROPE_PAD != ROPE
     tok = tl.program_id(0)
     head_block = tl.program_id(1)
     split = tl.program_id(2)
@@ -65,101 +143,153 @@ def mla_decode_kernel(
 
     heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     head_mask = heads < num_heads
-    offs_l = tl.arange(0, LATENT_PAD)
-    offs_r = tl.arange(0, ROPE_PAD)
-    l_mask = offs_l < LATENT
-    r_mask = offs_r < ROPE
-
-    # Masks along the feature dim only where it is padded: an all-true mask the compiler cannot
-    # prove constant would stop it from vectorising the row loads.
-    if LATENT_PAD == LATENT:
-        l_mask_2d = tl.full([1, LATENT_PAD], 1, tl.int1)
-    else:
-        l_mask_2d = l_mask[None, :]
-    if ROPE_PAD == ROPE:
-        r_mask_2d = tl.full([1, ROPE_PAD], 1, tl.int1)
-    else:
-        r_mask_2d = r_mask[None, :]
-
-    q_row = q_ptr + tok.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
-    q_lat = tl.load(q_row + offs_l[None, :], mask=head_mask[:, None] & l_mask_2d, other=0.0)
-    q_pe = tl.load(q_row + LATENT + offs_r[None, :], mask=head_mask[:, None] & r_mask_2d,
-                   other=0.0)
+    q_row = (tok.to(tl.int64) * stride_qt + heads * stride_qh).to(tl.int64)
+    # Queries: [BLOCK_H, CW] per latent chunk and [BLOCK_H, ROPE_PAD] rope (heads as rows).
+    q_pe = _load_cols(q_ptr + LATENT, q_row, head_mask, 0, ROPE, ROPE_PAD, RP)
+    q0 = _load_cols(q_ptr, q_row, head_mask, 0, LATENT, CW, LP)
+    if LAT_SPLIT >= 2:
+        q1 = _load_cols(q_ptr, q_row, head_mask, CW, LATENT, CW, LP)
+    if LAT_SPLIT == 4:
+        q2 = _load_cols(q_ptr, q_row, head_mask, 2 * CW, LATENT, CW, LP)
+        q3 = _load_cols(q_ptr, q_row, head_mask, 3 * CW, LATENT, CW, LP)
     if DOT_FP32:
-        q_lat = q_lat.to(tl.float32)
         q_pe = q_pe.to(tl.float32)
+        q0 = q0.to(tl.float32)
+        if LAT_SPLIT >= 2:
+            q1 = q1.to(tl.float32)
+        if LAT_SPLIT == 4:
+            q2 = q2.to(tl.float32)
+            q3 = q3.to(tl.float32)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, LATENT_PAD], dtype=tl.float32)
+    acc0 = tl.zeros([BLOCK_H, CW], dtype=tl.float32)
+    if LAT_SPLIT >= 2:
+        acc1 = tl.zeros([BLOCK_H, CW], dtype=tl.float32)
+    if LAT_SPLIT == 4:
+        acc2 = tl.zeros([BLOCK_H, CW], dtype=tl.float32)
+        acc3 = tl.zeros([BLOCK_H, CW], dtype=tl.float32)
     table_row = block_table_ptr + req.to(tl.int64) * stride_bt
 
     for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
-        block = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
-        row = block.to(tl.int64) * stride_cb + (offs_n % BLOCK_SIZE).to(tl.int64) * stride_cs
-        c = tl.load(cache_ptr + row[:, None] + offs_l[None, :],
-                    mask=n_mask[:, None] & l_mask_2d, other=0.0)
-        k_pe = tl.load(cache_ptr + row[:, None] + LATENT + offs_r[None, :],
-                       mask=n_mask[:, None] & r_mask_2d, other=0.0)
-        if DOT_FP32:
-            c = c.to(tl.float32)
-            k_pe = k_pe.to(tl.float32)
-            s = tl.dot(q_lat, tl.trans(c), input_precision="ieee")
-            s += tl.dot(q_pe, tl.trans(k_pe), input_precision="ieee")
-        else:
-            s = tl.dot(q_lat, tl.trans(c))
-            s += tl.dot(q_pe, tl.trans(k_pe))
-        s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))
+        row, n_mask = _rows_of_tile(table_row, n0, end, stride_cb, stride_cs, BLOCK_SIZE,
+                                    BLOCK_N)
+        k_pe = _load_cols(cache_ptr + LATENT, row, n_mask, 0, ROPE, ROPE_PAD, RP)
+        c0 = _load_cols(cache_ptr, row, n_mask, 0, LATENT, CW, LP)
+        s = _scores(q_pe, k_pe, scale_log2, DOT_FP32)
+        s += _scores(q0, c0, scale_log2, DOT_FP32)
+        if LAT_SPLIT >= 2:
+            c1 = _load_cols(cache_ptr, row, n_mask, CW, LATENT, CW, LP)
+            s += _scores(q1, c1, scale_log2, DOT_FP32)
+        if LAT_SPLIT == 4:
+            c2 = _load_cols(cache_ptr, row, n_mask, 2 * CW, LATENT, CW, LP)
+            c3 = _load_cols(cache_ptr, row, n_mask, 3 * CW, LATENT, CW, LP)
+            s += _scores(q2, c2, scale_log2, DOT_FP32)
+            s += _scores(q3, c3, scale_log2, DOT_FP32)
+        s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if DOT_FP32:
-            acc = acc * alpha[:, None] + tl.dot(p, c, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
+        acc0 = _accumulate(p, c0, acc0, alpha, DOT_FP32)
+        if LAT_SPLIT >= 2:
+            acc1 = _accumulate(p, c1, acc1, alpha, DOT_FP32)
+        if LAT_SPLIT == 4:
+            acc2 = _accumulate(p, c2, acc2, alpha, DOT_FP32)
+            acc3 = _accumulate(p, c3, acc3, alpha, DOT_FP32)
         m_i = m_new
 
-    if NUM_SPLITS == 1:
-        out = acc / l_i[:, None]
-        o_ptrs = out_ptr + tok.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
-        tl.store(o_ptrs + offs_l[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=head_mask[:, None] & l_mask[None, :])
-    else:
-        # Partials laid out [T, H, NUM_SPLITS, LATENT_PAD] and [T, H, NUM_SPLITS, 2].
-        part = (tok.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split
-        tl.store(part_acc_ptr + part[:, None] * LATENT_PAD + offs_l[None, :], acc,
-                 mask=head_mask[:, None])
+    if WRITE_PARTIAL:
+        # Partials laid out [T, H, num_splits, LATENT_PAD] and [T, H, num_splits, 2].
+        part = (tok.to(tl.int64) * num_heads + heads) * num_splits + split
+        ptrs = part_acc_ptr + part[:, None] * LATENT_PAD
+        scale = tl.full([BLOCK_H], 1.0, dtype=tl.float32)
         tl.store(part_ml_ptr + part * 2, m_i, mask=head_mask)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=head_mask)
+        valid = LATENT_PAD
+    else:
+        ptrs = out_ptr + (tok.to(tl.int64) * stride_ot + heads * stride_oh)[:, None]
+        scale = 1.0 / l_i
+        valid = LATENT
+    _store_cols(ptrs, acc0 * scale[:, None], 0, head_mask, valid, CW)
+    if LAT_SPLIT >= 2:
+        _store_cols(ptrs, acc1 * scale[:, None], CW, head_mask, valid, CW)
+    if LAT_SPLIT == 4:
+        _store_cols(ptrs, acc2 * scale[:, None], 2 * CW, head_mask, valid, CW)
+        _store_cols(ptrs, acc3 * scale[:, None], 3 * CW, head_mask, valid, CW)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def mla_merge_kernel(
     out_ptr,
     part_acc_ptr,
     part_ml_ptr,
     num_heads,
+    num_splits,
     stride_ot,
     stride_oh,
     LATENT: tl.constexpr,
     LATENT_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    COLS: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
-    """Grid ``(tokens, H)``: combine the split partials of one token and head (log-sum-exp)."""
+    """Grid ``(tokens, H, LATENT_PAD // COLS)``: combine the split partials of one token and
+    head (log-sum-exp) for ``COLS`` latent columns (several programs per head, so that a few
+    long requests still give enough programs).
+
+    The split count is a runtime value (no recompile per count): partials are read ``CHUNK``
+    splits at a time (maxima, sums and accumulators of a chunk in one round trip) and combined
+    with a running maximum.
+    """
     tok = tl.program_id(0)
     head = tl.program_id(1)
-    base = (tok.to(tl.int64) * num_heads + head) * NUM_SPLITS
-    splits = tl.arange(0, NUM_SPLITS)
-    m = tl.load(part_ml_ptr + (base + splits) * 2)
-    lsum = tl.load(part_ml_ptr + (base + splits) * 2 + 1)
-    m_max = tl.max(m, axis=0)
-    # Empty splits carry m = -inf and weigh exp2(-inf) = 0; split 0 is never empty.
-    w = tl.exp2(m - m_max)
-    offs_l = tl.arange(0, LATENT_PAD)
-    acc = tl.load(part_acc_ptr + (base + splits)[:, None] * LATENT_PAD + offs_l[None, :])
-    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(lsum * w, axis=0)
+    col0 = tl.program_id(2) * COLS
+    base = (tok.to(tl.int64) * num_heads + head) * num_splits
+    offs_s = tl.arange(0, CHUNK)
+    offs_l = col0 + tl.arange(0, COLS)
+    m_run = tl.full([], float("-inf"), dtype=tl.float32)
+    den = tl.zeros([], dtype=tl.float32)
+    acc = tl.zeros([COLS], dtype=tl.float32)
+    for s0 in range(0, num_splits, CHUNK):
+        idx = base + s0 + offs_s
+        valid = s0 + offs_s < num_splits
+        m = tl.load(part_ml_ptr + idx * 2, mask=valid, other=float("-inf"))
+        lsum = tl.load(part_ml_ptr + idx * 2 + 1, mask=valid, other=0.0)
+        part = tl.load(part_acc_ptr + idx[:, None] * LATENT_PAD + offs_l[None, :],
+                       mask=valid[:, None], other=0.0)
+        # Split 0 is never empty, so m_new is finite from the first chunk on; empty splits
+        # carry m = -inf and weigh exp2(-inf) = 0, as does the initial running maximum.
+        m_new = tl.maximum(m_run, tl.max(m, axis=0))
+        w = tl.exp2(m - m_new)
+        rescale = tl.exp2(m_run - m_new)
+        acc = acc * rescale + tl.sum(part * w[:, None], axis=0)
+        den = den * rescale + tl.sum(lsum * w, axis=0)
+        m_run = m_new
     tl.store(out_ptr + tok.to(tl.int64) * stride_ot + head * stride_oh + offs_l,
-             out.to(out_ptr.dtype.element_ty), mask=offs_l < LATENT)
+             (acc / den).to(out_ptr.dtype.element_ty), mask=offs_l < LATENT)
+
+
+@triton.jit
+def mla_cache_write_kernel(
+    key_ptr,
+    cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_cb,
+    stride_cs,
+    DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """Grid ``(tokens,)``: copy token ``t``'s row ``key[t, 0, :DIM]`` into its cache slot.
+
+    Slot ``-1`` (padding) is skipped on the device, so no host sync and no write anywhere.
+    """
+    tok = tl.program_id(0)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if slot >= 0:
+        offs = tl.arange(0, DIM_PAD)
+        mask = offs < DIM
+        row = tl.load(key_ptr + tok.to(tl.int64) * stride_kt + offs, mask=mask)
+        dst = cache_ptr + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+        tl.store(dst + offs, row.to(cache_ptr.dtype.element_ty), mask=mask)

@@ -1,16 +1,208 @@
-"""Launchers of the Triton kernels (importing this module imports triton)."""
+"""Launchers of the Triton kernels (importing this module imports triton).
+
+A launch is prepared once per step and layer shape (`prepare_launch`: slices of the step's
+tensors, grid, tile shape, split-KV scratch) and then run once per layer (`run_launch`), so
+the per-layer host work is one or two kernel launches. Nothing here reads device values: a
+prepared launch stays valid while the step's buffers are rewritten in place (CUDA graphs).
+"""
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
+import attrs
 import torch
 import triton
 
 from pagedcore_triton._env import interpreting
 from pagedcore_triton.kernels.attention import merge_segments_kernel, paged_attention_kernel
 from pagedcore_triton.kernels.cache_write import write_kv_cache
-from pagedcore_triton.plan import LaunchPart, TileConfig, tile_config
+from pagedcore_triton.plan import PREFILL_TILES_ENV, LaunchPart, TileConfig, tile_config
 
-__all__ = ["paged_attention", "write_kv_cache"]
+__all__ = ["PreparedLaunch", "paged_attention", "prepare_launch", "run_launch", "write_kv_cache"]
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class PreparedLaunch:
+    """Everything of one attention launch that does not change from layer to layer.
+
+    Attributes
+    ----------
+    grid:
+        ``(q_blocks, Hkv, segments)``; None when the part has no tokens (nothing to launch).
+    qsl, seq_lens, block_table:
+        The part's ``[n + 1]``, ``[n]`` and ``[n, max_blocks]`` int32 views of the step's
+        buffers.
+    part_acc, part_ml:
+        Split-KV partials ``[Tp, Hq, S, HEAD_PAD]`` and ``[Tp, Hq, S, 2]`` float32 (shared by
+        the layers of a step, which run one after the other), or None without a split.
+    static_args:
+        Positional scalar arguments after the step's tensors.
+    constexprs:
+        The kernel's compile-time arguments and launch options.
+    """
+
+    grid: tuple[int, int, int] | None
+    qsl: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    part_acc: torch.Tensor | None
+    part_ml: torch.Tensor | None
+    num_reqs: int
+    token_begin: int
+    num_tokens: int
+    static_args: tuple[Any, ...]
+    constexprs: dict[str, Any]
+
+
+def prepare_launch(
+    part: LaunchPart,
+    *,
+    query_shape: tuple[int, int, int],
+    dtype: torch.dtype,
+    kv_cache_shape: tuple[int, ...],
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    causal: bool,
+    use_alibi: bool,
+    sliding_window: int | None,
+    logits_soft_cap: float | None,
+    tiles: TileConfig | None = None,
+) -> PreparedLaunch:
+    """Plan one launch of `paged_attention_kernel` for `part` (see `paged_attention`)."""
+    _, _, block_size, num_kv_heads, head_size = kv_cache_shape
+    num_heads = query_shape[1]
+    qpk = num_heads // num_kv_heads
+    interp = interpreting()
+    cfg = tiles or tile_config(
+        part.max_query_len, qpk, head_size, interpreting=interp,
+        prefill_override=os.environ.get(PREFILL_TILES_ENV),
+    )
+    head_pad = triton.next_power_of_2(head_size)
+    segments = part.num_segments
+    if segments & (segments - 1):
+        raise ValueError(f"num_segments must be a power of two, got {segments}")
+    num_tokens = part.token_end - part.token_begin
+    table = block_table[part.req_begin : part.req_end]
+    if table.stride(-1) != 1:
+        table = table.contiguous()
+    grid = None
+    if part.num_reqs > 0 and num_tokens > 0:
+        grid = (
+            part.token_end // cfg.block_q - part.token_begin // cfg.block_q + part.num_reqs,
+            num_kv_heads,
+            segments,
+        )
+    part_acc = part_ml = None
+    if segments > 1 and grid is not None:
+        device = query_start_loc.device
+        part_acc = torch.empty(
+            (num_tokens, num_heads, segments, head_pad), dtype=torch.float32, device=device
+        )
+        part_ml = torch.empty(
+            (num_tokens, num_heads, segments, 2), dtype=torch.float32, device=device
+        )
+    stride_cs = num_kv_heads * head_size  # the cache is contiguous (checked by the impl)
+    num_blocks = kv_cache_shape[1]
+    return PreparedLaunch(
+        grid=grid,
+        qsl=query_start_loc[part.req_begin : part.req_end + 1],
+        seq_lens=seq_lens[part.req_begin : part.req_end],
+        block_table=table,
+        part_acc=part_acc,
+        part_ml=part_ml,
+        num_reqs=part.num_reqs,
+        token_begin=part.token_begin,
+        num_tokens=num_tokens,
+        static_args=(
+            num_blocks * block_size * stride_cs,  # v_offset
+            block_size * stride_cs,  # stride_cb
+            stride_cs,
+            head_size,  # stride_ch
+            table.stride(0),
+        ),
+        constexprs={
+            "HEAD_SIZE": head_size,
+            "HEAD_PAD": head_pad,
+            "BLOCK_SIZE": block_size,
+            "QPK": qpk,
+            "BLOCK_Q": cfg.block_q,
+            "BLOCK_M": cfg.block_m,
+            "TILE_N": cfg.tile_n,
+            "CAUSAL": causal,
+            "USE_ALIBI": use_alibi,
+            "USE_SOFTCAP": logits_soft_cap is not None,
+            "USE_WINDOW": sliding_window is not None,
+            "NUM_SEGMENTS": segments,
+            "DOT_FP32": interp or dtype == torch.float32,
+            "SKIP_INTERIOR_MASKS": cfg.skip_interior_masks,
+            "LONGEST_FIRST": cfg.longest_first,
+            "num_warps": cfg.num_warps,
+            "num_stages": cfg.num_stages,
+        },
+    )
+
+
+def run_launch(
+    launch: PreparedLaunch,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    output: torch.Tensor,
+    *,
+    scale: float,
+    alibi_slopes: torch.Tensor | None,
+    sliding_window: int | None,
+    logits_soft_cap: float | None,
+) -> None:
+    """Run a prepared launch for one layer (see `paged_attention` for the tensors)."""
+    grid = launch.grid
+    if grid is None:
+        return
+    v_offset, stride_cb, stride_cs, stride_ch, stride_bt = launch.static_args
+    part_acc = output if launch.part_acc is None else launch.part_acc
+    part_ml = output if launch.part_ml is None else launch.part_ml
+    paged_attention_kernel[grid](
+        output,
+        query,
+        kv_cache,
+        v_offset,
+        launch.block_table,
+        launch.seq_lens,
+        launch.qsl,
+        query if alibi_slopes is None else alibi_slopes,
+        part_acc,
+        part_ml,
+        launch.num_reqs,
+        launch.token_begin,
+        scale,
+        1.0 if logits_soft_cap is None else logits_soft_cap,
+        0 if sliding_window is None else sliding_window,
+        query.stride(0),
+        query.stride(1),
+        output.stride(0),
+        output.stride(1),
+        stride_cb,
+        stride_cs,
+        stride_ch,
+        stride_bt,
+        **launch.constexprs,
+    )
+    if launch.part_acc is not None:
+        c = launch.constexprs
+        merge_segments_kernel[(launch.num_tokens, query.shape[1])](
+            output,
+            launch.part_acc,
+            part_ml,
+            launch.token_begin,
+            output.stride(0),
+            output.stride(1),
+            HEAD_SIZE=c["HEAD_SIZE"],
+            HEAD_PAD=c["HEAD_PAD"],
+            NUM_SEGMENTS=c["NUM_SEGMENTS"],
+            num_warps=4,
+        )
 
 
 def paged_attention(
@@ -29,7 +221,7 @@ def paged_attention(
     logits_soft_cap: float | None = None,
     tiles: TileConfig | None = None,
 ) -> None:
-    """Attention for the requests of `part`, written into `output`.
+    """Attention for the requests of `part`, written into `output` (prepare + run, once).
 
     Parameters
     ----------
@@ -56,90 +248,27 @@ def paged_attention(
     tiles:
         Tile shape override (for tuning); None picks `tile_config`'s.
     """
-    num_reqs = part.num_reqs
-    num_tokens = part.token_end - part.token_begin
-    if num_reqs == 0 or num_tokens == 0:
-        return
-    _, _, block_size, num_kv_heads, head_size = kv_cache.shape
-    num_heads = query.shape[1]
-    qpk = num_heads // num_kv_heads
-    interp = interpreting()
-    cfg = tiles or tile_config(part.max_query_len, qpk, head_size, interpreting=interp)
-    head_pad = triton.next_power_of_2(head_size)
-    segments = part.num_segments
-    if segments & (segments - 1):
-        raise ValueError(f"num_segments must be a power of two, got {segments}")
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
-    qsl = query_start_loc[part.req_begin : part.req_end + 1]
-    lens = seq_lens[part.req_begin : part.req_end]
-    table = block_table[part.req_begin : part.req_end]
-    if table.stride(-1) != 1:
-        table = table.contiguous()
-    grid = (
-        part.token_end // cfg.block_q - part.token_begin // cfg.block_q + num_reqs,
-        num_kv_heads,
-        segments,
+    launch = prepare_launch(
+        part,
+        query_shape=(query.shape[0], query.shape[1], query.shape[2]),
+        dtype=query.dtype,
+        kv_cache_shape=tuple(kv_cache.shape),
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        block_table=block_table,
+        causal=causal,
+        use_alibi=alibi_slopes is not None,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+        tiles=tiles,
     )
-    if segments > 1:
-        part_acc = torch.empty(
-            (num_tokens, num_heads, segments, head_pad), dtype=torch.float32, device=query.device
-        )
-        part_ml = torch.empty(
-            (num_tokens, num_heads, segments, 2), dtype=torch.float32, device=query.device
-        )
-    else:
-        part_acc = part_ml = output  # unused
-    paged_attention_kernel[grid](
-        output,
+    run_launch(
+        launch,
         query,
-        k_cache,
-        v_cache,
-        table,
-        lens,
-        qsl,
-        query if alibi_slopes is None else alibi_slopes,
-        part_acc,
-        part_ml,
-        num_reqs,
-        part.token_begin,
-        float(scale),
-        1.0 if logits_soft_cap is None else float(logits_soft_cap),
-        0 if sliding_window is None else int(sliding_window),
-        query.stride(0),
-        query.stride(1),
-        output.stride(0),
-        output.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        table.stride(0),
-        HEAD_SIZE=head_size,
-        HEAD_PAD=head_pad,
-        BLOCK_SIZE=block_size,
-        QPK=qpk,
-        BLOCK_Q=cfg.block_q,
-        BLOCK_M=cfg.block_m,
-        TILE_N=cfg.tile_n,
-        CAUSAL=causal,
-        USE_ALIBI=alibi_slopes is not None,
-        USE_SOFTCAP=logits_soft_cap is not None,
-        USE_WINDOW=sliding_window is not None,
-        NUM_SEGMENTS=segments,
-        DOT_FP32=interp or query.dtype == torch.float32,
-        SKIP_INTERIOR_MASKS=cfg.skip_interior_masks,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        kv_cache,
+        output,
+        scale=float(scale),
+        alibi_slopes=alibi_slopes,
+        sliding_window=None if sliding_window is None else int(sliding_window),
+        logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
     )
-    if segments > 1:
-        merge_segments_kernel[(num_tokens, num_heads)](
-            output,
-            part_acc,
-            part_ml,
-            part.token_begin,
-            output.stride(0),
-            output.stride(1),
-            HEAD_SIZE=head_size,
-            HEAD_PAD=head_pad,
-            NUM_SEGMENTS=segments,
-            num_warps=4,
-        )

@@ -7,7 +7,18 @@ from __future__ import annotations
 
 import attrs
 
-__all__ = ["LaunchPart", "SplitRule", "TileConfig", "choose_num_segments", "tile_config"]
+__all__ = [
+    "PREFILL_TILES_ENV",
+    "LaunchPart",
+    "SplitRule",
+    "TileConfig",
+    "choose_num_segments",
+    "parse_tiles",
+    "tile_config",
+]
+
+#: Overrides the prefill tile shape (tuning): ``"BLOCK_M,TILE_N,WARPS,STAGES[,fwd]"``.
+PREFILL_TILES_ENV = "PAGEDCORE_TRITON_PREFILL_TILES"
 
 
 def _next_pow2(x: int) -> int:
@@ -87,10 +98,48 @@ class TileConfig:
     num_stages: int
     #: Run interior tiles without masks (prefill-sized tiles; see the kernel).
     skip_interior_masks: bool = False
+    #: Launch the q-blocks that see the most keys first (causal prefill load balance).
+    longest_first: bool = False
+
+
+def parse_tiles(text: str, num_queries_per_kv: int) -> TileConfig:
+    """A prefill `TileConfig` from ``"BLOCK_M,TILE_N,WARPS,STAGES[,fwd]"`` (tuning).
+
+    ``fwd`` keeps the natural q-block order instead of longest-first.
+    """
+    fields = [f.strip() for f in text.split(",")]
+    try:
+        block_m, tile_n, warps, stages = (int(f) for f in fields[:4])
+    except ValueError:
+        block_m = tile_n = warps = stages = 0
+    flags = fields[4:]
+    ok = len(fields) >= 4 and flags in ([], ["fwd"])
+    pow2 = all(x >= 16 and x & (x - 1) == 0 for x in (block_m, tile_n))
+    if not ok or not pow2 or min(warps, stages) <= 0:
+        raise ValueError(
+            f"{PREFILL_TILES_ENV}={text!r}: expected 'BLOCK_M,TILE_N,WARPS,STAGES[,fwd]' with "
+            "BLOCK_M and TILE_N powers of two >= 16 and positive WARPS and STAGES, "
+            "e.g. '128,64,4,3'"
+        )
+    block_m = max(block_m, _next_pow2(num_queries_per_kv))
+    return TileConfig(
+        block_m=block_m,
+        block_q=max(1, block_m // num_queries_per_kv),
+        tile_n=tile_n,
+        num_warps=warps,
+        num_stages=stages,
+        skip_interior_masks=block_m >= 64,
+        longest_first=not flags,
+    )
 
 
 def tile_config(
-    max_query_len: int, num_queries_per_kv: int, head_size: int, *, interpreting: bool
+    max_query_len: int,
+    num_queries_per_kv: int,
+    head_size: int,
+    *,
+    interpreting: bool,
+    prefill_override: str | None = None,
 ) -> TileConfig:
     """Tile shape for a launch: rows = query tokens x the GQA group, a power of two >= 16.
 
@@ -98,7 +147,11 @@ def tile_config(
     prefills up to 128 rows (64 for head sizes above 128, to bound registers and shared
     memory) with 64-token tiles, 4 warps, 3 stages and unmasked interior tiles. Both were the
     fastest of the variants swept on the H200 (``backends/triton/tools/tune_h200.py``).
+    Prefill tiles launch their q-blocks longest-first. `prefill_override` (the
+    ``PAGEDCORE_TRITON_PREFILL_TILES`` text, see `parse_tiles`) replaces the prefill shape.
     """
+    if prefill_override and max_query_len > 1:
+        return parse_tiles(prefill_override, num_queries_per_kv)
     head_pad = _next_pow2(head_size)
     max_rows = 128 if head_pad <= 128 else 64
     if interpreting:
@@ -119,4 +172,5 @@ def tile_config(
         num_warps=4,
         num_stages=3,
         skip_interior_masks=block_m >= 64,
+        longest_first=max_query_len > 1,
     )

@@ -12,7 +12,7 @@ import pytest
 import torch
 from _reference import make_batch, reference_attention, rel_error
 from pagedcore_triton import SplitRule, TritonAttentionBackend, TritonAttentionMetadata
-from pagedcore_triton.plan import choose_num_segments
+from pagedcore_triton.plan import choose_num_segments, parse_tiles
 
 from pagedcore.kv_cache.spec import FullAttentionSpec
 
@@ -154,3 +154,25 @@ def test_bad_input_is_a_clear_error() -> None:
     key = torch.zeros((1, 2, 64), device=DEVICE)
     with pytest.raises(ValueError, match="get_kv_cache_shape"):
         impl.do_kv_cache_update(key, key, cache, torch.zeros(1, dtype=torch.int64, device=DEVICE))
+
+
+@pytest.mark.parametrize("tiles", ["64,16,4,3", "32,32,4,2,fwd", "64,32,4,2"])
+def test_prefill_tile_overrides(tiles: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tuning variants (PAGEDCORE_TRITON_PREFILL_TILES) compute the same attention."""
+    monkeypatch.setenv("PAGEDCORE_TRITON_PREFILL_TILES", tiles)
+    reqs = [(5, 1), (33, 20), (0, 37), (64, 64)]  # interior tiles, tails, exact multiples
+    err, metadata = _run(reqs, separate=False, dtype=torch.float16)
+    assert err < TOL[torch.float16], err
+    (launch,) = metadata.launches.values()
+    assert launch.constexprs["BLOCK_M"] == int(tiles.split(",")[0])
+    assert launch.constexprs["LONGEST_FIRST"] == (not tiles.endswith("fwd"))
+
+
+def test_bad_prefill_tile_override_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="BLOCK_M,TILE_N,WARPS,STAGES"):
+        parse_tiles("128,64,4", 4)
+    with pytest.raises(ValueError, match="powers of two"):
+        parse_tiles("96,64,4,3", 4)
+    with pytest.raises(ValueError, match="fwd"):
+        parse_tiles("128,64,4,3,pf", 4)
+    assert not parse_tiles("128,64,8,2,fwd", 4).longest_first

@@ -74,11 +74,13 @@ def _attend_tile(
         s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
     else:
         s = tl.dot(q, k)
+    # Without soft-cap and ALiBi, s stays unscaled and the scale (with log2 e) is folded into
+    # the exponent: exp2(s * qk_scale - m) is one fused multiply-add per score.
     if USE_SOFTCAP:
         s = s * scale
         s = soft_cap * (2.0 * tl.sigmoid(2.0 * s / soft_cap) - 1.0)
         s = s * 1.4426950408889634
-    else:
+    elif USE_ALIBI:
         s = s * qk_scale
     if USE_ALIBI:
         rel = (n[None, :] - pos_q[:, None]).to(tl.float32)
@@ -90,12 +92,18 @@ def _attend_tile(
         if USE_WINDOW:
             visible = visible & (pos_q[:, None] - n[None, :] < window)
         s = tl.where(visible, s, float("-inf"))
+    if USE_SOFTCAP or USE_ALIBI:
         m_new = tl.maximum(m_i, tl.max(s, 1))
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # qk_scale > 0: max commutes
+    if MASKED:
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
-        m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = m_new
-    p = tl.exp2(s - m_safe[:, None])
+    if USE_SOFTCAP or USE_ALIBI:
+        p = tl.exp2(s - m_safe[:, None])
+    else:
+        p = tl.exp2(s * qk_scale - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     if MASKED:
@@ -117,7 +125,7 @@ def paged_attention_kernel(
     out_ptr,
     q_ptr,
     k_cache_ptr,
-    v_cache_ptr,
+    v_offset,
     block_table_ptr,
     seq_lens_ptr,
     qsl_ptr,
@@ -151,9 +159,19 @@ def paged_attention_kernel(
     NUM_SEGMENTS: tl.constexpr,
     DOT_FP32: tl.constexpr,
     SKIP_INTERIOR_MASKS: tl.constexpr,
+    LONGEST_FIRST: tl.constexpr,
 ):
-    """Grid ``(q_blocks, Hkv, NUM_SEGMENTS)``; see the module docstring."""
-    q_block_id = tl.program_id(0)
+    """Grid ``(q_blocks, Hkv, NUM_SEGMENTS)``; see the module docstring.
+
+    ``v_offset`` is V's distance from K in the cache (elements): K is ``cache[0]``, V
+    ``cache[1]``. With ``LONGEST_FIRST`` the q-blocks run last-first: under a causal mask the
+    last q-blocks of a request see the most keys, and starting them first evens out the
+    tail of the grid.
+    """
+    if LONGEST_FIRST:
+        q_block_id = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        q_block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
 
@@ -210,6 +228,7 @@ def paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    v_cache_ptr = k_cache_ptr + v_offset
     kv_head_off = kv_head.to(tl.int64) * stride_ch
 
     # With SKIP_INTERIOR_MASKS, tiles every row fully sees run without masks or -inf; only

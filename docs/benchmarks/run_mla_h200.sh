@@ -1,0 +1,54 @@
+#!/bin/bash
+# Issue 8: the Triton MLA decode variants on one GPU, in about 45 s (under 80 s).
+#   bash docs/benchmarks/run_mla_h200.sh RESULT_DIR       (from the repo root, pagedcore and
+#                                                          pagedcore-triton installed)
+#   MLA_SMALL=1 bash docs/benchmarks/run_mla_h200.sh DIR  (CPU dry run: interpreter, tiny shapes)
+# RESULT_DIR/bench.json is docs/benchmarks/mla_h200.json's format; its summary.best_variant is
+# the variant to ship as pagedcore_triton.mla.DEFAULT_MLA_KERNEL.
+# 1. in parallel, one process per variant: compile at the bench shapes (warm the Triton cache)
+#    + MLA conformance specs in bf16 (NaN-poisoned slots, rel. error vs the reference);
+#    with them the cache-write tests (incl. no host sync under cuda sync-debug "error").
+# 2. alone on the GPU: copy bandwidth + every variant x shape x split target, rel. error.
+# 3. with what is left: the full MLA conformance of the shipped default (3 dtypes, >2^31 case).
+R=${1:?usage: bash docs/benchmarks/run_mla_h200.sh RESULT_DIR}
+mkdir -p "$R"
+export PYTHONUNBUFFERED=1
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/mla_triton_cache}
+T0=$(date +%s)
+el() { echo "[mla +$(( $(date +%s) - T0 ))s] $*"; }
+VARIANTS="n32s5c4 n32s5c4t132 n64s5c4w8 n32s5c2 n32s7c4 n32s5 n32s2"
+QUICK=""; P1=36; P2=38
+if [ -n "$MLA_SMALL" ]; then
+  export TRITON_INTERPRET=1; QUICK="--quick"; P1=600; P2=600
+fi
+PY=python3
+command -v $PY >/dev/null || PY=python
+$PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())"
+
+el "phase 1: warm + check ($VARIANTS) in parallel, cap ${P1}s"
+for v in $VARIANTS; do
+  W="--warm"; [ -n "$MLA_SMALL" ] && W=""
+  timeout -k 3 $P1 $PY -m pagedcore.cli bench mla --variants $v $W --check --no-time --quick \
+    --json "$R/check_$v.json" > "$R/check_$v.log" 2>&1 &
+done
+timeout -k 3 $P1 $PY -m pytest -q -p no:cacheprovider tests/mla/test_triton_mla.py -k cache_write \
+  > "$R/pytest_cache_write.txt" 2>&1 &
+wait
+for v in $VARIANTS; do
+  echo "  $v: $(grep -h 'conformance:' "$R/check_$v.log" | tail -1) $(grep -h FAIL "$R/check_$v.log" | head -3)"
+done
+echo "  pytest cache_write: $(tail -1 "$R/pytest_cache_write.txt")"
+
+el "phase 2: timing all variants, cap ${P2}s"
+timeout -k 3 $P2 $PY -m pagedcore.cli bench mla --variants "${VARIANTS// /,}" $QUICK \
+  --json "$R/bench.json" 2>&1 | grep -v "^[┃│┏┡└━]" | tail -80
+el "phase 2 rc=${PIPESTATUS[0]}"
+
+LEFT=$(( 76 - ($(date +%s) - T0) ))
+if [ -n "$MLA_SMALL" ]; then LEFT=0; fi
+if [ "$LEFT" -gt 8 ]; then
+  el "phase 3: pagedcore conformance triton_mla (default variant), cap ${LEFT}s"
+  timeout -k 2 $LEFT $PY -m pagedcore.cli conformance triton_mla -k mla/ --json "$R/conformance_default.json" > "$R/conformance_default.txt" 2>&1
+  tail -5 "$R/conformance_default.txt"
+fi
+el "done"

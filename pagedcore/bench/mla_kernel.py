@@ -1,0 +1,234 @@
+"""The Triton MLA decode kernel's variants: correctness and bandwidth (for `pagedcore bench mla`).
+
+Shapes are DeepSeek-V2-Lite decode: 16 query heads, latent 512 + rope 64, bf16, block size 16,
+one query token per request over randomly permuted physical blocks. Each variant is a
+`pagedcore_triton.mla.MLAKernelConfig` (tile, warps, pipeline stages, register cap, split-KV
+rule), timed on every shape with its own split-KV target and twice that. Bandwidth is latent
+cache bytes read / median device time of the whole ``forward`` (decode kernel, and the merge
+kernel when the context is split), against a device-to-device copy (bytes read + written).
+
+`check_variant` runs the MLA conformance specs (NaN in every unused slot, relative error
+against the reference) for one variant; `warm_variant` compiles its kernels at the bench's
+shapes, so that several processes can compile variants in parallel before one times them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from pagedcore.kv_cache.spec import cdiv
+
+if TYPE_CHECKING:
+    import torch
+
+BLOCK_SIZE = 16
+NUM_HEADS = 16
+LATENT = 512
+ROPE = 64
+#: Decode shapes (batch, context): few long, medium, many short; QUICK runs in the interpreter.
+FULL_CASES = ((64, 4096), (4, 32768), (256, 1024), (16, 16384), (128, 2048))
+QUICK_CASES = ((2, 64),)
+
+
+def _decode_batch(batch: int, context: int, device: torch.device, dtype: torch.dtype) -> Any:
+    """A decode step of `batch` requests of `context` tokens over permuted blocks; the null
+    block and the slots past each context hold NaN."""
+    import torch
+
+    from pagedcore.attention import CommonAttentionMetadata
+
+    dim = LATENT + ROPE
+    blocks = cdiv(context, BLOCK_SIZE)
+    num_blocks = 1 + batch * blocks
+    table = (torch.randperm(num_blocks - 1) + 1).to(torch.int32).view(batch, blocks)
+    cache = torch.randn(num_blocks, BLOCK_SIZE, dim, dtype=dtype, device=device)
+    cache[0] = float("nan")
+    if context % BLOCK_SIZE:
+        cache[table[:, -1].to(device).long(), context % BLOCK_SIZE:] = float("nan")
+    query = torch.randn(batch, NUM_HEADS, dim, dtype=dtype, device=device)
+    qsl = torch.arange(batch + 1, dtype=torch.int32)
+    seq = torch.full((batch,), context, dtype=torch.int32)
+    pos = torch.full((batch,), context - 1, dtype=torch.int64)
+    slots = table[:, -1].long() * BLOCK_SIZE + (context - 1) % BLOCK_SIZE
+    common = CommonAttentionMetadata(
+        query_start_loc=qsl.to(device), query_start_loc_cpu=qsl, seq_lens=seq.to(device),
+        seq_lens_cpu=seq, num_reqs=batch, num_actual_tokens=batch, max_query_len=1,
+        max_seq_len=context, block_table=table.to(device), slot_mapping=slots.to(device),
+        positions=pos.to(device),
+    )
+    return cache, query, common
+
+
+def _plans(common: Any, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
+    from pagedcore_triton.mla import TritonMLABackend
+
+    from pagedcore.kv_cache.spec import MLAAttentionSpec
+    from pagedcore.reference.mla import ReferenceMLABackend
+
+    spec = MLAAttentionSpec(block_size=BLOCK_SIZE, kv_lora_rank=LATENT, rope_head_dim=ROPE,
+                            dtype=dtype)
+    layer = ["model.layers.0.self_attn"]
+    meta = TritonMLABackend.get_builder_cls()(spec, layer, device).build(common)
+    ref = ReferenceMLABackend.get_builder_cls()(spec, layer, device).build(common)
+    return meta, ref
+
+
+def _impl(config: Any) -> Any:
+    from pagedcore_triton.mla import TritonMLAImpl
+
+    impl = TritonMLAImpl(NUM_HEADS, LATENT + ROPE, (128 + ROPE) ** -0.5, kv_lora_rank=LATENT)
+    impl.kernel_config = config
+    return impl
+
+
+def resolve_variants(names: str | None) -> list[Any]:
+    """``None`` -> the shipped default; ``"all"`` -> every config; else comma-separated names."""
+    from pagedcore_triton.mla import DEFAULT_MLA_KERNEL, MLA_KERNEL_CONFIGS
+
+    if names is None:
+        return [DEFAULT_MLA_KERNEL]
+    if names == "all":
+        return list(MLA_KERNEL_CONFIGS.values())
+    out = []
+    for name in names.split(","):
+        if name not in MLA_KERNEL_CONFIGS:
+            raise ValueError(f"unknown MLA kernel variant {name!r}; known: "
+                             f"{', '.join(MLA_KERNEL_CONFIGS)} (or 'all')")
+        out.append(MLA_KERNEL_CONFIGS[name])
+    return out
+
+
+def warm_variant(config: Any, device: torch.device) -> None:
+    """Compile `config`'s kernels at the bench's shapes (with and without split-KV)."""
+    import torch
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    for batch, context in ((1, 4096), (512, 256)):
+        cache, query, common = _decode_batch(batch, context, device, dtype)
+        meta, _ = _plans(common, device, dtype)
+        _impl(config).forward(query, query, query, cache, meta)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def check_variant(config: Any, device: torch.device, *, quick: bool) -> list[dict[str, Any]]:
+    """The MLA conformance specs for `config` (bf16 on CUDA, with the offsets-past-2^31 case
+    unless `quick`; float32 in the interpreter), as JSON rows."""
+    from pagedcore_triton.mla import TritonMLABackend, TritonMLAImpl
+
+    from pagedcore.conformance.mla import run_mla_suite
+
+    old = TritonMLAImpl.kernel_config
+    TritonMLAImpl.kernel_config = config
+    try:
+        results = run_mla_suite(TritonMLABackend, device=device, quick=quick,
+                                dtypes=["bfloat16"] if device.type == "cuda" else None)
+    finally:
+        TritonMLAImpl.kernel_config = old
+    return [{"variant": config.name, "case": f"{r.spec}/{r.dtype}/bs{r.block_size}",
+             "passed": r.passed, "rel_err": r.rel_err, "detail": r.detail} for r in results]
+
+
+def _targets(config: Any) -> tuple[int, ...]:
+    base = config.split.target_programs
+    return (base, 2 * base)
+
+
+def kernel_rows(
+    device: torch.device,
+    variants: Sequence[Any],
+    *,
+    quick: bool,
+    copy_gbps: float | None,
+    on_row: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Time every variant on every case, with its split-KV target and twice that, and check
+    each result against the reference MLA. The fastest row of each shape carries
+    ``best_for_shape``; `on_row` sees each row as soon as it is measured."""
+    import attrs
+    import torch
+    from pagedcore_triton.mla import choose_mla_splits
+
+    from pagedcore.bench.kernel_primitives import time_ms
+    from pagedcore.reference.mla import MLAImpl
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows: list[dict[str, Any]] = []
+    for batch, context in QUICK_CASES if quick else FULL_CASES:
+        cache, query, common = _decode_batch(batch, context, device, dtype)
+        meta, ref_meta = _plans(common, device, dtype)
+        ref = MLAImpl(NUM_HEADS, LATENT + ROPE, (128 + ROPE) ** -0.5, kv_lora_rank=LATENT)
+        want = ref.forward(query.float(), query, query, cache.float(), ref_meta).float()
+        kv_bytes = batch * context * (LATENT + ROPE) * cache.element_size()
+        case_rows: list[dict[str, Any]] = []
+        for config in variants:
+            for target in _targets(config)[:1] if quick else _targets(config):
+                cfg = attrs.evolve(config, split=attrs.evolve(config.split,
+                                                              target_programs=target))
+                impl = _impl(cfg)
+                splits = choose_mla_splits(cfg.split, num_tokens=batch, head_blocks=1,
+                                           max_seq_len=context)
+                row: dict[str, Any] = {
+                    "variant": config.name, "batch": batch, "context": context,
+                    "block_n": cfg.block_n, "num_warps": cfg.num_warps,
+                    "num_stages": cfg.num_stages, "maxnreg": cfg.maxnreg,
+                    "target_programs": target, "num_splits": splits, "kv_bytes": kv_bytes,
+                }
+                try:
+                    got = impl.forward(query, query, query, cache, meta).float()
+                    rel = float((got - want).norm() / want.norm())
+                    ms = time_ms(_forward_fn(impl, query, cache, meta), device)
+                except Exception as exc:  # a config the device cannot run is reported
+                    row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                else:
+                    gbps = kv_bytes / ms / 1e6
+                    row.update(ms=ms, kv_GBps=gbps, rel_err=rel,
+                               pct_copy=None if copy_gbps is None else 100 * gbps / copy_gbps)
+                case_rows.append(row)
+                if on_row is not None:
+                    on_row(row)
+        timed = [r for r in case_rows if "ms" in r and r["rel_err"] < 3e-2]
+        if timed:
+            min(timed, key=lambda r: r["ms"])["best_for_shape"] = True
+        rows += case_rows
+        del cache, query, want
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _forward_fn(impl: Any, query: torch.Tensor, cache: torch.Tensor, meta: Any) -> Any:
+    return lambda: impl.forward(query, query, query, cache, meta)
+
+
+def summarize(rows: list[dict[str, Any]], target_pct: float = 80.0) -> dict[str, Any]:
+    """Best % of copy per shape (any variant), per variant its worst shape's best %, and the
+    variant with the best mean over the shapes."""
+    best: dict[str, float] = {}
+    per_variant: dict[str, dict[str, float]] = {}
+    for r in rows:
+        if r.get("pct_copy") is None or r.get("rel_err", 1.0) >= 3e-2:
+            continue
+        shape = f"{r['batch']}x{r['context']}"
+        best[shape] = max(best.get(shape, 0.0), round(r["pct_copy"], 1))
+        v = per_variant.setdefault(r["variant"], {})
+        v[shape] = max(v.get(shape, 0.0), round(r["pct_copy"], 1))
+    worst = {k: min(v.values()) for k, v in per_variant.items()}
+    return {
+        "best_pct_of_copy_per_shape": best,
+        "variant_pct_of_copy_per_shape": per_variant,
+        "variant_worst_shape_pct": worst,
+        # The variant with the highest mean % of copy over the shapes (the one to ship).
+        "best_variant": max(per_variant, key=lambda k: sum(per_variant[k].values()),
+                            default=None),
+        "target_pct": target_pct,
+        "met": bool(best) and min(best.values()) >= target_pct,
+    }
+
+
+def append_json_line(path: str, row: dict[str, Any]) -> None:
+    """Append one row as a JSON line (results survive a run cut short)."""
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")

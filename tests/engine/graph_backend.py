@@ -1,0 +1,140 @@
+"""A CUDA-graph-safe test backend: the reference backend plus a pure-tensor decode path.
+
+`GraphDecodeBackend` declares ``UNIFORM_SINGLE_TOKEN_DECODE``. Its
+`build_for_cudagraph_capture` returns metadata that only *holds* the engine's persistent
+buffers; its decode forward reads their values at run time with tensor ops only (no host
+reads, no value-dependent shapes), so it can be captured by a real CUDA graph and, on the
+CPU, replayed eagerly by `EagerCapturer`. Eager steps go through the reference backend.
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, ClassVar
+
+import attrs
+import torch
+
+import pagedcore
+from pagedcore.attention.backend import AttentionImpl, CudaGraphSupport, MetadataBuilder
+from pagedcore.attention.metadata import CommonAttentionMetadata
+from pagedcore.plugins.registry import get_registry
+from pagedcore.reference.backend import ReferenceBackend
+from pagedcore.reference.impl import ReferenceImpl
+from pagedcore.reference.metadata import ReferenceMetadataBuilder
+
+NAME = "graph_decode_test"
+
+
+@attrs.frozen
+class GraphDecodeMetadata:
+    """A uniform decode batch over the persistent buffers (values read at run time)."""
+
+    common: CommonAttentionMetadata
+
+
+class GraphDecodeBuilder(ReferenceMetadataBuilder):
+    """Counts the captures it planned."""
+
+    num_capture_builds: ClassVar[int] = 0
+    #: Weak references to every capture plan returned.
+    plans: ClassVar[list[weakref.ref[GraphDecodeMetadata]]] = []
+
+    def build_for_cudagraph_capture(self, common: CommonAttentionMetadata) -> Any:
+        GraphDecodeBuilder.num_capture_builds += 1
+        assert common.max_query_len == 1 and common.num_actual_tokens == common.num_reqs
+        plan = GraphDecodeMetadata(common)
+        GraphDecodeBuilder.plans.append(weakref.ref(plan))
+        return plan
+
+
+class GraphDecodeImpl(ReferenceImpl):
+    """Decode attention over the whole block table, masked by the live ``seq_lens``; a cache
+    write without host syncs (the reference one selects valid slots with a boolean mask)."""
+
+    def do_kv_cache_update(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        slots = slot_mapping[: key.shape[0]]
+        valid = (slots >= 0)[:, None, None]
+        # Padding rows rewrite slot 0 (the null block's first slot) with its own value.
+        index = torch.where(slots >= 0, slots, 0)
+        for cache, new in ((kv_cache[0], key), (kv_cache[1], value)):
+            flat = cache.view(-1, cache.shape[2], cache.shape[3])
+            kept = flat.index_select(0, index)
+            flat.index_copy_(0, index, torch.where(valid, new.to(flat.dtype), kept))
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: Any,
+        *,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if not isinstance(metadata, GraphDecodeMetadata):
+            return super().forward(query, key, value, kv_cache, metadata, output=output)
+        common = metadata.common
+        table = common.block_table.long()  # [B, M]
+        b, m = table.shape
+        bs, hkv, d = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
+        k = kv_cache[0][table].reshape(b, m * bs, hkv, d).float()
+        v = kv_cache[1][table].reshape(b, m * bs, hkv, d).float()
+        pos = torch.arange(m * bs, device=query.device)
+        seq = common.seq_lens.long()
+        qpos = seq - 1
+        visible = pos[None, :] < seq[:, None]
+        if self.sliding_window is not None:
+            visible &= (qpos[:, None] - pos[None, :]) < self.sliding_window
+        q = query.float().view(b, hkv, self.num_queries_per_kv, d)
+        s = torch.einsum("bhgd,bkhd->bhgk", q, k) * self.scale
+        if self.logits_soft_cap is not None:
+            s = self.logits_soft_cap * torch.tanh(s / self.logits_soft_cap)
+        if self.alibi_slopes is not None:
+            slopes = torch.tensor(self.alibi_slopes, device=query.device).view(hkv, -1)
+            s = s + slopes[None, :, :, None] * (pos[None, :] - qpos[:, None])[:, None, None, :]
+        s = s.masked_fill(~visible[:, None, None, :], float("-inf"))
+        out = torch.einsum("bhgk,bkhd->bhgd", s.softmax(-1), v).reshape(b, -1, d)
+        result = out.to(query.dtype)
+        if output is not None:
+            output.copy_(result)
+            return output
+        return result
+
+
+class GraphDecodeBackend(ReferenceBackend):
+    """The reference backend, declaring single-token-decode CUDA-graph support."""
+
+    name: ClassVar[str] = NAME
+    priority: ClassVar[int] = 5000
+    cudagraph_support: ClassVar[CudaGraphSupport] = CudaGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+    @classmethod
+    def get_builder_cls(cls) -> type[MetadataBuilder[Any]]:
+        return GraphDecodeBuilder
+
+    @classmethod
+    def get_impl_cls(cls) -> type[AttentionImpl[Any]]:
+        return GraphDecodeImpl
+
+
+@contextmanager
+def graph_backend_registered() -> Iterator[str]:
+    """Register `GraphDecodeBackend` in the process-wide registry inside a block."""
+
+    @pagedcore.hookimpl
+    def pagedcore_register_backends() -> list[Any]:
+        return [GraphDecodeBackend]
+
+    plugin = types.SimpleNamespace(pagedcore_register_backends=pagedcore_register_backends)
+    with get_registry().temporary_plugin(plugin, name="graph-decode-test"):
+        yield NAME
