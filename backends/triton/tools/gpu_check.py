@@ -33,9 +33,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 #: Prefill variants (PAGEDCORE_TRITON_PREFILL_TILES), most informative first; "" = default.
-#: Two stages, 8 warps and 64-row tiles were slower (session 2, ``triton_h200_b1_rerun``);
-#: 2 -> 3 stages gained 24%, so these try deeper pipelines of the K/V gather.
-VARIANTS = ["", "128,64,4,4", "128,32,4,4", "128,32,4,5", "128,64,4,5", "64,64,4,5"]
+#: Thirteen shapes were measured in session 2 (docs/benchmarks/triton.md); 4 stages tied.
+VARIANTS = ["", "128,64,4,4", "128,64,4,3,fwd"]
 
 
 class _Out:
