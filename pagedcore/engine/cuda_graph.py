@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from pagedcore.attention.backend import AttentionBackend
 
 __all__ = [
+    "BucketedGraphs",
     "CapturedGraph",
     "CudaGraphCapturer",
     "DecodeGraphs",
@@ -148,8 +149,9 @@ class EagerCapturer:
         return CapturedGraph(replay, output)
 
 
-class DecodeGraphs:
-    """One captured decode forward per batch-size bucket.
+class BucketedGraphs:
+    """Captured forwards, one per bucket, over persistent buffers (the shared mechanics of
+    `DecodeGraphs` and `pagedcore.engine.mixed_graphs.MixedGraphs`).
 
     Parameters
     ----------
@@ -158,10 +160,13 @@ class DecodeGraphs:
     capturer:
         How to capture (`CudaGraphCapturer` on a GPU).
     make_forward:
-        ``make_forward(bucket)`` fills the persistent buffers with a padding-only batch of
-        `bucket` requests and returns the forward to capture: a zero-argument callable that
-        runs the base model over the buffers and returns ``[bucket, hidden]`` hidden states.
+        ``make_forward(bucket)`` returns the forward to capture for `bucket`: a zero-argument
+        callable that runs the base model over the buffers and returns ``[bucket, hidden]``
+        hidden states. Subclasses fill the buffers with padding first (`_before_capture`).
     """
+
+    #: What a bucket counts, for error messages.
+    bucket_unit = "bucket"
 
     def __init__(
         self,
@@ -172,7 +177,9 @@ class DecodeGraphs:
     ) -> None:
         sizes = sorted(set(sizes))
         if not sizes or sizes[0] < 1:
-            raise ValueError(f"capture sizes must be positive integers, got {list(sizes)}")
+            raise ValueError(
+                f"{self.bucket_unit} sizes must be positive integers, got {list(sizes)}"
+            )
         self.sizes = sizes
         self.capturer = capturer
         self.make_forward = make_forward
@@ -186,9 +193,8 @@ class DecodeGraphs:
         #: Seconds spent capturing (warm-up runs included).
         self.capture_seconds = 0.0
 
-    def bucket_for(self, num_reqs: int) -> int | None:
-        """The bucket a decode batch of `num_reqs` requests is padded to (None: too big)."""
-        return pick_bucket(num_reqs, self.sizes)
+    def _before_capture(self) -> None:
+        """Hook: prepare the persistent buffers before a bucket's forward is made."""
 
     def capture(self, bucket: int) -> CapturedGraph:
         """Warm up and capture `bucket`'s forward (once; later calls return the graph)."""
@@ -196,8 +202,9 @@ class DecodeGraphs:
         if graph is not None:
             return graph
         if bucket not in self.sizes:
-            raise ValueError(f"{bucket} is not a capture size (sizes: {self.sizes})")
+            raise ValueError(f"{bucket} is not a {self.bucket_unit} size (sizes: {self.sizes})")
         t0 = time.perf_counter()
+        self._before_capture()
         forward = self.make_forward(bucket)
         forward()  # warm-up: JIT compiles, autotunes and allocates outside the capture
         graph = self.capturer.capture(forward)
@@ -210,6 +217,18 @@ class DecodeGraphs:
         """Capture every bucket, largest first (smaller graphs reuse its pool memory)."""
         for bucket in reversed(self.sizes):
             self.capture(bucket)
+
+
+class DecodeGraphs(BucketedGraphs):
+    """One captured decode forward per batch-size bucket (parameters as `BucketedGraphs`;
+    ``make_forward(bucket)`` fills the persistent buffers with a padding-only batch of
+    `bucket` requests)."""
+
+    bucket_unit = "capture"
+
+    def bucket_for(self, num_reqs: int) -> int | None:
+        """The bucket a decode batch of `num_reqs` requests is padded to (None: too big)."""
+        return pick_bucket(num_reqs, self.sizes)
 
     def replay(self, bucket: int) -> torch.Tensor:
         """Replay `bucket`'s graph (capturing it first if needed); ``[bucket, hidden]``.

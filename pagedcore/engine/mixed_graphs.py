@@ -21,13 +21,12 @@ more tokens than the largest bucket runs eagerly.
 
 from __future__ import annotations
 
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from pagedcore.attention.metadata import CommonAttentionMetadata
-from pagedcore.engine.cuda_graph import CapturedGraph, GraphCapturer, pick_bucket
+from pagedcore.engine.cuda_graph import BucketedGraphs, GraphCapturer, pick_bucket
 
 if TYPE_CHECKING:
     import torch
@@ -205,7 +204,7 @@ class MixedBuffers:
             table[n:].zero_()
 
 
-class MixedGraphs:
+class MixedGraphs(BucketedGraphs):
     """One captured mixed-step forward per token bucket.
 
     Parameters
@@ -223,6 +222,8 @@ class MixedGraphs:
         hidden]`` hidden states.
     """
 
+    bucket_unit = "token bucket"
+
     def __init__(
         self,
         *,
@@ -231,21 +232,13 @@ class MixedGraphs:
         capturer: GraphCapturer,
         make_forward: Callable[[int], Callable[[], torch.Tensor]],
     ) -> None:
-        sizes = sorted(set(sizes))
-        if not sizes or sizes[0] < 1:
-            raise ValueError(f"token buckets must be positive integers, got {list(sizes)}")
-        self.sizes = sizes
+        super().__init__(sizes=sizes, capturer=capturer, make_forward=make_forward)
         self.buffers = buffers
-        self.capturer = capturer
-        self.make_forward = make_forward
-        self.graphs: dict[int, CapturedGraph] = {}
-        # Kept for the graphs' lifetime: they hold the plans and any scratch a backend
-        # allocated in the warm-up run (see `DecodeGraphs`).
-        self.forwards: dict[int, Callable[[], torch.Tensor]] = {}
-        #: Seconds spent capturing (warm-up runs included).
-        self.capture_seconds = 0.0
         #: Mixed steps served by a replay.
         self.num_replays = 0
+
+    def _before_capture(self) -> None:
+        self.buffers.write_padding()
 
     def bucket_for(self, inputs: StepInputs) -> int | None:
         """The token bucket of an eagerly prepared step (None: run it eagerly: a padded
@@ -255,28 +248,6 @@ class MixedGraphs:
         if inputs.common[0].num_reqs > self.buffers.num_reqs:
             return None
         return pick_bucket(inputs.num_tokens, self.sizes)
-
-    def capture(self, bucket: int) -> CapturedGraph:
-        """Warm up and capture `bucket`'s forward (once; later calls return the graph)."""
-        graph = self.graphs.get(bucket)
-        if graph is not None:
-            return graph
-        if bucket not in self.sizes:
-            raise ValueError(f"{bucket} is not a token bucket (buckets: {self.sizes})")
-        t0 = time.perf_counter()
-        self.buffers.write_padding()
-        forward = self.make_forward(bucket)
-        forward()  # warm-up: JIT compiles, autotunes and allocates outside the capture
-        graph = self.capturer.capture(forward)
-        self.forwards[bucket] = forward
-        self.graphs[bucket] = graph
-        self.capture_seconds += time.perf_counter() - t0
-        return graph
-
-    def capture_all(self) -> None:
-        """Capture every bucket, largest first (smaller graphs reuse its pool memory)."""
-        for bucket in reversed(self.sizes):
-            self.capture(bucket)
 
     def run(self, inputs: StepInputs) -> torch.Tensor:
         """Serve a step by a replay: ``[bucket, hidden]`` hidden states, the step's rows

@@ -128,13 +128,20 @@ class GraphDecodeBackend(ReferenceBackend):
 
 
 @contextmanager
-def graph_backend_registered() -> Iterator[str]:
-    """Register `GraphDecodeBackend` in the process-wide registry inside a block."""
+def backend_registered(backend: type[Any], plugin_name: str) -> Iterator[str]:
+    """Register `backend` in the process-wide registry inside a block; yields its name."""
 
     @pagedcore.hookimpl
     def pagedcore_register_backends() -> list[Any]:
-        return [GraphDecodeBackend]
+        return [backend]
 
     plugin = types.SimpleNamespace(pagedcore_register_backends=pagedcore_register_backends)
-    with get_registry().temporary_plugin(plugin, name="graph-decode-test"):
-        yield NAME
+    with get_registry().temporary_plugin(plugin, name=plugin_name):
+        yield str(backend.name)
+
+
+@contextmanager
+def graph_backend_registered() -> Iterator[str]:
+    """Register `GraphDecodeBackend` in the process-wide registry inside a block."""
+    with backend_registered(GraphDecodeBackend, "graph-decode-test") as name:
+        yield name

@@ -10,19 +10,21 @@ reference backend, decode captures through `GraphDecodeImpl`.
 
 from __future__ import annotations
 
-import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, ClassVar
 
 import attrs
 import torch
-from graph_backend import GraphDecodeBackend, GraphDecodeBuilder, GraphDecodeImpl
+from graph_backend import (
+    GraphDecodeBackend,
+    GraphDecodeBuilder,
+    GraphDecodeImpl,
+    backend_registered,
+)
 
-import pagedcore
 from pagedcore.attention.backend import AttentionImpl, CudaGraphSupport, MetadataBuilder
 from pagedcore.attention.metadata import CommonAttentionMetadata
-from pagedcore.plugins.registry import get_registry
 
 NAME = "graph_mixed_test"
 
@@ -117,11 +119,5 @@ class GraphMixedBackend(GraphDecodeBackend):
 @contextmanager
 def mixed_backend_registered() -> Iterator[str]:
     """Register `GraphMixedBackend` in the process-wide registry inside a block."""
-
-    @pagedcore.hookimpl
-    def pagedcore_register_backends() -> list[Any]:
-        return [GraphMixedBackend]
-
-    plugin = types.SimpleNamespace(pagedcore_register_backends=pagedcore_register_backends)
-    with get_registry().temporary_plugin(plugin, name="graph-mixed-test"):
-        yield NAME
+    with backend_registered(GraphMixedBackend, "graph-mixed-test") as name:
+        yield name
