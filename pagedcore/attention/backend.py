@@ -400,8 +400,23 @@ class AttentionImpl(abc.ABC, Generic[M]):
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
         self.kv_cache_dtype = kv_cache_dtype
+        self._alibi_on_device: dict[str, torch.Tensor] = {}
         self.check_supported()
         self.setup()
+
+    def alibi_slopes_on(self, device: torch.device) -> torch.Tensor | None:
+        """The ALiBi slopes as a ``[Hq]`` float32 tensor on `device` (made once per device and
+        kept, so a step never copies them again), or None without ALiBi."""
+        if self.alibi_slopes is None:
+            return None
+        key = str(device)
+        slopes = self._alibi_on_device.get(key)
+        if slopes is None:
+            import torch
+
+            slopes = torch.tensor(self.alibi_slopes, dtype=torch.float32, device=device)
+            self._alibi_on_device[key] = slopes
+        return slopes
 
     def check_supported(self) -> None:
         """Raise ValueError if this impl cannot serve its arguments (no-op by default).

@@ -45,13 +45,6 @@ class ReferenceImpl(AttentionImpl[ReferenceMetadata]):
                 f"(kv_cache_dtype='auto'), got {self.kv_cache_dtype!r}"
             )
 
-    def setup(self) -> None:
-        self._slopes: torch.Tensor | None = (
-            None
-            if self.alibi_slopes is None
-            else torch.tensor(self.alibi_slopes, dtype=torch.float32)
-        )
-
     def do_kv_cache_update(
         self,
         key: torch.Tensor,
@@ -111,7 +104,7 @@ class ReferenceImpl(AttentionImpl[ReferenceMetadata]):
             )
         if output is None:
             output = torch.zeros_like(query)
-        slopes = None if self._slopes is None else self._slopes.to(query.device)
+        slopes = self.alibi_slopes_on(query.device)
         causal = metadata.common.causal
         for group in metadata.groups:
             n, lq, lk = group.num_reqs, group.query_len, group.slots.shape[1]

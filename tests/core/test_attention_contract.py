@@ -205,7 +205,9 @@ def test_default_hooks_refuse_nothing_and_add_nothing() -> None:
     assert set(vars(impl)) == {
         "num_heads", "head_size", "scale", "num_kv_heads", "num_queries_per_kv",
         "alibi_slopes", "sliding_window", "logits_soft_cap", "kv_cache_dtype",
+        "_alibi_on_device",  # the (empty) per-device cache behind alibi_slopes_on
     }
+    assert impl._alibi_on_device == {}
 
 
 @pytest.mark.parametrize(

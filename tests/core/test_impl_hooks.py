@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from pagedcore.attention.backend import AttentionImpl
 from pagedcore.reference.mla import MLAImplBase
@@ -72,9 +73,18 @@ def test_impls_refuse_what_they_cannot_serve(
         cls(8, head_size, 0.1, **kwargs)
 
 
-def test_setup_state_is_built() -> None:
+def test_alibi_slopes_are_made_once_per_device() -> None:
     ref = _impl("pagedcore.reference.impl", "ReferenceImpl")(2, 64, 0.1, alibi_slopes=[0.5, 0.25])
-    assert ref._slopes is not None and ref._slopes.tolist() == [0.5, 0.25]  # type: ignore[attr-defined]
+    cpu = torch.device("cpu")
+    slopes = ref.alibi_slopes_on(cpu)
+    assert slopes is not None and slopes.dtype == torch.float32
+    assert slopes.tolist() == [0.5, 0.25]
+    assert ref.alibi_slopes_on(cpu) is slopes  # cached, not rebuilt per step
+    plain = _impl("pagedcore.reference.impl", "ReferenceImpl")(2, 64, 0.1)
+    assert plain.alibi_slopes_on(cpu) is None
+
+
+def test_setup_state_is_built() -> None:
     fa = _impl("pagedcore_flash_attn.impl", "FlashAttnImpl")(4, 128, 0.1, sliding_window=4096)
     assert fa.window_size == (4095, 0)  # type: ignore[attr-defined]
 

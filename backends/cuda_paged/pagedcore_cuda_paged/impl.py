@@ -56,9 +56,6 @@ class CudaPagedImpl(AttentionImpl[CudaPagedMetadata]):
                 f"got {self.kv_cache_dtype!r}"
             )
 
-    def setup(self) -> None:
-        self._alibi: torch.Tensor | None = None
-
     def _block_size(self, kv_cache: torch.Tensor) -> int:
         per_block = self.num_kv_heads * self.head_size
         if kv_cache.dim() != 3 or kv_cache.shape[0] != 2 or kv_cache.shape[2] % per_block:
@@ -67,15 +64,6 @@ class CudaPagedImpl(AttentionImpl[CudaPagedMetadata]):
                 f"{per_block} * block_size); allocate it with CudaPagedBackend.get_kv_cache_shape"
             )
         return int(kv_cache.shape[2]) // per_block
-
-    def _alibi_tensor(self, device: torch.device) -> torch.Tensor | None:
-        import torch
-
-        if self.alibi_slopes is None:
-            return None
-        if self._alibi is None or self._alibi.device != device:
-            self._alibi = torch.tensor(self.alibi_slopes, dtype=torch.float32, device=device)
-        return self._alibi
 
     def do_kv_cache_update(
         self,
@@ -114,7 +102,7 @@ class CudaPagedImpl(AttentionImpl[CudaPagedMetadata]):
         if not _aligned_rows(query):
             query = query.contiguous()
         out = output if output is not None and _aligned_rows(output) else torch.empty_like(query)
-        alibi = self._alibi_tensor(query.device)
+        alibi = self.alibi_slopes_on(query.device)
         cap = 0.0 if self.logits_soft_cap is None else float(self.logits_soft_cap)
         window = 0 if self.sliding_window is None else self.sliding_window
         common = (metadata.block_table, metadata.seq_lens, metadata.query_start_loc)

@@ -60,14 +60,6 @@ class FlashAttnImpl(AttentionImpl[FlashAttnMetadata]):
         #: flash-attn's ``(left, right)``: a window of W keys is the query plus W - 1 before it.
         self.window_size: tuple[int, int] = (-1, -1) if window is None else (window - 1, 0)
         self._varlen: flash_api.VarlenFunc | None = None
-        self._alibi: torch.Tensor | None = None
-
-    def _alibi_slopes_on(self, device: torch.device) -> torch.Tensor | None:
-        if self.alibi_slopes is None:
-            return None
-        if self._alibi is None or self._alibi.device != device:
-            self._alibi = torch.tensor(self.alibi_slopes, dtype=torch.float32, device=device)
-        return self._alibi
 
     def do_kv_cache_update(
         self,
@@ -161,7 +153,7 @@ class FlashAttnImpl(AttentionImpl[FlashAttnMetadata]):
             causal=metadata.causal,
             window_size=self.window_size,
             softcap=0.0 if self.logits_soft_cap is None else float(self.logits_soft_cap),
-            alibi_slopes=self._alibi_slopes_on(query.device),
+            alibi_slopes=self.alibi_slopes_on(query.device),
             block_table=metadata.block_table,
         )
         if output is None:

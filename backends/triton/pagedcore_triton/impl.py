@@ -34,21 +34,11 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             )
 
     def setup(self) -> None:
-        self._slopes: dict[torch.device, torch.Tensor] = {}
         self._features = (
             self.alibi_slopes is not None,
             self.sliding_window is not None,
             self.logits_soft_cap is not None,
         )
-
-    def _alibi(self, device: torch.device) -> torch.Tensor | None:
-        if self.alibi_slopes is None:
-            return None
-        slopes = self._slopes.get(device)
-        if slopes is None:
-            slopes = torch.tensor(self.alibi_slopes, dtype=torch.float32, device=device)
-            self._slopes[device] = slopes
-        return slopes
 
     def _check(self, query: torch.Tensor, kv_cache: torch.Tensor) -> None:
         if query.device.type == "cpu" and not interpreting():
@@ -108,7 +98,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             output = torch.empty_like(query)
         elif output.stride(-1) != 1:
             raise ValueError("output must have a contiguous last dimension")
-        slopes = self._alibi(query.device)
+        slopes = self.alibi_slopes_on(query.device)
         # The first layer of a step prepares each launch; the others reuse it (no device reads,
         # so this also holds under CUDA-graph capture and replay).
         shape_key = (query.shape[1], query.dtype, kv_cache.shape, self._features)
