@@ -85,30 +85,48 @@ class GraphDecodeImpl(ReferenceImpl):
             return super().forward(query, key, value, kv_cache, metadata, output=output)
         common = metadata.common
         table = common.block_table.long()  # [B, M]
-        b, m = table.shape
-        bs, hkv, d = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
-        k = kv_cache[0][table].reshape(b, m * bs, hkv, d).float()
-        v = kv_cache[1][table].reshape(b, m * bs, hkv, d).float()
-        pos = torch.arange(m * bs, device=query.device)
+        pos = torch.arange(table.shape[1] * kv_cache.shape[2], device=query.device)
         seq = common.seq_lens.long()
-        qpos = seq - 1
         visible = pos[None, :] < seq[:, None]
-        if self.sliding_window is not None:
-            visible &= (qpos[:, None] - pos[None, :]) < self.sliding_window
-        q = query.float().view(b, hkv, self.num_queries_per_kv, d)
-        s = torch.einsum("bhgd,bkhd->bhgk", q, k) * self.scale
-        if self.logits_soft_cap is not None:
-            s = self.logits_soft_cap * torch.tanh(s / self.logits_soft_cap)
-        if self.alibi_slopes is not None:
-            slopes = torch.tensor(self.alibi_slopes, device=query.device).view(hkv, -1)
-            s = s + slopes[None, :, :, None] * (pos[None, :] - qpos[:, None])[:, None, None, :]
-        s = s.masked_fill(~visible[:, None, None, :], float("-inf"))
-        out = torch.einsum("bhgk,bkhd->bhgd", s.softmax(-1), v).reshape(b, -1, d)
-        result = out.to(query.dtype)
-        if output is not None:
-            output.copy_(result)
-            return output
-        return result
+        return attend_rows(self, query, kv_cache, table, seq - 1, visible, output)
+
+
+def attend_rows(
+    impl: AttentionImpl[Any],
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    table: torch.Tensor,
+    qpos: torch.Tensor,
+    visible: torch.Tensor,
+    output: torch.Tensor | None,
+) -> torch.Tensor:
+    """Attention of query row ``r`` (``[R, Hq, D]``, at position ``qpos[r]``) over the cache
+    slots of block-table row ``table[r]`` (``[R, M]`` int64) where ``visible[r]`` (``[R, M *
+    block_size]`` bool) holds; the impl's window, soft-cap and ALiBi apply. Pure tensor ops
+    (graph-safe); masked keys never reach the sum, and a row with no visible key gives 0."""
+    r, m = table.shape
+    bs, hkv, d = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
+    k = kv_cache[0][table].reshape(r, m * bs, hkv, d).float()
+    v = kv_cache[1][table].reshape(r, m * bs, hkv, d).float()
+    pos = torch.arange(m * bs, device=query.device)
+    if impl.sliding_window is not None:
+        visible = visible & ((qpos[:, None] - pos[None, :]) < impl.sliding_window)
+    q = query.float().view(r, hkv, impl.num_queries_per_kv, d)
+    s = torch.einsum("rhgd,rkhd->rhgk", q, k) * impl.scale
+    if impl.logits_soft_cap is not None:
+        s = impl.logits_soft_cap * torch.tanh(s / impl.logits_soft_cap)
+    slopes = impl.alibi_slopes_on(query.device)
+    if slopes is not None:
+        rel = (pos[None, :] - qpos[:, None])[:, None, None, :]
+        s = s + slopes.view(hkv, -1)[None, :, :, None] * rel
+    s = s.masked_fill(~visible[:, None, None, :], float("-inf"))
+    p = torch.where(visible.any(-1)[:, None, None, None], s.softmax(-1), 0.0)
+    v = torch.where(visible[:, :, None, None], v, 0.0)
+    result = torch.einsum("rhgk,rkhd->rhgd", p, v).reshape(r, -1, d).to(query.dtype)
+    if output is not None:
+        output.copy_(result)
+        return output
+    return result
 
 
 class GraphDecodeBackend(ReferenceBackend):

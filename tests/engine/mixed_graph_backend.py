@@ -20,6 +20,7 @@ from graph_backend import (
     GraphDecodeBackend,
     GraphDecodeBuilder,
     GraphDecodeImpl,
+    attend_rows,
     backend_registered,
 )
 
@@ -67,37 +68,15 @@ class GraphMixedImpl(GraphDecodeImpl):
         common = metadata.common
         qsl = common.query_start_loc.long()
         seq = common.seq_lens.long()
-        num_tokens = query.shape[0]
-        tok = torch.arange(num_tokens, device=query.device)
+        tok = torch.arange(query.shape[0], device=query.device)
         real = tok < qsl[-1]
         req = torch.searchsorted(qsl[1:], tok, right=True).clamp(max=seq.shape[0] - 1)
         q_len = qsl[req + 1] - qsl[req]
         pos_q = seq[req] - q_len + (tok - qsl[req])
         table = common.block_table.long()[req]  # [T, M]
-        m = table.shape[1]
-        bs, hkv, d = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
-        k = kv_cache[0][table].reshape(num_tokens, m * bs, hkv, d).float()
-        v = kv_cache[1][table].reshape(num_tokens, m * bs, hkv, d).float()
-        pos = torch.arange(m * bs, device=query.device)
+        pos = torch.arange(table.shape[1] * kv_cache.shape[2], device=query.device)
         visible = (pos[None, :] <= pos_q[:, None]) & real[:, None]
-        if self.sliding_window is not None:
-            visible &= (pos_q[:, None] - pos[None, :]) < self.sliding_window
-        q = query.float().view(num_tokens, hkv, self.num_queries_per_kv, d)
-        s = torch.einsum("thgd,tkhd->thgk", q, k) * self.scale
-        if self.logits_soft_cap is not None:
-            s = self.logits_soft_cap * torch.tanh(s / self.logits_soft_cap)
-        if self.alibi_slopes is not None:
-            slopes = torch.tensor(self.alibi_slopes, device=query.device).view(hkv, -1)
-            s = s + slopes[None, :, :, None] * (pos[None, :] - pos_q[:, None])[:, None, None, :]
-        s = s.masked_fill(~visible[:, None, None, :], float("-inf"))
-        p = torch.where(real[:, None, None, None], s.softmax(-1), 0.0)
-        v = torch.where(visible[:, :, None, None], v, 0.0)  # masked keys never reach the sum
-        out = torch.einsum("thgk,tkhd->thgd", p, v).reshape(num_tokens, -1, d)
-        result = out.to(query.dtype)
-        if output is not None:
-            output.copy_(result)
-            return output
-        return result
+        return attend_rows(self, query, kv_cache, table, pos_q, visible, output)
 
 
 class GraphMixedBackend(GraphDecodeBackend):

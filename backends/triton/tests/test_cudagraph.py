@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from _capture import CaptureBuffers
 from _reference import make_batch, reference_attention, rel_error
 from pagedcore_triton import SplitRule, TritonAttentionBackend
 
@@ -23,27 +24,13 @@ HEADS, KV_HEADS, HEAD_SIZE, BLOCK = 8, 2, 64, 16
 NUM_REQS, MAX_MODEL_LEN, MAX_BLOCKS = 4, 200, 16
 
 
-class _Buffers:
+class _Buffers(CaptureBuffers):
     """The engine's persistent step buffers for `NUM_REQS` single-token decodes."""
 
     def __init__(self) -> None:
-        dev = torch.device(DEVICE)
-        self.qsl = torch.arange(NUM_REQS + 1, dtype=torch.int32, device=dev)
-        self.seq_lens = torch.ones(NUM_REQS, dtype=torch.int32, device=dev)
-        self.table = torch.zeros((NUM_REQS, MAX_BLOCKS), dtype=torch.int32, device=dev)
-        self.slots = torch.full((NUM_REQS,), -1, dtype=torch.int64, device=dev)
-        self.query = torch.zeros((NUM_REQS, HEADS, HEAD_SIZE), device=dev)
-        self.key = torch.zeros((NUM_REQS, KV_HEADS, HEAD_SIZE), device=dev)
-        self.value = torch.zeros_like(self.key)
-
-    def common(self) -> CommonAttentionMetadata:
-        return CommonAttentionMetadata(
-            query_start_loc=self.qsl, query_start_loc_cpu=self.qsl.cpu(),
-            seq_lens=self.seq_lens, seq_lens_cpu=self.seq_lens.cpu(), num_reqs=NUM_REQS,
-            num_actual_tokens=NUM_REQS, max_query_len=1, max_seq_len=MAX_MODEL_LEN,
-            block_table=self.table, slot_mapping=self.slots,
-            positions=torch.zeros(NUM_REQS, dtype=torch.int64, device=DEVICE),
-        )
+        super().__init__(num_reqs=NUM_REQS, num_tokens=NUM_REQS, max_blocks=MAX_BLOCKS,
+                         max_model_len=MAX_MODEL_LEN, heads=HEADS, kv_heads=KV_HEADS,
+                         head_size=HEAD_SIZE, device=DEVICE)
 
     def load(self, reqs: list[tuple[int, int]], seed: int) -> Any:
         """Rewrite the buffers in place with a new batch; the rest are padding requests."""

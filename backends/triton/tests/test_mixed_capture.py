@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from _capture import CaptureBuffers
 from _reference import make_batch, reference_attention, rel_error
 from pagedcore_triton import SplitRule, TritonAttentionBackend
 
@@ -27,27 +28,13 @@ SENTINEL = 7.0
 CACHE_BLOCKS = 40
 
 
-class _MixedBuffers:
+class _MixedBuffers(CaptureBuffers):
     """The engine's persistent buffers of one mixed token bucket."""
 
     def __init__(self) -> None:
-        dev = torch.device(DEVICE)
-        self.qsl = torch.zeros(NUM_REQS + 1, dtype=torch.int32, device=dev)
-        self.seq_lens = torch.zeros(NUM_REQS, dtype=torch.int32, device=dev)
-        self.table = torch.zeros((NUM_REQS, MAX_BLOCKS), dtype=torch.int32, device=dev)
-        self.slots = torch.full((TOKENS,), -1, dtype=torch.int64, device=dev)
-        self.query = torch.zeros((TOKENS, HEADS, HEAD_SIZE), device=dev)
-        self.key = torch.zeros((TOKENS, KV_HEADS, HEAD_SIZE), device=dev)
-        self.value = torch.zeros_like(self.key)
-
-    def common(self) -> CommonAttentionMetadata:
-        return CommonAttentionMetadata(
-            query_start_loc=self.qsl, query_start_loc_cpu=self.qsl.cpu(),
-            seq_lens=self.seq_lens, seq_lens_cpu=self.seq_lens.cpu(), num_reqs=NUM_REQS,
-            num_actual_tokens=TOKENS, max_query_len=TOKENS, max_seq_len=MAX_MODEL_LEN,
-            block_table=self.table, slot_mapping=self.slots,
-            positions=torch.zeros(TOKENS, dtype=torch.int64, device=DEVICE),
-        )
+        super().__init__(num_reqs=NUM_REQS, num_tokens=TOKENS, max_blocks=MAX_BLOCKS,
+                         max_model_len=MAX_MODEL_LEN, heads=HEADS, kv_heads=KV_HEADS,
+                         head_size=HEAD_SIZE, device=DEVICE)
 
     def load(self, reqs: list[tuple[int, int]], seed: int) -> Any:
         """Rewrite the buffers in place: `reqs` first, then padding requests and tokens."""
