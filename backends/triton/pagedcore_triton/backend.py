@@ -110,6 +110,7 @@ class TritonMetadataBuilder(MetadataBuilder[TritonAttentionMetadata]):
             token_end=int(qsl[end]),
             max_query_len=max_q,
             num_segments=segments,
+            prefill_only=min(q_lens, default=0) > 1,
         )
 
     def build(

@@ -8,6 +8,7 @@ prepared launch stays valid while the step's buffers are rewritten in place (CUD
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -78,7 +79,8 @@ def prepare_launch(
     interp = interpreting()
     cfg = tiles or tile_config(
         part.max_query_len, qpk, head_size, interpreting=interp,
-        prefill_override=os.environ.get(PREFILL_TILES_ENV),
+        prefill_override=os.environ.get(PREFILL_TILES_ENV), prefill_only=part.prefill_only,
+        itemsize=dtype.itemsize,
     )
     head_pad = triton.next_power_of_2(head_size)
     segments = part.num_segments
@@ -139,6 +141,8 @@ def prepare_launch(
             "DOT_FP32": interp or dtype == torch.float32,
             "SKIP_INTERIOR_MASKS": cfg.skip_interior_masks,
             "LONGEST_FIRST": cfg.longest_first,
+            "EDGE_STAGES": 1 if cfg.unpipelined_edges else None,
+            "OFF32": cfg.int32_offsets and math.prod(kv_cache_shape) < 2**31,
             "num_warps": cfg.num_warps,
             "num_stages": cfg.num_stages,
         },

@@ -9,6 +9,7 @@ import attrs
 
 __all__ = [
     "PREFILL_TILES_ENV",
+    "TILE_FLAGS",
     "LaunchPart",
     "SplitRule",
     "TileConfig",
@@ -17,8 +18,15 @@ __all__ = [
     "tile_config",
 ]
 
-#: Overrides the prefill tile shape (tuning): ``"BLOCK_M,TILE_N,WARPS,STAGES[,fwd]"``.
+#: Overrides the prefill tile shape (tuning): ``"BLOCK_M,TILE_N,WARPS,STAGES[,FLAG...]"``.
 PREFILL_TILES_ENV = "PAGEDCORE_TRITON_PREFILL_TILES"
+
+#: The flags `parse_tiles` accepts after the four numbers, and what each one selects.
+TILE_FLAGS = {
+    "fwd": "natural q-block order instead of longest-first",
+    "m1": "masked edge tiles not software-pipelined (num_stages=1 on those loops)",
+    "i32": "int32 K/V offsets when the cache has fewer than 2**31 elements",
+}
 
 
 def _next_pow2(x: int) -> int:
@@ -39,6 +47,9 @@ class LaunchPart:
         Largest query length among them (picks the tile shape).
     num_segments:
         Split-KV segments per request (1 = one pass).
+    prefill_only:
+        Every request of the part has more than one query token (no decodes among them:
+        allows the 256-row prefill tiles, see `tile_config`).
     """
 
     req_begin: int
@@ -47,6 +58,7 @@ class LaunchPart:
     token_end: int
     max_query_len: int
     num_segments: int = 1
+    prefill_only: bool = False
 
     @property
     def num_reqs(self) -> int:
@@ -100,12 +112,18 @@ class TileConfig:
     skip_interior_masks: bool = False
     #: Launch the q-blocks that see the most keys first (causal prefill load balance).
     longest_first: bool = False
+    #: The masked loops (causal diagonal, window edge, sequence tail) are not pipelined.
+    unpipelined_edges: bool = False
+    #: K/V offsets in int32 where the cache allows it (fewer than 2**31 elements).
+    int32_offsets: bool = False
 
 
 def parse_tiles(text: str, num_queries_per_kv: int) -> TileConfig:
-    """A prefill `TileConfig` from ``"BLOCK_M,TILE_N,WARPS,STAGES[,fwd]"`` (tuning).
+    """A prefill `TileConfig` from ``"BLOCK_M,TILE_N,WARPS,STAGES[,FLAG...]"`` (tuning).
 
-    ``fwd`` keeps the natural q-block order instead of longest-first.
+    Flags (`TILE_FLAGS`): ``fwd`` keeps the natural q-block order instead of longest-first;
+    ``m1`` leaves the masked edge loops unpipelined; ``i32`` computes K/V offsets in int32
+    when the cache is small enough.
     """
     fields = [f.strip() for f in text.split(",")]
     try:
@@ -113,13 +131,16 @@ def parse_tiles(text: str, num_queries_per_kv: int) -> TileConfig:
     except ValueError:
         block_m = tile_n = warps = stages = 0
     flags = fields[4:]
-    ok = len(fields) >= 4 and flags in ([], ["fwd"])
+    ok = len(fields) >= 4 and all(f in TILE_FLAGS for f in flags) and len(set(flags)) == len(
+        flags
+    )
     pow2 = all(x >= 16 and x & (x - 1) == 0 for x in (block_m, tile_n))
     if not ok or not pow2 or min(warps, stages) <= 0:
         raise ValueError(
-            f"{PREFILL_TILES_ENV}={text!r}: expected 'BLOCK_M,TILE_N,WARPS,STAGES[,fwd]' with "
-            "BLOCK_M and TILE_N powers of two >= 16 and positive WARPS and STAGES, "
-            "e.g. '128,64,4,3'"
+            f"{PREFILL_TILES_ENV}={text!r}: expected 'BLOCK_M,TILE_N,WARPS,STAGES[,FLAG...]' "
+            "with BLOCK_M and TILE_N powers of two >= 16, positive WARPS and STAGES and each "
+            f"FLAG at most once, one of {', '.join(TILE_FLAGS)}; e.g. '128,64,4,3' or "
+            "'128,128,8,2,i32'"
         )
     block_m = max(block_m, _next_pow2(num_queries_per_kv))
     return TileConfig(
@@ -129,7 +150,9 @@ def parse_tiles(text: str, num_queries_per_kv: int) -> TileConfig:
         num_warps=warps,
         num_stages=stages,
         skip_interior_masks=block_m >= 64,
-        longest_first=not flags,
+        longest_first="fwd" not in flags,
+        unpipelined_edges="m1" in flags,
+        int32_offsets="i32" in flags,
     )
 
 
@@ -140,20 +163,30 @@ def tile_config(
     *,
     interpreting: bool,
     prefill_override: str | None = None,
+    prefill_only: bool = False,
+    itemsize: int = 2,
 ) -> TileConfig:
     """Tile shape for a launch: rows = query tokens x the GQA group, a power of two >= 16.
 
     Decodes get 16-row tiles (the smallest ``tl.dot``), 64-token K/V tiles, 4 warps, 3 stages;
     prefills up to 128 rows (64 for head sizes above 128, to bound registers and shared
-    memory) with 64-token tiles, 4 warps, 3 stages and unmasked interior tiles. Both were the
-    fastest of the variants swept on the H200 (``backends/triton/tools/tune_h200.py``).
-    Prefill tiles launch their q-blocks longest-first. `prefill_override` (the
-    ``PAGEDCORE_TRITON_PREFILL_TILES`` text, see `parse_tiles`) replaces the prefill shape.
+    memory) with 64-token tiles, 4 warps, 3 stages, unmasked interior tiles and int32 K/V
+    offsets (where the cache allows). A `prefill_only` launch (every request has more than
+    one query token) of a 16-bit dtype (`itemsize` 2) with head size <= 128 grows to 256 rows
+    on 8 warps, two warpgroups sharing each K/V tile: 0.615x / 0.738x SDPA at 4x2048 /
+    4x8192 against 0.609x / 0.688x for 128 rows, but a launch that may hold decodes (a
+    unified or captured mixed step) keeps 128 rows, where a 256-row tile would make each
+    decode's K/V stream compute-bound. All were the fastest of the variants swept on the
+    H200 (``docs/benchmarks/triton.md``). Prefill tiles launch their q-blocks longest-first.
+    `prefill_override` (the ``PAGEDCORE_TRITON_PREFILL_TILES`` text, see `parse_tiles`)
+    replaces the prefill shape.
     """
     if prefill_override and max_query_len > 1:
         return parse_tiles(prefill_override, num_queries_per_kv)
     head_pad = _next_pow2(head_size)
     max_rows = 128 if head_pad <= 128 else 64
+    if prefill_only and head_pad <= 128 and itemsize <= 2:
+        max_rows = 256
     if interpreting:
         max_rows = 64
     rows = max(16, _next_pow2(max_query_len * num_queries_per_kv))
@@ -169,8 +202,9 @@ def tile_config(
         block_m=block_m,
         block_q=block_q,
         tile_n=tile_n,
-        num_warps=4,
+        num_warps=8 if block_m >= 256 else 4,
         num_stages=3,
         skip_interior_masks=block_m >= 64,
         longest_first=max_query_len > 1,
+        int32_offsets=max_query_len > 1,
     )

@@ -156,7 +156,9 @@ def test_bad_input_is_a_clear_error() -> None:
         impl.do_kv_cache_update(key, key, cache, torch.zeros(1, dtype=torch.int64, device=DEVICE))
 
 
-@pytest.mark.parametrize("tiles", ["64,16,4,3", "32,32,4,2,fwd", "64,32,4,2"])
+@pytest.mark.parametrize(
+    "tiles", ["64,16,4,3", "32,32,4,2,fwd", "64,32,4,2", "64,16,4,3,i32,m1", "32,32,4,2,m1"]
+)
 def test_prefill_tile_overrides(tiles: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The tuning variants (PAGEDCORE_TRITON_PREFILL_TILES) compute the same attention."""
     monkeypatch.setenv("PAGEDCORE_TRITON_PREFILL_TILES", tiles)
@@ -166,6 +168,8 @@ def test_prefill_tile_overrides(tiles: str, monkeypatch: pytest.MonkeyPatch) -> 
     (launch,) = metadata.launches.values()
     assert launch.constexprs["BLOCK_M"] == int(tiles.split(",")[0])
     assert launch.constexprs["LONGEST_FIRST"] == (not tiles.endswith("fwd"))
+    assert launch.constexprs["OFF32"] == ("i32" in tiles)  # the test cache is small
+    assert launch.constexprs["EDGE_STAGES"] == (1 if "m1" in tiles else None)
 
 
 def test_bad_prefill_tile_override_is_a_clear_error() -> None:
@@ -175,4 +179,55 @@ def test_bad_prefill_tile_override_is_a_clear_error() -> None:
         parse_tiles("96,64,4,3", 4)
     with pytest.raises(ValueError, match="fwd"):
         parse_tiles("128,64,4,3,pf", 4)
+    with pytest.raises(ValueError, match="at most once"):
+        parse_tiles("128,64,4,3,i32,i32", 4)
     assert not parse_tiles("128,64,8,2,fwd", 4).longest_first
+    cfg = parse_tiles("128,128,8,2,m1,i32", 4)
+    assert (cfg.block_q, cfg.tile_n, cfg.num_warps, cfg.num_stages) == (32, 128, 8, 2)
+    assert cfg.int32_offsets and cfg.unpipelined_edges and cfg.longest_first
+
+
+def test_int32_offsets_only_for_small_caches() -> None:
+    """``i32`` asks for int32 K/V offsets; a cache of 2**31 elements or more keeps int64."""
+    from pagedcore_triton.ops import prepare_launch
+    from pagedcore_triton.plan import LaunchPart
+
+    part = LaunchPart(req_begin=0, req_end=1, token_begin=0, token_end=64, max_query_len=64)
+    tiles = parse_tiles("64,16,4,3,i32", 4)
+    small = (2, 1024, 16, 2, 64)  # 4M elements
+    big = (2, 2**17, 16, 8, 128)  # 2**32 elements
+    qsl = torch.tensor([0, 64], dtype=torch.int32)
+    lens = torch.tensor([64], dtype=torch.int32)
+    table = torch.zeros((1, 4), dtype=torch.int32)
+    flags = []
+    for shape in (small, big):
+        launch = prepare_launch(
+            part, query_shape=(64, 8, shape[-1]), dtype=torch.float16, kv_cache_shape=shape,
+            query_start_loc=qsl, seq_lens=lens, block_table=table, causal=True,
+            use_alibi=False, sliding_window=None, logits_soft_cap=None, tiles=tiles,
+        )
+        flags.append(launch.constexprs["OFF32"])
+    assert flags == [True, False]
+
+
+def test_prefill_tile_choice() -> None:
+    """256 rows on 8 warps only for 16-bit prefill-only launches with head size <= 128."""
+    from pagedcore_triton.plan import tile_config
+
+    big = tile_config(2048, 4, 128, interpreting=False, prefill_only=True)
+    assert (big.block_m, big.block_q, big.num_warps, big.tile_n) == (256, 64, 8, 64)
+    assert big.int32_offsets and big.longest_first
+    for kwargs in ({"prefill_only": False}, {"prefill_only": True, "itemsize": 4}):
+        cfg = tile_config(2048, 4, 128, interpreting=False, **kwargs)  # type: ignore[arg-type]
+        assert (cfg.block_m, cfg.num_warps) == (128, 4)
+    assert tile_config(2048, 4, 256, interpreting=False, prefill_only=True).block_m == 64
+    decode = tile_config(1, 4, 128, interpreting=False)
+    assert (decode.block_m, decode.num_warps, decode.int32_offsets) == (16, 4, False)
+
+
+def test_builder_marks_prefill_only_parts() -> None:
+    """Decodes and prefills get separate parts; only the all-prefill part is prefill_only."""
+    _, metadata = _run(MIXED)
+    assert [p.prefill_only for p in metadata.parts] == [False, True]
+    _, metadata = _run(MIXED, separate=False)
+    assert [p.prefill_only for p in metadata.parts] == [False]

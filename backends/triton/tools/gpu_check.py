@@ -32,9 +32,10 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
-#: Prefill variants (PAGEDCORE_TRITON_PREFILL_TILES), most informative first; "" = default.
-#: Thirteen shapes were measured in session 2 (docs/benchmarks/triton.md); 4 stages tied.
-VARIANTS = ["", "128,64,4,4", "128,64,4,3,fwd"]
+#: Prefill variants (PAGEDCORE_TRITON_PREFILL_TILES), most informative first; "" = default
+#: (256 rows, 8 warps, int32 offsets); "128,64,4,3" = session 2's default (int64 offsets).
+#: Session 3's sweep: docs/benchmarks/triton.md, backends/triton/tools/prefill_variants.py.
+VARIANTS = ["", "128,64,4,3", "128,64,4,3,i32", "256,64,8,3,m1,i32"]
 
 
 class _Out:

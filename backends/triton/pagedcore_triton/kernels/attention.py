@@ -51,16 +51,26 @@ def _attend_tile(
     USE_WINDOW: tl.constexpr,
     DOT_FP32: tl.constexpr,
     MASKED: tl.constexpr,
+    OFF32: tl.constexpr = False,
 ):
-    """One K/V tile of the online softmax; MASKED=False only for tiles every row fully sees."""
+    """One K/V tile of the online softmax; MASKED=False only for tiles every row fully sees.
+
+    ``OFF32`` computes the cache offsets in int32 (the caller guarantees that the whole cache
+    has fewer than 2**31 elements).
+    """
     n = t * TILE_N + tl.arange(0, TILE_N)
+    if OFF32:
+        offs_ty = tl.int32
+    else:
+        offs_ty = tl.int64
     if MASKED:
         n_ok = (n < kv_end) & (n >= kv_begin)
-        phys = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        phys = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0).to(offs_ty)
+        slot_off = phys * stride_cb + (n % BLOCK_SIZE).to(offs_ty) * stride_cs + kv_head_off
     else:
         n_ok = n >= 0
-        phys = tl.load(bt_row + n // BLOCK_SIZE).to(tl.int64)
-    slot_off = phys * stride_cb + (n % BLOCK_SIZE).to(tl.int64) * stride_cs + kv_head_off
+        phys = tl.load(bt_row + n // BLOCK_SIZE).to(offs_ty)
+        slot_off = phys * stride_cb + (n % BLOCK_SIZE).to(offs_ty) * stride_cs + kv_head_off
     k_ptrs = k_cache_ptr + slot_off[None, :] + d[:, None]
     v_ptrs = v_cache_ptr + slot_off[:, None] + d[None, :]
     # Masked lanes load 0, never the cache's content (which may be NaN).
@@ -114,9 +124,9 @@ def _attend_tile(
         v = tl.load(v_ptrs)
     acc = acc * alpha[:, None]
     if DOT_FP32:
-        acc += tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
     else:
-        acc += tl.dot(p.to(v.dtype), v)
+        acc = tl.dot(p.to(v.dtype), v, acc)
     return m_new, l_i, acc
 
 
@@ -160,13 +170,17 @@ def paged_attention_kernel(
     DOT_FP32: tl.constexpr,
     SKIP_INTERIOR_MASKS: tl.constexpr,
     LONGEST_FIRST: tl.constexpr,
+    EDGE_STAGES: tl.constexpr = None,
+    OFF32: tl.constexpr = False,
 ):
     """Grid ``(q_blocks, Hkv, NUM_SEGMENTS)``; see the module docstring.
 
     ``v_offset`` is V's distance from K in the cache (elements): K is ``cache[0]``, V
     ``cache[1]``. With ``LONGEST_FIRST`` the q-blocks run last-first: under a causal mask the
     last q-blocks of a request see the most keys, and starting them first evens out the
-    tail of the grid.
+    tail of the grid. ``EDGE_STAGES`` pipelines the masked loops with that many stages (None:
+    ``num_stages``); ``OFF32`` computes K/V offsets in int32 (only for caches of fewer than
+    2**31 elements: half the address arithmetic of the gather).
     """
     if LONGEST_FIRST:
         q_block_id = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -229,7 +243,10 @@ def paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
     v_cache_ptr = k_cache_ptr + v_offset
-    kv_head_off = kv_head.to(tl.int64) * stride_ch
+    if OFF32:
+        kv_head_off = kv_head * stride_ch
+    else:
+        kv_head_off = kv_head.to(tl.int64) * stride_ch
 
     # With SKIP_INTERIOR_MASKS, tiles every row fully sees run without masks or -inf; only
     # the causal diagonal, the sequence's tail and the window's edge are masked. Measured on
@@ -247,26 +264,26 @@ def paged_attention_kernel(
     if SKIP_INTERIOR_MASKS:
         a = tl.minimum(t_stop, tl.maximum(t_start, full_lo))
         b = tl.minimum(t_stop, tl.maximum(a, full_hi))
-        for t in range(t_start, a):
+        for t in tl.range(t_start, a, num_stages=EDGE_STAGES):
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, t, bt_row, k_cache_ptr, v_cache_ptr, kv_head_off, stride_cb,
                 stride_cs, d, d_ok, row_ok, pos_q, kv_begin, kv_end, slope, scale, qk_scale,
                 soft_cap, window, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, CAUSAL, USE_ALIBI,
-                USE_SOFTCAP, USE_WINDOW, DOT_FP32, True,
+                USE_SOFTCAP, USE_WINDOW, DOT_FP32, True, OFF32,
             )
         for t in range(a, b):
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, t, bt_row, k_cache_ptr, v_cache_ptr, kv_head_off, stride_cb,
                 stride_cs, d, d_ok, row_ok, pos_q, kv_begin, kv_end, slope, scale, qk_scale,
                 soft_cap, window, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, CAUSAL, USE_ALIBI,
-                USE_SOFTCAP, USE_WINDOW, DOT_FP32, False,
+                USE_SOFTCAP, USE_WINDOW, DOT_FP32, False, OFF32,
             )
-        for t in range(b, t_stop):
+        for t in tl.range(b, t_stop, num_stages=EDGE_STAGES):
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, t, bt_row, k_cache_ptr, v_cache_ptr, kv_head_off, stride_cb,
                 stride_cs, d, d_ok, row_ok, pos_q, kv_begin, kv_end, slope, scale, qk_scale,
                 soft_cap, window, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, CAUSAL, USE_ALIBI,
-                USE_SOFTCAP, USE_WINDOW, DOT_FP32, True,
+                USE_SOFTCAP, USE_WINDOW, DOT_FP32, True, OFF32,
             )
     else:
         for t in range(t_start, t_stop):
@@ -274,7 +291,7 @@ def paged_attention_kernel(
                 q, m_i, l_i, acc, t, bt_row, k_cache_ptr, v_cache_ptr, kv_head_off, stride_cb,
                 stride_cs, d, d_ok, row_ok, pos_q, kv_begin, kv_end, slope, scale, qk_scale,
                 soft_cap, window, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, CAUSAL, USE_ALIBI,
-                USE_SOFTCAP, USE_WINDOW, DOT_FP32, True,
+                USE_SOFTCAP, USE_WINDOW, DOT_FP32, True, OFF32,
             )
 
     if NUM_SEGMENTS == 1:

@@ -1,0 +1,146 @@
+"""Registers, spills, shared memory and the interior loop's instructions of prefill variants.
+
+Compiles `paged_attention_kernel` for sm_90 (H100/H200) with the installed Triton, without a
+GPU, for the benchmark's specialization (bf16, 32 query / 8 KV heads, head size 128, block
+size 16, causal), and reads the SASS with the ``ptxas`` / ``cuobjdump`` that Triton bundles::
+
+    python backends/triton/tools/sass_stats.py default 128,128,8,2,i32 ...
+
+A variant is a ``PAGEDCORE_TRITON_PREFILL_TILES`` value (``default`` = the shipped prefill
+tiles), see `pagedcore_triton.plan.parse_tiles`. Per variant it prints one JSON line: registers
+per thread, spill bytes, static shared memory, and for the unmasked interior loop (the first
+loop with tensor-core instructions and no ``FSEL``) the instructions per iteration and per
+thread, the local-memory accesses (spills inside the loop) and ``warp_instr_per_score``:
+issued warp instructions per score element of the tile, the issue cost that the MMAs must hide
+(an H200 SM issues 4 warp instructions per clock and does ~4,000 bf16 MMA FLOPs per clock,
+i.e. ~16 per score of a 128-dim head). Used to pick the variants measured in
+``docs/benchmarks/triton.md``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+KERNEL = Path(__file__).resolve().parent.parent / "pagedcore_triton" / "kernels" / "attention.py"
+PLAN = KERNEL.parent.parent / "plan.py"
+
+
+def _load(path: Path, name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _sass_loops(sass: str) -> list[Counter[str]]:
+    """Opcode counts of each loop body (a backward branch's target .. the branch)."""
+    ins: list[tuple[int, str]] = []
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            words = m.group(2).split()
+            op = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
+            ins.append((int(m.group(1), 16), m.group(2) if op == "BRA" else op.split(".")[0]))
+    loops = []
+    for addr, text in ins:
+        target = re.search(r"BRA\b.*?0x([0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < addr:
+            lo = int(target.group(1), 16)
+            loops.append(Counter(op.split()[0] for a, op in ins if lo <= a <= addr))
+    return loops
+
+
+def stats(variant: str) -> dict[str, Any]:
+    """Compile `variant` for sm_90 and summarize its registers, spills and interior loop."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = _load(KERNEL, "_pc_attention").paged_attention_kernel
+    plan = _load(PLAN, "_pc_plan")
+    qpk = 4
+    if variant == "default":
+        cfg = plan.tile_config(2048, qpk, 128, interpreting=False, prefill_only=True)
+    else:
+        cfg = plan.parse_tiles(variant, qpk)
+    consts: dict[str, Any] = {
+        "HEAD_SIZE": 128, "HEAD_PAD": 128, "BLOCK_SIZE": 16, "QPK": qpk,
+        "BLOCK_Q": cfg.block_q, "BLOCK_M": cfg.block_m, "TILE_N": cfg.tile_n, "CAUSAL": True,
+        "USE_ALIBI": False, "USE_SOFTCAP": False, "USE_WINDOW": False, "NUM_SEGMENTS": 1,
+        "DOT_FP32": False, "SKIP_INTERIOR_MASKS": cfg.skip_interior_masks,
+        "LONGEST_FIRST": cfg.longest_first,
+        "EDGE_STAGES": 1 if getattr(cfg, "unpipelined_edges", False) else None,
+        "OFF32": getattr(cfg, "int32_offsets", False),
+    }
+    consts = {k: v for k, v in consts.items() if k in kernel.arg_names}
+    ptrs = ["out_ptr", "q_ptr", "k_cache_ptr", "alibi_ptr", "part_acc_ptr", "part_ml_ptr"]
+    sig: dict[str, str] = {}
+    for name in kernel.arg_names:
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name in ptrs:
+            sig[name] = "*bf16"
+        elif name.endswith("_ptr"):
+            sig[name] = "*i32"
+        elif name in ("scale", "soft_cap"):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    aligned = [n for n in kernel.arg_names
+               if n.endswith("_ptr") or n.startswith("stride_") or n == "v_offset"]
+    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    compiled = triton.compile(
+        ASTSource(kernel, sig, constexprs=consts, attrs=attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
+    )
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
+        ptx.write_text(compiled.asm["ptx"])
+        cubin.write_bytes(compiled.asm["cubin"])
+        info = subprocess.run([str(bin_dir / "ptxas"), "-arch=sm_90a", "-v", str(ptx), "-o",
+                               str(Path(tmp) / "v.cubin")], capture_output=True, text=True).stderr
+        sass = subprocess.run([str(bin_dir / "cuobjdump"), "-sass", str(cubin)],
+                              capture_output=True, text=True, check=True).stdout
+    regs = re.search(r"Used (\d+) registers", info)
+    spill = re.search(r"(\d+) bytes spill stores", info)
+    row: dict[str, Any] = {
+        "variant": variant, "triton": triton.__version__, "warps": cfg.num_warps,
+        "registers": int(regs.group(1)) if regs else None,
+        "spill_store_bytes": int(spill.group(1)) if spill else None,
+        "shared_bytes": compiled.metadata.shared,
+    }
+    interior = [c for c in _sass_loops(sass) if c["HGMMA"] and not c["FSEL"]]
+    if interior:
+        body = interior[0]
+        n = sum(body.values())
+        row.update({
+            "interior_instr": n, "interior_local_mem": body["STL"] + body["LDL"],
+            "interior_exp2": body["MUFU"], "interior_async_copies": body["LDGSTS"],
+            "warp_instr_per_score": round(n * cfg.num_warps / (cfg.block_m * cfg.tile_n), 3),
+        })
+    return row
+
+
+def main() -> None:
+    variants = sys.argv[1:] or ["default"]
+    for variant in variants:
+        try:
+            print(json.dumps(stats(variant)), flush=True)
+        except Exception as exc:
+            print(json.dumps({"variant": variant, "error": f"{type(exc).__name__}: {exc}"}))
+
+
+if __name__ == "__main__":
+    main()
