@@ -127,7 +127,7 @@ def _kernel_part(
     out: dict[str, Any] = {"variants": [attrs.asdict(c) for c in configs]}
     if warm:
         for c in configs:
-            mk.warm_variant(c, device)
+            mk.warm_variant(c, device, quick=device.type != "cuda")
     if check:
         out["conformance"] = [row for c in configs
                               for row in mk.check_variant(c, device, quick=quick)]
@@ -152,7 +152,8 @@ def _kernel_part(
                        f"target {row['target_programs']}: "
                        + (row["error"] if "error" in row else
                           f"{row['ms']:.4f} ms {row['kv_GBps']:.0f} GB/s "
-                          f"rel {row['rel_err']:.1e}"), err=True)
+                          + ("" if row["pct_copy"] is None else f"{row['pct_copy']:.1f}% ")
+                          + f"rel {row['rel_err']:.1e} {row.get('kernels', '')}"), err=True)
             if lines:
                 mk.append_json_line(lines, row)
 

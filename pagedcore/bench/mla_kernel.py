@@ -100,17 +100,21 @@ def resolve_variants(names: str | None) -> list[Any]:
     return out
 
 
-def warm_variant(config: Any, device: torch.device) -> None:
-    """Compile `config`'s kernels at the bench's shapes (with and without split-KV)."""
+def warm_variant(config: Any, device: torch.device, *, quick: bool = False) -> None:
+    """Compile `config`'s kernels as the timing will launch them: every bench case with each of
+    its split targets (the merge kernel's chunk depends on the split count)."""
     import torch
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    for batch, context in ((1, 4096), (512, 256)):
+    for batch, context in QUICK_CASES if quick else FULL_CASES:
         cache, query, common = _decode_batch(batch, context, device, dtype)
         meta, _ = _plans(common, device, dtype)
-        _impl(config).forward(query, query, query, cache, meta)
+        for cfg in _target_configs(config, quick=quick):
+            _impl(cfg).forward(query, query, query, cache, meta)
+        del cache, query
     if device.type == "cuda":
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
 
 
 def check_variant(config: Any, device: torch.device, *, quick: bool) -> list[dict[str, Any]]:
@@ -131,9 +135,14 @@ def check_variant(config: Any, device: torch.device, *, quick: bool) -> list[dic
              "passed": r.passed, "rel_err": r.rel_err, "detail": r.detail} for r in results]
 
 
-def _targets(config: Any) -> tuple[int, ...]:
+def _target_configs(config: Any, *, quick: bool) -> list[Any]:
+    """`config` with its split-KV target and with twice that (just the first when `quick`)."""
+    import attrs
+
     base = config.split.target_programs
-    return (base, 2 * base)
+    targets = (base,) if quick else (base, 2 * base)
+    return [attrs.evolve(config, split=attrs.evolve(config.split, target_programs=t))
+            for t in targets]
 
 
 def kernel_rows(
@@ -145,9 +154,9 @@ def kernel_rows(
     on_row: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Time every variant on every case, with its split-KV target and twice that, and check
-    each result against the reference MLA. The fastest row of each shape carries
-    ``best_for_shape``; `on_row` sees each row as soon as it is measured."""
-    import attrs
+    each result against the reference MLA. The cases are built once; the variants are the outer
+    loop, so a run cut short has every shape of the first variants. The fastest row of each
+    shape carries ``best_for_shape``; `on_row` sees each row as soon as it is measured."""
     import torch
     from pagedcore_triton.mla import choose_mla_splits
 
@@ -155,30 +164,36 @@ def kernel_rows(
     from pagedcore.reference.mla import MLAImpl
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    rows: list[dict[str, Any]] = []
+    cases = []
     for batch, context in QUICK_CASES if quick else FULL_CASES:
         cache, query, common = _decode_batch(batch, context, device, dtype)
         meta, ref_meta = _plans(common, device, dtype)
         ref = MLAImpl(NUM_HEADS, LATENT + ROPE, (128 + ROPE) ** -0.5, kv_lora_rank=LATENT)
         want = ref.forward(query.float(), query, query, cache.float(), ref_meta).float()
-        kv_bytes = batch * context * (LATENT + ROPE) * cache.element_size()
-        case_rows: list[dict[str, Any]] = []
-        for config in variants:
-            for target in _targets(config)[:1] if quick else _targets(config):
-                cfg = attrs.evolve(config, split=attrs.evolve(config.split,
-                                                              target_programs=target))
+        cases.append((batch, context, cache, query, meta, want))
+    rows: list[dict[str, Any]] = []
+    for config in variants:
+        for batch, context, cache, query, meta, want in cases:
+            kv_bytes = batch * context * (LATENT + ROPE) * cache.element_size()
+            for cfg in _target_configs(config, quick=quick):
                 impl = _impl(cfg)
                 splits = choose_mla_splits(cfg.split, num_tokens=batch, head_blocks=1,
                                            max_seq_len=context)
+                split_len = cdiv(cdiv(context, splits), cfg.block_n) * cfg.block_n
                 row: dict[str, Any] = {
                     "variant": config.name, "batch": batch, "context": context,
-                    "block_n": cfg.block_n, "num_warps": cfg.num_warps,
+                    "block_n": cfg.block_n,
                     "num_stages": cfg.num_stages, "maxnreg": cfg.maxnreg,
-                    "target_programs": target, "num_splits": splits, "kv_bytes": kv_bytes,
+                    "lat_split": cfg.lat_split, "rows_m": cfg.rows_m, "pdl": cfg.pdl,
+                    "merge_chunk": cfg.merge_chunk,
+                    "num_warps": cfg.launch_warps(splits, split_len),
+                    "target_programs": cfg.split.target_programs, "num_splits": splits,
+                    "kv_bytes": kv_bytes,
                 }
                 try:
                     got = impl.forward(query, query, query, cache, meta).float()
                     rel = float((got - want).norm() / want.norm())
+                    row["kernels"] = [kernel_resources(k) for k in impl.last_kernels]
                     ms = time_ms(_forward_fn(impl, query, cache, meta), device)
                 except Exception as exc:  # a config the device cannot run is reported
                     row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
@@ -186,17 +201,41 @@ def kernel_rows(
                     gbps = kv_bytes / ms / 1e6
                     row.update(ms=ms, kv_GBps=gbps, rel_err=rel,
                                pct_copy=None if copy_gbps is None else 100 * gbps / copy_gbps)
-                case_rows.append(row)
+                rows.append(row)
                 if on_row is not None:
                     on_row(row)
-        timed = [r for r in case_rows if "ms" in r and r["rel_err"] < 3e-2]
-        if timed:
-            min(timed, key=lambda r: r["ms"])["best_for_shape"] = True
-        rows += case_rows
-        del cache, query, want
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    mark_best(rows)
+    del cases
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return rows
+
+
+def mark_best(rows: list[dict[str, Any]]) -> None:
+    """Flag the fastest correct row of each shape with ``best_for_shape``."""
+    shapes: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for r in rows:
+        if "ms" in r and r["rel_err"] < 3e-2:
+            shapes.setdefault((r["batch"], r["context"]), []).append(r)
+    for timed in shapes.values():
+        min(timed, key=lambda r: r["ms"])["best_for_shape"] = True
+
+
+def kernel_resources(compiled: Any) -> dict[str, Any]:
+    """Registers per thread, spills and shared memory of a compiled Triton kernel (what
+    decides how many programs fit on an SM); empty under the interpreter."""
+    out: dict[str, Any] = {}
+    meta = getattr(compiled, "metadata", None)
+    for key, obj, attr in (("regs", compiled, "n_regs"), ("spills", compiled, "n_spills"),
+                           ("shared", meta, "shared"), ("num_warps", meta, "num_warps")):
+        value = getattr(obj, attr, None)
+        if isinstance(value, int):
+            out[key] = value
+    ptx = getattr(compiled, "asm", {}).get("ptx", "")
+    if isinstance(ptx, str) and ptx:
+        out["mma"] = ("wgmma" if "wgmma.mma_async" in ptx else
+                      "mma.sync" if "mma.sync" in ptx else "none")
+    return out
 
 
 def _forward_fn(impl: Any, query: torch.Tensor, cache: torch.Tensor, meta: Any) -> Any:

@@ -141,3 +141,21 @@ def test_builder_plans_per_token_visible_lengths() -> None:
     assert meta.token_req.tolist() == [0, 1, 1, 1, 2, 2]
     assert meta.token_kv_len.tolist() == [9, 3, 4, 5, 19, 20]
     assert meta.num_actual_tokens == 6 and meta.max_seq_len == 20
+
+
+def test_kernel_config_rejects_bad_values() -> None:
+    with pytest.raises(ValueError, match="merge_chunk must be a power of two"):
+        MLAKernelConfig(name="x", merge_chunk=12)
+    with pytest.raises(ValueError, match="block_n must be a power of two"):
+        MLAKernelConfig(name="x", block_n=48)
+    with pytest.raises(ValueError, match="lat_split must be 1, 2 or 4"):
+        MLAKernelConfig(name="x", lat_split=3)
+
+
+def test_short_split_warps_rule() -> None:
+    """2 warps only for a split launch whose segments are short; else the config's warps."""
+    cfg = mla.MLA_KERNEL_CONFIGS["n32s5c4pm64w2s"]
+    assert cfg.launch_warps(64, 512) == 2  # 4 x 32768
+    assert cfg.launch_warps(16, 1024) == 4  # 16 x 16384
+    assert cfg.launch_warps(1, 256) == 4  # unsplit short contexts
+    assert mla.DEFAULT_MLA_KERNEL.launch_warps(64, 512) == mla.DEFAULT_MLA_KERNEL.num_warps

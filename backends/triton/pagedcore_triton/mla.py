@@ -9,6 +9,7 @@ how many split-KV segments to use so that a small decode batch still fills the G
 
 from __future__ import annotations
 
+import functools
 from typing import Any, ClassVar
 
 import attrs
@@ -38,6 +39,12 @@ __all__ = [
 
 def _next_pow2(x: int) -> int:
     return 1 << max(0, x - 1).bit_length()
+
+
+@functools.cache
+def _has_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch needs sm_90 or newer."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 @attrs.frozen(kw_only=True)
@@ -88,6 +95,21 @@ class MLAKernelConfig:
         own score MMA chain and accumulator, so the MMAs of a tile do not form one chain.
     split:
         When to split the context into segments (split-KV).
+    rows_m:
+        Use `mla_rows_kernel` (cache positions as the MMA's M side, so that with ``block_n``
+        64 Triton can use Hopper's warpgroup MMA) instead of `mla_kernels.mla_decode_kernel`.
+    pdl:
+        Launch the kernels with programmatic dependent launch (sm_90 and newer; ignored on
+        older GPUs and under the interpreter): each kernel's programs are placed while the
+        previous kernel drains and wait for its results (``griddepcontrol.wait``) before
+        reading anything, which hides the launch gaps between the decode and merge kernels
+        and between steps.
+    merge_chunk:
+        Most split partials the merge kernel reads per round trip (a power of two; fewer
+        when the split count or the register budget is smaller).
+    short_split_warps, short_split_len:
+        When set, the warps of a split launch whose segments have at most `short_split_len`
+        positions (few tiles per program, e.g. 4 requests of 32768 tokens in 64 splits).
     """
 
     name: str
@@ -97,34 +119,60 @@ class MLAKernelConfig:
     maxnreg: int | None = None
     lat_split: int = 1
     split: MLASplitRule = MLASplitRule()
+    rows_m: bool = False
+    pdl: bool = False
+    merge_chunk: int = 16
+    short_split_warps: int | None = None
+    short_split_len: int = 512
+
+    def launch_warps(self, splits: int, split_len: int) -> int:
+        """``num_warps``, or `short_split_warps` for a split launch of short segments."""
+        if self.short_split_warps is not None and splits > 1 and (
+            split_len <= self.short_split_len
+        ):
+            return self.short_split_warps
+        return self.num_warps
 
     def __attrs_post_init__(self) -> None:
         if self.lat_split not in (1, 2, 4):
             raise ValueError(f"lat_split must be 1, 2 or 4, got {self.lat_split}")
+        if self.merge_chunk < 2 or self.merge_chunk & (self.merge_chunk - 1):
+            raise ValueError(f"merge_chunk must be a power of two >= 2, got {self.merge_chunk}")
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"block_n must be a power of two >= 16, got {self.block_n}")
 
 
 #: The decode variants `pagedcore bench mla --variants` times; ``DEFAULT_MLA_KERNEL`` is the
-#: shipped one (the best measured on the H200, see docs/mla.md). Names: ``n<BLOCK_N>``,
-#: ``s<stages>``, ``c<lat_split>``, ``w<warps>`` (when not 4), ``t<split target>`` (when not
-#: 264).
+#: shipped one (the best measured on the H200, see docs/mla.md). Names: ``n<BLOCK_N>`` (or
+#: ``m<BLOCK_N>`` with ``rows_m``), ``s<stages>``, ``c<lat_split>``, ``w<warps>`` (when not
+#: 4), ``p`` (``pdl``), ``m<merge_chunk>`` (when not 16), ``w2s`` (``short_split_warps``
+#: 2), ``r<maxnreg>``, ``t<split target>`` (when not 264).
 MLA_KERNEL_CONFIGS: dict[str, MLAKernelConfig] = {
     c.name: c
     for c in (
+        # The shipped one: PDL, and up to 64 splits merged in one round trip.
+        MLAKernelConfig(name="n32s5c4pm64", block_n=32, num_stages=5, lat_split=4, pdl=True,
+                        merge_chunk=64),
+        MLAKernelConfig(name="n32s5c4p", block_n=32, num_stages=5, lat_split=4, pdl=True),
+        # The previous default (no PDL, 16 splits per merge round trip):
         MLAKernelConfig(name="n32s5c4", block_n=32, num_stages=5, lat_split=4),
-        MLAKernelConfig(name="n32s5c4t132", block_n=32, num_stages=5, lat_split=4,
-                        split=MLASplitRule(target_programs=132)),
-        MLAKernelConfig(name="n64s5c4w8", block_n=64, num_warps=8, num_stages=5, lat_split=4,
-                        split=MLASplitRule(target_programs=132)),
-        MLAKernelConfig(name="n32s5c2", block_n=32, num_stages=5, lat_split=2),
-        MLAKernelConfig(name="n32s7c4", block_n=32, num_stages=7, lat_split=4,
-                        split=MLASplitRule(target_programs=132)),
-        # One score-MMA chain over all 576 dims (the first H200 run's best, and the old kernel):
-        MLAKernelConfig(name="n32s5", block_n=32, num_stages=5),
+        # 2 warps (255 registers; still 2 programs per SM, bound by 94 KB of shared memory):
+        # +4 points at 4 x 32768, 1-5 points slower elsewhere (with merge_chunk 16).
+        MLAKernelConfig(name="n32s5c4w2pm64", block_n=32, num_warps=2, num_stages=5,
+                        lat_split=4, pdl=True, merge_chunk=64),
+        # The default, with 2 warps where the segments are short (the one shape where 2 warps
+        # measured faster: 4 x 32768 in 64 splits of 512):
+        MLAKernelConfig(name="n32s5c4pm64w2s", block_n=32, num_stages=5, lat_split=4, pdl=True,
+                        merge_chunk=64, short_split_warps=2),
+        # Positions as the MMA's M side (Hopper warpgroup MMA), 64-row tiles, 1 program/SM:
+        MLAKernelConfig(name="m64s4c4p", block_n=64, num_stages=4, lat_split=4, pdl=True,
+                        rows_m=True, split=MLASplitRule(target_programs=132)),
+        # One score-MMA chain over all 576 dims, single-buffered rows (the first kernel):
         MLAKernelConfig(name="n32s2", block_n=32, num_stages=2,
                         split=MLASplitRule(target_programs=528)),
     )
 }
-DEFAULT_MLA_KERNEL = MLA_KERNEL_CONFIGS["n32s5c4"]
+DEFAULT_MLA_KERNEL = MLA_KERNEL_CONFIGS["n32s5c4pm64"]
 
 
 @attrs.frozen(kw_only=True)
@@ -192,6 +240,9 @@ class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
     kernel_config: MLAKernelConfig = DEFAULT_MLA_KERNEL
     #: From this many (token, head) pairs on, one merge program combines a whole latent row.
     merge_whole_row_pairs: ClassVar[int] = 1024
+    #: The compiled kernels of the last `forward` (decode, then merge when split), for the
+    #: bench's register / shared-memory report.
+    last_kernels: tuple[Any, ...] = ()
 
     def do_kv_cache_update(
         self,
@@ -250,6 +301,7 @@ class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
             ``[T, H, L]``; padding rows are zero.
         """
         from pagedcore_triton.mla_kernels import mla_decode_kernel, mla_merge_kernel
+        from pagedcore_triton.mla_rows_kernel import mla_decode_rows_kernel
 
         num_tokens, num_heads, dim = query.shape
         lat = self.kv_lora_rank
@@ -287,10 +339,14 @@ class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
                                   device=query.device)
         else:
             part_acc = part_ml = out  # unused
-        options: dict[str, Any] = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        options: dict[str, Any] = {"num_warps": cfg.launch_warps(splits, split_len),
+                                   "num_stages": cfg.num_stages}
         if cfg.maxnreg is not None and not interp:
             options["maxnreg"] = cfg.maxnreg
-        mla_decode_kernel[(actual, head_blocks, splits)](
+        pdl = cfg.pdl and not interp and _has_pdl(query.device)
+        launch: dict[str, Any] = {"launch_pdl": True} if pdl else {}
+        decode = mla_decode_rows_kernel if cfg.rows_m else mla_decode_kernel
+        compiled = decode[(actual, head_blocks, splits)](
             out, part_acc, part_ml, query, kv_cache, metadata.block_table,
             metadata.token_req, metadata.token_kv_len,
             num_heads, splits, self.scale * 1.4426950408889634, split_len,
@@ -299,17 +355,21 @@ class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
             LATENT=lat, LATENT_PAD=lat_pad, LAT_SPLIT=lat_split, ROPE=rope,
             ROPE_PAD=max(16, _next_pow2(rope)), BLOCK_SIZE=block_size, BLOCK_H=block_h,
             BLOCK_N=cfg.block_n, WRITE_PARTIAL=splits > 1,
-            DOT_FP32=dot_fp32, **options,
+            DOT_FP32=dot_fp32, USE_PDL=pdl, **options, **launch,
         )
+        self.last_kernels = (compiled,)
         if splits > 1:
             # About one wave of merge programs: whole rows when there are many (token, head)
-            # pairs, 128-column slices when there are few (few long requests).
+            # pairs, 128-column slices when there are few (few long requests). Each reads up
+            # to `chunk` splits per round trip ([chunk, cols] fp32 in registers).
             many = actual * num_heads >= self.merge_whole_row_pairs
             cols = lat_pad if many else min(128, lat_pad)
-            mla_merge_kernel[(actual, num_heads, lat_pad // cols)](
+            chunk = max(2, min(cfg.merge_chunk, _next_pow2(splits), 8192 // cols))
+            merged = mla_merge_kernel[(actual, num_heads, lat_pad // cols)](
                 out, part_acc, part_ml, num_heads, splits, out.stride(0), out.stride(1),
-                LATENT=lat, LATENT_PAD=lat_pad, COLS=cols, CHUNK=16,
+                LATENT=lat, LATENT_PAD=lat_pad, COLS=cols, CHUNK=chunk, USE_PDL=pdl, **launch,
             )
+            self.last_kernels = (compiled, merged)
         return out
 
 
