@@ -1,25 +1,28 @@
 """`pagedcore bench chunked`: what chunked prefill buys short requests stuck behind a long one.
 
 Workload (a fixed arrival timeline): one long prompt arrives at t=0; 20 short requests arrive
-evenly spread over the first 90% of the long prompt's *unchunked* prefill time (measured once,
-in the warm-up, then frozen for every configuration). Reported per configuration: the short
-requests' TTFT and inter-token latency p50/p95/p99 (pooled over repetitions) and the long
-request's completion time (median), against the same timeline without chunking.
+evenly spread over the first 90% of the long prompt's *unchunked* prefill time (measured on a
+warm engine, the second of two runs, then frozen for every configuration). Reported per
+configuration: the short requests' TTFT and inter-token latency p50/p95/p99 (pooled over
+repetitions) and the long request's completion time (median), against the same timeline
+without chunking, plus the last repetition's steps (to check, e.g., that without chunking the
+long prompt is one step and every short arrived during it).
 
-Configurations change one variable at a time: ``max_num_batched_tokens`` (no per-request
-threshold), then ``long_prefill_token_threshold`` at a budget large enough for the whole prompt
-(so only the threshold chunks it). Prefix caching is off, so repetitions cannot hit.
+Configurations change one variable at a time: ``long_prefill_token_threshold`` at a budget
+large enough for the whole prompt (so only the threshold chunks it), then
+``max_num_batched_tokens`` (no per-request threshold). One engine serves them all
+(`apply_config`), and each configuration runs the timeline once untimed first. Prefix caching
+is off, so repetitions cannot hit.
 """
 
 from __future__ import annotations
 
-import copy
 import statistics
 from typing import Any
 
 import click
 
-__all__ = ["chunked", "make_timeline", "run_config", "summarize"]
+__all__ = ["apply_config", "chunked", "make_timeline", "run_config", "summarize"]
 
 
 def make_timeline(*, long_len: int, num_short: int, short_lens: tuple[int, int],
@@ -69,31 +72,77 @@ def summarize(runs: list[list[Any]]) -> dict[str, Any]:
     }
 
 
-def run_config(make_llm: Any, arrivals: list[Any], *, reps: int, warmup: list[list[int]],
-               clock_factory: Any) -> dict[str, Any]:
-    """Build an engine, warm it up, run the timeline `reps` times and summarize."""
-    from pagedcore.bench.timeline import Arrival, run_timeline
-    from pagedcore.engine.sampling_params import SamplingParams
+def apply_config(llm: Any, config: dict[str, Any]) -> None:
+    """Switch `llm`'s scheduler limits to `config` (keys of `SchedulerConfig`) between runs.
 
-    llm = make_llm()
-    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    run_timeline(llm, [Arrival(request_id=f"warm-{i}", at=0.0, prompt=p, params=params)
-                       for i, p in enumerate(warmup)], clock=clock_factory())
+    One engine serves every configuration of the experiment: it is built with the largest
+    budget, so its input buffers and CUDA-graph token buckets cover every step a smaller
+    budget can produce, and a step of ``n`` tokens replays the same bucket a fresh engine
+    would (buckets below a budget do not depend on it). Only the scheduler's limits change.
+
+    Raises
+    ------
+    ValueError
+        A budget above the one the engine was built with (its buffers would not fit).
+    """
+    import attrs
+
+    built = llm.runner.max_num_batched_tokens
+    budget = config.get("max_num_batched_tokens", llm.scheduler.config.max_num_batched_tokens)
+    if budget > built:
+        raise ValueError(
+            f"max_num_batched_tokens={budget} exceeds the {built} the engine was built with; "
+            "build the engine with the largest budget of the sweep"
+        )
+    new = attrs.evolve(llm.scheduler.config, **config)
+    llm.scheduler.config = new
+    llm.scheduler_config = new
+
+
+def run_config(llm: Any, arrivals: list[Any], *, reps: int, clock_factory: Any,
+               warmup_reps: int = 1) -> dict[str, Any]:
+    """Run the timeline ``warmup_reps`` times untimed (any kernel shape first met here is
+    compiled outside the figures), then `reps` times, and summarize.
+
+    Besides `summarize`'s figures: the last repetition's step count, its largest step, the
+    steps up to the long request's first token, and how many shorts arrived before it.
+    """
+    from pagedcore.bench.timeline import Arrival, run_timeline
+
     runs = []
-    for rep in range(reps):
+    steps: list[Any] = []
+    for rep in range(warmup_reps + reps):
         renamed = [Arrival(request_id=f"{a.request_id}@{rep}", at=a.at, prompt=a.prompt,
                            params=a.params) for a in arrivals]
         traces, steps = run_timeline(llm, renamed, clock=clock_factory())
-        runs.append(traces)
+        if rep >= warmup_reps:
+            runs.append(traces)
     summary = summarize(runs)
+    last = runs[-1]
+    long_first = last[0].token_times[0] if last[0].token_times else None
     summary["steps_last_rep"] = len(steps)
+    summary["max_step_tokens_last_rep"] = max((s.num_tokens for s in steps), default=0)
+    summary["long_prefill_steps_last_rep"] = (
+        None if long_first is None else sum(s.end <= long_first for s in steps))
+    summary["shorts_arriving_during_long_prefill_last_rep"] = (
+        None if long_first is None else sum(t.arrival < long_first for t in last[1:]))
+    # Each step of the last repetition: start and end (ms since the start) and tokens.
+    summary["step_trace_last_rep"] = [
+        [round(s.start * 1e3, 3), round(s.end * 1e3, 3), s.num_tokens] for s in steps]
     return summary
 
 
 def _plot(report: dict[str, Any], path: str) -> None:
     from pagedcore.bench.report import save_figure, subplots
 
-    rows = report["configs"]
+    def order(row: dict[str, Any]) -> tuple[int, int]:
+        cfg = row["engine_config"]
+        if not cfg["enable_chunked_prefill"]:
+            return (0, 0)
+        thr = cfg["long_prefill_token_threshold"]
+        return (1, thr) if thr is not None else (2, cfg["max_num_batched_tokens"])
+
+    rows = sorted(report["configs"], key=order)
     labels = [r["label"] for r in rows]
     xs = list(range(len(rows)))
     fig, (a1, a2, a3) = subplots(3, width=5.2, height=4.4)
@@ -124,11 +173,15 @@ def _plot(report: dict[str, Any], path: str) -> None:
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
 @click.option("--backend", default=None, help="Force an attention backend.")
 @click.option("--long-len", default=None, type=int, help="Long prompt tokens.")
-@click.option("--reps", default=None, type=int, help="Timeline repetitions per configuration.")
+@click.option("--reps", default=None, type=int, help="Timed repetitions per configuration.")
+@click.option("--budgets", default=None, help="Comma list of max_num_batched_tokens to sweep.")
+@click.option("--thresholds", default=None,
+              help="Comma list of long_prefill_token_threshold to sweep.")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
 @click.option("--plot", "plot_path", default=None, type=click.Path(dir_okay=False))
 def chunked(small: bool, device: str | None, backend: str | None, long_len: int | None,
-            reps: int | None, json_path: str | None, plot_path: str | None) -> None:
+            reps: int | None, budgets: str | None, thresholds: str | None,
+            json_path: str | None, plot_path: str | None) -> None:
     """Chunked prefill: short-request TTFT/ITL and long completion vs no chunking."""
     import torch
 
@@ -138,21 +191,27 @@ def chunked(small: bool, device: str | None, backend: str | None, long_len: int 
         model_shape,
         write_json,
     )
-    from pagedcore.bench.timeline import WallClock
+    from pagedcore.bench.timeline import Arrival, WallClock, run_timeline
     from pagedcore.engine.llm import LLM
     from pagedcore.engine.models import qwen2_0_5b_config, random_model
+    from pagedcore.engine.sampling_params import SamplingParams
 
     dev, dtype, config = engine_bench_model(small, device)
     if small:
         long_len = long_len or 8192
-        budgets, thresholds = [256, 512, 1024, 2048], [256, 512, 1024, 2048]
+        budget_list, threshold_list = [256, 512, 1024, 2048], [256, 512, 1024, 2048]
         short_max = 8
     else:
         long_len = long_len or 32768
         # Room for the 32K prompt plus its output (Qwen2-0.5B's own limit is 32,768).
         config = qwen2_0_5b_config(max_position_embeddings=max(32768, long_len + 256))
-        budgets, thresholds = [512, 1024, 2048, 4096, 8192], [512, 1024, 2048, 4096, 8192]
+        budget_list = [1024, 2048, 4096, 8192]
+        threshold_list = [512, 1024, 1536, 2048, 3072, 4096, 8192]
         short_max = 32
+    if budgets:
+        budget_list = [int(x) for x in budgets.split(",")]
+    if thresholds:
+        threshold_list = [int(x) for x in thresholds.split(",")]
     reps = reps or (1 if small else 3)
     vocab = int(config.vocab_size)
     max_model_len = long_len + 256
@@ -161,7 +220,6 @@ def chunked(small: bool, device: str | None, backend: str | None, long_len: int 
         enable_prefix_caching=False,
         kv_cache_memory_bytes=(1 << 30) if dev.type == "cpu" else (16 << 30),
     )
-    model = random_model(config, dtype=dtype, device=dev, seed=0)
     sync = torch.cuda.synchronize if dev.type == "cuda" else None
 
     def clock() -> Any:
@@ -170,40 +228,45 @@ def chunked(small: bool, device: str | None, backend: str | None, long_len: int 
     configs: list[tuple[str, dict[str, Any]]] = [
         ("no chunking", dict(enable_chunked_prefill=False, max_num_batched_tokens=max_model_len,
                              long_prefill_token_threshold=None))]
-    configs += [(f"mnbt={b}", dict(enable_chunked_prefill=True, max_num_batched_tokens=b,
-                                   long_prefill_token_threshold=None)) for b in budgets]
+    # Thresholds first: they are what lets short requests in (a budget alone does not).
     configs += [(f"thr={t} (mnbt={max_model_len})",
                  dict(enable_chunked_prefill=True, max_num_batched_tokens=max_model_len,
-                      long_prefill_token_threshold=t)) for t in thresholds]
+                      long_prefill_token_threshold=t)) for t in threshold_list]
+    configs += [(f"mnbt={b}", dict(enable_chunked_prefill=True, max_num_batched_tokens=b,
+                                   long_prefill_token_threshold=None)) for b in budget_list]
+    # One engine, built with the largest budget; `apply_config` switches the limits.
+    largest = max([max_model_len, *budget_list])
+    llm = LLM(random_model(config, dtype=dtype, device=dev, seed=0), device=dev, dtype=dtype,
+              backend=backend, max_num_batched_tokens=largest, **common)
     g = torch.Generator().manual_seed(123)
     warmup = [torch.randint(10, vocab, (n,), generator=g).tolist()
               for n in (96, min(1024, long_len))]
+    two = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    run_timeline(llm, [Arrival(request_id=f"warm-{i}", at=0.0, prompt=p, params=two)
+                       for i, p in enumerate(warmup)], clock=clock())
 
-    # Calibrate the arrival window once: the long prompt's unchunked prefill, on a warm engine.
+    # Calibrate the arrival window: the long prompt's unchunked prefill alone, measured twice
+    # (the first run compiles whatever the long eager step needs); the second run counts.
+    apply_config(llm, configs[0][1])
     probe = make_timeline(long_len=long_len, num_short=0, short_lens=(64, 160),
                           short_max_tokens=short_max, long_max_tokens=1, window_s=0.0,
                           vocab=vocab, seed=1)
-    calib = run_config(lambda: LLM(copy.deepcopy(model), device=dev, dtype=dtype,
-                                   backend=backend, **common, **configs[0][1]),
-                       probe, reps=1, warmup=warmup, clock_factory=clock)
+    calib = run_config(llm, probe, reps=1, warmup_reps=1, clock_factory=clock)
     window = float(calib["long_completion_s"])
+    click.echo(f"arrival window (unchunked prefill of {long_len} tokens): {window * 1e3:.1f} ms",
+               err=True)
     arrivals = make_timeline(long_len=long_len, num_short=20, short_lens=(64, 160),
                              short_max_tokens=short_max, long_max_tokens=short_max,
                              window_s=window, vocab=vocab, seed=1)
     rows: list[dict[str, Any]] = []
-    backend_names = ""
     for label, cfg in configs:
-        def make(cfg: dict[str, Any] = cfg) -> Any:
-            nonlocal backend_names
-            llm = LLM(copy.deepcopy(model), device=dev, dtype=dtype, backend=backend,
-                      **common, **cfg)
-            backend_names = ",".join(sorted(set(llm.backend_names)))
-            return llm
-
-        summary = run_config(make, arrivals, reps=reps, warmup=warmup, clock_factory=clock)
+        apply_config(llm, cfg)
+        summary = run_config(llm, arrivals, reps=reps, clock_factory=clock)
         rows.append({"label": label, "engine_config": {**common, **cfg}, **summary})
         click.echo(f"{label}: short TTFT p50 {summary['short_ttft_s']['p50'] * 1e3:.1f} ms, "
-                   f"long {summary['long_completion_s']:.2f} s", err=True)
+                   f"long {summary['long_completion_s']:.3f} s, "
+                   f"{summary['long_prefill_steps_last_rep']} prefill steps, "
+                   f"largest step {summary['max_step_tokens_last_rep']} tokens", err=True)
     base = rows[0]
     for r in rows:
         r["short_ttft_p50_speedup_vs_no_chunking"] = (
@@ -213,21 +276,34 @@ def chunked(small: bool, device: str | None, backend: str | None, long_len: int 
         "experiment": "chunked prefill",
         "environment": environment(dev),
         "model": model_shape(config, dtype=dtype, kv_dtype=dtype),
-        "backend": backend_names,
+        "backend": ",".join(sorted(set(llm.backend_names))),
+        "cudagraph": llm.cudagraph_status(),
         "workload": {
             "long_prompt_tokens": long_len, "long_max_tokens": short_max,
             "num_short": 20, "short_prompt_tokens": [64, 160], "short_max_tokens": short_max,
             "arrival_window_s": window,
+            "calibration_runs_s": calib["long_completion_all_s"],
             "arrivals_s": [a.at for a in arrivals],
             "calibration": "window = unchunked prefill time of the long prompt alone "
-                           "(max_tokens=1, warm engine); shorts at (i+0.5)/20*0.9*window",
+                           "(max_tokens=1, warm engine, second of two runs); shorts at "
+                           "(i+0.5)/20*0.9*window",
         },
-        "warmup": f"per engine: 2 requests ({[len(p) for p in warmup]} tokens, max_tokens=2)",
+        "warmup": f"engine: 2 requests ({[len(p) for p in warmup]} tokens, max_tokens=2); "
+                  "per configuration: one untimed repetition of the whole timeline",
         "repetitions": reps,
+        "engine": "one engine for every configuration, built with max_num_batched_tokens="
+                  f"{largest}; the scheduler limits are switched between "
+                  "configurations (pagedcore.bench.chunked.apply_config)",
         "engine_config_common": common,
         "configs": rows,
     }
     _print(report)
+    for r in rows:
+        click.echo(f"KEY chunked {r['label']}: short TTFT p50 "
+                   f"{r['short_ttft_s']['p50'] * 1e3:.1f} ms "
+                   f"({r['short_ttft_p50_speedup_vs_no_chunking']:.1f}x), long "
+                   f"{r['long_completion_s'] * 1e3:.0f} ms "
+                   f"({r['long_completion_vs_no_chunking']:.2f}x)")
     if json_path:
         write_json(json_path, report)
         click.echo(f"wrote {json_path}")

@@ -12,6 +12,9 @@ Three parts, on one engine with prefix caching on (and the chat trace once more 
    earlier user turns and the engine's own replies) plus a new user turn.
 
 Requests run one at a time through the arrival-timeline driver (`pagedcore.bench.timeline`).
+After the figures are saved, ``--phases`` (default) breaks cold and warm requests down by
+engine phase (`pagedcore.bench.prefix_phases`: where a warm request's time goes) and
+``--profile-dir`` adds `torch.profiler` tables of one cold and one warm request per length.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 
 import click
 
-__all__ = ["chat_trace", "measure_prefix", "prefix"]
+__all__ = ["chat_trace", "measure_phases", "measure_prefix", "prefix", "profile_phases"]
 
 
 def _tokens(n: int, *, vocab: int, seed: int) -> list[int]:
@@ -83,6 +86,75 @@ def measure_prefix(llm: Any, *, lengths: list[int], reps: int, user_len: int, vo
             "warm_ttft_median_s": warm_ttft,
             "speedup": cold_ttft / warm_ttft if warm_ttft > 0 else None,
         })
+    return rows
+
+
+def _collector(echo: Any) -> tuple[list[dict[str, Any]], Any]:
+    """A row list and an ``add(row)`` that also echoes the row as one line."""
+    from pagedcore.bench.prefix_phases import format_breakdown
+
+    rows: list[dict[str, Any]] = []
+
+    def add(row: dict[str, Any]) -> None:
+        rows.append(row)
+        if echo is not None:
+            echo(f"PHASES {format_breakdown(row)} cached {row['num_cached_tokens']} "
+                 f"replays {row['mixed_graph_replays']}" if "phases_ms" in row
+                 else f"PROFILE {row}")
+
+    return rows, add
+
+
+def measure_phases(llm: Any, *, lengths: list[int], user_len: int, vocab: int,
+                   sync: Any = None, reps: int = 3, echo: Any = None) -> list[dict[str, Any]]:
+    """Per-phase breakdown (`pagedcore.bench.prefix_phases`) of cold and warm requests with
+    ``max_tokens=1`` per length, and of warm requests with ``max_tokens=2`` (one decode
+    step more) at the first length. `echo` (e.g. ``print``) gets a line per row as soon as
+    it is measured."""
+    from pagedcore.bench.prefix_phases import phase_breakdown
+
+    rows, add = _collector(echo)
+
+    shared = {n: _tokens(n, vocab=vocab, seed=8000 + li) for li, n in enumerate(lengths)}
+    for li, length in enumerate(lengths):
+        cold = [_tokens(length + user_len, vocab=vocab, seed=8100 + 10 * li + r)
+                for r in range(reps)]
+        add({"system_prompt_tokens": length,
+             **phase_breakdown(llm, cold, label=f"cold-{length}", sync=sync)})
+        warm = [shared[length] + _tokens(user_len, vocab=vocab, seed=8200 + 10 * li + r)
+                for r in range(reps + 1)]
+        # The first warm prompt primes the cache (it is cold itself); the rest hit it.
+        phase_breakdown(llm, warm[:1], label=f"prime-{length}", sync=sync)
+        add({"system_prompt_tokens": length,
+             **phase_breakdown(llm, warm[1:], label=f"warm-{length}", sync=sync)})
+        if li == 0:
+            more = [shared[length] + _tokens(user_len, vocab=vocab, seed=8300 + r)
+                    for r in range(reps)]
+            add({"system_prompt_tokens": length,
+                 **phase_breakdown(llm, more, label=f"warm-{length}-2tok", sync=sync,
+                                   max_tokens=2)})
+    return rows
+
+
+def profile_phases(llm: Any, *, lengths: list[int], user_len: int, vocab: int,
+                   profile_dir: str, echo: Any = None) -> list[dict[str, Any]]:
+    """One warm (after `measure_phases` primed its prefix) and one cold request per length
+    under `torch.profiler`; the tables are written to `profile_dir`."""
+    import os
+
+    from pagedcore.bench.prefix_phases import profile_request
+
+    os.makedirs(profile_dir, exist_ok=True)
+    rows, add = _collector(echo)
+    for li, length in enumerate(lengths):
+        shared = _tokens(length, vocab=vocab, seed=8000 + li)
+        for kind, prompt in (
+            ("warm", shared + _tokens(user_len, vocab=vocab, seed=8400 + li)),
+            ("cold", _tokens(length + user_len, vocab=vocab, seed=8500 + li)),
+        ):
+            name = f"profile-{kind}-{length}"
+            add({"system_prompt_tokens": length, **profile_request(
+                llm, prompt, os.path.join(profile_dir, f"{name}.txt"), label=name)})
     return rows
 
 
@@ -161,8 +233,14 @@ def _plot(report: dict[str, Any], path: str) -> None:
 @click.option("--reps", default=None, type=int, help="Cold and warm requests per length.")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
 @click.option("--plot", "plot_path", default=None, type=click.Path(dir_okay=False))
+@click.option("--phases/--no-phases", default=True, show_default=True,
+              help="Also break cold and warm requests down by engine phase (synced).")
+@click.option("--profile-dir", default=None, type=click.Path(file_okay=False),
+              help="With --phases: also profile one cold and one warm request per length "
+                   "(torch.profiler tables written here).")
 def prefix(small: bool, device: str | None, backend: str | None, lengths: str | None,
-           reps: int | None, json_path: str | None, plot_path: str | None) -> None:
+           reps: int | None, json_path: str | None, plot_path: str | None,
+           phases: bool, profile_dir: str | None) -> None:
     """Prefix caching: cold vs warm TTFT at shared system prompts, and a multi-turn chat."""
     import torch
 
@@ -192,11 +270,13 @@ def prefix(small: bool, device: str | None, backend: str | None, lengths: str | 
         kv_cache_memory_bytes=(512 << 20) if dev.type == "cpu" else (16 << 30),
     )
     model = random_model(config, dtype=dtype, device=dev, seed=0)
-    clock = WallClock(torch.cuda.synchronize if dev.type == "cuda" else None)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else None
+    clock = WallClock(sync)
     chat = dict(turns=6, system_len=lens[0], user_len=128, reply_len=32)
 
     results: dict[str, Any] = {}
-    for caching in (True, False):
+    llm: Any = None
+    for caching in (False, True):
         llm = LLM(copy.deepcopy(model), device=dev, dtype=dtype, backend=backend,
                   enable_prefix_caching=caching, **engine_cfg)
         # Unrelated prompts of every length, each twice with different last 64 tokens, so
@@ -210,9 +290,15 @@ def prefix(small: bool, device: str | None, backend: str | None, lengths: str | 
             results["backend"] = ",".join(sorted(set(llm.backend_names)))
             results["shared"] = measure_prefix(llm, lengths=lens, reps=reps, user_len=64,
                                                vocab=vocab, clock=clock)
+            for r in results["shared"]:
+                print(f"KEY prefix {r['system_prompt_tokens']}: cold "
+                      f"{r['cold_ttft_median_s'] * 1e3:.2f} ms warm "
+                      f"{r['warm_ttft_median_s'] * 1e3:.2f} ms speedup {r['speedup']:.2f}x "
+                      f"hits_proven {r['hits_proven']}", flush=True)
         results["on" if caching else "off"] = chat_trace(
             llm, vocab=vocab, prefix=f"chat-{caching}", clock=clock, **chat)
-        del llm
+        if not caching:
+            del llm
     report: dict[str, Any] = {
         "experiment": "prefix caching",
         "environment": environment(dev),
@@ -230,12 +316,30 @@ def prefix(small: bool, device: str | None, backend: str | None, lengths: str | 
                        "caching_off": results["off"]},
     }
     _print(report)
-    if json_path:
-        write_json(json_path, report)
-        click.echo(f"wrote {json_path}")
+
+    def save() -> None:
+        if json_path:
+            write_json(json_path, report)
+            click.echo(f"wrote {json_path}")
+
+    save()
     if plot_path:
         _plot(report, plot_path)
         click.echo(f"wrote {plot_path}")
+    # Diagnostics after the figures are saved (then saved again with them).
+    if phases:
+        report["phases"] = {
+            "note": "per-phase medians (ms) of requests run alone, each phase closed by a "
+                    "device sync (pagedcore.bench.prefix_phases); warm rows hit the cache",
+            "rows": measure_phases(llm, lengths=lens, user_len=64, vocab=vocab, sync=sync,
+                                   echo=print),
+        }
+        save()
+        if profile_dir:
+            report["phases"]["profiles"] = profile_phases(
+                llm, lengths=lens, user_len=64, vocab=vocab, profile_dir=profile_dir,
+                echo=print)
+            save()
 
 
 def _print(report: dict[str, Any]) -> None:
@@ -260,3 +364,4 @@ def _print(report: dict[str, Any]) -> None:
         chat.add_row(str(on["turn"]), str(on["prompt_tokens"]), str(on["num_cached_tokens"]),
                      f"{on['ttft_s'] * 1e3:.1f}", f"{off['ttft_s'] * 1e3:.1f}")
     Console().print(chat)
+

@@ -256,6 +256,14 @@ class BlockHasher:
         count = _U32.pack(bs)
         no_extra = _U32.pack(0)
         width = 8 * bs
+        if lora is None and not spans and (salt is None or first > 0):
+            # No extra keys in any new block (the common case): the tightest loop, since a
+            # request's first schedule hashes its whole prompt inside its time to first token.
+            append = hashes.append
+            for off in range(0, (num_full - first) * width, width):
+                parent = hash_fn(head + parent + count + packed[off : off + width] + no_extra)
+                append(parent)
+            return hashes
         for i in range(first, num_full):
             start = i * bs
             body = packed[(i - first) * width : (i - first + 1) * width]

@@ -127,3 +127,8 @@ def test_hasher_is_incremental_and_matches_direct_chain() -> None:
     # Without extra keys (the packed fast path) the chain is the same encoding.
     plain = BlockHasher(4, SHA, root).hashes("p", FakeRequest("p", [2**40, -1, 3, 4, 5]))
     assert plain == [hash_block_tokens(SHA, root, [2**40, -1, 3, 4])]
+    many = BlockHasher(4, SHA, root).hashes("m", FakeRequest("m", list(range(13))))
+    chain = [root]
+    for b in range(3):
+        chain.append(hash_block_tokens(SHA, chain[-1], list(range(4 * b, 4 * b + 4))))
+    assert many == chain[1:]
