@@ -252,17 +252,35 @@ void prefill(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache
               "tiles must be a contiguous [num_tiles, 2] int32 tensor of (request, first row)");
   p.num_items = static_cast<int>(tiles.size(0));
   p.causal = causal;
-  TORCH_CHECK(variant >= 0 && variant <= 3, "prefill variant must be 0 (mma), 1 (wmma), 2 "
-              "(wmma, lane per key) or 3 (mma, pipelined gather), got ", variant);
-  const bool mma = variant == 0 || variant == 3;
-  TORCH_CHECK(tile_rows == 64 || (mma && tile_rows == 128), "prefill tiles must have ",
-              "64 query rows (128 with the mma kernel), got ", tile_rows);
+  // Variants: 0 mma, 1 wmma, 2 wmma lane per key, 3 mma pipelined gather (64 or 128 rows),
+  // 4 the same with 8 warps of 16 rows (128 rows), 5 with 32-key tiles (128 rows, 4 warps),
+  // 6 with 32-key tiles and 8 warps of 32 rows (256 rows), 7 = 5 and 8 = 4 with three K/V
+  // tiles in flight instead of two, 9 = 7 and 10 = 3 (128 rows) with the fast softmax.
+  TORCH_CHECK(variant >= 0 && variant <= 10, "prefill variant must be 0 (mma), 1 (wmma), 2 "
+              "(wmma, lane per key), 3 (mma, pipelined gather), 4 (3 with 8 warps), 5 (3 with "
+              "32-key tiles), 6 (5 with 8 warps), 7 (5 with 3 stages), 8 (4 with 3 stages), "
+              "9 (7 with the fast softmax) or 10 (3 with the fast softmax), got ", variant);
+  const bool mma = variant == 0 || variant >= 3;
+  const bool warps8 = variant == 4 || variant == 6 || variant == 8;
+  const bool keys32 = variant == 5 || variant == 6 || variant == 7 || variant == 9;
+  const int64_t want_rows = variant == 6 ? 256 : variant >= 4 ? 128 : 0;
+  if (want_rows != 0) {
+    TORCH_CHECK(tile_rows == want_rows, "prefill variant ", variant, " takes tiles of ",
+                want_rows, " query rows, got ", tile_rows);
+  } else {
+    TORCH_CHECK(tile_rows == 64 || (mma && tile_rows == 128), "prefill tiles must have ",
+                "64 query rows (128 with the mma kernel), got ", tile_rows);
+  }
   if (mma) {
     TORCH_CHECK(query.scalar_type() != at::kFloat && query.size(2) <= 128,
                 "the mma prefill kernel takes float16/bfloat16 and head sizes 64-128, got ",
                 query.scalar_type(), " and ", query.size(2), "; use variant 1 (wmma)");
     p.prefill_rows = static_cast<int>(tile_rows);
-    p.prefill_pipe = variant == 3;
+    p.prefill_pipe = variant >= 3;
+    p.prefill_warps = warps8 ? 8 : 4;
+    p.prefill_keys = keys32 ? 32 : 64;
+    p.prefill_stages = variant == 7 || variant == 8 || variant == 9 ? 3 : 2;
+    p.prefill_fast = variant >= 9;
     launch_for_dtype(p, query, launch_prefill_mma_f16, launch_prefill_mma_bf16, nullptr,
                      "prefill (mma)");
     return;

@@ -1,18 +1,21 @@
 // Paged prefill / chunked prefill on tensor cores, FlashAttention-2 style (fp16 and bf16,
 // head sizes 64-128; fp32 and head size 256 keep the WMMA / CUDA-core kernel of prefill.cuh).
 //
-// Grid (num_tiles, Hq), 4 warps. A tile is 64 * MT query rows of one request (`work` lists
-// (request, first row)), warp w owning MT blocks of 16 rows as the M dimension of
-// `mma.m16n8k16` (MT = 2: each K/V fragment read from shared memory feeds two mmas, and each
-// K/V tile serves twice the rows). Key tiles of 64 are gathered from the paged cache through the block table
-// into shared memory with cp.async, double buffered (the next tile streams in while the
-// current one is computed): K as [key][dim] (16-byte vectors of the K layout land as they
-// are), V transposed as [dim][key] (the V layout's rows), so `ldmatrix` (no transpose) gives
-// the B fragments of both S = Q K^T and O += P V. Q fragments are loaded once into registers
-// (MT = 1) or reread from shared memory per k-step (MT = 2, for the register budget);
-// S, P, the running max / sum (fp32, log2 units) and O stay in registers, FA2's layout: the
-// C fragment of S is the A fragment of P. Key tiles past the causal diagonal of the tile's
-// last row are never visited; masks are applied only on tiles that need them.
+// Grid (num_tiles, Hq), NW warps. A tile is 16 * MT * NW query rows of one request (`work`
+// lists (request, first row)), warp w owning MT blocks of 16 rows as the M dimension of
+// `mma.m16n8k16` (MT = 2: each K/V fragment read from shared memory feeds two mmas). Key
+// tiles of KN (64 or 32) are gathered from the paged cache through the block table into
+// shared memory with cp.async, ST tiles in flight (ST = 2: double buffered, two barriers per
+// tile; ST = 3: a ring, the next two tiles stream in while one is computed, one barrier per
+// tile): K as [key][dim] (16-byte vectors of the K layout land as they are), V transposed as
+// [dim][key] (the V layout's rows), so `ldmatrix` (no transpose) gives the B fragments of
+// both S = Q K^T and O += P V. Q fragments are loaded once into registers (MT = 1) or reread
+// from shared memory per k-step (MT = 2, for the register budget); S, P, the running max /
+// sum (fp32, log2 units) and O stay in registers, FA2's layout: the C fragment of S is the A
+// fragment of P. Key tiles past the causal diagonal of the tile's last row are never
+// visited; masks are applied only on tiles that need them (FAST: those tiles, and tiles with
+// ALiBi / soft-cap, take the general softmax; the rest a straight-line one, and O is
+// rescaled only when a row maximum of the warp moved).
 // Keys outside [kv_lo, kv_hi) are zero-filled by cp.async (whole 16-byte vectors) or zeroed in
 // shared memory (vectors straddling an edge), so NaNs in unused slots never reach a product.
 #pragma once
@@ -22,26 +25,29 @@
 
 namespace pagedcore {
 
-constexpr int kFaThreads = 128;
-constexpr int kFaKeys = 64;  // keys per shared-memory tile
-
-template <typename T, int HEAD, int MT>
+// NW warps of MT m-tiles (16 rows each) per thread block, KN keys per shared-memory tile,
+// ST stages of K/V tiles in flight.
+template <typename T, int HEAD, int MT, int NW, int KN, int ST>
 struct FaSmem {
-  static constexpr int ROWS = 64 * MT;      // query rows per tile
-  static constexpr int LDK = HEAD + 8;      // Q / K row stride (elements): 16-byte aligned rows,
-  static constexpr int LDV = kFaKeys + 8;   // V^T row stride;  both skew ldmatrix banks
+  static constexpr int ROWS = 16 * MT * NW;  // query rows per tile
+  static constexpr int LDK = HEAD + 8;       // Q / K row stride (elements): 16-byte aligned rows,
+  static constexpr int LDV = KN + 8;         // V^T row stride;  both skew ldmatrix banks
   static constexpr int Q_BYTES = ROWS * LDK * 2;
-  static constexpr int K_BYTES = kFaKeys * LDK * 2;
+  static constexpr int K_BYTES = KN * LDK * 2;
   static constexpr int V_BYTES = HEAD * LDV * 2;
   static constexpr int K_OFF = Q_BYTES;
-  static constexpr int V_OFF = K_OFF + 2 * K_BYTES;
-  static constexpr int BYTES = V_OFF + 2 * V_BYTES;
+  static constexpr int V_OFF = K_OFF + ST * K_BYTES;
+  static constexpr int BYTES = V_OFF + ST * V_BYTES;
 };
 
-template <typename T, int HEAD, int MT, bool PIPE>
-__global__ void __launch_bounds__(kFaThreads) prefill_mma_kernel(AttentionParams p) {
-  using L = FaSmem<T, HEAD, MT>;
+template <typename T, int HEAD, int MT, bool PIPE, int NW, int KN, int ST, bool FAST>
+__global__ void __launch_bounds__(NW * 32) prefill_mma_kernel(AttentionParams p) {
+  static_assert(ST == 2 || (PIPE && ST > 2), "more than two stages need the pipelined gather");
+  using L = FaSmem<T, HEAD, MT, NW, KN, ST>;
   constexpr int kFaRows = L::ROWS;
+  constexpr int kFaThreads = NW * 32;
+  constexpr int kFaKeys = KN;
+  constexpr int NS = KN / 8;     // n-tiles of S per m-tile
   constexpr int CH = HEAD / 8;   // 16-byte vectors per row
   constexpr int KS = HEAD / 16;  // k-steps of S = Q K^T
   constexpr int NT = HEAD / 8;   // n-tiles of O
@@ -99,11 +105,13 @@ __global__ void __launch_bounds__(kFaThreads) prefill_mma_kernel(AttentionParams
   // power-of-two block size. (!PIPE: the first formulation, one lookup and one integer
   // division per 16-byte vector, each cp.async waiting on its lookup.)
   const int bshift = 31 - __clz(B);
+  // Trip counts: K_TRIPS chunks of one key, V_TRIPS dims of one 8-key group per thread and
+  // tile; the last trip is guarded where the thread count does not divide the head size.
+  constexpr int K_STEP = kFaThreads / kFaKeys, K_TRIPS = (CH + K_STEP - 1) / K_STEP;
+  constexpr int V_STEP = kFaThreads / (kFaKeys / 8), V_TRIPS = (HEAD + V_STEP - 1) / V_STEP;
+  static_assert(kFaThreads % kFaKeys == 0 && kFaKeys % 16 == 0, "gather layout");
   const int k_kk = tid % kFaKeys, k_c0 = tid / kFaKeys;
   const int v_kc = tid % (kFaKeys / 8), v_d0 = tid / (kFaKeys / 8);
-  static_assert(kFaThreads % kFaKeys == 0 && (kFaKeys * CH) % kFaThreads == 0 &&
-                    (HEAD * (kFaKeys / 8)) % kFaThreads == 0,
-                "gather trip counts must be exact");
   auto lookup = [&](int kt, int& kph, int& vph) {
     const int pos = kt + k_kk;
     kph = pos >= kv_lo && pos < kv_hi ? bt[pos >> bshift] : -1;
@@ -117,16 +125,20 @@ __global__ void __launch_bounds__(kFaThreads) prefill_mma_kernel(AttentionParams
     const T* ksrc = k_cache + static_cast<int64_t>(kok ? kph : 0) * blk_stride + head_off +
                     (kok ? (kt + k_kk) & (B - 1) : 0) * 8;
 #pragma unroll
-    for (int r = 0; r < (kFaKeys * CH) / kFaThreads; ++r) {
-      const int c = k_c0 + r * (kFaThreads / kFaKeys);
-      cp_async_16(k_s + k_kk * L::LDK + c * 8, ksrc + static_cast<int64_t>(c) * B * 8, kok);
+    for (int r = 0; r < K_TRIPS; ++r) {
+      const int c = k_c0 + r * K_STEP;
+      if (CH % K_STEP == 0 || c < CH) {
+        cp_async_16(k_s + k_kk * L::LDK + c * 8, ksrc + static_cast<int64_t>(c) * B * 8, kok);
+      }
     }
     const T* vsrc = v_cache + static_cast<int64_t>(vok ? vph : 0) * blk_stride + head_off +
                     (vok ? (kt + v_kc * 8) & (B - 1) : 0);
 #pragma unroll
-    for (int r = 0; r < (HEAD * (kFaKeys / 8)) / kFaThreads; ++r) {
-      const int d = v_d0 + r * (kFaThreads / (kFaKeys / 8));
-      cp_async_16(v_s + d * L::LDV + v_kc * 8, vsrc + static_cast<int64_t>(d) * B, vok);
+    for (int r = 0; r < V_TRIPS; ++r) {
+      const int d = v_d0 + r * V_STEP;
+      if (HEAD % V_STEP == 0 || d < HEAD) {
+        cp_async_16(v_s + d * L::LDV + v_kc * 8, vsrc + static_cast<int64_t>(d) * B, vok);
+      }
     }
   };
 
@@ -158,7 +170,20 @@ __global__ void __launch_bounds__(kFaThreads) prefill_mma_kernel(AttentionParams
   const int kt_begin = (kv_lo / kFaKeys) * kFaKeys;
   const int n_kt = kv_hi > kt_begin ? cdiv(kv_hi - kt_begin, kFaKeys) : 0;
   int kph = -1, vph = -1;  // PIPE: block-table entries of the next tile to load
-  if (n_kt > 0) {
+  if constexpr (ST > 2) {
+    // Tiles 0 .. ST - 2 in flight (one commit group each, empty past the end), then the
+    // block-table entries of tile ST - 1.
+#pragma unroll
+    for (int st = 0; st < ST - 1; ++st) {
+      if (st < n_kt) {
+        lookup(kt_begin + st * kFaKeys, kph, vph);
+        load_kv_pipe(kt_begin + st * kFaKeys, st, kph, vph);
+      }
+      cp_async_commit();
+    }
+    if (ST - 1 < n_kt) lookup(kt_begin + (ST - 1) * kFaKeys, kph, vph);
+    cp_async_wait<ST - 1>();  // Q has landed
+  } else if (n_kt > 0) {
     if constexpr (PIPE) {
       lookup(kt_begin, kph, vph);
       load_kv_pipe(kt_begin, 0, kph, vph);
@@ -167,8 +192,10 @@ __global__ void __launch_bounds__(kFaThreads) prefill_mma_kernel(AttentionParams
       load_kv(kt_begin, 0);
     }
   }
-  cp_async_commit();
-  cp_async_wait<1>();  // Q has landed (the first K/V tile may still be in flight)
+  if constexpr (ST == 2) {
+    cp_async_commit();
+    cp_async_wait<1>();  // Q has landed (the first K/V tile may still be in flight)
+  }
   __syncthreads();
 
   // Q A fragments of m-tile mt, k-step ks (rows warp * 16 * MT + 16 * mt ..).
@@ -196,10 +223,23 @@ __global__ void __launch_bounds__(kFaThreads) prefill_mma_kernel(AttentionParams
     pos_q[mt][1] = pos_q[mt][0] + 8;
   }
 
+  int ring = 0;  // ST > 2: stage of tile i
   for (int i = 0; i < n_kt; ++i) {
     const int kt = kt_begin + i * kFaKeys;
-    const int stage = i & 1;
-    if (i + 1 < n_kt) {
+    const int stage = ST == 2 ? (i & 1) : ring;
+    if constexpr (ST > 2) {
+      // Tile i has landed once at most ST - 2 younger groups are pending; after the barrier
+      // every warp is done with tile i - 1, whose stage takes tile i + ST - 1 (so one barrier
+      // per tile instead of two).
+      cp_async_wait<ST - 2>();
+      __syncthreads();
+      if (i + ST - 1 < n_kt) {
+        load_kv_pipe(kt + (ST - 1) * kFaKeys, ring == 0 ? ST - 1 : ring - 1, kph, vph);
+        if (i + ST < n_kt) lookup(kt + ST * kFaKeys, kph, vph);
+      }
+      cp_async_commit();
+      ring = ring + 1 == ST ? 0 : ring + 1;
+    } else if (i + 1 < n_kt) {
       if constexpr (PIPE) {
         load_kv_pipe(kt + kFaKeys, stage ^ 1, kph, vph);
         if (i + 2 < n_kt) lookup(kt + 2 * kFaKeys, kph, vph);
@@ -211,7 +251,7 @@ __global__ void __launch_bounds__(kFaThreads) prefill_mma_kernel(AttentionParams
     } else {
       cp_async_wait<0>();
     }
-    __syncthreads();
+    if constexpr (ST == 2) __syncthreads();
     const T* k_s = reinterpret_cast<const T*>(smem_raw + L::K_OFF + stage * L::K_BYTES);
     T* v_s = reinterpret_cast<T*>(smem_raw + L::V_OFF + stage * L::V_BYTES);
 
@@ -235,12 +275,12 @@ __global__ void __launch_bounds__(kFaThreads) prefill_mma_kernel(AttentionParams
       __syncthreads();
     }
 
-    // S = Q K^T: 16 * MT rows x 64 keys per warp (8 n-tiles per m-tile).
-    float s[MT][8][4];
+    // S = Q K^T: 16 * MT rows x KN keys per warp (NS n-tiles per m-tile).
+    float s[MT][NS][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.f;
+      for (int j = 0; j < NS; ++j) s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.f;
     }
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
@@ -255,7 +295,7 @@ __global__ void __launch_bounds__(kFaThreads) prefill_mma_kernel(AttentionParams
         }
       }
 #pragma unroll
-      for (int j = 0; j < 8; j += 2) {
+      for (int j = 0; j < NS; j += 2) {
         uint32_t r[4];
         const int key = (j + lane / 16) * 8 + lane % 8;
         ldmatrix_x4(r, k_s + key * L::LDK + ks * 16 + (lane / 8 % 2) * 8);
@@ -273,53 +313,148 @@ __global__ void __launch_bounds__(kFaThreads) prefill_mma_kernel(AttentionParams
     const bool need_mask = kt < kv_lo || kt + kFaKeys > kv_hi ||
                            (p.causal && kt + kFaKeys - 1 > first_pos) ||
                            (p.window > 0 && kt <= last_pos - p.window);
+    if constexpr (FAST) {
+      // FAST: unmasked plain tiles (the bulk of a long prompt) take a straight-line path
+      // (no per-score branches, exp2 of one FMA); rows whose max did not move have
+      // alpha == 1 exactly, so O is rescaled only when some row of the warp needs it.
+      float alpha[MT][2];
+      if (plain && !need_mask && scale_log2 > 0.f) {
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
+        for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = -INFINITY;
+          for (int r = 0; r < 2; ++r) {
+            float mx = s[mt][0][2 * r];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
+            for (int j = 0; j < NS; ++j) {
+              mx = fmaxf(mx, fmaxf(s[mt][j][2 * r], s[mt][j][2 * r + 1]));
+            }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float m_new = fmaxf(m[mt][r], mx * scale_log2);  // finite: all visible
+            alpha[mt][r] = fast_exp2(m[mt][r] - m_new);           // exp2(-inf) = 0
+            float sum = 0.f;
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int pos_k = kt + 8 * j + 2 * t + e;
-          const int pq = pos_q[mt][r];
-          float v = s[mt][j][2 * r + e];
-          v = plain ? v * scale_log2
-                    : kLog2e * transform_score(v, p.scale, p.soft_cap, slope, pos_k, pq);
-          if (need_mask) {
-            bool vis = pos_k >= kv_lo && pos_k < kv_hi;
-            if (p.causal) vis = vis && pos_k <= pq;
-            if (p.window > 0) vis = vis && pq - pos_k < p.window;
-            v = vis ? v : -INFINITY;
+            for (int j = 0; j < NS; ++j) {
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const float pv = fast_exp2(fmaf(s[mt][j][2 * r + e], scale_log2, -m_new));
+                s[mt][j][2 * r + e] = pv;
+                sum += pv;
+              }
+            }
+            l[mt][r] = l[mt][r] * alpha[mt][r] + sum;
+            m[mt][r] = m_new;
           }
-          s[mt][j][2 * r + e] = v;
-          mx = fmaxf(mx, v);
+        }
+      } else {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            float mx = -INFINITY;
+#pragma unroll
+            for (int j = 0; j < NS; ++j) {
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const int pos_k = kt + 8 * j + 2 * t + e;
+                const int pq = pos_q[mt][r];
+                float v = s[mt][j][2 * r + e];
+                v = plain ? v * scale_log2
+                          : kLog2e * transform_score(v, p.scale, p.soft_cap, slope, pos_k, pq);
+                if (need_mask) {
+                  bool vis = pos_k >= kv_lo && pos_k < kv_hi;
+                  if (p.causal) vis = vis && pos_k <= pq;
+                  if (p.window > 0) vis = vis && pq - pos_k < p.window;
+                  v = vis ? v : -INFINITY;
+                }
+                s[mt][j][2 * r + e] = v;
+                mx = fmaxf(mx, v);
+              }
+            }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float m_new = fmaxf(m[mt][r], mx);
+            alpha[mt][r] = m_new == -INFINITY ? 1.f : fast_exp2(m[mt][r] - m_new);
+            const float m_use = m_new == -INFINITY ? 0.f : m_new;
+            float sum = 0.f;
+#pragma unroll
+            for (int j = 0; j < NS; ++j) {
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const float pv = fast_exp2(s[mt][j][2 * r + e] - m_use);  // exp2(-inf) = 0
+                s[mt][j][2 * r + e] = pv;
+                sum += pv;
+              }
+            }
+            l[mt][r] = l[mt][r] * alpha[mt][r] + sum;
+            m[mt][r] = m_new;
+          }
         }
       }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m[mt][r], mx);
-      const float alpha = m_new == -INFINITY ? 1.f : fast_exp2(m[mt][r] - m_new);
-      const float m_use = m_new == -INFINITY ? 0.f : m_new;
-      float sum = 0.f;
+      bool moved = false;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
+      for (int mt = 0; mt < MT; ++mt) moved = moved || alpha[mt][0] != 1.f || alpha[mt][1] != 1.f;
+      if (__any_sync(0xffffffffu, moved)) {
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float pv = fast_exp2(s[mt][j][2 * r + e] - m_use);  // exp2(-inf) = 0
-          s[mt][j][2 * r + e] = pv;
-          sum += pv;
+        for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+          for (int j = 0; j < NT; ++j) {
+            o[mt][j][0] *= alpha[mt][0];
+            o[mt][j][1] *= alpha[mt][0];
+            o[mt][j][2] *= alpha[mt][1];
+            o[mt][j][3] *= alpha[mt][1];
+          }
         }
       }
-      l[mt][r] = l[mt][r] * alpha + sum;
-      m[mt][r] = m_new;
-#pragma unroll
-      for (int j = 0; j < NT; ++j) {
-        o[mt][j][2 * r] *= alpha;
-        o[mt][j][2 * r + 1] *= alpha;
+    } else {
+  #pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+  #pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float mx = -INFINITY;
+  #pragma unroll
+        for (int j = 0; j < NS; ++j) {
+  #pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int pos_k = kt + 8 * j + 2 * t + e;
+            const int pq = pos_q[mt][r];
+            float v = s[mt][j][2 * r + e];
+            v = plain ? v * scale_log2
+                      : kLog2e * transform_score(v, p.scale, p.soft_cap, slope, pos_k, pq);
+            if (need_mask) {
+              bool vis = pos_k >= kv_lo && pos_k < kv_hi;
+              if (p.causal) vis = vis && pos_k <= pq;
+              if (p.window > 0) vis = vis && pq - pos_k < p.window;
+              v = vis ? v : -INFINITY;
+            }
+            s[mt][j][2 * r + e] = v;
+            mx = fmaxf(mx, v);
+          }
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m[mt][r], mx);
+        const float alpha = m_new == -INFINITY ? 1.f : fast_exp2(m[mt][r] - m_new);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;
+        float sum = 0.f;
+  #pragma unroll
+        for (int j = 0; j < NS; ++j) {
+  #pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float pv = fast_exp2(s[mt][j][2 * r + e] - m_use);  // exp2(-inf) = 0
+            s[mt][j][2 * r + e] = pv;
+            sum += pv;
+          }
+        }
+        l[mt][r] = l[mt][r] * alpha + sum;
+        m[mt][r] = m_new;
+  #pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          o[mt][j][2 * r] *= alpha;
+          o[mt][j][2 * r + 1] *= alpha;
+        }
       }
-    }
+      }
     }
 
     // O += P V: k-steps of 16 keys; P's A fragment is S's C fragment of n-tiles 2kk, 2kk + 1.
@@ -347,7 +482,7 @@ __global__ void __launch_bounds__(kFaThreads) prefill_mma_kernel(AttentionParams
         }
       }
     }
-    __syncthreads();  // this stage is refilled by the next iteration's load
+    if constexpr (ST == 2) __syncthreads();  // this stage is refilled by the next load
   }
 
   T* out = static_cast<T*>(p.out);
@@ -369,52 +504,6 @@ __global__ void __launch_bounds__(kFaThreads) prefill_mma_kernel(AttentionParams
             pack2<T>(o[mt][j][2 * r] * inv, o[mt][j][2 * r + 1] * inv);
       }
     }
-  }
-}
-
-template <typename T, int HEAD, int MT, bool PIPE>
-cudaError_t launch_prefill_mma_cfg(const AttentionParams& p, cudaStream_t stream) {
-  constexpr int smem = FaSmem<T, HEAD, MT>::BYTES;
-  auto kernel = prefill_mma_kernel<T, HEAD, MT, PIPE>;
-  if (smem > 48 * 1024) {
-    const cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (err != cudaSuccess) return err;
-  }
-  kernel<<<dim3(p.num_items, p.num_heads), kFaThreads, smem, stream>>>(p);
-  return cudaGetLastError();
-}
-
-// `p.prefill_rows`: query rows per tile of the planner's `work` list, 64 or 128;
-// `p.prefill_pipe`: the pipelined gather (see the kernel).
-template <typename T, int HEAD>
-cudaError_t launch_prefill_mma_head(const AttentionParams& p, cudaStream_t stream) {
-  if (p.prefill_pipe) {
-    if (p.prefill_rows == 128) return launch_prefill_mma_cfg<T, HEAD, 2, true>(p, stream);
-    if (p.prefill_rows == 64) return launch_prefill_mma_cfg<T, HEAD, 1, true>(p, stream);
-    return cudaErrorInvalidValue;
-  }
-  if (p.prefill_rows == 128) return launch_prefill_mma_cfg<T, HEAD, 2, false>(p, stream);
-  if (p.prefill_rows == 64) return launch_prefill_mma_cfg<T, HEAD, 1, false>(p, stream);
-  return cudaErrorInvalidValue;
-}
-
-template <typename T>
-cudaError_t launch_prefill_mma(const AttentionParams& p, int head_size, cudaStream_t stream) {
-  if (p.num_items == 0) return cudaSuccess;
-  switch (head_size) {
-    case 64:
-      return launch_prefill_mma_head<T, 64>(p, stream);
-    case 80:
-      return launch_prefill_mma_head<T, 80>(p, stream);
-    case 96:
-      return launch_prefill_mma_head<T, 96>(p, stream);
-    case 112:
-      return launch_prefill_mma_head<T, 112>(p, stream);
-    case 128:
-      return launch_prefill_mma_head<T, 128>(p, stream);
-    default:
-      return cudaErrorInvalidValue;  // 256: prefill.cuh (register budget)
   }
 }
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +25,7 @@ from pagedcore_cuda_paged import CudaPagedBackend
 from pagedcore_cuda_paged.plan import DecodeKernel, DecodePass, DecodePolicy, PrefillKernel
 
 from pagedcore.attention.metadata import CommonAttentionMetadata
+from pagedcore.bench import kernel_primitives
 from pagedcore.kv_cache.spec import FullAttentionSpec
 
 HQ, HKV, D, B = 32, 8, 128, 16
@@ -34,18 +34,9 @@ DEV = torch.device("cuda")
 
 
 def time_ms(fn: Callable[[], Any], iters: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    """Device ms per call, timed like `pagedcore bench kernels` (back-to-back calls after an
+    L2 flush and a GPU spin, so no host time is counted); `iters` bounds the budget."""
+    return kernel_primitives.time_ms(fn, DEV, budget_ms=20.0 * iters)
 
 
 def copy_gbps() -> float:
@@ -125,6 +116,11 @@ def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 DECODE_SHAPES = [(64, 4096), (8, 32768), (256, 1024)]  # (batch, context)
 PREFILL_SHAPES = [(4, 0, 2048), (4, 0, 8192), (4, 6144, 2048)]  # (batch, prefix, chunk)
+PREFILL_KERNELS = [PrefillKernel.MMA_128_K32_3STAGE_FAST, PrefillKernel.MMA_128_FAST,
+                   PrefillKernel.MMA_128_K32_3STAGE, PrefillKernel.MMA_128_K32_PIPE,
+                   PrefillKernel.MMA_W8_3STAGE, PrefillKernel.MMA_128_PIPE,
+                   PrefillKernel.MMA_W8_PIPE, PrefillKernel.MMA_256_K32_PIPE,
+                   PrefillKernel.MMA_PIPE, PrefillKernel.MMA_128]
 CROSS_CTX, CROSS_BATCH = [1024, 4096, 16384, 32768], [1, 4, 16, 64, 128, 256]
 ONE, PART = DecodePass.ONE_PASS, DecodePass.PARTITIONED
 CLASSIC = DecodeKernel.CLASSIC
@@ -217,8 +213,7 @@ def bench_prefill() -> list[dict[str, Any]]:
         flops = 4 * HQ * D * pairs
         sdpa_ms = time_ms(sdpa_fn, iters=5)
         shape = f"{batch}x{length}" + (f"+{ctx}cached" if ctx else "")
-        for kern in (PrefillKernel.MMA_128_PIPE, PrefillKernel.MMA_PIPE, PrefillKernel.MMA_128,
-                     PrefillKernel.MMA, PrefillKernel.WMMA):
+        for kern in PREFILL_KERNELS:
             try:
                 fn = paged.runner(prefill=kern)
                 ms = time_ms(fn, iters=5)

@@ -3,12 +3,14 @@
 Drives the backend exactly as an engine does (NaN-filled cache, permuted physical blocks with
 block 0 never used, history written first, -1 padding slots, then one mixed step) across
 dtypes, head sizes, block sizes, GQA ratios, window / ALiBi / soft-cap, both decode passes and
-every kernel variant (decode MMA unroll 1 / 2 and CLASSIC grouped / per head; prefill MMA
-64 / 128 rows, WMMA, WMMA lane-per-key), including long chunked prefills over a cached
-prefix (several key tiles, the causal diagonal inside a tile). Prints one line per case and
-exits non-zero on any failure; ``--json`` also writes every case's error.
+every kernel variant (decode MMA unroll 1 / 2 / 3 and CLASSIC grouped / per head; prefill
+MMA 64 / 128 rows, the pipelined-gather variants (`PIPES`), WMMA, WMMA lane-per-key),
+including long chunked prefills over a cached prefix (several key tiles, the causal diagonal
+inside a tile). Prints one line per case and exits non-zero on any failure; ``--json`` also
+writes every case's error.
 
-    python backends/cuda_paged/bench/check_gpu.py [--quick] [--only mma|classic] [--json P]
+    python backends/cuda_paged/bench/check_gpu.py [--quick] [--json P]
+        [--only mma|classic|new|old_mma]   (new: pipelined prefills and ring decode only)
 """
 
 from __future__ import annotations
@@ -191,6 +193,15 @@ def run_graph_case(dtype: torch.dtype, head: int, block: int, *, window: int | N
     return worst
 
 
+#: The pipelined-gather prefill kernels (the candidates for the default).
+PIPES = [PrefillKernel.MMA_128_PIPE, PrefillKernel.MMA_PIPE, PrefillKernel.MMA_W8_PIPE,
+         PrefillKernel.MMA_128_K32_PIPE, PrefillKernel.MMA_256_K32_PIPE,
+         PrefillKernel.MMA_128_K32_3STAGE, PrefillKernel.MMA_W8_3STAGE,
+         PrefillKernel.MMA_128_K32_3STAGE_FAST, PrefillKernel.MMA_128_FAST]
+# Long prompts: several 128/256-row tiles, a chunk over a long prefix, block-table lookahead.
+LONGER = [(0, 600), (1500, 700), (37, 300), (2000, 1)]
+
+
 def cases() -> list[dict[str, object]]:
     """Every case of the sweep; keys are `run_case`'s arguments."""
     dtypes = [torch.float16, torch.bfloat16, torch.float32]
@@ -203,16 +214,18 @@ def cases() -> list[dict[str, object]]:
         out.append({**base, "dtype": dtype, "head": head, "block": block})
     # Pipelined-gather prefill on every half dtype / head / block size.
     for dtype, head, block, pre in itertools.product(
-            half, [64, 80, 96, 112, 128], [8, 16, 32],
-            [PrefillKernel.MMA_128_PIPE, PrefillKernel.MMA_PIPE]):
+            half, [64, 80, 96, 112, 128], [8, 16, 32], PIPES):
         out.append({**base, "dtype": dtype, "head": head, "block": block, "prefill": pre,
                     "reqs": LONG, "window": 70 if block == 8 else None, "partition_size": 256})
+    # Longer prompts and chunks through the pipelined kernels (GQA 4 and 1, causal tiles).
+    for dtype, head, block, pre in itertools.product(half, [64, 128], [16, 32], PIPES):
+        out.append({**base, "dtype": dtype, "head": head, "block": block, "prefill": pre,
+                    "reqs": LONGER, "group": 1 if block == 32 else 4, "partition_size": 512})
     # Long chunked prefills over cached prefixes (MMA and WMMA prefill), all head sizes.
     for dtype, head, (window, alibi, cap), pre in itertools.product(
             half, [64, 80, 96, 112, 128], [(None, False, None), (100, True, None),
                                            (None, False, 5.0)],
-            [PrefillKernel.MMA, PrefillKernel.MMA_128, PrefillKernel.MMA_PIPE,
-             PrefillKernel.MMA_128_PIPE, PrefillKernel.WMMA]):
+            [PrefillKernel.MMA, PrefillKernel.MMA_128, PrefillKernel.WMMA, *PIPES]):
         out.append({**base, "dtype": dtype, "head": head, "block": 16, "window": window,
                     "alibi": alibi, "cap": cap, "prefill": pre, "reqs": LONG,
                     "partition_size": 256})
@@ -261,6 +274,11 @@ def cases() -> list[dict[str, object]]:
     return out
 
 
+def _is_new(c: dict[str, object]) -> bool:
+    """Cases of the newer kernels: pipelined prefills (incl. the default), the ring decode."""
+    return c.get("prefill") in PIPES or c.get("unroll") == 3
+
+
 def _uses_mma(c: dict[str, object]) -> bool:
     prefill = c.get("prefill", DEFAULT_PREFILL_KERNEL)
     return c.get("kernel", DecodeKernel.MMA) is DecodeKernel.MMA or prefill not in (
@@ -270,7 +288,7 @@ def _uses_mma(c: dict[str, object]) -> bool:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", choices=["mma", "classic"])
+    ap.add_argument("--only", choices=["mma", "classic", "new", "old_mma"])
     ap.add_argument("--json")
     ap.add_argument("--graphs", action="store_true", help="only the CUDA-graph replay cases")
     args = ap.parse_args()
@@ -279,6 +297,10 @@ def main() -> int:
     todo = cases()
     if args.only == "mma":
         todo = [c for c in todo if _uses_mma(c)]
+    elif args.only == "new":
+        todo = [c for c in todo if _is_new(c)]
+    elif args.only == "old_mma":
+        todo = [c for c in todo if _uses_mma(c) and not _is_new(c)]
     elif args.only == "classic":
         todo = [c for c in todo if not _uses_mma(c)]
     if args.quick:

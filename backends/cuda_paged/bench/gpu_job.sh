@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# cuda_paged GPU job (issue 6): build (sm_90 only), correctness of every kernel variant against
-# the torch reference (NaN-poisoned cache), timings of every variant with copy bandwidth and
-# SDPA in the same run, conformance, memcheck. Most important first; each step has its own
-# timeout. Usage (repo root): bash backends/cuda_paged/bench/gpu_job.sh RESULT_DIR
+# cuda_paged GPU job (issue 6): build (sm_90 only); correctness of the kernel variants not yet
+# measured (pipelined prefills incl. the fast-softmax ones, ring decode) against the torch
+# reference on a NaN-poisoned cache; timings of every variant with copy bandwidth and SDPA in
+# the same run; conformance (full, with the shipped defaults); memcheck; racecheck of the
+# multi-stage prefills; the measured kernels' sweep; CUDA graphs. Most important first; each
+# step under its own timeout (about 200 s in all on an H200).
+# Usage (repo root): bash backends/cuda_paged/bench/gpu_job.sh RESULT_DIR
 set -o pipefail
 R=${1:?usage: gpu_job.sh RESULT_DIR}
 mkdir -p "$R"
@@ -13,44 +16,71 @@ el() { echo "[+$(( $(date +%s) - T0 ))s] $*"; }
 
 el "build"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
-timeout 120 python3 -m pip install -v --no-build-isolation --no-deps ./backends/cuda_paged \
+timeout 130 python3 -m pip install -v --no-build-isolation --no-deps ./backends/cuda_paged \
   > "$R/build.log" 2>&1
-rc=$?
-el "build rc=$rc"
+el "build rc=$?"
 grep -E "pagedcore-cuda-paged:|error" "$R/build.log" | head -20
 python3 -c "import torch, pagedcore_cuda_paged._C as c; print('extension', c.__file__)" || {
   grep -iE "error|warning: " "$R/build.log" | head -40; tail -30 "$R/build.log"; exit 1; }
 
-el "check mma (new kernels)"
-timeout 90 python3 $B/check_gpu.py --only mma --json "$R/check_mma.json" 2>&1 \
-  | tee "$R/check_mma.log" | grep -v ^PASS
+el "check new variants (pipelined / fast prefills, ring decode)"
+timeout 40 python3 $B/check_gpu.py --only new --json "$R/check_new.json" 2>&1 \
+  | tee "$R/check_new.log" | grep -v ^PASS
 
-el "cuda graphs (capture + replay after in-place rewrites)"
-timeout 20 python3 $B/check_gpu.py --graphs 2>&1 | tee "$R/graphs.log"
+el "bench prefill"
+timeout 30 python3 $B/bench_kernels.py --sections prefill --json "$R/bench_prefill.json" 2>&1 \
+  | tee "$R/bench_prefill.log" | grep -v "^  *$"
 
-el "bench decode + prefill + mixed"
-timeout 60 python3 $B/bench_kernels.py --sections decode,prefill,mixed \
-  --json "$R/bench.json" 2>&1 | tee "$R/bench.log" | grep -v "^  *$"
+el "prefill default recommendation"
+python3 - "$R" <<'PY' 2>&1 | tee "$R/prefill_pick.txt"
+# Fastest prefill kernel (worst shape ratio to the shipped default) among those whose every
+# check_gpu.py --only new case passed; the shipped default is DEFAULT_PREFILL_KERNEL.
+import json, sys
+from pagedcore_cuda_paged.plan import DEFAULT_PREFILL_KERNEL
+r = sys.argv[1]
+cases = json.load(open(f"{r}/check_new.json"))["cases"]
+failed = {c["case"].split("prefill=PrefillKernel.")[1].split()[0].lower()
+          for c in cases if not c["ok"] and "prefill=PrefillKernel." in c["case"]}
+ms = {}
+for row in json.load(open(f"{r}/bench_prefill.json"))["prefill"]:
+    if "ms" in row:
+        ms.setdefault(row["impl"].split("/")[1], {})[row["shape"]] = row["ms"]
+base = ms[DEFAULT_PREFILL_KERNEL.value]
+score = {k: max(v[s] / base[s] for s in base) for k, v in ms.items()
+         if set(v) == set(base) and k not in failed}
+best = min(score, key=score.get)
+print(f"failed checks: {sorted(failed) or 'none'}; worst-shape time ratio to the default "
+      f"{DEFAULT_PREFILL_KERNEL.value}: " + ", ".join(f"{k} {v:.3f}" for k, v in
+                                                   sorted(score.items(), key=lambda x: x[1])))
+print(f"RECOMMENDED DEFAULT_PREFILL_KERNEL: {best}"
+      + (" (the shipped one)" if best == DEFAULT_PREFILL_KERNEL.value else
+         f" -> set DEFAULT_PREFILL_KERNEL = PrefillKernel.{best.upper()} in plan.py"))
+PY
 
-el "conformance (full)"
-timeout 40 python3 -m pagedcore.cli conformance cuda_paged --json "$R/conformance.json" \
+el "conformance (full, shipped defaults)"
+timeout 25 python3 -m pagedcore.cli conformance cuda_paged --json "$R/conformance.json" \
   > "$R/conformance.log" 2>&1
-echo "conformance rc=$?"; tail -6 "$R/conformance.log"
+echo "conformance rc=$?"; tail -3 "$R/conformance.log"
 
-el "check classic kernels"
-timeout 25 python3 $B/check_gpu.py --only classic --json "$R/check_classic.json" 2>&1 \
-  | tee "$R/check_classic.log" | grep -v ^PASS
-
-el "crossover (mma)"
-timeout 30 python3 $B/bench_kernels.py --sections crossover --json "$R/crossover.json" 2>&1 \
-  | tail -30
+el "bench decode + mixed"
+timeout 30 python3 $B/bench_kernels.py --sections decode,mixed --json "$R/bench_decode.json" \
+  2>&1 | tee "$R/bench_decode.log" | grep -v "^  *$"
 
 el "memcheck"
-timeout 30 compute-sanitizer --tool memcheck --error-exitcode 9 python3 $B/sanitize_case.py \
+timeout 25 compute-sanitizer --tool memcheck --error-exitcode 9 python3 $B/sanitize_case.py \
   > "$R/memcheck.log" 2>&1
-echo "memcheck exit $?"; tail -4 "$R/memcheck.log"
-el "racecheck"
-timeout 45 compute-sanitizer --tool racecheck --error-exitcode 9 python3 $B/sanitize_case.py \
-  > "$R/racecheck.log" 2>&1
-echo "racecheck exit $?"; tail -4 "$R/racecheck.log"
+echo "memcheck exit $?"; tail -3 "$R/memcheck.log"
+
+el "racecheck (multi-stage prefills)"
+timeout 40 compute-sanitizer --tool racecheck --error-exitcode 9 python3 $B/sanitize_case.py \
+  --prefill-only > "$R/racecheck.log" 2>&1
+echo "racecheck exit $?"; tail -3 "$R/racecheck.log"
+
+el "check measured kernels (defaults, MMA / MMA_128 prefill, decode unroll 1/2)"
+timeout 25 python3 $B/check_gpu.py --only old_mma --json "$R/check_mma.json" 2>&1 \
+  | tee "$R/check_mma.log" | grep -v ^PASS
+
+el "cuda graphs"
+timeout 12 python3 $B/check_gpu.py --graphs > "$R/graphs.log" 2>&1; echo "graphs rc=$?"
+tail -2 "$R/graphs.log"
 el "done"

@@ -1,6 +1,7 @@
 """A small mixed step for compute-sanitizer (memcheck / racecheck): every kernel once.
 
     compute-sanitizer --tool memcheck python backends/cuda_paged/bench/sanitize_case.py
+        [--prefill-only]
 """
 
 from __future__ import annotations
@@ -20,24 +21,37 @@ CONFIGS = ((torch.float16, 16, 64), (torch.bfloat16, 8, 80), (torch.float32, 32,
 VARIANTS = ((MMA, True, PrefillKernel.MMA, 1), (MMA, True, PrefillKernel.MMA, 2),
             (MMA, True, PrefillKernel.MMA_128, 3),
             (CLASSIC, True, PrefillKernel.WMMA, 1), (CLASSIC, False, PrefillKernel.WMMA, 1))
-for dtype, block, head in CONFIGS:
-    for force in (DecodePass.ONE_PASS, DecodePass.PARTITIONED):
-        for kernel, grouped, prefill, unroll in VARIANTS:
-            if dtype == torch.float32 and kernel is MMA:
-                continue
-            errs.append(run_case(dtype, head, block, 2, 4, window=37, alibi=True, cap=None,
-                                 force=force, seed=1, group_heads=grouped, kernel=kernel,
-                                 prefill=prefill, unroll=unroll))
-# Long chunks (several key tiles, double buffering) and a 16-head group through MMA.
-errs.append(run_case(torch.bfloat16, 128, 16, 2, 4, window=None, alibi=False, cap=None,
-                     force=None, seed=2, reqs=LONG, partition_size=256))
-errs.append(run_case(torch.float16, 64, 32, 1, 16, window=100, alibi=True, cap=None,
-                     force=DecodePass.PARTITIONED, seed=3, reqs=LONG, partition_size=128))
-errs.append(run_case(torch.bfloat16, 80, 8, 2, 2, window=90, alibi=False, cap=5.0,
-                     force=None, seed=4, reqs=LONG, prefill=PrefillKernel.MMA_128))
-for prefill in (PrefillKernel.MMA_128_PIPE, PrefillKernel.MMA_PIPE):
-    errs.append(run_case(torch.float16, 96, 16, 2, 2, window=90, alibi=True, cap=None,
+# `--prefill-only`: just the multi-stage prefill kernels (a quicker racecheck of their
+# one-barrier-per-tile ring).
+PREFILL_ONLY = "--prefill-only" in sys.argv
+if not PREFILL_ONLY:
+    for dtype, block, head in CONFIGS:
+        for force in (DecodePass.ONE_PASS, DecodePass.PARTITIONED):
+            for kernel, grouped, prefill, unroll in VARIANTS:
+                if dtype == torch.float32 and kernel is MMA:
+                    continue
+                errs.append(run_case(dtype, head, block, 2, 4, window=37, alibi=True, cap=None,
+                                     force=force, seed=1, group_heads=grouped, kernel=kernel,
+                                     prefill=prefill, unroll=unroll))
+    # Long chunks (several key tiles, double buffering) and a 16-head group through MMA.
+    errs.append(run_case(torch.bfloat16, 128, 16, 2, 4, window=None, alibi=False, cap=None,
+                         force=None, seed=2, reqs=LONG, partition_size=256))
+    errs.append(run_case(torch.float16, 64, 32, 1, 16, window=100, alibi=True, cap=None,
+                         force=DecodePass.PARTITIONED, seed=3, reqs=LONG, partition_size=128))
+    errs.append(run_case(torch.bfloat16, 80, 8, 2, 2, window=90, alibi=False, cap=5.0,
+                         force=None, seed=4, reqs=LONG, prefill=PrefillKernel.MMA_128))
+for prefill in (PrefillKernel.MMA_128_PIPE, PrefillKernel.MMA_PIPE, PrefillKernel.MMA_W8_PIPE,
+                PrefillKernel.MMA_128_K32_PIPE, PrefillKernel.MMA_256_K32_PIPE,
+                PrefillKernel.MMA_128_K32_3STAGE, PrefillKernel.MMA_W8_3STAGE,
+                PrefillKernel.MMA_128_K32_3STAGE_FAST, PrefillKernel.MMA_128_FAST):
+    if PREFILL_ONLY:
+        continue
+    errs.append(run_case(torch.float16, 80, 16, 2, 2, window=90, alibi=True, cap=None,
                          force=None, seed=5, reqs=LONG, prefill=prefill))
+for prefill in (PrefillKernel.MMA_128_K32_3STAGE, PrefillKernel.MMA_W8_3STAGE,
+                PrefillKernel.MMA_128_K32_3STAGE_FAST, PrefillKernel.MMA_128_FAST):
+    errs.append(run_case(torch.bfloat16, 128, 32, 2, 4, window=None, alibi=False, cap=None,
+                         force=None, seed=6, reqs=LONG, prefill=prefill))
 torch.cuda.synchronize()
 print("sanitize case rel errors:", errs)
 bad = [e for e in errs if not e <= 2e-2]

@@ -68,7 +68,15 @@ class PrefillKernel(enum.Enum):
     up to `MMA_MAX_HEAD_SIZE` (elsewhere ``WMMA`` runs). ``MMA_128``: the same with 128 rows
     (32 a warp: each K/V fragment feeds two mmas). ``MMA_PIPE`` / ``MMA_128_PIPE``: the same
     with the pipelined K/V gather (block-table entries read a tile ahead, every cp.async of a
-    tile issued back to back). ``WMMA``: the first tensor-core kernel
+    tile issued back to back). ``MMA_W8_PIPE``: pipelined, 128 rows as 8 warps of 16 rows
+    (Q fragments in registers, no spills). ``MMA_128_K32_PIPE``: pipelined, 128 rows as 4
+    warps of 32 rows with 32-key tiles (half the score registers). ``MMA_256_K32_PIPE``:
+    pipelined, 256 rows as 8 warps of 32 rows, 32-key tiles. ``MMA_128_K32_3STAGE`` and
+    ``MMA_W8_3STAGE``: ``MMA_128_K32_PIPE`` and ``MMA_W8_PIPE`` with three K/V tiles in
+    flight (a cp.async ring, one barrier per tile). ``MMA_128_K32_3STAGE_FAST`` and
+    ``MMA_128_FAST`` (``MMA_128_PIPE``): the same with a straight-line softmax on unmasked
+    tiles without ALiBi / soft-cap and the output rescaled only when a row maximum moved
+    (not yet measured on a GPU). ``WMMA``: the first tensor-core kernel
     (WMMA 16x16x16, scores and output through shared memory; float32 on CUDA cores).
     ``WMMA_LANE_PER_KEY``: the same with its first softmax formulation, a slower reference
     path.
@@ -78,6 +86,13 @@ class PrefillKernel(enum.Enum):
     MMA_128 = "mma_128"
     MMA_PIPE = "mma_pipe"
     MMA_128_PIPE = "mma_128_pipe"
+    MMA_W8_PIPE = "mma_w8_pipe"
+    MMA_128_K32_PIPE = "mma_128_k32_pipe"
+    MMA_256_K32_PIPE = "mma_256_k32_pipe"
+    MMA_128_K32_3STAGE = "mma_128_k32_3stage"
+    MMA_W8_3STAGE = "mma_w8_3stage"
+    MMA_128_K32_3STAGE_FAST = "mma_128_k32_3stage_fast"
+    MMA_128_FAST = "mma_128_fast"
     WMMA = "wmma"
     WMMA_LANE_PER_KEY = "wmma_lane_per_key"
 
@@ -89,14 +104,21 @@ def mma_applies(*, head_size: int, is_float32: bool) -> bool:
 
 #: The prefill kernel builders use unless told otherwise (measured on the H200: see
 #: docs/benchmarks/cuda_paged.md).
-DEFAULT_PREFILL_KERNEL = PrefillKernel.MMA_128
+DEFAULT_PREFILL_KERNEL = PrefillKernel.MMA_128_K32_3STAGE
 
-#: (pipelined gather, rows per tile) of the MMA prefill kernels.
+#: (extension variant, rows per tile) of the MMA prefill kernels (csrc/ops.cpp `prefill`).
 _MMA_PREFILL = {
-    PrefillKernel.MMA: (False, 64),
-    PrefillKernel.MMA_128: (False, 128),
-    PrefillKernel.MMA_PIPE: (True, 64),
-    PrefillKernel.MMA_128_PIPE: (True, 128),
+    PrefillKernel.MMA: (0, 64),
+    PrefillKernel.MMA_128: (0, 128),
+    PrefillKernel.MMA_PIPE: (3, 64),
+    PrefillKernel.MMA_128_PIPE: (3, 128),
+    PrefillKernel.MMA_W8_PIPE: (4, 128),
+    PrefillKernel.MMA_128_K32_PIPE: (5, 128),
+    PrefillKernel.MMA_256_K32_PIPE: (6, 256),
+    PrefillKernel.MMA_128_K32_3STAGE: (7, 128),
+    PrefillKernel.MMA_W8_3STAGE: (8, 128),
+    PrefillKernel.MMA_128_K32_3STAGE_FAST: (9, 128),
+    PrefillKernel.MMA_128_FAST: (10, 128),
 }
 
 
@@ -104,12 +126,13 @@ def prefill_kernel_code(
     kernel: PrefillKernel, *, head_size: int, is_float32: bool
 ) -> tuple[int, int]:
     """``(variant, tile_rows)`` of the extension's prefill for `kernel`: variant 0 mma,
-    1 wmma, 2 wmma lane per key, 3 mma with the pipelined gather; the MMA kernels fall back
-    to WMMA where they do not apply."""
+    1 wmma, 2 wmma lane per key, 3 mma with the pipelined gather, 4 the same with 8 warps,
+    5 with 32-key tiles, 6 with 32-key tiles and 8 warps, 7 = 5 and 8 = 4 with three stages,
+    9 = 7 and 10 = 3 (128 rows) with the fast softmax; the MMA kernels fall back to WMMA
+    where they do not apply."""
     if kernel in _MMA_PREFILL:
         if mma_applies(head_size=head_size, is_float32=is_float32):
-            pipe, rows = _MMA_PREFILL[kernel]
-            return (3 if pipe else 0), rows
+            return _MMA_PREFILL[kernel]
         return 1, PREFILL_TILE_ROWS
     return (1 if kernel is PrefillKernel.WMMA else 2), PREFILL_TILE_ROWS
 
@@ -156,7 +179,8 @@ class DecodePolicy:
     unroll:
         MMA: 1 or 2 = 16-key tiles whose loads each warp issues together into registers;
         3 = a 3-stage cp.async ring per warp in shared memory (the next two tiles stream in
-        while one is computed; not yet measured on a GPU); None: measured (1 or 2).
+        while one is computed; correct on the H200 but slower than 1 / 2 at every measured
+        shape, so never chosen by default); None: measured (1 or 2).
     """
 
     partition_size: int | None = attrs.field(default=None)

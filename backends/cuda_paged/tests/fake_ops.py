@@ -78,9 +78,13 @@ class FakeOps:
                 soft_cap: float, alibi: torch.Tensor | None, window: int,
                 causal: bool, variant: int, tile_rows: int) -> None:
         assert tiles.dtype == torch.int32 and tiles.dim() == 2 and tiles.shape[1] == 2
-        assert variant in (0, 1, 2, 3)
-        assert tile_rows == 64 or (variant in (0, 3) and tile_rows == 128)
-        if variant in (0, 3):  # mma: fp16/bf16, head sizes <= 128
+        assert variant in range(11)
+        want = {4: 128, 5: 128, 6: 256, 7: 128, 8: 128, 9: 128, 10: 128}.get(variant)
+        if want is not None:
+            assert tile_rows == want
+        else:
+            assert tile_rows == 64 or (variant in (0, 3) and tile_rows == 128)
+        if variant == 0 or variant >= 3:  # mma: fp16/bf16, head sizes <= 128
             assert query.dtype != torch.float32 and query.shape[2] <= 128
         covered: dict[int, list[int]] = {}
         for req, row in tiles.tolist():

@@ -325,13 +325,15 @@ def prefill_mma(q: torch.Tensor, k_view: torch.Tensor, v_view: torch.Tensor, bt:
 
 
 def gather_plan(head_dim: int, block: int, bt: list[int], kt: int, kv_lo: int, kv_hi: int,
-                *, pipelined: bool, num_kv_heads: int = 3,
-                kv_head: int = 1) -> dict[tuple[str, int, int], int | None]:
+                *, pipelined: bool, num_kv_heads: int = 3, kv_head: int = 1,
+                threads: int = 128, keys: int = 64) -> dict[tuple[str, int, int], int | None]:
     """Where each 16-byte vector of one K / V^T shared-memory tile comes from, as prefill_mma's
     two gathers compute it: ``{(tensor, smem row, smem col): element offset in the cache
     half, or None for a zero fill}``. ``pipelined`` mirrors `load_kv_pipe` (per-thread fixed
-    key / group, shift and mask), otherwise `load_kv` (per-vector division)."""
-    ch, threads, keys = head_dim // 8, 128, 64
+    key / group, shift and mask; `threads` per block and `keys` per tile are its template
+    parameters NW * 32 and KN, the last trip guarded), otherwise `load_kv` (per-vector
+    division)."""
+    ch = head_dim // 8
     blk_stride, head_off = num_kv_heads * head_dim * block, kv_head * head_dim * block
     out: dict[tuple[str, int, int], int | None] = {}
     if not pipelined:
@@ -358,12 +360,15 @@ def gather_plan(head_dim: int, block: int, bt: list[int], kt: int, kv_lo: int, k
         vph = bt[pos0 >> shift] if pos0 + 8 > kv_lo and pos0 < kv_hi else -1
         kbase = max(kph, 0) * blk_stride + head_off + (((kt + k_kk) & (block - 1)) * 8
                                                         if kph >= 0 else 0)
-        for r in range(keys * ch // threads):
-            c = k_c0 + r * (threads // keys)
-            out[("k", k_kk, c * 8)] = kbase + c * block * 8 if kph >= 0 else None
+        k_step, v_step = threads // keys, threads // (keys // 8)
+        for r in range(-(-ch // k_step)):
+            c = k_c0 + r * k_step
+            if c < ch:
+                out[("k", k_kk, c * 8)] = kbase + c * block * 8 if kph >= 0 else None
         vbase = max(vph, 0) * blk_stride + head_off + ((kt + v_kc * 8) & (block - 1)
                                                        if vph >= 0 else 0)
-        for r in range(head_dim * (keys // 8) // threads):
-            d = v_d0 + r * (threads // (keys // 8))
-            out[("v", d, v_kc * 8)] = vbase + d * block if vph >= 0 else None
+        for r in range(-(-head_dim // v_step)):
+            d = v_d0 + r * v_step
+            if d < head_dim:
+                out[("v", d, v_kc * 8)] = vbase + d * block if vph >= 0 else None
     return out

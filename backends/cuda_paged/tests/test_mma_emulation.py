@@ -104,13 +104,17 @@ def test_prefill_mma_model(ctx: int, q_len: int, head: int, block: int, window: 
 
 @pytest.mark.parametrize("head", [64, 80, 96, 112, 128])
 @pytest.mark.parametrize("block", [8, 16, 32])
-def test_pipelined_gather_reads_what_the_per_vector_gather_reads(head: int, block: int) -> None:
+@pytest.mark.parametrize("threads,keys", [(128, 64), (256, 64), (128, 32), (256, 32)])
+def test_pipelined_gather_reads_what_the_per_vector_gather_reads(
+        head: int, block: int, threads: int, keys: int) -> None:
     # Every smem vector of a K / V^T tile: same source (or zero fill) in both gathers, for
-    # tiles inside, straddling and past the visible range [kv_lo, kv_hi).
+    # tiles inside, straddling and past the visible range [kv_lo, kv_hi), for each thread
+    # count / tile width the kernel is compiled with (guarded last trips at 80 and 112).
     bt = [(7 * i + 3) % 41 + 1 for i in range(40)]
     for kt, kv_lo, kv_hi in [(0, 0, 500), (64, 70, 121), (128, 0, 130), (192, 150, 250),
-                             (256, 0, 257)]:
-        want = gather_plan(head, block, bt, kt, kv_lo, kv_hi, pipelined=False)
-        got = gather_plan(head, block, bt, kt, kv_lo, kv_hi, pipelined=True)
+                             (256, 0, 257), (32, 40, 50)]:
+        want = gather_plan(head, block, bt, kt, kv_lo, kv_hi, pipelined=False, keys=keys)
+        got = gather_plan(head, block, bt, kt, kv_lo, kv_hi, pipelined=True,
+                          threads=threads, keys=keys)
         assert got == want
-        assert len(want) == 64 * head // 8 + head * 8
+        assert len(want) == keys * head // 8 + head * keys // 8

@@ -169,6 +169,15 @@ def test_mma_falls_back_to_classic_where_it_does_not_apply() -> None:
                                is_float32=False) == (1, 64)
     code = prefill_kernel_code(PrefillKernel.WMMA_LANE_PER_KEY, head_size=64, is_float32=False)
     assert code == (2, 64)
+    for kern, want in ((PrefillKernel.MMA_W8_PIPE, (4, 128)),
+                       (PrefillKernel.MMA_128_K32_PIPE, (5, 128)),
+                       (PrefillKernel.MMA_256_K32_PIPE, (6, 256)),
+                       (PrefillKernel.MMA_128_K32_3STAGE, (7, 128)),
+                       (PrefillKernel.MMA_W8_3STAGE, (8, 128)),
+                       (PrefillKernel.MMA_128_K32_3STAGE_FAST, (9, 128)),
+                       (PrefillKernel.MMA_128_FAST, (10, 128))):
+        assert prefill_kernel_code(kern, head_size=112, is_float32=False) == want
+        assert prefill_kernel_code(kern, head_size=128, is_float32=True) == (1, 64)
     with pytest.raises(ValueError, match="unroll"):
         DecodePolicy(unroll=4)
     assert plan([100], mma=True, policy=DecodePolicy(unroll=3)).unroll == 3

@@ -1,0 +1,8 @@
+// Tensor-core prefill kernels for __half at head sizes 96 and 112 (own file so the build runs in
+// parallel; dispatched from prefill_mma_f16.cu).
+#include "prefill_mma_launch.cuh"
+
+namespace pagedcore {
+template cudaError_t launch_prefill_mma_head<__half, 96>(const AttentionParams&, cudaStream_t);
+template cudaError_t launch_prefill_mma_head<__half, 112>(const AttentionParams&, cudaStream_t);
+}  // namespace pagedcore
