@@ -26,7 +26,10 @@ from pagedcore.bench.engine_runs import (
     run_pagedcore,
 )
 
-__all__ = ["engine"]
+__all__ = ["STAGES", "engine"]
+
+#: The stages of `pagedcore bench engine`, in the order they run (``--only`` picks some).
+STAGES = ("parity", "throughput", "host_share", "hf", "big", "stress")
 
 
 def _llm(model: Any, *, device: Any, dtype: Any, backend: str | None, **kw: Any) -> Any:
@@ -80,13 +83,51 @@ def _tok_s(value: Any) -> str:
 @click.option("--skip-eager", is_flag=True,
               help="Do not measure pagedcore without CUDA graphs (eager) for comparison.")
 @click.option("--enforce-eager", is_flag=True, help="Never use CUDA graphs.")
+@click.option("--only", default=None,
+              help="Run only these stages (comma-separated): " + ", ".join(STAGES) + ".")
+@click.option("--parity-new", default=None, type=int,
+              help="New tokens per prompt of the parity check (default: min(max-new, 32)).")
+@click.option("--host-profile", default=None, type=click.Path(dir_okay=False),
+              help="Write a cProfile (top 30) of 16 more steps at 256 running (graphs) here.")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
 def engine(small: bool, device: str | None, backend: str | None, num_prompts: int | None,
            max_new: int | None, big_num_prompts: int | None, hf_big_num_prompts: int | None,
            stress_requests: int | None, parity_prompts: int | None, skip_hf: bool,
-           skip_eager: bool, enforce_eager: bool, json_path: str | None) -> None:
+           skip_eager: bool, enforce_eager: bool, only: str | None, parity_new: int | None,
+           host_profile: str | None, json_path: str | None) -> None:
     """pagedcore (CUDA graphs / eager) vs transformers generate() / generate_batch(): tokens/s,
     graph parity, host share at 256 running, a larger workload, preemption stress."""
+    stages = _stages(only)
+    _run_engine_bench(
+        small=small, device=device, backend=backend, num_prompts=num_prompts,
+        max_new=max_new, big_num_prompts=big_num_prompts,
+        hf_big_num_prompts=hf_big_num_prompts, stress_requests=stress_requests,
+        parity_prompts=parity_prompts, skip_hf=skip_hf or "hf" not in stages,
+        skip_eager=skip_eager, enforce_eager=enforce_eager, stages=stages,
+        parity_new=parity_new, host_profile=host_profile, json_path=json_path,
+    )
+
+
+def _stages(only: str | None) -> frozenset[str]:
+    if only is None:
+        return frozenset(STAGES)
+    chosen = frozenset(x.strip() for x in only.split(",") if x.strip())
+    unknown = sorted(chosen - set(STAGES))
+    if unknown or not chosen:
+        raise click.BadParameter(
+            f"unknown stage(s) {unknown or only!r}; choose from {', '.join(STAGES)}",
+            param_hint="--only",
+        )
+    return chosen
+
+
+def _run_engine_bench(
+    *, small: bool, device: str | None, backend: str | None, num_prompts: int | None,
+    max_new: int | None, big_num_prompts: int | None, hf_big_num_prompts: int | None,
+    stress_requests: int | None, parity_prompts: int | None, skip_hf: bool,
+    skip_eager: bool, enforce_eager: bool, stages: frozenset[str], parity_new: int | None,
+    host_profile: str | None, json_path: str | None,
+) -> None:
     import torch
     from rich.console import Console
     from rich.table import Table
@@ -106,6 +147,9 @@ def engine(small: bool, device: str | None, backend: str | None, num_prompts: in
         big = 1024 if big_num_prompts is None else big_num_prompts
         stress_n = 2000 if stress_requests is None else stress_requests
         parity_n = 32 if parity_prompts is None else parity_prompts
+    big = big if "big" in stages else 0
+    stress_n = stress_n if "stress" in stages else 0
+    parity_n = parity_n if "parity" in stages else 0
     vocab = int(config.vocab_size)
     report = _Report(json_path, {
         "environment": environment(dev),
@@ -130,44 +174,48 @@ def engine(small: bool, device: str | None, backend: str | None, num_prompts: in
                                      f"{status['capture_seconds']:.1f} s" if status["enabled"]
                                      else f"off: {status['reason']}"))
     eager = None
-    if status["enabled"] and not skip_eager:
+    if status["enabled"] and not skip_eager and stages & {"parity", "throughput", "host_share"}:
         eager = _llm(copy.deepcopy(model), enforce_eager=True, **engine_kw)
     main_prompts = prompts(num_prompts, lo, hi, vocab=vocab, seed=1)
     warmup = prompts(16, lo, hi, vocab=vocab, seed=99)
 
     if eager is not None and parity_n:
         parity = graph_parity(llm, eager, prompts(parity_n, lo, hi, vocab=vocab, seed=3),
-                              max_new=min(max_new, 32))
+                              max_new=parity_new or min(max_new, 32))
         report.add("graph_parity", parity, (
             f"graphs vs eager, {parity_n} prompts",
             f"{parity['identical_requests']}/{parity_n} identical, max |dlogprob| "
             f"{parity['max_abs_logprob_diff_while_agreeing']:.3g}"))
 
     label = "pagedcore (CUDA graphs)" if status["enabled"] else "pagedcore (eager)"
-    run = run_pagedcore(llm, main_prompts, max_new, warmup=warmup)
-    report.add("pagedcore", run, (f"{label}, {num_prompts} prompts", _tok_s(run["tok_s"])))
-    report.add("pagedcore_tok_s", run["tok_s"])
-    if eager is not None:
+    run: dict[str, Any] | None = None
+    if "throughput" in stages or "hf" in stages:
+        run = run_pagedcore(llm, main_prompts, max_new, warmup=warmup)
+        report.add("pagedcore", run, (f"{label}, {num_prompts} prompts", _tok_s(run["tok_s"])))
+        report.add("pagedcore_tok_s", run["tok_s"])
+    if eager is not None and "throughput" in stages and run is not None:
         run_e = run_pagedcore(eager, main_prompts, max_new, warmup=warmup)
         report.add("pagedcore_eager", run_e,
                    (f"pagedcore (eager), {num_prompts} prompts", _tok_s(run_e["tok_s"])))
         report.add("graph_speedup", run["tok_s"] / run_e["tok_s"])
 
-    share = host_share(llm, num_requests=256, vocab=vocab, decode_steps=8 if small else 16)
-    report.add("host_share_at_256", share, (
-        f"host share at {share['running_requests']} running ({label})",
-        f"{100 * share['host_share']:.1f}% ({share['host_ms_per_step']:.2f} of "
-        f"{share['step_ms']:.2f} ms)"))
-    if eager is not None:
+    if "host_share" in stages:
+        share = host_share(llm, num_requests=256, vocab=vocab,
+                           decode_steps=8 if small else 16, profile_path=host_profile)
+        report.add("host_share_at_256", share, (
+            f"host share at {share['running_requests']} running ({label})",
+            f"{100 * share['host_share']:.1f}% ({share['host_ms_per_step']:.2f} of "
+            f"{share['step_ms']:.2f} ms)"))
+    if eager is not None and "host_share" in stages:
         share_e = host_share(eager, num_requests=256, vocab=vocab,
                              decode_steps=8 if small else 16)
         report.add("host_share_at_256_eager", share_e, (
             "host share at 256 running (eager)",
             f"{100 * share_e['host_share']:.1f}% ({share_e['host_ms_per_step']:.2f} of "
             f"{share_e['step_ms']:.2f} ms)"))
-        del eager
+    del eager
 
-    if not skip_hf:
+    if not skip_hf and run is not None:
         model.set_attn_implementation("sdpa")
         hf = run_hf_static(model, main_prompts, max_new, batch_size=num_prompts, device=dev)
         report.add("hf_generate_tok_s", hf, ("transformers generate() static batch", _tok_s(hf)))

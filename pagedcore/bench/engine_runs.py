@@ -119,12 +119,20 @@ def run_hf_continuous(model: Any, prompt_ids: list[list[int]], max_new: int,
     return float(tokens / secs)
 
 
-def host_share(llm: Any, *, num_requests: int, vocab: int, decode_steps: int) -> dict[str, Any]:
+def host_share(llm: Any, *, num_requests: int, vocab: int, decode_steps: int,
+               profile_path: str | None = None, profile_steps: int = 16) -> dict[str, Any]:
     """Share of step time spent scheduling and preparing inputs, all requests decoding (steps
-    as `generate()` runs them: outputs built for finished requests only)."""
+    as `generate()` runs them: outputs built for finished requests only).
+
+    Also reports each phase's mean milliseconds per step (``LLM.phase_time``: schedule,
+    prepare, execute = forward + sampling, update). With `profile_path`, `profile_steps` more
+    steps run under cProfile and the 30 costliest functions by cumulative time (then by own
+    time) are written there as text.
+    """
     from pagedcore.engine.sampling_params import SamplingParams
 
-    params = SamplingParams(max_tokens=decode_steps + 64, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=decode_steps + profile_steps + 64, temperature=0.0,
+                            ignore_eos=True)
     ids = [f"host-{i}" for i in range(num_requests)]
     for rid, p in zip(ids, prompts(num_requests, 32, 96, vocab=vocab, seed=11), strict=True):
         llm.add_request(rid, p, params)
@@ -134,15 +142,41 @@ def host_share(llm: Any, *, num_requests: int, vocab: int, decode_steps: int) ->
     for _ in range(2):  # settle (first replays, allocator)
         llm.step(finished_only=True)
     host0, step0 = llm.host_time, llm.step_time
+    phases0 = dict(llm.phase_time)
     for _ in range(decode_steps):
         llm.step(finished_only=True)  # as generate() steps
     host, step = llm.host_time - host0, llm.step_time - step0
+    phases = {k: round(1000 * (v - phases0[k]) / decode_steps, 4)
+              for k, v in llm.phase_time.items()}
+    if profile_path is not None:
+        _profile_steps(llm, profile_steps, profile_path)
     for rid in ids:
         if rid in llm._parents:
             llm.abort(rid)
     return {"running_requests": running, "host_ms_per_step": 1000 * host / decode_steps,
             "step_ms": 1000 * step / decode_steps, "host_share": host / step,
+            "phase_ms_per_step": phases,
             "cudagraph": llm.cudagraph_status()["enabled"]}
+
+
+def _profile_steps(llm: Any, steps: int, path: str) -> None:
+    """Run `steps` engine steps under cProfile; write the top 30 by cumtime and by tottime."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        llm.step(finished_only=True)
+    prof.disable()
+    out = io.StringIO()
+    out.write(f"cProfile of {steps} steps, {len(llm.scheduler.running)} running\n")
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("cumulative").print_stats(30)
+    stats.sort_stats("tottime").print_stats(30)
+    with open(path, "w") as fh:
+        fh.write(out.getvalue())
 
 
 def graph_parity(graphs: Any, eager: Any, prompt_ids: Sequence[list[int]], *,

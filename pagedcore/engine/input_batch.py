@@ -12,12 +12,18 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
+from itertools import compress
+from operator import is_not
 from typing import TYPE_CHECKING
 
 import attrs
 import numpy as np
 
 from pagedcore.attention.metadata import CommonAttentionMetadata, decode_first_order
+from pagedcore.engine import decode_inputs
+from pagedcore.engine.host_buffers import Arena
+from pagedcore.engine.request import Request
+from pagedcore.engine.scheduler_types import DecodeBatch
 from pagedcore.kv_cache.spec import cdiv
 
 if TYPE_CHECKING:
@@ -43,9 +49,9 @@ class StepInputs:
     logits_indices:
         ``[S]`` int64 on the device: rows of the flattened batch whose logits are sampled.
     sample_rows:
-        The `ScheduledRequest` behind each logits row.
+        The `ScheduledRequest` behind each logits row (a `DecodeBatch` when the step is one).
     order:
-        The scheduled requests in batch (decode-first) order.
+        The scheduled requests in batch (decode-first) order (a tuple or a `DecodeBatch`).
     cudagraph_bucket:
         For a step padded to a CUDA-graph bucket: the bucket (``input_ids`` and the metadata
         cover ``bucket`` requests, the real ones first); None for an eager step.
@@ -55,38 +61,13 @@ class StepInputs:
     positions: torch.Tensor
     common: tuple[CommonAttentionMetadata, ...]
     logits_indices: torch.Tensor
-    sample_rows: tuple[ScheduledRequest, ...]
-    order: tuple[ScheduledRequest, ...]
+    sample_rows: Sequence[ScheduledRequest]
+    order: Sequence[ScheduledRequest]
     cudagraph_bucket: int | None = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
-
-
-class _Buffer:
-    """A host array (pinned torch storage on CUDA) mirrored by a device tensor."""
-
-    def __init__(self, size: int, dtype: torch.dtype, device: torch.device) -> None:
-        import torch
-
-        pin = device.type == "cuda"
-        self.host = torch.zeros(size, dtype=dtype, pin_memory=pin)
-        self.np = self.host.numpy()
-        self.device = self.host if device.type == "cpu" else torch.zeros(
-            size, dtype=dtype, device=device
-        )
-
-    def upload(self, n: int, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        """Copy the first `n` host elements to the device; return the device view."""
-        if self.device is not self.host:
-            self.device[:n].copy_(self.host[:n], non_blocking=True)
-        out = self.device[:n]
-        return out if shape is None else out.view(shape)
-
-    def host_view(self, n: int, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        out = self.host[:n]
-        return out if shape is None else out.view(shape)
 
 
 class InputBatch:
@@ -103,6 +84,9 @@ class InputBatch:
     decode_threshold:
         Requests with at most this many new tokens go first (the builders'
         `reorder_batch_threshold`).
+    mirror:
+        Give the device buffers their own memory (None: unless the device is the CPU; True on
+        the CPU in tests, so a missed upload shows).
     """
 
     def __init__(
@@ -114,6 +98,7 @@ class InputBatch:
         block_sizes: Sequence[int],
         device: torch.device,
         decode_threshold: int = 1,
+        mirror: bool | None = None,
     ) -> None:
         import torch
 
@@ -125,18 +110,38 @@ class InputBatch:
         # A padded decode batch has as many tokens as requests: size the token buffers for
         # whichever is larger.
         t = max(max_num_batched_tokens, max_num_seqs)
-        self._ids = _Buffer(t, torch.int64, device)
-        self._pos = _Buffer(t, torch.int64, device)
-        self._qsl = _Buffer(max_num_seqs + 1, torch.int32, device)
-        self._seq = _Buffer(max_num_seqs, torch.int32, device)
-        self._logit_rows = _Buffer(max_num_seqs, torch.int64, device)
-        self._slots = [_Buffer(t, torch.int64, device) for _ in self.block_sizes]
-        self._tables = [_Buffer(max_num_seqs * m, torch.int32, device) for m in self.max_blocks]
+        s = max_num_seqs
+        groups = len(self.block_sizes)
+        # The per-step buffers first (one upload covers them on a padded decode step), then
+        # the block tables (uploaded by changed row range).
+        self._arena = Arena(
+            [(t, torch.int64), (t, torch.int64), (s + 1, torch.int32), (s, torch.int32),
+             (s, torch.int64)]
+            + [(t, torch.int64)] * groups
+            + [(s * m, torch.int32) for m in self.max_blocks],
+            device,
+            mirror=mirror,
+        )
+        bufs = self._arena.buffers
+        self._ids, self._pos, self._qsl, self._seq, self._logit_rows = bufs[:5]
+        self._slots = bufs[5 : 5 + groups]
+        self._tables = bufs[5 + groups :]
+        #: Bytes of the arena before the first block table (the per-step buffers).
+        self._step_bytes = self._arena.offsets[5 + groups]
+        self._table_offsets = self._arena.offsets[5 + groups : 5 + 2 * groups]
+        self._upload_step = self._arena.uploader(0, self._step_bytes)
         self._max_num_seqs = max_num_seqs
         self._max_num_tokens = max_num_batched_tokens
         # The block-id tuple each host block-table row holds (None: zeros). Holding the tuple
         # keeps its identity unique, so `is` tells whether a row must be rewritten.
         self._row_owner: list[tuple[list[int], ...] | None] = [None] * max_num_seqs
+        # The request list of the decode step the rows were last written for (None: unknown).
+        self._row_reqs: Sequence[Request] | None = None
+        self._arange = np.arange(max_num_seqs + 1)
+        #: Per bucket, the views a padded decode step hands out (`_bucket_views`).
+        self._padded_views: dict[
+            int, tuple[torch.Tensor, torch.Tensor, tuple[CommonAttentionMetadata, ...]]
+        ] = {}
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -162,6 +167,8 @@ class InputBatch:
         """
         if pad_to is not None:
             return self._prepare_padded_decode(scheduled, block_ids, pad_to)
+        if isinstance(scheduled, DecodeBatch):
+            return self._prepare_decode(scheduled, block_ids)
         order_idx = decode_first_order([s.num_new_tokens for s in scheduled], self.decode_threshold)
         order = [scheduled[i] for i in order_idx]
         num_reqs = len(order)
@@ -186,7 +193,8 @@ class InputBatch:
         self._qsl.np[: num_reqs + 1] = cu
         seq_lens = starts + query_lens
         self._seq.np[:num_reqs] = seq_lens
-        tables = self._fill_tables(order, block_ids)
+        self._row_reqs = None
+        tables, _lo, _hi = self._fill_tables([block_ids(s.request.request_id) for s in order])
         for g, (table, block_size) in enumerate(zip(tables, self.block_sizes, strict=True)):
             self._slots[g].np[:num_tokens] = (
                 table[req_of_token, positions // block_size].astype(np.int64) * block_size
@@ -203,96 +211,93 @@ class InputBatch:
             bucket=None,
         )
 
+    def _prepare_decode(
+        self, batch: DecodeBatch, block_ids: Callable[[str], tuple[list[int], ...]]
+    ) -> StepInputs:
+        return decode_inputs.prepare_decode(self, batch, block_ids)
+
     def _prepare_padded_decode(
         self,
         scheduled: Sequence[ScheduledRequest],
         block_ids: Callable[[str], tuple[list[int], ...]],
         bucket: int,
     ) -> StepInputs:
-        order = list(scheduled)
-        n = len(order)
-        if n > bucket or bucket > self._max_num_seqs:
-            raise ValueError(
-                f"cannot pad a decode batch of {n} requests to {bucket} (at most "
-                f"{self._max_num_seqs} requests)"
-            )
-        if [s.num_new_tokens for s in order].count(1) != n:
-            raise ValueError("a padded (CUDA-graph) step needs every query length to be 1")
-        start_list = [s.start for s in order]
-        starts = np.array(start_list, np.int64)
-        # (Graphs run on a local runner only, whose requests index like lists.)
-        self._ids.np[:n] = [s.request.all_token_ids[s.start] for s in order]
-        self._ids.np[n:bucket] = 0
-        self._pos.np[:n] = starts
-        self._pos.np[n:bucket] = 0
-        self._qsl.np[: bucket + 1] = np.arange(bucket + 1)
-        self._seq.np[:n] = starts + 1
-        self._seq.np[n:bucket] = 1
-        tables = self._fill_tables(order, block_ids, num_rows=bucket)
-        for g, (table, block_size) in enumerate(zip(tables, self.block_sizes, strict=True)):
-            slots = self._slots[g].np
-            slots[:n] = (
-                table[np.arange(n), starts // block_size].astype(np.int64) * block_size
-                + starts % block_size
-            )
-            slots[n:bucket] = -1
-        return self._finish(
-            order,
-            num_reqs=bucket,
-            num_tokens=bucket,
-            widths=self.max_blocks,
-            max_query_len=1,
-            max_seq_len=self.max_model_len,
-            sample_rows=[i for i, s in enumerate(order) if s.samples],
-            bucket=bucket,
-        )
+        return decode_inputs.prepare_padded_decode(self, scheduled, block_ids, bucket)
+
+    def _bucket_views(
+        self, bucket: int
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[CommonAttentionMetadata, ...]]:
+        return decode_inputs.bucket_views(self, bucket)
 
     def _fill_tables(
         self,
-        order: Sequence[ScheduledRequest],
-        block_ids: Callable[[str], tuple[list[int], ...]],
+        ids: Sequence[tuple[list[int], ...]],
         num_rows: int | None = None,
-    ) -> list[np.ndarray]:
+    ) -> tuple[list[np.ndarray], int, int]:
         """Bring each group's persistent ``[rows, max_blocks]`` host block table up to date.
 
-        Row ``i`` is rewritten only when it held a different block-id tuple last step (the
-        scheduler hands out a new tuple whenever a request's blocks change, and the running
-        order is stable, so a decode step rewrites almost nothing). Rows past ``len(order)``
-        (up to `num_rows`) are zero (the null block).
+        ``ids[i]`` is the block-id tuple of row ``i``. Row ``i`` is rewritten only when it held
+        a different tuple last step (the scheduler hands out a new tuple whenever a request's
+        blocks change, and the running order is stable, so a decode step rewrites almost
+        nothing). Rows past ``len(ids)`` (up to `num_rows`) are zero (the null block).
+
+        Returns
+        -------
+        tuple
+            The tables (numpy views of the host buffers), and the range ``[lo, hi)`` of rows
+            rewritten (``lo >= hi`` when none was).
         """
-        num_reqs = len(order)
+        num_reqs = len(ids)
         num_rows = num_reqs if num_rows is None else num_rows
+        # Rows whose tuple is not the one they hold (C-speed: `map` stops at len(ids)).
+        changed = list(compress(range(num_reqs), map(is_not, ids, self._row_owner)))
+        return self._fill_rows(changed, [ids[i] for i in changed], num_reqs, num_rows)
+
+    def _fill_rows(
+        self,
+        rows: Sequence[int],
+        ids: Sequence[tuple[list[int], ...]],
+        num_reqs: int,
+        num_rows: int,
+    ) -> tuple[list[np.ndarray], int, int]:
+        """Write block-id tuple ``ids[k]`` into row ``rows[k]`` where the row holds another
+        one; zero the rows ``[num_reqs, num_rows)`` that hold any. Returns the tables and the
+        range of rows rewritten (``lo >= hi``: none)."""
         tables = [
             self._tables[g].np[: num_rows * m].reshape(num_rows, m)
             for g, m in enumerate(self.max_blocks)
         ]
         owners = self._row_owner
-        for i, s in enumerate(order):
-            ids = block_ids(s.request.request_id)
-            if owners[i] is ids:
+        touched = []
+        for i, row_ids in zip(rows, ids, strict=True):
+            if owners[i] is row_ids:
                 continue
-            for table, row in zip(tables, ids, strict=True):
+            for table, row in zip(tables, row_ids, strict=True):
                 n = len(row)
                 table[i, :n] = row
                 table[i, n:] = 0
-            owners[i] = ids
+            owners[i] = row_ids
+            touched.append(i)
         for i in range(num_reqs, num_rows):
             if owners[i] is not None:
                 for table in tables:
                     table[i] = 0
                 owners[i] = None
-        return tables
+                touched.append(i)
+        if not touched:
+            return tables, num_rows, 0
+        return tables, min(touched), max(touched) + 1
 
     def _finish(
         self,
-        order: list[ScheduledRequest],
+        order: Sequence[ScheduledRequest],
         *,
         num_reqs: int,
         num_tokens: int,
         widths: Sequence[int],
         max_query_len: int,
         max_seq_len: int,
-        sample_rows: list[int],
+        sample_rows: Sequence[int] | np.ndarray,
         bucket: int | None,
     ) -> StepInputs:
         """Upload the filled host buffers and wrap them as `StepInputs`."""
@@ -325,8 +330,10 @@ class InputBatch:
             positions=pos_dev,
             common=common,
             logits_indices=self._logit_rows.upload(len(sample_rows)),
-            sample_rows=tuple([s for s in order if s.samples]),
-            order=tuple(order),
+            # (Every request of a DecodeBatch samples.)
+            sample_rows=order if isinstance(order, DecodeBatch)
+            else tuple([s for s in order if s.samples]),
+            order=order if isinstance(order, DecodeBatch) else tuple(order),
             cudagraph_bucket=bucket,
         )
 
@@ -343,6 +350,7 @@ class InputBatch:
             self._tables[g].np[: bucket * m] = 0
             self._slots[g].np[:bucket] = -1
         self._row_owner[:bucket] = [None] * bucket
+        self._row_reqs = None
         self._ids.upload(bucket)
         self._pos.upload(bucket)
         self._qsl.upload(bucket + 1)

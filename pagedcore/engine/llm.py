@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 from pagedcore.engine.engine_builder import build_engine
@@ -18,10 +19,10 @@ from pagedcore.engine.output_builder import (
     tokenize,
 )
 from pagedcore.engine.outputs import RequestOutput
-from pagedcore.engine.request import Request
+from pagedcore.engine.request import Request, get_request_id
 from pagedcore.engine.sampler import Sampler
 from pagedcore.engine.sampling_params import SamplingParams
-from pagedcore.engine.scheduler import SchedulerOutput
+from pagedcore.engine.scheduler import DecodeBatch, SchedulerOutput
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
     from pagedcore.engine.model_runner import ModelRunner
 
 __all__ = ["LLM", "EngineStepError", "PromptType"]
+
+_get_params = attrgetter("params")
 
 
 class LLM:
@@ -145,9 +148,16 @@ class LLM:
         #: Seconds spent in schedule + input preparation, and in whole steps.
         self.host_time = 0.0
         self.step_time = 0.0
+        #: Seconds per phase of the steps: ``schedule``, ``prepare``, ``execute`` (the
+        #: forward and sampling, which waits for the device), ``update`` (appending tokens,
+        #: retiring requests, building outputs).
+        self.phase_time = dict.fromkeys(("schedule", "prepare", "execute", "update"), 0.0)
         self.num_steps = 0
         #: Tokens the scheduler gave the last step (prompt chunks + decodes; 0 before any).
         self.last_step_num_scheduled_tokens = 0
+        # The requests the last step sampled and their tokens (see `_run`).
+        self._prev_rows: list[Request] | None = None
+        self._prev_tokens: list[int] | None = None
 
     # ---- properties ------------------------------------------------------------------------
 
@@ -263,11 +273,14 @@ class LLM:
         t0 = time.perf_counter()
         scheduled = self.scheduler.schedule()
         self.last_step_num_scheduled_tokens = int(scheduled.num_scheduled_tokens)
+        phases = self.phase_time
+        phases["schedule"] += time.perf_counter() - t0
         try:
             sampled = self._run(scheduled, t0)
         except BaseException as exc:
             self._fail_step(scheduled, exc)
-        changed = self.scheduler.update_from_output(scheduled, sampled, now=time.perf_counter())
+        t_update = time.perf_counter()
+        changed = self.scheduler.update_from_output(scheduled, sampled, now=t_update)
         for request in changed:
             if request.status.finished:
                 self.sampler.forget(request.request_id)
@@ -277,7 +290,9 @@ class LLM:
         else:
             parents = list(self._parents_of(changed).values())
         outputs = [self._output(p) for p in parents]
-        self.step_time += time.perf_counter() - t0
+        t_end = time.perf_counter()
+        phases["update"] += t_end - t_update
+        self.step_time += t_end - t0
         self.num_steps += 1
         return outputs
 
@@ -286,21 +301,38 @@ class LLM:
     ) -> dict[str, tuple[int, dict[int, float] | None]]:
         """Prepare, execute and sample a scheduled step: the sampled token of each request."""
         sampled: dict[str, tuple[int, dict[int, float] | None]] = {}
+        phases = self.phase_time
         if scheduled.is_empty:
             self.host_time += time.perf_counter() - t0
             return sampled
-        inputs = self.runner.prepare(scheduled.scheduled, self.scheduler.block_ids)
-        self.host_time += time.perf_counter() - t0
+        t_prepare = time.perf_counter()
+        step = scheduled.scheduled
+        blocks = self.scheduler.blocks
+        changed = blocks.take_changed()
+        if isinstance(step, DecodeBatch):
+            step.changed = changed
+            if self._prev_rows is not None and step.requests == self._prev_rows:
+                # (List equality of the same objects: pointer compares, no request read.)
+                step.token_ids = self._prev_tokens
+        self._prev_rows = self._prev_tokens = None
+        inputs = self.runner.prepare(step, blocks.ids.__getitem__)
+        t_execute = time.perf_counter()
+        self.host_time += t_execute - t0
+        phases["prepare"] += t_execute - t_prepare
         logits = self.runner.execute(inputs)
         rows = inputs.sample_rows
         if rows:
+            requests = (rows.requests if isinstance(rows, DecodeBatch)
+                        else [r.request for r in rows])
+            ids = list(map(get_request_id, requests))
             tokens, logprobs = self.sampler.sample(
-                logits,
-                [r.request.params for r in rows],
-                [r.request.request_id for r in rows],
+                logits, list(map(_get_params, requests)), ids
             )
-            for row, token, lp in zip(rows, tokens, logprobs, strict=True):
-                sampled[row.request.request_id] = (token, lp)
+            sampled = dict(zip(ids, zip(tokens, logprobs, strict=True), strict=True))
+            # update_from_output appends these: the next step's input ids if it decodes
+            # exactly these requests.
+            self._prev_rows, self._prev_tokens = list(requests), tokens
+        phases["execute"] += time.perf_counter() - t_execute
         return sampled
 
     def _fail_step(self, scheduled: SchedulerOutput, exc: BaseException) -> NoReturn:

@@ -17,6 +17,7 @@ from pagedcore.engine.cuda_graph import (
 )
 from pagedcore.engine.input_batch import InputBatch, StepInputs
 from pagedcore.engine.mixed_graphs import MixedGraphs, enable_mixed_graphs
+from pagedcore.engine.scheduler_types import DecodeBatch
 from pagedcore.kv_cache.spec import (
     KVCacheConfig,
     KVCacheTensor,
@@ -297,7 +298,9 @@ class ModelRunner:
         if self.graphs is None or not scheduled:
             return None
         n = len(scheduled)
-        if [s.num_new_tokens for s in scheduled].count(1) != n:
+        if not isinstance(scheduled, DecodeBatch) and (
+            [s.num_new_tokens for s in scheduled].count(1) != n
+        ):
             return None
         return self.graphs.bucket_for(n)
 

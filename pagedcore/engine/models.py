@@ -23,6 +23,7 @@ __all__ = [
     "ByteTokenizer",
     "LoadedModel",
     "demo_config",
+    "llama3_8b_config",
     "load_model",
     "qwen2_0_5b_config",
     "random_model",
@@ -160,6 +161,31 @@ def qwen2_0_5b_config(**overrides: Any) -> PretrainedConfig:
     )
     base.update(overrides)
     return Qwen2Config(**base)
+
+
+def llama3_8b_config(**overrides: Any) -> PretrainedConfig:
+    """Llama-3-8B's shapes (32 layers, hidden 4096, 32/8 heads of 128, intermediate 14336,
+    vocab 128256, rope theta 500000) for benchmarks; 16 GB of bf16 weights."""
+    from transformers import LlamaConfig
+
+    base: dict[str, Any] = dict(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        initializer_range=0.02,
+        bos_token_id=128000,
+        eos_token_id=128001,
+    )
+    base.update(overrides)
+    return LlamaConfig(**base)
 
 
 def random_model(

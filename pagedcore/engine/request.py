@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import enum
 import time
+from array import array
 from collections.abc import Sequence
+from operator import attrgetter
 
 from pagedcore.engine.outputs import RequestMetrics
 from pagedcore.engine.sampling_params import SamplingParams
 
-__all__ = ["FinishReason", "Request", "RequestStatus"]
+__all__ = [
+    "FinishReason",
+    "Request",
+    "RequestStatus",
+    "get_block_capacity",
+    "get_num_computed",
+    "get_request_id",
+    "get_token_list",
+]
 
 
 class RequestStatus(enum.Enum):
@@ -65,6 +75,7 @@ class Request:
         "_all_token_ids",
         "_num_prompt_tokens",
         "arrival_index",
+        "block_capacity",
         "cache_salt",
         "eos_token_id",
         "logprobs",
@@ -90,7 +101,11 @@ class Request:
         arrival_time: float | None = None,
     ) -> None:
         self.request_id = request_id
-        self._all_token_ids: list[int] = [int(t) for t in prompt_token_ids]
+        try:  # at C speed: the prompt is copied inside its time to first token
+            ids: list[int] = array("q", prompt_token_ids).tolist()
+        except (TypeError, OverflowError):  # floats, huge ints, ...: the general conversion
+            ids = [int(t) for t in prompt_token_ids]
+        self._all_token_ids = ids
         self._num_prompt_tokens = len(self._all_token_ids)
         self.params = params
         self.arrival_index = arrival_index
@@ -99,6 +114,9 @@ class Request:
         self.cache_salt = params.cache_salt
         self.lora_name: str | None = None
         self.num_computed_tokens = 0
+        #: Tokens the request's KV blocks can hold (kept by the scheduler's `RequestBlocks`
+        #: when its decode fast path is on; 0 while it holds no blocks).
+        self.block_capacity = 0
         #: Prompt tokens found in the prefix cache when first scheduled; None before that.
         self.num_cached_tokens: int | None = None
         self.status = RequestStatus.WAITING
@@ -153,3 +171,14 @@ class Request:
         self._all_token_ids.append(int(token_id))
         if self.logprobs is not None and logprobs is not None:
             self.logprobs.append(logprobs)
+
+
+#: ``get_token_list(request)``: the request's prompt-and-output token-id list itself (not a
+#: copy; do not mutate). With `map` it reads many requests at C speed (the host hot path).
+get_token_list = attrgetter("_all_token_ids")
+#: ``get_num_computed(request)``: ``request.num_computed_tokens`` (for `map`).
+get_num_computed = attrgetter("num_computed_tokens")
+#: ``get_request_id(request)``: ``request.request_id`` (for `map`).
+get_request_id = attrgetter("request_id")
+#: ``get_block_capacity(request)``: ``request.block_capacity`` (for `map`).
+get_block_capacity = attrgetter("block_capacity")

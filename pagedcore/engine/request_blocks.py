@@ -30,7 +30,8 @@ LOOKAHEAD_MAX_USAGE = 0.75
 
 
 class RequestBlocks:
-    """Block ids and capacity per running request, and allocation through the manager.
+    """Block ids per running request (and each request's ``block_capacity``: the tokens its
+    blocks hold, meaningful with `fast_path` only), and allocation through the manager.
 
     Parameters
     ----------
@@ -49,8 +50,8 @@ class RequestBlocks:
         self.kv = kv
         #: Block ids per request and group, replaced (never mutated) when they change.
         self.ids: dict[str, tuple[list[int], ...]] = {}
-        #: Tokens the request's blocks can hold (meaningful with `fast_path` only).
-        self.capacity: dict[str, int] = {}
+        #: Requests whose block ids changed since the last `take_changed()`.
+        self.changed: set[Request] = set()
         self.group_block_sizes = [g.spec.block_size for g in kv_cache_config.groups]
         self.block_sizes = sorted(set(self.group_block_sizes))
         self.lookahead_tokens = lookahead_blocks * self.block_sizes[0]
@@ -85,26 +86,26 @@ class RequestBlocks:
         if (
             self.fast_path
             and cached_blocks is None
-            and end <= self.capacity.get(rid, 0)
+            and end <= request.block_capacity
             and (num_new == 1 or self.in_one_block(start, end))
         ):
             return True
         if undo is not None:
             undo.pending = (request, start)
         kv = self.kv
-        if cached_blocks is None:
-            allocated = None
-            if self.fast_path and num_new == 1 and kv.usage < LOOKAHEAD_MAX_USAGE:
-                allocated = kv.allocate_slots(
-                    request, num_new, num_lookahead_tokens=self.lookahead_tokens
-                )
-            if allocated is None:
-                allocated = kv.allocate_slots(request, num_new)
-        else:
+        kw: dict[str, Any] = {} if cached_blocks is None else dict(
+            num_new_computed_tokens=num_cached, new_computed_blocks=cached_blocks
+        )
+        allocated = None
+        # A step that reaches the request's last token (a decode, or the prompt's last chunk:
+        # decodes follow) reserves blocks ahead, so the next ones skip the manager.
+        if (self.fast_path and self.lookahead_tokens and end == request.num_tokens
+                and kv.usage < LOOKAHEAD_MAX_USAGE):
             allocated = kv.allocate_slots(
-                request, num_new, num_new_computed_tokens=num_cached,
-                new_computed_blocks=cached_blocks,
+                request, num_new, num_lookahead_tokens=self.lookahead_tokens, **kw
             )
+        if allocated is None:
+            allocated = kv.allocate_slots(request, num_new, **kw)
         if undo is not None:
             undo.pending = None
             if allocated is not None:
@@ -121,8 +122,9 @@ class RequestBlocks:
         else:
             ids = kv.get_block_ids(rid)
         self.ids[rid] = ids
+        self.changed.add(request)
         # Full attention holds one block per block_size tokens from position 0.
-        self.capacity[rid] = min(
+        request.block_capacity = min(
             len(group) * b for group, b in zip(ids, self.group_block_sizes, strict=True)
         )
         return True
@@ -133,8 +135,14 @@ class RequestBlocks:
         if self.fast_path and request.request_id in self.ids:
             self.kv.allocate_slots(request, 0)
 
+    def take_changed(self) -> set[Request]:
+        """The requests whose block ids changed since the last call (and forget them)."""
+        changed, self.changed = self.changed, set()
+        return changed
+
     def free(self, request: Request) -> None:
         """Release the request's blocks and forget them."""
         self.kv.free(request)
         self.ids.pop(request.request_id, None)
-        self.capacity.pop(request.request_id, None)
+        self.changed.discard(request)
+        request.block_capacity = 0

@@ -12,12 +12,21 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Sequence
+from itertools import compress, repeat
+from operator import gt
 from typing import Any
 
-from pagedcore.engine.request import Request, RequestStatus
+from pagedcore.engine.request import (
+    Request,
+    RequestStatus,
+    get_block_capacity,
+    get_num_computed,
+    get_token_list,
+)
 from pagedcore.engine.request_blocks import LOOKAHEAD_BLOCKS, LOOKAHEAD_MAX_USAGE, RequestBlocks
 from pagedcore.engine.schedule_undo import ScheduleUndo
 from pagedcore.engine.scheduler_types import (
+    DecodeBatch,
     KVManagerLike,
     ScheduledRequest,
     SchedulerConfig,
@@ -29,6 +38,7 @@ from pagedcore.kv_cache.spec import KVCacheConfig, cdiv
 __all__ = [
     "LOOKAHEAD_BLOCKS",
     "LOOKAHEAD_MAX_USAGE",
+    "DecodeBatch",
     "KVManagerLike",
     "ScheduledRequest",
     "Scheduler",
@@ -36,6 +46,9 @@ __all__ = [
     "SchedulerOutput",
     "SchedulerStats",
 ]
+
+
+_plus_one = (1).__add__
 
 
 class Scheduler:
@@ -207,9 +220,12 @@ class Scheduler:
         rejected.extend(self._carried_rejected)
         self._carried_rejected = []
 
+        decodes = self._schedule_decodes(budget)
+        if decodes is not None:
+            return self._finish_decodes(decodes, budget, scheduled, rejected)
+
         index = 0
         running = self.running
-        capacity = self.blocks.capacity
         # Decode fast path (see `RequestBlocks.allocate`), inlined: this loop runs for every
         # running request.
         fast = self.blocks.fast_path
@@ -218,9 +234,9 @@ class Scheduler:
             start = request.num_computed_tokens
             num_new = request.num_tokens - start
             if num_new == 1 and fast:
-                rid = request.request_id
-                if start < capacity.get(rid, 0):
-                    scheduled[rid] = ScheduledRequest(request, start, 1, samples=True)
+                if start < request.block_capacity:
+                    scheduled[request.request_id] = ScheduledRequest(request, start, 1,
+                                                                     samples=True)
                     budget -= 1
                     index += 1
                     continue
@@ -267,6 +283,60 @@ class Scheduler:
         )
         for item in output.scheduled:
             item.request.num_computed_tokens = item.start + item.num_new_tokens
+        self.stats.num_running, self.stats.num_waiting, self.stats.kv_cache_usage = stats
+        return output
+
+    def _schedule_decodes(self, budget: int) -> DecodeBatch | None:
+        """The all-decode fast path: every running request takes its one next token.
+
+        Applies when the decode fast path is on (full attention only), every running request
+        has exactly one token to compute and the budget holds them all; then the step is what
+        the general loop would schedule, built with a few list passes instead of a branchy
+        loop per request. Requests that ran past their blocks allocate here (in running
+        order, as the general loop would); None when the fast path does not apply or an
+        allocation fails (the general loop then redoes the step, preempting as needed: the
+        allocations made here stand, and it skips those requests' allocations).
+        """
+        running = self.running
+        n = len(running)
+        if not n or n > budget or not self.blocks.fast_path or self._carried_rejected:
+            return None
+        # C-speed passes (map) instead of a Python loop per request.
+        starts = list(map(get_num_computed, running))
+        ends = list(map(_plus_one, starts))
+        if list(map(len, map(get_token_list, running))) != ends:
+            return None
+        for i in compress(range(n), map(gt, ends, map(get_block_capacity, running))):
+            if not self._allocate(running[i], 1):
+                return None
+        return DecodeBatch(list(running), starts)
+
+    def _finish_decodes(
+        self,
+        decodes: DecodeBatch,
+        budget: int,
+        scheduled: dict[str, ScheduledRequest],
+        rejected: list[Request],
+    ) -> SchedulerOutput:
+        """`_schedule`'s tail after the all-decode fast path: admit waiting requests into
+        what is left, then advance every scheduled request's ``num_computed_tokens``."""
+        budget -= len(decodes)
+        items: Sequence[ScheduledRequest] = decodes
+        if self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            scheduled.update((d.request.request_id, d) for d in decodes)
+            budget = self._schedule_waiting(budget, scheduled, rejected)
+            if len(scheduled) > len(decodes):
+                items = tuple(scheduled.values())
+        stats = (len(self.running), len(self.waiting), float(self.kv.usage))
+        output = SchedulerOutput(
+            items, (), tuple(rejected), total_tokens=self.config.max_num_batched_tokens - budget,
+        )
+        # Advance every decode's num_computed_tokens (a C-speed loop).
+        deque(map(setattr, decodes.requests, repeat("num_computed_tokens"),
+                  map(_plus_one, decodes.starts)), maxlen=0)
+        if items is not decodes:
+            for item in items[len(decodes):]:
+                item.request.num_computed_tokens = item.start + item.num_new_tokens
         self.stats.num_running, self.stats.num_waiting, self.stats.kv_cache_usage = stats
         return output
 
@@ -321,9 +391,11 @@ class Scheduler:
         Returns every request whose output changed this step (including ones that finished).
         """
         changed: list[Request] = list(output.rejected)
-        for item in output.scheduled:
-            request = item.request
-            if item.request.metrics.first_scheduled_time is None:
+        items = output.scheduled
+        requests = (items.requests if isinstance(items, DecodeBatch)
+                    else [item.request for item in items])
+        for request in requests:
+            if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
             if request.request_id not in sampled:
                 continue

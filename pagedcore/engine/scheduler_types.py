@@ -3,13 +3,15 @@ the KV-cache manager it relies on."""
 
 from __future__ import annotations
 
-from typing import Any, Literal, Protocol
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal, Protocol, overload
 
 import attrs
 
 from pagedcore.engine.request import Request
 
 __all__ = [
+    "DecodeBatch",
     "KVManagerLike",
     "ScheduledRequest",
     "SchedulerConfig",
@@ -128,11 +130,74 @@ class ScheduledRequest:
                 f"num_new_tokens={self.num_new_tokens})")
 
 
+class DecodeBatch(Sequence[ScheduledRequest]):
+    """The `ScheduledRequest` of each request of an all-decode step, made only when asked.
+
+    At 256 running requests, making one `ScheduledRequest` per request per step costs more
+    host time than the rest of scheduling; the hot consumers (the input batch, the sampler
+    call, `Scheduler.update_from_output`) read `requests` and `starts` instead. Every item is
+    a single-token decode that samples: ``ScheduledRequest(requests[i], starts[i], 1)``.
+
+    Parameters
+    ----------
+    requests:
+        The step's requests, in batch order (the running order).
+    starts:
+        Each request's computed tokens before the step (its one query token's position).
+    """
+
+    __slots__ = ("_items", "changed", "requests", "starts", "token_ids")
+
+    def __init__(self, requests: Sequence[Request], starts: Sequence[int]) -> None:
+        if len(requests) != len(starts):
+            raise ValueError(f"{len(requests)} requests but {len(starts)} starts")
+        self.requests = requests
+        self.starts = starts
+        self._items: list[ScheduledRequest] | None = None
+        #: Hints the engine may set before input preparation (None: unknown). `changed`: the
+        #: requests whose block ids changed since the previous step was prepared (the input
+        #: batch then rechecks only their block-table rows when the request list is the
+        #: previous step's). `token_ids`: each request's last token, when known without
+        #: reading the requests (the tokens the previous step sampled for this same list).
+        self.changed: set[Request] | None = None
+        self.token_ids: list[int] | None = None
+
+    @property
+    def items(self) -> list[ScheduledRequest]:
+        """The `ScheduledRequest`s (made on first use)."""
+        if self._items is None:
+            self._items = [ScheduledRequest(r, s, 1, samples=True)
+                           for r, s in zip(self.requests, self.starts, strict=True)]
+        return self._items
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    @overload
+    def __getitem__(self, index: int) -> ScheduledRequest: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[ScheduledRequest]: ...
+
+    def __getitem__(self, index: int | slice) -> ScheduledRequest | Sequence[ScheduledRequest]:
+        return self.items[index]
+
+    def __iter__(self) -> Iterator[ScheduledRequest]:
+        return iter(self.items)
+
+    def __repr__(self) -> str:
+        return f"DecodeBatch({len(self)} requests)"
+
+
 @attrs.frozen
 class SchedulerOutput:
-    """What the model runner executes this step."""
+    """What the model runner executes this step.
 
-    scheduled: tuple[ScheduledRequest, ...]
+    `scheduled` is a tuple, or a `DecodeBatch` for a step of single-token decodes of every
+    running request (the all-decode fast path).
+    """
+
+    scheduled: Sequence[ScheduledRequest]
     preempted: tuple[Request, ...] = ()
     #: Requests that can never be served, finished with an error during this schedule().
     rejected: tuple[Request, ...] = ()

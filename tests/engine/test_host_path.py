@@ -10,10 +10,10 @@ from pagedcore import LLM, SamplingParams
 
 
 def test_decodes_reserve_blocks_ahead_and_still_cache_them() -> None:
-    """A decode running past its blocks reserves several more, so a request decoding 64
-    tokens calls allocate_slots twice (prefill, one reservation) instead of once per block;
-    the blocks it completes meanwhile still reach the prefix cache when it finishes (a
-    follow-up prompt repeating prompt + output hits every full block)."""
+    """The prompt's allocation and a decode running past its blocks reserve several more, so
+    a request decoding 100 tokens calls allocate_slots twice (prefill, one reservation)
+    instead of once per block; the blocks it completes meanwhile still reach the prefix cache
+    when it finishes (a follow-up prompt repeating prompt + output hits every full block)."""
     _config, _ref, eng = make_models("llama")
     llm = LLM(eng, device="cpu", block_size=16, max_model_len=160, kv_cache_memory_bytes=1 << 20)
     kv = llm.kv_cache_manager
@@ -26,16 +26,16 @@ def test_decodes_reserve_blocks_ahead_and_still_cache_them() -> None:
 
     kv.allocate_slots = counting  # type: ignore[method-assign]
     prompt = random_prompts([10])[0]
-    params = SamplingParams(max_tokens=65, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
     out = llm.generate([prompt], params)
     generated = out[0].outputs[0].token_ids
-    assert len(generated) == 65
-    # Prefill, one reservation at position 16 (64 lookahead slots: blocks up to 96 tokens),
-    # and the registration of the written blocks at the finish (no new tokens).
-    assert calls == [(10, 0), (1, 64), (0, 0)], calls
+    assert len(generated) == 100
+    # Prefill with 64 lookahead slots (5 blocks: 80 tokens), one reservation at position 80
+    # (blocks up to 160 tokens), and the registration of the written blocks at the finish.
+    assert calls == [(10, 64), (1, 64), (0, 0)], calls
     follow = llm.generate([prompt + generated], SamplingParams(max_tokens=1, temperature=0.0))
-    # 74 tokens were written (the last output token never is): 4 full blocks of 16.
-    assert follow[0].num_cached_tokens == 64
+    # 109 tokens were written (the last output token never is): 6 full blocks of 16.
+    assert follow[0].num_cached_tokens == 96
     assert_no_leak(llm)
 
 

@@ -76,7 +76,8 @@ def test_failed_schedule_is_rolled_back(fail_on_call: int) -> None:
 def test_failure_mid_decode_keeps_running_requests() -> None:
     """A failure while running requests allocate: none advances, the next step recovers."""
     prompts = random_prompts([7, 4, 9], seed=5)
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    # 40 tokens: past the blocks the prompt's allocation reserved ahead (4 + 16 lookahead).
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     expected = _engine().generate(prompts, params)
     llm = _engine()
     for i, prompt in enumerate(prompts):
@@ -91,7 +92,7 @@ def test_failure_mid_decode_keeps_running_requests() -> None:
     real = kv.allocate_slots
     kv.allocate_slots = broken  # type: ignore[method-assign]
     failures = 0
-    for _ in range(6):  # decode steps until one needs a new block and fails
+    for _ in range(30):  # decode steps until one needs a new block and fails
         try:
             llm.step()
         except RuntimeError:

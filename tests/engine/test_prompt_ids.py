@@ -1,0 +1,42 @@
+"""Prompt token ids are converted at C speed where they can be, with the old results everywhere."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagedcore.engine.output_builder import tokenize
+from pagedcore.engine.request import Request
+from pagedcore.engine.sampling_params import SamplingParams
+
+
+def _ids(prompt: object, vocab: int = 100) -> list[int]:
+    text, ids = tokenize(prompt, tokenizer=None, model_name="m", vocab_size=vocab)  # type: ignore[arg-type]
+    assert text is None
+    assert all(type(t) is int for t in ids)
+    return ids
+
+
+def test_ids_of_every_integer_kind_become_python_ints() -> None:
+    assert _ids([5, 0, 99]) == [5, 0, 99]
+    assert _ids(np.array([3, 4], dtype=np.int32)) == [3, 4]
+    assert _ids([np.int64(7), True, 2.0]) == [7, 1, 2]  # floats: the general path, as before
+    assert _ids(range(3)) == [0, 1, 2]
+    assert _ids([]) == []
+
+
+@pytest.mark.parametrize("bad", [[1, 100], [-1, 2], [2**70], [1.5, 100.0]])
+def test_ids_outside_the_vocabulary_are_named(bad: list[float]) -> None:
+    with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 100\)"):
+        _ids(bad)
+
+
+def test_request_owns_a_python_int_copy_of_its_prompt() -> None:
+    prompt = np.array([1, 2, 3], dtype=np.int64)
+    req = Request("r", prompt, SamplingParams(), arrival_index=0)
+    prompt[0] = 9
+    assert list(req.all_token_ids) == [1, 2, 3]
+    assert all(type(t) is int for t in req.all_token_ids)
+    assert Request("f", [1.0, 2], SamplingParams(), arrival_index=1).prompt_token_ids == [1, 2]
+    req.append_token(4)
+    assert req.num_prompt_tokens == 3 and req.output_token_ids == [4]
