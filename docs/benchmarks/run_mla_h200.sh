@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 8: the Triton MLA decode variants on one GPU, in under 80 s.
+# Issue 8: the Triton MLA decode variants on one GPU, in under 80 s (MLA_CAP, default 76).
 #   bash docs/benchmarks/run_mla_h200.sh RESULT_DIR       (from the repo root, pagedcore and
 #                                                          pagedcore-triton installed)
 #   MLA_SMALL=1 bash docs/benchmarks/run_mla_h200.sh DIR  (CPU dry run: interpreter, tiny shapes)
@@ -9,8 +9,10 @@
 #    + MLA conformance specs in bf16 (NaN-poisoned slots, rel. error vs the reference);
 #    with them the cache-write tests (incl. no host sync under cuda sync-debug "error") and
 #    greedy generation through the engine with triton_mla vs transformers (fp32).
-# 2. alone on the GPU: copy bandwidth + every variant that passed 1 x shape x split target,
-#    rel. error, registers / spills / shared memory / MMA kind of the compiled kernels.
+# 2. alone on the GPU: copy bandwidth + every variant that passed x shape at its split target
+#    (MLA_BOTH_TARGETS=1: also at twice it), rel. error, registers / spills / shared memory /
+#    MMA kind of the compiled kernels; then the decode and merge kernels timed alone per
+#    shape for the variants in MLA_BREAKDOWN.
 # 3. with what is left: the full MLA conformance of the shipped default (3 dtypes, >2^31 case).
 R=${1:?usage: bash docs/benchmarks/run_mla_h200.sh RESULT_DIR}
 mkdir -p "$R"
@@ -18,8 +20,11 @@ export PYTHONUNBUFFERED=1
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/mla_triton_cache}
 T0=$(date +%s)
 el() { echo "[mla +$(( $(date +%s) - T0 ))s] $*"; }
-VARIANTS=${MLA_VARIANTS:-"n32s5c4pm64 n32s5c4pm64w2s n32s5c4 n32s5c4p n32s5c4w2pm64 m64s4c4p"}
-QUICK=""; P1=${MLA_P1:-30}; P2=${MLA_P2:-42}
+# The shipped default first, then the two before it.
+VARIANTS=${MLA_VARIANTS:-"n32s5c4pm64R256k32mw1 n32s5c4pm64R256 n32s5c4pm64"}
+BREAKDOWN=${MLA_BREAKDOWN-"n32s5c4pm64R256k32mw1"}
+CAP=${MLA_CAP:-76}
+QUICK=""; P1=${MLA_P1:-30}
 if [ -n "$MLA_SMALL" ]; then
   export TRITON_INTERPRET=1; QUICK="--quick"; P1=600; P2=600
 fi
@@ -49,14 +54,18 @@ TIMED=$(echo $OK $LATE)
 echo "  timing: $TIMED (cut short in phase 1:${LATE:- none})"
 echo "  pytest cache_write + engine: $(tail -1 "$R/pytest_cache_write.txt")"
 
-el "phase 2: timing the variants, cap ${P2}s"
-timeout -k 3 $P2 $PY -m pagedcore.cli bench mla --variants "${TIMED// /,}" $QUICK \
-  --json "$R/bench.json" 2>&1 | grep -v "^[┃│┏┡└━]" | tail -150
+P2=${MLA_P2:-$(( CAP - 2 - ($(date +%s) - T0) ))}
+[ -n "$MLA_SMALL" ] && P2=600
+ONE="--one-target"; [ -n "$MLA_BOTH_TARGETS" ] && ONE=""
+BD=""; [ -n "$BREAKDOWN" ] && BD="--breakdown $BREAKDOWN"
+el "phase 2: timing the variants ($ONE, breakdown: ${BREAKDOWN:-none}), cap ${P2}s"
+timeout -k 3 $P2 $PY -m pagedcore.cli bench mla --variants "${TIMED// /,}" $QUICK $ONE $BD \
+  --json "$R/bench.json" 2>&1 | grep -v "^[┃│┏┡└━]" | tail -300
 el "phase 2 rc=${PIPESTATUS[0]}"
 
-LEFT=$(( 76 - ($(date +%s) - T0) ))
+LEFT=$(( CAP - ($(date +%s) - T0) ))
 if [ -n "$MLA_SMALL" ]; then LEFT=0; fi
-if [ "$LEFT" -gt 8 ]; then
+if [ "$LEFT" -gt 25 ]; then
   el "phase 3: pagedcore conformance triton_mla (default variant), cap ${LEFT}s"
   timeout -k 2 $LEFT $PY -m pagedcore.cli conformance triton_mla -k mla/ --json "$R/conformance_default.json" > "$R/conformance_default.txt" 2>&1
   tail -5 "$R/conformance_default.txt"

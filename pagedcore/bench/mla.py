@@ -118,12 +118,14 @@ def _print(capacity: list[dict[str, Any]], kernel: list[dict[str, Any]],
 
 def _kernel_part(
     device: torch.device, variants: str | None, *, quick: bool, check: bool, warm: bool,
-    time_it: bool, json_path: str | None,
+    time_it: bool, json_path: str | None, breakdown: str | None = None,
+    one_target: bool = False,
 ) -> dict[str, Any]:
     """Warm-up, conformance and timing of the selected decode variants (see `mla_kernel`)."""
     from pagedcore.bench import mla_kernel as mk
 
     configs = mk.resolve_variants(variants)
+    split_configs = mk.resolve_variants(breakdown) if breakdown else []
     out: dict[str, Any] = {"variants": [attrs.asdict(c) for c in configs]}
     if warm:
         for c in configs:
@@ -159,9 +161,27 @@ def _kernel_part(
 
         out["copy_bandwidth_GBps"] = copy_gbps
         out["kernel"] = mk.kernel_rows(device, configs, quick=quick, copy_gbps=copy_gbps,
-                                       on_row=on_row)
+                                       on_row=on_row, one_target=one_target)
         out["summary"] = mk.summarize(out["kernel"])
+    if split_configs:
+        if "copy_bandwidth_GBps" not in out and device.type == "cuda":
+            from pagedcore.bench.kernel_primitives import copy_bandwidth_gbps
+
+            out["copy_bandwidth_GBps"] = copy_bandwidth_gbps(device, quick=quick)
+        out["breakdown"] = mk.breakdown_rows(device, split_configs,
+                                             quick=quick,
+                                             copy_gbps=out.get("copy_bandwidth_GBps"),
+                                             on_row=_echo_breakdown)
     return out
+
+
+def _echo_breakdown(row: dict[str, Any]) -> None:
+    keys = ("decode", "empty_decode", "merge", "forward")
+    parts = [f"{k} {row[f'{k}_ms'] * 1e3:.1f} us" for k in keys if f"{k}_ms" in row]
+    pct = row.get("forward_pct_copy")
+    click.echo(f"  breakdown {row['variant']:>10} {row['batch']}x{row['context']} "
+               f"splits {row['num_splits']}: " + ", ".join(parts)
+               + ("" if pct is None else f" ({pct:.1f}% of copy)"), err=True)
 
 
 @click.command()
@@ -175,8 +195,13 @@ def _kernel_part(
 @click.option("--check", is_flag=True, help="Also run the MLA conformance specs per variant.")
 @click.option("--warm", is_flag=True, help="First compile each variant at the bench shapes.")
 @click.option("--no-time", is_flag=True, help="Skip the timing (e.g. with --warm/--check).")
+@click.option("--breakdown", default=None,
+              help="Variants (comma-separated, or 'all') whose decode and merge kernels are "
+                   "also timed alone per shape.")
+@click.option("--one-target", is_flag=True,
+              help="Time each variant at its own split target only (not also at twice it).")
 def mla(json_path: str | None, quick: bool, kv_gib: float, context: int, variants: str | None,
-        check: bool, warm: bool, no_time: bool) -> None:
+        check: bool, warm: bool, no_time: bool, breakdown: str | None, one_target: bool) -> None:
     """MLA vs decompressed KV bytes and concurrency; Triton MLA decode bandwidth on a GPU."""
     import importlib.util
 
@@ -194,7 +219,8 @@ def mla(json_path: str | None, quick: bool, kv_gib: float, context: int, variant
         torch.manual_seed(0)
         try:
             kernel = _kernel_part(device, variants, quick=quick, check=check, warm=warm,
-                                  time_it=not no_time, json_path=json_path)
+                                  time_it=not no_time, json_path=json_path,
+                                  breakdown=breakdown, one_target=one_target)
         except ValueError as exc:
             raise click.UsageError(str(exc)) from exc
     if skipped:
@@ -205,7 +231,9 @@ def mla(json_path: str | None, quick: bool, kv_gib: float, context: int, variant
         command += [f"--kv-gib {kv_gib:g}", f"--context {context}"]
         command += [f"--variants {variants}"] if variants else []
         command += [f for f, on in (("--check", check), ("--warm", warm),
-                                    ("--no-time", no_time)) if on]
+                                    ("--no-time", no_time), ("--one-target", one_target))
+                    if on]
+        command += [f"--breakdown {breakdown}"] if breakdown else []
         command += [f"--json {json_path}"]
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
         info = {

@@ -14,6 +14,7 @@ shapes, so that several processes can compile variants in parallel before one ti
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -135,12 +136,13 @@ def check_variant(config: Any, device: torch.device, *, quick: bool) -> list[dic
              "passed": r.passed, "rel_err": r.rel_err, "detail": r.detail} for r in results]
 
 
-def _target_configs(config: Any, *, quick: bool) -> list[Any]:
-    """`config` with its split-KV target and with twice that (just the first when `quick`)."""
+def _target_configs(config: Any, *, quick: bool, one_target: bool = False) -> list[Any]:
+    """`config` with its split-KV target and with twice that (just the first when `quick` or
+    `one_target`)."""
     import attrs
 
     base = config.split.target_programs
-    targets = (base,) if quick else (base, 2 * base)
+    targets = (base,) if quick or one_target else (base, 2 * base)
     return [attrs.evolve(config, split=attrs.evolve(config.split, target_programs=t))
             for t in targets]
 
@@ -152,8 +154,10 @@ def kernel_rows(
     quick: bool,
     copy_gbps: float | None,
     on_row: Callable[[dict[str, Any]], None] | None = None,
+    one_target: bool = False,
 ) -> list[dict[str, Any]]:
-    """Time every variant on every case, with its split-KV target and twice that, and check
+    """Time every variant on every case, with its split-KV target and twice that (only the
+    first with `one_target`), and check
     each result against the reference MLA. The cases are built once; the variants are the outer
     loop, so a run cut short has every shape of the first variants. The fastest row of each
     shape carries ``best_for_shape``; `on_row` sees each row as soon as it is measured."""
@@ -175,7 +179,7 @@ def kernel_rows(
     for config in variants:
         for batch, context, cache, query, meta, want in cases:
             kv_bytes = batch * context * (LATENT + ROPE) * cache.element_size()
-            for cfg in _target_configs(config, quick=quick):
+            for cfg in _target_configs(config, quick=quick, one_target=one_target):
                 impl = _impl(cfg)
                 splits = choose_mla_splits(cfg.split, num_tokens=batch, head_blocks=1,
                                            max_seq_len=context)
@@ -208,6 +212,56 @@ def kernel_rows(
     del cases
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    return rows
+
+
+def breakdown_rows(
+    device: torch.device,
+    variants: Sequence[Any],
+    *,
+    quick: bool,
+    copy_gbps: float | None,
+    on_row: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Per variant and shape (at the variant's own split target): device time of the decode
+    kernel alone, of the merge kernel alone (split shapes) and of the whole ``forward``, so
+    that a shape's gap to the copy bandwidth can be put on one kernel or the other."""
+    import attrs
+    import torch
+
+    from pagedcore.bench.kernel_primitives import time_ms
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows: list[dict[str, Any]] = []
+    for batch, context in QUICK_CASES if quick else FULL_CASES:
+        cache, query, common = _decode_batch(batch, context, device, dtype)
+        meta, _ = _plans(common, device, dtype)
+        kv_bytes = batch * context * (LATENT + ROPE) * cache.element_size()
+        for config in variants:
+            impl = _impl(config)
+            launch = impl.plan_launch(query, meta)
+            out = query.new_empty(batch, NUM_HEADS, LATENT)
+            row: dict[str, Any] = {"variant": config.name, "batch": batch, "context": context,
+                                   "num_splits": launch.splits, "kv_bytes": kv_bytes}
+            row["decode_ms"] = time_ms(
+                functools.partial(impl.launch_decode, launch, query, cache, meta, out), device)
+            # The decode's fixed cost: the same grid with empty segments (queries loaded,
+            # no cache rows, partials or output written).
+            empty = attrs.evolve(launch, split_len=0)
+            row["empty_decode_ms"] = time_ms(
+                functools.partial(impl.launch_decode, empty, query, cache, meta, out), device)
+            if launch.splits > 1:
+                row["merge_ms"] = time_ms(functools.partial(impl.launch_merge, launch, out),
+                                          device)
+            row["forward_ms"] = time_ms(_forward_fn(impl, query, cache, meta), device)
+            if copy_gbps is not None:
+                for key in ("decode", "forward"):
+                    gbps = kv_bytes / row[f"{key}_ms"] / 1e6
+                    row[f"{key}_pct_copy"] = 100 * gbps / copy_gbps
+            rows.append(row)
+            if on_row is not None:
+                on_row(row)
+        del cache, query
     return rows
 
 

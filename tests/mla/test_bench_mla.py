@@ -35,6 +35,7 @@ def test_cli_writes_json_without_gpu(tmp_path: Path) -> None:
     assert info["command"].startswith("pagedcore bench mla")
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the breakdown's empty launch: 0 / 0
 def test_quick_variant_bench_in_interpreter(tmp_path: Path) -> None:
     """`--quick --variants a,b --check` times both variants on a tiny case, checks them against
     the reference and writes rows, conformance results and a summary."""
@@ -45,7 +46,8 @@ def test_quick_variant_bench_in_interpreter(tmp_path: Path) -> None:
     pytest.importorskip("pagedcore_triton.mla")
     out = tmp_path / "mla.json"
     result = CliRunner().invoke(
-        mla, ["--quick", "--variants", "n32s2,n32s5c4", "--json", str(out)]
+        mla, ["--quick", "--variants", "n32s2,n32s5c4", "--breakdown", "n32s5c4pm64",
+              "--json", str(out)]
     )
     assert result.exit_code == 0, result.output
     info = json.loads(out.read_text())
@@ -57,6 +59,12 @@ def test_quick_variant_bench_in_interpreter(tmp_path: Path) -> None:
             (tmp_path / "mla.json.rows.jsonl").read_text().splitlines()] == ["n32s2", "n32s5c4"]
     assert info["summary"]["best_variant"] is None  # no copy bandwidth on CPU
     assert "--variants n32s2,n32s5c4" in info["command"]
+    # The breakdown: decode alone and the whole forward per shape (no merge: unsplit case).
+    (bd,) = info["breakdown"]
+    assert (bd["variant"], bd["batch"], bd["num_splits"]) == ("n32s5c4pm64", 2, 1)
+    assert bd["decode_ms"] > 0 and bd["forward_ms"] > 0 and bd["empty_decode_ms"] > 0
+    assert "merge_ms" not in bd
+    assert "--breakdown n32s5c4pm64" in info["command"]
 
 
 def test_unknown_variant_is_a_usage_error() -> None:

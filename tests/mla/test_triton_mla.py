@@ -150,6 +150,60 @@ def test_kernel_config_rejects_bad_values() -> None:
         MLAKernelConfig(name="x", block_n=48)
     with pytest.raises(ValueError, match="lat_split must be 1, 2 or 4"):
         MLAKernelConfig(name="x", lat_split=3)
+    with pytest.raises(ValueError, match="merge_cols must be a power of two >= 16"):
+        MLAKernelConfig(name="x", merge_cols=48)
+    with pytest.raises(ValueError, match="merge_warps must be a power of two"):
+        MLAKernelConfig(name="x", merge_warps=3)
+    with pytest.raises(ValueError, match="split_first is not supported with rows_m"):
+        MLAKernelConfig(name="x", rows_m=True, split_first=True)
+
+
+def test_merge_layout_per_shape() -> None:
+    """The default merges whole rows from 256 (token, head) pairs on (16 x 16384: 16 splits in
+    one round trip), one-warp 32-column slices below (4 x 32768: all 64 splits at once, 64
+    partials per thread); `n32s5c4pm64R256` takes 4-warp 128-column slices there."""
+    from pagedcore_triton.mla_config import merge_layout
+
+    def layout(name: str, tokens: int, splits: int) -> tuple[int, int, int]:
+        cfg = mla.MLA_KERNEL_CONFIGS[name] if name else mla.DEFAULT_MLA_KERNEL
+        return merge_layout(cfg, num_tokens=tokens, num_heads=16, lat_pad=512, splits=splits)
+
+    assert layout("", 16, 16) == (512, 16, 4)
+    assert layout("", 64, 4) == (512, 4, 4)
+    assert layout("", 4, 64) == (32, 64, 1)
+    assert layout("", 1, 3) == (32, 4, 1)
+    assert layout("n32s5c4pm64", 16, 16) == (128, 16, 4)  # the previous default
+    assert layout("n32s5c4pm64R256", 4, 64) == (128, 64, 4)
+    assert layout("n32s5c4pm64R256", 16, 16) == (512, 16, 4)
+    # Whole rows of a wide latent: the chunk shrinks to keep 64 values per thread.
+    assert merge_layout(mla.DEFAULT_MLA_KERNEL, num_tokens=64, num_heads=16, lat_pad=1024,
+                        splits=64) == (1024, 8, 4)
+
+
+def test_launch_parts_equal_forward() -> None:
+    """plan_launch + launch_decode + launch_merge (what the bench's breakdown times one by
+    one) give forward's result on a split batch; the merge of an unsplit plan is refused."""
+    spec = MLABatchSpec(name="parts", query_lens=(1, 1), seq_lens=(700, 90), block_size=16,
+                        num_heads=3, kv_lora_rank=48, rope_head_dim=16)
+    case = build_mla_case(spec, dtype=torch.float32, device=DEVICE, seed=6)
+    impl = mla.TritonMLAImpl(3, 64, 0.2, kv_lora_rank=48)
+    builder = mla.TritonMLAMetadataBuilder(None, [], torch.device(DEVICE))
+    meta = builder.build(case.common)
+    query = torch.randn(2, 3, 64, device=DEVICE)
+    cache = torch.randn(case.kv_cache.shape, device=DEVICE)
+    want = impl.forward(query, query, query, cache, meta)
+    launch = impl.plan_launch(query, meta)
+    assert launch.splits == 4 and launch.split_len == 192 and launch.part_acc is not None
+    assert tuple(launch.part_acc.shape) == (2, 3, 4, 64)
+    out = torch.full_like(want, float("nan"))
+    impl.launch_decode(launch, query, cache, meta, out)
+    impl.launch_merge(launch, out)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    short = mla.TritonMLAMetadataBuilder(None, [], torch.device(DEVICE)).build(
+        build_mla_case(MLABatchSpec(name="short", query_lens=(1,), seq_lens=(20,)),
+                       dtype=torch.float32, device=DEVICE).common)
+    with pytest.raises(ValueError, match="needs a split launch"):
+        impl.launch_merge(impl.plan_launch(query[:1], short), out)
 
 
 def test_short_split_warps_rule() -> None:

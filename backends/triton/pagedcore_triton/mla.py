@@ -23,11 +23,21 @@ from pagedcore.attention import (
 from pagedcore.attention.mla import MLAAttentionBackend
 from pagedcore.reference.mla import MLAImplBase, check_mla_write_args
 from pagedcore_triton._env import interpreting, triton_unavailable_reason
+from pagedcore_triton.mla_config import (
+    DEFAULT_MLA_KERNEL,
+    MERGE_WHOLE_ROW_PAIRS,
+    MLA_KERNEL_CONFIGS,
+    MLAKernelConfig,
+    MLASplitRule,
+    choose_mla_splits,
+    merge_layout,
+)
 
 __all__ = [
     "DEFAULT_MLA_KERNEL",
     "MLA_KERNEL_CONFIGS",
     "MLAKernelConfig",
+    "MLALaunch",
     "MLASplitRule",
     "TritonMLABackend",
     "TritonMLAImpl",
@@ -48,131 +58,34 @@ def _has_pdl(device: torch.device) -> bool:
 
 
 @attrs.frozen(kw_only=True)
-class MLASplitRule:
-    """Split-KV rule: double the splits while the grid stays within `target_programs` programs
-    (about one wave of resident programs on an H200's 132 SMs), each split keeps at least
-    `min_tokens_per_split` positions, and the count stays at most `max_splits` (a power of
-    two)."""
-
-    target_programs: int = 264
-    min_tokens_per_split: int = 128
-    max_splits: int = 64
-
-
-def choose_mla_splits(
-    rule: MLASplitRule, *, num_tokens: int, head_blocks: int, max_seq_len: int
-) -> int:
-    """Power-of-two split count for one launch (1 = no split)."""
-    programs = max(1, num_tokens * head_blocks)
-    splits = 1
-    while (
-        splits * 2 <= rule.max_splits
-        and programs * splits * 2 <= rule.target_programs
-        and max_seq_len // (splits * 2) >= rule.min_tokens_per_split
-    ):
-        splits *= 2
-    return splits
-
-
-@attrs.frozen(kw_only=True)
-class MLAKernelConfig:
-    """One launch configuration of the decode kernel (the variants the bench times).
+class MLALaunch:
+    """How one `TritonMLAImpl.forward` launches (from `TritonMLAImpl.plan_launch`).
 
     Attributes
     ----------
-    name:
-        Short label used by the bench and in ``MLA_KERNEL_CONFIGS``.
-    block_n:
-        Cache positions per inner tile (``BLOCK_N``).
-    num_warps, num_stages:
-        Triton launch options. ``num_stages`` 2-4 leave the row tile single-buffered (the
-        block-table load takes a pipeline stage), 5-6 double-buffer it, 7-8 triple-buffer it.
-    maxnreg:
-        Register cap per thread (None = the compiler's choice); lower caps fit more programs
-        per SM. Ignored under the interpreter.
-    lat_split:
-        Latent column chunks (1, 2 or 4; fewer when the latent is narrow): each chunk has its
-        own score MMA chain and accumulator, so the MMAs of a tile do not form one chain.
-    split:
-        When to split the context into segments (split-KV).
-    rows_m:
-        Use `mla_rows_kernel` (cache positions as the MMA's M side, so that with ``block_n``
-        64 Triton can use Hopper's warpgroup MMA) instead of `mla_kernels.mla_decode_kernel`.
+    num_tokens:
+        Real tokens (the grid's first dimension).
+    head_blocks:
+        Programs per token along the heads (``cdiv(H, block_h)``).
+    splits, split_len:
+        Split-KV segments per token and positions per segment (a multiple of ``block_n``).
+    lat_pad:
+        Latent width padded to a power of two (the partials' last dimension).
     pdl:
-        Launch the kernels with programmatic dependent launch (sm_90 and newer; ignored on
-        older GPUs and under the interpreter): each kernel's programs are placed while the
-        previous kernel drains and wait for its results (``griddepcontrol.wait``) before
-        reading anything, which hides the launch gaps between the decode and merge kernels
-        and between steps.
-    merge_chunk:
-        Most split partials the merge kernel reads per round trip (a power of two; fewer
-        when the split count or the register budget is smaller).
-    short_split_warps, short_split_len:
-        When set, the warps of a split launch whose segments have at most `short_split_len`
-        positions (few tiles per program, e.g. 4 requests of 32768 tokens in 64 splits).
+        Whether the kernels are launched with programmatic dependent launch.
+    part_acc, part_ml:
+        ``[T, H, splits, lat_pad]`` and ``[T, H, splits, 2]`` float32 partials (None when
+        unsplit).
     """
 
-    name: str
-    block_n: int = 32
-    num_warps: int = 4
-    num_stages: int = 2
-    maxnreg: int | None = None
-    lat_split: int = 1
-    split: MLASplitRule = MLASplitRule()
-    rows_m: bool = False
-    pdl: bool = False
-    merge_chunk: int = 16
-    short_split_warps: int | None = None
-    short_split_len: int = 512
-
-    def launch_warps(self, splits: int, split_len: int) -> int:
-        """``num_warps``, or `short_split_warps` for a split launch of short segments."""
-        if self.short_split_warps is not None and splits > 1 and (
-            split_len <= self.short_split_len
-        ):
-            return self.short_split_warps
-        return self.num_warps
-
-    def __attrs_post_init__(self) -> None:
-        if self.lat_split not in (1, 2, 4):
-            raise ValueError(f"lat_split must be 1, 2 or 4, got {self.lat_split}")
-        if self.merge_chunk < 2 or self.merge_chunk & (self.merge_chunk - 1):
-            raise ValueError(f"merge_chunk must be a power of two >= 2, got {self.merge_chunk}")
-        if self.block_n < 16 or self.block_n & (self.block_n - 1):
-            raise ValueError(f"block_n must be a power of two >= 16, got {self.block_n}")
-
-
-#: The decode variants `pagedcore bench mla --variants` times; ``DEFAULT_MLA_KERNEL`` is the
-#: shipped one (the best measured on the H200, see docs/mla.md). Names: ``n<BLOCK_N>`` (or
-#: ``m<BLOCK_N>`` with ``rows_m``), ``s<stages>``, ``c<lat_split>``, ``w<warps>`` (when not
-#: 4), ``p`` (``pdl``), ``m<merge_chunk>`` (when not 16), ``w2s`` (``short_split_warps``
-#: 2), ``r<maxnreg>``, ``t<split target>`` (when not 264).
-MLA_KERNEL_CONFIGS: dict[str, MLAKernelConfig] = {
-    c.name: c
-    for c in (
-        # The shipped one: PDL, and up to 64 splits merged in one round trip.
-        MLAKernelConfig(name="n32s5c4pm64", block_n=32, num_stages=5, lat_split=4, pdl=True,
-                        merge_chunk=64),
-        MLAKernelConfig(name="n32s5c4p", block_n=32, num_stages=5, lat_split=4, pdl=True),
-        # The previous default (no PDL, 16 splits per merge round trip):
-        MLAKernelConfig(name="n32s5c4", block_n=32, num_stages=5, lat_split=4),
-        # 2 warps (255 registers; still 2 programs per SM, bound by 94 KB of shared memory):
-        # +4 points at 4 x 32768, 1-5 points slower elsewhere (with merge_chunk 16).
-        MLAKernelConfig(name="n32s5c4w2pm64", block_n=32, num_warps=2, num_stages=5,
-                        lat_split=4, pdl=True, merge_chunk=64),
-        # The default, with 2 warps where the segments are short (the one shape where 2 warps
-        # measured faster: 4 x 32768 in 64 splits of 512):
-        MLAKernelConfig(name="n32s5c4pm64w2s", block_n=32, num_stages=5, lat_split=4, pdl=True,
-                        merge_chunk=64, short_split_warps=2),
-        # Positions as the MMA's M side (Hopper warpgroup MMA), 64-row tiles, 1 program/SM:
-        MLAKernelConfig(name="m64s4c4p", block_n=64, num_stages=4, lat_split=4, pdl=True,
-                        rows_m=True, split=MLASplitRule(target_programs=132)),
-        # One score-MMA chain over all 576 dims, single-buffered rows (the first kernel):
-        MLAKernelConfig(name="n32s2", block_n=32, num_stages=2,
-                        split=MLASplitRule(target_programs=528)),
-    )
-}
-DEFAULT_MLA_KERNEL = MLA_KERNEL_CONFIGS["n32s5c4pm64"]
+    num_tokens: int
+    head_blocks: int
+    splits: int
+    split_len: int
+    lat_pad: int
+    pdl: bool
+    part_acc: torch.Tensor | None
+    part_ml: torch.Tensor | None
 
 
 @attrs.frozen(kw_only=True)
@@ -239,7 +152,7 @@ class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
     #: can try others; see `MLA_KERNEL_CONFIGS`).
     kernel_config: MLAKernelConfig = DEFAULT_MLA_KERNEL
     #: From this many (token, head) pairs on, one merge program combines a whole latent row.
-    merge_whole_row_pairs: ClassVar[int] = 1024
+    merge_whole_row_pairs: ClassVar[int] = MERGE_WHOLE_ROW_PAIRS
     #: The compiled kernels of the last `forward` (decode, then merge when split), for the
     #: bench's register / shared-memory report.
     last_kernels: tuple[Any, ...] = ()
@@ -300,9 +213,6 @@ class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
         torch.Tensor
             ``[T, H, L]``; padding rows are zero.
         """
-        from pagedcore_triton.mla_kernels import mla_decode_kernel, mla_merge_kernel
-        from pagedcore_triton.mla_rows_kernel import mla_decode_rows_kernel
-
         num_tokens, num_heads, dim = query.shape
         lat = self.kv_lora_rank
         if dim != kv_cache.shape[-1] or num_heads != self.num_heads:
@@ -318,59 +228,105 @@ class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
             out[actual:].zero_()
         if actual == 0:
             return out
+        launch = self.plan_launch(query, metadata)
+        self.launch_decode(launch, query, kv_cache, metadata, out)
+        if launch.splits > 1:
+            self.launch_merge(launch, out)
+        return out
+
+    def plan_launch(self, query: torch.Tensor, metadata: TritonMLAMetadata) -> MLALaunch:
+        """Split count, segment length and partial buffers of one `forward` (no launch).
+
+        ``query`` is ``[T, H, L + R]``; the partials are ``[T_actual, H, splits, L_pad]`` and
+        ``[T_actual, H, splits, 2]`` float32 when the context is split.
+        """
         cfg = self.kernel_config
-        lat_pad = max(16, _next_pow2(lat))
-        rope = dim - lat
-        lat_split = min(cfg.lat_split, lat_pad // 16)
-        block_size = kv_cache.shape[1]
-        block_h = self.block_h
-        head_blocks = -(-num_heads // block_h)
+        actual = metadata.num_actual_tokens
+        lat_pad = max(16, _next_pow2(self.kv_lora_rank))
+        head_blocks = -(-self.num_heads // self.block_h)
         splits = choose_mla_splits(cfg.split, num_tokens=actual, head_blocks=head_blocks,
                                    max_seq_len=metadata.max_seq_len)
         # Segments start on tile boundaries (whole blocks when BLOCK_N is a multiple of them).
         seg = -(-metadata.max_seq_len // splits)
         split_len = -(-seg // cfg.block_n) * cfg.block_n
-        interp = interpreting()
-        dot_fp32 = interp or query.dtype == torch.float32
+        part_acc = part_ml = None
         if splits > 1:
-            part_acc = torch.empty(actual, num_heads, splits, lat_pad, dtype=torch.float32,
-                                   device=query.device)
-            part_ml = torch.empty(actual, num_heads, splits, 2, dtype=torch.float32,
+            part_acc = torch.empty(actual, self.num_heads, splits, lat_pad,
+                                   dtype=torch.float32, device=query.device)
+            part_ml = torch.empty(actual, self.num_heads, splits, 2, dtype=torch.float32,
                                   device=query.device)
-        else:
-            part_acc = part_ml = out  # unused
-        options: dict[str, Any] = {"num_warps": cfg.launch_warps(splits, split_len),
-                                   "num_stages": cfg.num_stages}
+        pdl = cfg.pdl and not interpreting() and _has_pdl(query.device)
+        return MLALaunch(num_tokens=actual, head_blocks=head_blocks, splits=splits,
+                         split_len=split_len, lat_pad=lat_pad, pdl=pdl, part_acc=part_acc,
+                         part_ml=part_ml)
+
+    def launch_decode(
+        self,
+        launch: MLALaunch,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: TritonMLAMetadata,
+        out: torch.Tensor,
+    ) -> None:
+        """The decode kernel: ``out`` ``[T, H, L]`` directly when unsplit, else the partials."""
+        from pagedcore_triton.mla_kernels import mla_decode_kernel
+        from pagedcore_triton.mla_rows_kernel import mla_decode_rows_kernel
+
+        cfg = self.kernel_config
+        lat = self.kv_lora_rank
+        rope = query.shape[-1] - lat
+        interp = interpreting()
+        options: dict[str, Any] = {
+            "num_warps": cfg.launch_warps(launch.splits, launch.split_len),
+            "num_stages": cfg.num_stages,
+        }
         if cfg.maxnreg is not None and not interp:
             options["maxnreg"] = cfg.maxnreg
-        pdl = cfg.pdl and not interp and _has_pdl(query.device)
-        launch: dict[str, Any] = {"launch_pdl": True} if pdl else {}
-        decode = mla_decode_rows_kernel if cfg.rows_m else mla_decode_kernel
-        compiled = decode[(actual, head_blocks, splits)](
+        if launch.pdl:
+            options["launch_pdl"] = True
+        part_acc = launch.part_acc if launch.part_acc is not None else out  # unused if None
+        part_ml = launch.part_ml if launch.part_ml is not None else out
+        grid = (launch.num_tokens, launch.head_blocks, launch.splits)
+        if cfg.rows_m:
+            decode = mla_decode_rows_kernel
+        else:
+            decode = mla_decode_kernel
+            if cfg.split_first and launch.splits > 1:  # few tokens (<= the split target)
+                grid = grid[::-1]
+                options["SPLIT_FIRST"] = True
+        compiled = decode[grid](
             out, part_acc, part_ml, query, kv_cache, metadata.block_table,
             metadata.token_req, metadata.token_kv_len,
-            num_heads, splits, self.scale * 1.4426950408889634, split_len,
+            self.num_heads, launch.splits, self.scale * 1.4426950408889634, launch.split_len,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             kv_cache.stride(0), kv_cache.stride(1), metadata.block_table.stride(0),
-            LATENT=lat, LATENT_PAD=lat_pad, LAT_SPLIT=lat_split, ROPE=rope,
-            ROPE_PAD=max(16, _next_pow2(rope)), BLOCK_SIZE=block_size, BLOCK_H=block_h,
-            BLOCK_N=cfg.block_n, WRITE_PARTIAL=splits > 1,
-            DOT_FP32=dot_fp32, USE_PDL=pdl, **options, **launch,
+            LATENT=lat, LATENT_PAD=launch.lat_pad,
+            LAT_SPLIT=min(cfg.lat_split, launch.lat_pad // 16), ROPE=rope,
+            ROPE_PAD=max(16, _next_pow2(rope)), BLOCK_SIZE=kv_cache.shape[1],
+            BLOCK_H=self.block_h, BLOCK_N=cfg.block_n, WRITE_PARTIAL=launch.splits > 1,
+            DOT_FP32=interp or query.dtype == torch.float32, USE_PDL=launch.pdl, **options,
         )
         self.last_kernels = (compiled,)
-        if splits > 1:
-            # About one wave of merge programs: whole rows when there are many (token, head)
-            # pairs, 128-column slices when there are few (few long requests). Each reads up
-            # to `chunk` splits per round trip ([chunk, cols] fp32 in registers).
-            many = actual * num_heads >= self.merge_whole_row_pairs
-            cols = lat_pad if many else min(128, lat_pad)
-            chunk = max(2, min(cfg.merge_chunk, _next_pow2(splits), 8192 // cols))
-            merged = mla_merge_kernel[(actual, num_heads, lat_pad // cols)](
-                out, part_acc, part_ml, num_heads, splits, out.stride(0), out.stride(1),
-                LATENT=lat, LATENT_PAD=lat_pad, COLS=cols, CHUNK=chunk, USE_PDL=pdl, **launch,
-            )
-            self.last_kernels = (compiled, merged)
-        return out
+
+    def launch_merge(self, launch: MLALaunch, out: torch.Tensor) -> None:
+        """The merge kernel: combine `launch`'s partials into ``out`` ``[T, H, L]``."""
+        from pagedcore_triton.mla_kernels import mla_merge_kernel
+
+        if launch.part_acc is None or launch.part_ml is None:
+            raise ValueError("launch_merge needs a split launch (plan_launch gave 1 split)")
+        lat_pad = launch.lat_pad
+        cols, chunk, warps = merge_layout(
+            self.kernel_config, num_tokens=launch.num_tokens, num_heads=self.num_heads,
+            lat_pad=lat_pad, splits=launch.splits, whole_row_pairs=self.merge_whole_row_pairs)
+        options: dict[str, Any] = {"num_warps": warps}
+        if launch.pdl:
+            options["launch_pdl"] = True
+        merged = mla_merge_kernel[(launch.num_tokens, self.num_heads, lat_pad // cols)](
+            out, launch.part_acc, launch.part_ml, self.num_heads, launch.splits,
+            out.stride(0), out.stride(1), LATENT=self.kv_lora_rank, LATENT_PAD=lat_pad,
+            COLS=cols, CHUNK=chunk, USE_PDL=launch.pdl, **options,
+        )
+        self.last_kernels = (*self.last_kernels[:1], merged)
 
 
 class TritonMLABackend(MLAAttentionBackend):

@@ -129,8 +129,11 @@ def mla_decode_kernel(
     WRITE_PARTIAL: tl.constexpr,
     DOT_FP32: tl.constexpr,
     USE_PDL: tl.constexpr,
+    SPLIT_FIRST: tl.constexpr = False,
 ):
-    """Grid ``(tokens, cdiv(H, BLOCK_H), num_splits)``; see the module docstring.
+    """Grid ``(tokens, cdiv(H, BLOCK_H), num_splits)``, or ``(num_splits, cdiv(H, BLOCK_H),
+    tokens)`` with `SPLIT_FIRST` (the splits of one token launched next to each other); see
+    the module docstring.
 
     The latent dims are handled as ``LAT_SPLIT`` (1, 2 or 4) column chunks of
     ``LATENT_PAD // LAT_SPLIT``, each with its own load, score MMA and accumulator, so the
@@ -142,9 +145,13 @@ def mla_decode_kernel(
     if USE_PDL:  # launched with programmatic dependent launch: inputs of the prior kernel
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    tok = tl.program_id(0)
+    if SPLIT_FIRST:
+        split = tl.program_id(0)
+        tok = tl.program_id(2)
+    else:
+        tok = tl.program_id(0)
+        split = tl.program_id(2)
     head_block = tl.program_id(1)
-    split = tl.program_id(2)
 
     req = tl.load(token_req_ptr + tok)
     kv_len = tl.load(token_kv_len_ptr + tok)

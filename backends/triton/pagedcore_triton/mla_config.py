@@ -1,0 +1,216 @@
+"""Launch configurations of the Triton MLA decode (`MLAKernelConfig`) and the split-KV rule.
+
+`MLA_KERNEL_CONFIGS` names the variants `pagedcore bench mla --variants` times;
+``DEFAULT_MLA_KERNEL`` is the one `pagedcore_triton.mla.TritonMLAImpl` ships (the best measured
+on the H200, see docs/mla.md). Pure Python: no torch or Triton import.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+__all__ = [
+    "DEFAULT_MLA_KERNEL",
+    "MLA_KERNEL_CONFIGS",
+    "MLAKernelConfig",
+    "MLASplitRule",
+    "choose_mla_splits",
+    "merge_layout",
+]
+
+#: Default of `MLAKernelConfig.merge_row_pairs` (``TritonMLAImpl.merge_whole_row_pairs``).
+MERGE_WHOLE_ROW_PAIRS = 1024
+
+
+@attrs.frozen(kw_only=True)
+class MLASplitRule:
+    """Split-KV rule: double the splits while the grid stays within `target_programs` programs
+    (about one wave of resident programs on an H200's 132 SMs), each split keeps at least
+    `min_tokens_per_split` positions, and the count stays at most `max_splits` (a power of
+    two)."""
+
+    target_programs: int = 264
+    min_tokens_per_split: int = 128
+    max_splits: int = 64
+
+
+def choose_mla_splits(
+    rule: MLASplitRule, *, num_tokens: int, head_blocks: int, max_seq_len: int
+) -> int:
+    """Power-of-two split count for one launch (1 = no split)."""
+    programs = max(1, num_tokens * head_blocks)
+    splits = 1
+    while (
+        splits * 2 <= rule.max_splits
+        and programs * splits * 2 <= rule.target_programs
+        and max_seq_len // (splits * 2) >= rule.min_tokens_per_split
+    ):
+        splits *= 2
+    return splits
+
+
+def _pow2(x: int) -> bool:
+    return x >= 1 and not x & (x - 1)
+
+
+@attrs.frozen(kw_only=True)
+class MLAKernelConfig:
+    """One launch configuration of the decode kernel (the variants the bench times).
+
+    Attributes
+    ----------
+    name:
+        Short label used by the bench and in ``MLA_KERNEL_CONFIGS``.
+    block_n:
+        Cache positions per inner tile (``BLOCK_N``).
+    num_warps, num_stages:
+        Triton launch options. ``num_stages`` 2-4 leave the row tile single-buffered (the
+        block-table load takes a pipeline stage), 5-6 double-buffer it, 7-8 triple-buffer it.
+    maxnreg:
+        Register cap per thread (None = the compiler's choice); lower caps fit more programs
+        per SM. Ignored under the interpreter.
+    lat_split:
+        Latent column chunks (1, 2 or 4; fewer when the latent is narrow): each chunk has its
+        own score MMA chain and accumulator, so the MMAs of a tile do not form one chain.
+    split:
+        When to split the context into segments (split-KV).
+    rows_m:
+        Use `mla_rows_kernel` (cache positions as the MMA's M side, so that with ``block_n``
+        64 Triton can use Hopper's warpgroup MMA) instead of `mla_kernels.mla_decode_kernel`.
+    pdl:
+        Launch the kernels with programmatic dependent launch (sm_90 and newer; ignored on
+        older GPUs and under the interpreter): each kernel's programs are placed while the
+        previous kernel drains and wait for its results (``griddepcontrol.wait``) before
+        reading anything, which hides the launch gaps between the decode and merge kernels
+        and between steps.
+    merge_chunk:
+        Most split partials the merge kernel reads per round trip (a power of two; fewer
+        when the split count or the register budget is smaller).
+    merge_cols:
+        Latent columns per merge program when the (token, head) pairs are few (a power of
+        two >= 16): smaller slices give more, shorter merge programs.
+    merge_row_pairs:
+        From this many (token, head) pairs on, one merge program combines a whole latent row
+        (None = ``TritonMLAImpl.merge_whole_row_pairs``, 1024).
+    merge_warps:
+        Warps of a merge program over `merge_cols` columns (whole-row programs have 4).
+    split_first:
+        Launch split grids as ``(splits, head blocks, tokens)`` so that the splits of one
+        token are placed next to each other (not with ``rows_m``).
+    short_split_warps, short_split_len:
+        When set, the warps of a split launch whose segments have at most `short_split_len`
+        positions (few tiles per program, e.g. 4 requests of 32768 tokens in 64 splits).
+    """
+
+    name: str
+    block_n: int = 32
+    num_warps: int = 4
+    num_stages: int = 2
+    maxnreg: int | None = None
+    lat_split: int = 1
+    split: MLASplitRule = MLASplitRule()
+    rows_m: bool = False
+    pdl: bool = False
+    merge_chunk: int = 16
+    merge_cols: int = 128
+    merge_row_pairs: int | None = None
+    merge_warps: int = 4
+    split_first: bool = False
+    short_split_warps: int | None = None
+    short_split_len: int = 512
+
+    def launch_warps(self, splits: int, split_len: int) -> int:
+        """``num_warps``, or `short_split_warps` for a split launch of short segments."""
+        if self.short_split_warps is not None and splits > 1 and (
+            split_len <= self.short_split_len
+        ):
+            return self.short_split_warps
+        return self.num_warps
+
+    def __attrs_post_init__(self) -> None:
+        if self.lat_split not in (1, 2, 4):
+            raise ValueError(f"lat_split must be 1, 2 or 4, got {self.lat_split}")
+        if self.merge_chunk < 2 or not _pow2(self.merge_chunk):
+            raise ValueError(f"merge_chunk must be a power of two >= 2, got {self.merge_chunk}")
+        if self.merge_cols < 16 or not _pow2(self.merge_cols):
+            raise ValueError(f"merge_cols must be a power of two >= 16, got {self.merge_cols}")
+        if self.block_n < 16 or not _pow2(self.block_n):
+            raise ValueError(f"block_n must be a power of two >= 16, got {self.block_n}")
+        if self.split_first and self.rows_m:
+            raise ValueError("split_first is not supported with rows_m")
+        for what, warps in (("num_warps", self.num_warps), ("merge_warps", self.merge_warps),
+                            ("short_split_warps", self.short_split_warps or 1)):
+            if not _pow2(warps):
+                raise ValueError(f"{what} must be a power of two, got {warps}")
+
+
+def merge_layout(
+    cfg: MLAKernelConfig, *, num_tokens: int, num_heads: int, lat_pad: int, splits: int,
+    whole_row_pairs: int = MERGE_WHOLE_ROW_PAIRS,
+) -> tuple[int, int, int]:
+    """``(cols, chunk, warps)`` of the merge launch: latent columns per program, splits read
+    per round trip, warps per program.
+
+    About one wave of merge programs: whole rows when there are at least `merge_row_pairs`
+    (else `whole_row_pairs`) (token, head) pairs, `merge_cols`-column slices when there are
+    few (few long requests; `merge_warps` warps). A program holds ``[chunk, cols]`` fp32
+    partials in registers, at most 64 per thread.
+    """
+    threshold = cfg.merge_row_pairs or whole_row_pairs
+    many = num_tokens * num_heads >= threshold
+    cols = lat_pad if many else min(cfg.merge_cols, lat_pad)
+    warps = 4 if many else cfg.merge_warps
+    chunk = max(2, min(cfg.merge_chunk, 1 << max(0, splits - 1).bit_length(),
+                       64 * 32 * warps // cols))
+    return cols, chunk, warps
+
+
+def _default_like(name: str, **kw: object) -> MLAKernelConfig:
+    """The shipped default's settings (PDL, 64-split merge) with `kw` changed."""
+    base: dict[str, object] = dict(block_n=32, num_stages=5, lat_split=4, pdl=True,
+                                   merge_chunk=64)
+    base.update(kw)
+    return MLAKernelConfig(name=name, **base)  # type: ignore[arg-type]
+
+
+#: Names: ``n<BLOCK_N>`` (or ``m<BLOCK_N>`` with ``rows_m``), ``s<stages>``, ``c<lat_split>``,
+#: ``w<warps>`` (when not 4), ``p`` (``pdl``), ``m<merge_chunk>`` (when not 16), ``w2s``
+#: (``short_split_warps`` 2), ``k<merge_cols>`` (when not 128), ``R<merge_row_pairs>``,
+#: ``mw<merge_warps>`` (when not 4),
+#: ``x<max_splits>`` (when not 64), ``f`` (``split_first``), ``r<maxnreg>``, ``t<split
+#: target>`` (when not 264).
+MLA_KERNEL_CONFIGS: dict[str, MLAKernelConfig] = {
+    c.name: c
+    for c in (
+        # The shipped one: PDL, up to 64 splits merged in one round trip; whole-row merge
+        # programs from 256 (token, head) pairs on (16 x 16384: merge 6.6 -> 3.2 us), below
+        # that one-warp programs of 32 columns (4 x 32768: 1024 programs of [64 splits, 32
+        # columns]); neither sums across warps.
+        _default_like("n32s5c4pm64R256k32mw1", merge_row_pairs=256, merge_cols=32,
+                      merge_warps=1),
+        # The same with 4-warp, 128-column merge programs below 256 pairs:
+        _default_like("n32s5c4pm64R256", merge_row_pairs=256),
+        # The previous default (whole-row merges from 1024 pairs on):
+        _default_like("n32s5c4pm64"),
+        # 2 warps where the segments are short (4 x 32768 in 64 splits of 512): slower with
+        # this merge (67.9 vs 69.7 %).
+        _default_like("n32s5c4pm64w2s", short_split_warps=2),
+        # Narrower merge slices when the pairs are few (more, shorter programs):
+        _default_like("n32s5c4pm64k32", merge_cols=32),
+        # The splits of one token launched side by side (grid (splits, heads, tokens)):
+        _default_like("n32s5c4pm64f", split_first=True),
+        # At most 32 splits (4 x 32768: 128 programs of 1024 positions, half the partials):
+        _default_like("n32s5c4pm64x32", split=MLASplitRule(max_splits=32)),
+        _default_like("n32s5c4w2pm64", num_warps=2),
+        MLAKernelConfig(name="n32s5c4p", block_n=32, num_stages=5, lat_split=4, pdl=True),
+        # No PDL, 16 splits per merge round trip:
+        MLAKernelConfig(name="n32s5c4", block_n=32, num_stages=5, lat_split=4),
+        # Positions as the MMA's M side (Hopper warpgroup MMA), 64-row tiles, 1 program/SM:
+        MLAKernelConfig(name="m64s4c4p", block_n=64, num_stages=4, lat_split=4, pdl=True,
+                        rows_m=True, split=MLASplitRule(target_programs=132)),
+        # One score-MMA chain over all 576 dims, single-buffered rows (the first kernel):
+        MLAKernelConfig(name="n32s2", block_n=32, num_stages=2,
+                        split=MLASplitRule(target_programs=528)),
+    )
+}
+DEFAULT_MLA_KERNEL = MLA_KERNEL_CONFIGS["n32s5c4pm64R256k32mw1"]
