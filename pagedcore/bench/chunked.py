@@ -10,9 +10,11 @@ long prompt is one step and every short arrived during it).
 
 Configurations change one variable at a time: ``long_prefill_token_threshold`` at a budget
 large enough for the whole prompt (so only the threshold chunks it), then
-``max_num_batched_tokens`` (no per-request threshold). One engine serves them all
-(`apply_config`), and each configuration runs the timeline once untimed first. Prefix caching
-is off, so repetitions cannot hit.
+``max_num_batched_tokens`` (no per-request threshold); ``--pairs`` adds configurations that
+set both (a chunk size and a step cap above it). One engine serves them all (`apply_config`),
+and each configuration runs the timeline once untimed first. Prefix caching is off, so
+repetitions cannot hit. The JSON is rewritten after every configuration (``"complete"`` says
+whether the sweep finished), so a run cut short by a timeout keeps what it measured.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 
 import click
 
-__all__ = ["apply_config", "chunked", "make_timeline", "run_config", "summarize"]
+__all__ = ["apply_config", "chunked", "make_timeline", "parse_pairs", "run_config", "summarize"]
 
 
 def make_timeline(*, long_len: int, num_short: int, short_lens: tuple[int, int],
@@ -47,6 +49,34 @@ def make_timeline(*, long_len: int, num_short: int, short_lens: tuple[int, int],
                                 prompt=torch.randint(10, vocab, (n,), generator=g).tolist(),
                                 params=short_params))
     return arrivals
+
+
+def parse_pairs(text: str | None) -> list[tuple[int, int]]:
+    """``"768:1024,1536:2048"`` as ``[(768, 1024), (1536, 2048)]`` (threshold, budget).
+
+    Raises
+    ------
+    click.BadParameter
+        An entry that is not ``THRESHOLD:BUDGET`` of positive integers with the threshold at
+        most the budget.
+    """
+    out: list[tuple[int, int]] = []
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        parts = item.split(":")
+        try:
+            thr, budget = (int(x) for x in parts)
+        except ValueError:
+            raise click.BadParameter(
+                f"{item!r} is not THRESHOLD:BUDGET (two integers, e.g. 768:1024)",
+                param_hint="--pairs") from None
+        if not 0 < thr <= budget:
+            raise click.BadParameter(
+                f"{item!r}: need 0 < threshold <= budget (a chunk must fit in a step)",
+                param_hint="--pairs")
+        out.append((thr, budget))
+    return out
 
 
 def summarize(runs: list[list[Any]]) -> dict[str, Any]:
@@ -140,7 +170,9 @@ def _plot(report: dict[str, Any], path: str) -> None:
         if not cfg["enable_chunked_prefill"]:
             return (0, 0)
         thr = cfg["long_prefill_token_threshold"]
-        return (1, thr) if thr is not None else (2, cfg["max_num_batched_tokens"])
+        if thr is None:
+            return (2, cfg["max_num_batched_tokens"])
+        return (3, thr) if ", mnbt=" in row["label"] else (1, thr)
 
     rows = sorted(report["configs"], key=order)
     labels = [r["label"] for r in rows]
@@ -172,20 +204,30 @@ def _plot(report: dict[str, Any], path: str) -> None:
 @click.option("--small", is_flag=True, help="Tiny model, 8K-token long prompt (CPU-friendly).")
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
 @click.option("--backend", default=None, help="Force an attention backend.")
+@click.option("--model", "model_name", default="qwen2-0.5b", show_default=True,
+              type=click.Choice(["qwen2-0.5b", "llama3-8b"]),
+              help="Model shape (seeded random weights); with --small a tiny model of the "
+                   "same architecture.")
 @click.option("--long-len", default=None, type=int, help="Long prompt tokens.")
 @click.option("--reps", default=None, type=int, help="Timed repetitions per configuration.")
 @click.option("--budgets", default=None, help="Comma list of max_num_batched_tokens to sweep.")
 @click.option("--thresholds", default=None,
               help="Comma list of long_prefill_token_threshold to sweep.")
+@click.option("--pairs", default=None,
+              help="Comma list of THRESHOLD:BUDGET pairs run as well, after the thresholds "
+                   "(e.g. 768:1024: 768-token chunks, steps capped at 1,024 tokens).")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
 @click.option("--plot", "plot_path", default=None, type=click.Path(dir_okay=False))
-def chunked(small: bool, device: str | None, backend: str | None, long_len: int | None,
-            reps: int | None, budgets: str | None, thresholds: str | None,
-            json_path: str | None, plot_path: str | None) -> None:
+def chunked(small: bool, device: str | None, backend: str | None, model_name: str,
+            long_len: int | None, reps: int | None, budgets: str | None,
+            thresholds: str | None, pairs: str | None, json_path: str | None,
+            plot_path: str | None) -> None:
     """Chunked prefill: short-request TTFT/ITL and long completion vs no chunking."""
     import torch
 
     from pagedcore.bench.report import (
+        build_bench_model,
+        device_memory,
         engine_bench_model,
         environment,
         model_shape,
@@ -193,10 +235,9 @@ def chunked(small: bool, device: str | None, backend: str | None, long_len: int 
     )
     from pagedcore.bench.timeline import Arrival, WallClock, run_timeline
     from pagedcore.engine.llm import LLM
-    from pagedcore.engine.models import qwen2_0_5b_config, random_model
     from pagedcore.engine.sampling_params import SamplingParams
 
-    dev, dtype, config = engine_bench_model(small, device)
+    dev, dtype, config = engine_bench_model(small, device, model_name)
     if small:
         long_len = long_len or 8192
         budget_list, threshold_list = [256, 512, 1024, 2048], [256, 512, 1024, 2048]
@@ -204,7 +245,8 @@ def chunked(small: bool, device: str | None, backend: str | None, long_len: int 
     else:
         long_len = long_len or 32768
         # Room for the 32K prompt plus its output (Qwen2-0.5B's own limit is 32,768).
-        config = qwen2_0_5b_config(max_position_embeddings=max(32768, long_len + 256))
+        dev, dtype, config = engine_bench_model(
+            small, device, model_name, max_position_embeddings=max(32768, long_len + 256))
         budget_list = [1024, 2048, 4096, 8192]
         threshold_list = [512, 1024, 1536, 2048, 3072, 4096, 8192]
         short_max = 32
@@ -212,6 +254,7 @@ def chunked(small: bool, device: str | None, backend: str | None, long_len: int 
         budget_list = [int(x) for x in budgets.split(",")]
     if thresholds:
         threshold_list = [int(x) for x in thresholds.split(",")]
+    pair_list = parse_pairs(pairs)
     reps = reps or (1 if small else 3)
     vocab = int(config.vocab_size)
     max_model_len = long_len + 256
@@ -232,12 +275,21 @@ def chunked(small: bool, device: str | None, backend: str | None, long_len: int 
     configs += [(f"thr={t} (mnbt={max_model_len})",
                  dict(enable_chunked_prefill=True, max_num_batched_tokens=max_model_len,
                       long_prefill_token_threshold=t)) for t in threshold_list]
+    # Both at once (off the one-variable sweep): a chunk size and a step cap above it.
+    configs += [(f"thr={t}, mnbt={b}", dict(enable_chunked_prefill=True, max_num_batched_tokens=b,
+                                            long_prefill_token_threshold=t))
+                for t, b in pair_list]
     configs += [(f"mnbt={b}", dict(enable_chunked_prefill=True, max_num_batched_tokens=b,
                                    long_prefill_token_threshold=None)) for b in budget_list]
     # One engine, built with the largest budget; `apply_config` switches the limits.
-    largest = max([max_model_len, *budget_list])
-    llm = LLM(random_model(config, dtype=dtype, device=dev, seed=0), device=dev, dtype=dtype,
-              backend=backend, max_num_batched_tokens=largest, **common)
+    largest = max([max_model_len, *budget_list, *(b for _, b in pair_list)])
+    model, init_s = build_bench_model(config, dtype=dtype, device=dev, seed=0)
+    click.echo(f"model {model_name}{' (small)' if small else ''}: random weights built on "
+               f"{dev} in {init_s:.1f} s", err=True)
+    llm = LLM(model, device=dev, dtype=dtype, backend=backend,
+              max_num_batched_tokens=largest, **common)
+    del model
+    click.echo(f"engine built: {llm.cudagraph_status()}", err=True)
     g = torch.Generator().manual_seed(123)
     warmup = [torch.randint(10, vocab, (n,), generator=g).tolist()
               for n in (96, min(1024, long_len))]
@@ -259,23 +311,12 @@ def chunked(small: bool, device: str | None, backend: str | None, long_len: int 
                              short_max_tokens=short_max, long_max_tokens=short_max,
                              window_s=window, vocab=vocab, seed=1)
     rows: list[dict[str, Any]] = []
-    for label, cfg in configs:
-        apply_config(llm, cfg)
-        summary = run_config(llm, arrivals, reps=reps, clock_factory=clock)
-        rows.append({"label": label, "engine_config": {**common, **cfg}, **summary})
-        click.echo(f"{label}: short TTFT p50 {summary['short_ttft_s']['p50'] * 1e3:.1f} ms, "
-                   f"long {summary['long_completion_s']:.3f} s, "
-                   f"{summary['long_prefill_steps_last_rep']} prefill steps, "
-                   f"largest step {summary['max_step_tokens_last_rep']} tokens", err=True)
-    base = rows[0]
-    for r in rows:
-        r["short_ttft_p50_speedup_vs_no_chunking"] = (
-            base["short_ttft_s"]["p50"] / r["short_ttft_s"]["p50"])
-        r["long_completion_vs_no_chunking"] = r["long_completion_s"] / base["long_completion_s"]
     report: dict[str, Any] = {
         "experiment": "chunked prefill",
         "environment": environment(dev),
-        "model": model_shape(config, dtype=dtype, kv_dtype=dtype),
+        "model": {**model_shape(config, dtype=dtype, kv_dtype=dtype,
+                                name=model_name + (" (small)" if small else "")),
+                  "init_seconds": init_s},
         "backend": ",".join(sorted(set(llm.backend_names))),
         "cudagraph": llm.cudagraph_status(),
         "workload": {
@@ -295,22 +336,38 @@ def chunked(small: bool, device: str | None, backend: str | None, long_len: int 
                   f"{largest}; the scheduler limits are switched between "
                   "configurations (pagedcore.bench.chunked.apply_config)",
         "engine_config_common": common,
+        "complete": False,
         "configs": rows,
     }
+    for label, cfg in configs:
+        apply_config(llm, cfg)
+        summary = run_config(llm, arrivals, reps=reps, clock_factory=clock)
+        row: dict[str, Any] = {"label": label, "engine_config": {**common, **cfg}, **summary}
+        base = rows[0] if rows else row
+        row["short_ttft_p50_speedup_vs_no_chunking"] = (
+            base["short_ttft_s"]["p50"] / row["short_ttft_s"]["p50"])
+        row["long_completion_vs_no_chunking"] = (
+            row["long_completion_s"] / base["long_completion_s"])
+        rows.append(row)
+        click.echo(f"KEY chunked {label}: short TTFT p50 "
+                   f"{row['short_ttft_s']['p50'] * 1e3:.1f} ms "
+                   f"({row['short_ttft_p50_speedup_vs_no_chunking']:.1f}x), long "
+                   f"{row['long_completion_s'] * 1e3:.0f} ms "
+                   f"({row['long_completion_vs_no_chunking']:.2f}x), "
+                   f"{summary['long_prefill_steps_last_rep']} prefill steps, "
+                   f"largest step {summary['max_step_tokens_last_rep']} tokens")
+        report["device_memory"] = device_memory(dev)
+        if json_path:  # after every configuration: a run cut short keeps what it measured
+            write_json(json_path, report)
+    report["complete"] = True
+    report["cudagraph"] = llm.cudagraph_status()
     _print(report)
-    for r in rows:
-        click.echo(f"KEY chunked {r['label']}: short TTFT p50 "
-                   f"{r['short_ttft_s']['p50'] * 1e3:.1f} ms "
-                   f"({r['short_ttft_p50_speedup_vs_no_chunking']:.1f}x), long "
-                   f"{r['long_completion_s'] * 1e3:.0f} ms "
-                   f"({r['long_completion_vs_no_chunking']:.2f}x)")
     if json_path:
         write_json(json_path, report)
         click.echo(f"wrote {json_path}")
     if plot_path:
         _plot(report, plot_path)
         click.echo(f"wrote {plot_path}")
-
 
 def _print(report: dict[str, Any]) -> None:
     from rich.console import Console

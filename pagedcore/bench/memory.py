@@ -197,24 +197,32 @@ def _plot(report: dict[str, Any], path: str) -> None:
 @click.command()
 @click.option("--small", is_flag=True, help="CPU kernel timing at a small decode shape.")
 @click.option("--device", default=None, help="Device of the kernel timing.")
+@click.option("--model", "model_name", default="qwen2-0.5b", show_default=True,
+              type=click.Choice(["qwen2-0.5b", "llama3-8b"]),
+              help="Model shape whose KV cache is counted (bytes per token).")
 @click.option("--budget-mib", default=1024, show_default=True, help="KV budget in MiB.")
 @click.option("--max-model-len", default=4096, show_default=True)
 @click.option("--kernel-json", default=None, type=click.Path(exists=True, dir_okay=False),
               help="Kernel speed per block size from this JSON (rows with block_size).")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
 @click.option("--plot", "plot_path", default=None, type=click.Path(dir_okay=False))
-def memory(small: bool, device: str | None, budget_mib: int, max_model_len: int,
+def memory(small: bool, device: str | None, model_name: str, budget_mib: int, max_model_len: int,
            kernel_json: str | None, json_path: str | None, plot_path: str | None) -> None:
     """Paged vs contiguous KV preallocation (slot use, concurrency) and a block-size sweep."""
     import json
 
     import torch
 
-    from pagedcore.bench.report import environment, model_shape, pick_device, write_json
-    from pagedcore.engine.models import qwen2_0_5b_config
+    from pagedcore.bench.report import (
+        bench_model_config,
+        environment,
+        model_shape,
+        pick_device,
+        write_json,
+    )
 
     dev = pick_device(device)
-    config = qwen2_0_5b_config()
+    config = bench_model_config(model_name)
     dtype = torch.bfloat16
     budget = budget_mib << 20
     lengths = workload_lengths(20000, max_model_len=max_model_len, seed=0)
@@ -241,7 +249,7 @@ def memory(small: bool, device: str | None, budget_mib: int, max_model_len: int,
     report: dict[str, Any] = {
         "experiment": "memory: paged vs contiguous KV preallocation",
         "environment": environment(dev),
-        "model": model_shape(config, dtype=dtype, kv_dtype=dtype),
+        "model": model_shape(config, dtype=dtype, kv_dtype=dtype, name=model_name),
         "budget_bytes": budget,
         "max_model_len": max_model_len,
         "workload": "20,000 requests, prompt ~ lognormal(median 512, sigma 1.0) + output ~ "

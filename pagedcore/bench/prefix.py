@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import statistics
+import time
 from typing import Any
 
 import click
@@ -229,6 +230,10 @@ def _plot(report: dict[str, Any], path: str) -> None:
 @click.option("--small", is_flag=True, help="Tiny model, CPU-friendly lengths (1K/4K/8K).")
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
 @click.option("--backend", default=None, help="Force an attention backend.")
+@click.option("--model", "model_name", default="qwen2-0.5b", show_default=True,
+              type=click.Choice(["qwen2-0.5b", "llama3-8b"]),
+              help="Model shape (seeded random weights); with --small a tiny model of the "
+                   "same architecture.")
 @click.option("--lengths", default=None, help="Comma list of system-prompt lengths.")
 @click.option("--reps", default=None, type=int, help="Cold and warm requests per length.")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
@@ -238,13 +243,16 @@ def _plot(report: dict[str, Any], path: str) -> None:
 @click.option("--profile-dir", default=None, type=click.Path(file_okay=False),
               help="With --phases: also profile one cold and one warm request per length "
                    "(torch.profiler tables written here).")
-def prefix(small: bool, device: str | None, backend: str | None, lengths: str | None,
+def prefix(small: bool, device: str | None, backend: str | None, model_name: str,
+           lengths: str | None,
            reps: int | None, json_path: str | None, plot_path: str | None,
            phases: bool, profile_dir: str | None) -> None:
     """Prefix caching: cold vs warm TTFT at shared system prompts, and a multi-turn chat."""
     import torch
 
     from pagedcore.bench.report import (
+        build_bench_model,
+        device_memory,
         engine_bench_model,
         environment,
         model_shape,
@@ -252,15 +260,17 @@ def prefix(small: bool, device: str | None, backend: str | None, lengths: str | 
     )
     from pagedcore.bench.timeline import WallClock
     from pagedcore.engine.llm import LLM
-    from pagedcore.engine.models import random_model
 
-    dev, dtype, config = engine_bench_model(small, device)
     if small:
         lens = [1024, 4096, 8192]
     else:
         lens = [1024, 4096, 16384]
     if lengths:
         lens = [int(x) for x in lengths.split(",")]
+    dev, dtype, config = engine_bench_model(small, device, model_name)
+    if int(config.max_position_embeddings) < max(lens) + 1024:
+        dev, dtype, config = engine_bench_model(small, device, model_name,
+                                                max_position_embeddings=max(lens) + 1024)
     reps = reps or (3 if small else 5)
     vocab = int(config.vocab_size)
     engine_cfg: dict[str, Any] = dict(
@@ -269,41 +279,25 @@ def prefix(small: bool, device: str | None, backend: str | None, lengths: str | 
         long_prefill_token_threshold=None,
         kv_cache_memory_bytes=(512 << 20) if dev.type == "cpu" else (16 << 30),
     )
-    model = random_model(config, dtype=dtype, device=dev, seed=0)
+    model, init_s = build_bench_model(config, dtype=dtype, device=dev, seed=0)
+    click.echo(f"model {model_name}{' (small)' if small else ''}: random weights built on "
+               f"{dev} in {init_s:.1f} s", err=True)
     sync = torch.cuda.synchronize if dev.type == "cuda" else None
     clock = WallClock(sync)
     chat = dict(turns=6, system_len=lens[0], user_len=128, reply_len=32)
 
-    results: dict[str, Any] = {}
-    llm: Any = None
-    for caching in (False, True):
-        llm = LLM(copy.deepcopy(model), device=dev, dtype=dtype, backend=backend,
-                  enable_prefix_caching=caching, **engine_cfg)
-        # Unrelated prompts of every length, each twice with different last 64 tokens, so
-        # both the cold and the cache-hit code paths have run at every shape.
-        for i, n in enumerate([*lens, 300]):
-            head = _tokens(n, vocab=vocab, seed=90 + i)
-            for j in range(2):
-                tail = _tokens(64, vocab=vocab, seed=190 + 10 * i + j)
-                _one(llm, f"warmup-{caching}-{i}-{j}", head + tail, 1, clock)
-        if caching:
-            results["backend"] = ",".join(sorted(set(llm.backend_names)))
-            results["shared"] = measure_prefix(llm, lengths=lens, reps=reps, user_len=64,
-                                               vocab=vocab, clock=clock)
-            for r in results["shared"]:
-                print(f"KEY prefix {r['system_prompt_tokens']}: cold "
-                      f"{r['cold_ttft_median_s'] * 1e3:.2f} ms warm "
-                      f"{r['warm_ttft_median_s'] * 1e3:.2f} ms speedup {r['speedup']:.2f}x "
-                      f"hits_proven {r['hits_proven']}", flush=True)
-        results["on" if caching else "off"] = chat_trace(
-            llm, vocab=vocab, prefix=f"chat-{caching}", clock=clock, **chat)
-        if not caching:
-            del llm
+    t0 = time.perf_counter()
+
+    def progress(what: str) -> None:
+        click.echo(f"[prefix +{time.perf_counter() - t0:.1f}s] {what}", err=True)
+
     report: dict[str, Any] = {
         "experiment": "prefix caching",
         "environment": environment(dev),
-        "model": model_shape(config, dtype=dtype, kv_dtype=dtype),
-        "backend": results["backend"],
+        "model": {**model_shape(config, dtype=dtype, kv_dtype=dtype,
+                                name=model_name + (" (small)" if small else "")),
+                  "init_seconds": init_s},
+        "backend": None,
         "engine_config": {**engine_cfg, "enable_prefix_caching": True},
         "warmup": f"unrelated max_tokens=1 requests: for each length in {[*lens, 300]}, a "
                   "prompt of that length + 64 tokens, sent twice with different last 64 tokens "
@@ -311,17 +305,51 @@ def prefix(small: bool, device: str | None, backend: str | None, lengths: str | 
         "repetitions": reps,
         "timing": "TTFT = end of the step that sampled the first token - arrival; one "
                   "request at a time through the arrival-timeline driver; medians reported",
-        "shared_system_prompt": results["shared"],
-        "chat_trace": {"config": chat, "caching_on": results["on"],
-                       "caching_off": results["off"]},
+        "shared_system_prompt": [],
+        "chat_trace": {"config": chat, "caching_on": None, "caching_off": None},
     }
-    _print(report)
 
     def save() -> None:
+        report["device_memory"] = device_memory(dev)
         if json_path:
             write_json(json_path, report)
             click.echo(f"wrote {json_path}")
 
+    def engine(caching: bool) -> Any:
+        # The caching-on engine gets a copy, the last one (caching off) the model itself.
+        built = LLM(copy.deepcopy(model) if caching else model, device=dev, dtype=dtype,
+                    backend=backend, enable_prefix_caching=caching, **engine_cfg)
+        progress(f"engine built (prefix caching {'on' if caching else 'off'})")
+        # Unrelated prompts of every length, each twice with different last 64 tokens, so
+        # both the cold and the cache-hit code paths have run at every shape.
+        for i, n in enumerate([*lens, 300]):
+            head = _tokens(n, vocab=vocab, seed=90 + i)
+            for j in range(2):
+                tail = _tokens(64, vocab=vocab, seed=190 + 10 * i + j)
+                _one(built, f"warmup-{caching}-{i}-{j}", head + tail, 1, clock)
+        progress("warm-up done")
+        return built
+
+    # The headline (cold vs warm) first, saved at once: a run cut short keeps it.
+    llm = engine(True)
+    report["backend"] = ",".join(sorted(set(llm.backend_names)))
+    report["shared_system_prompt"] = measure_prefix(llm, lengths=lens, reps=reps, user_len=64,
+                                                    vocab=vocab, clock=clock)
+    for r in report["shared_system_prompt"]:
+        print(f"KEY prefix {r['system_prompt_tokens']}: cold "
+              f"{r['cold_ttft_median_s'] * 1e3:.2f} ms warm "
+              f"{r['warm_ttft_median_s'] * 1e3:.2f} ms speedup {r['speedup']:.2f}x "
+              f"hits_proven {r['hits_proven']}", flush=True)
+    save()
+    report["chat_trace"]["caching_on"] = chat_trace(llm, vocab=vocab, prefix="chat-True",
+                                                    clock=clock, **chat)
+    progress("chat trace (caching on) done")
+    off = engine(False)
+    report["chat_trace"]["caching_off"] = chat_trace(off, vocab=vocab, prefix="chat-False",
+                                                     clock=clock, **chat)
+    del off
+    progress("chat trace (caching off) done")
+    _print(report)
     save()
     if plot_path:
         _plot(report, plot_path)
