@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -25,11 +26,26 @@ if TYPE_CHECKING:
 
     from pagedcore.kv_cache.spec import AttentionSpec
 
-__all__ = ["TritonAttentionBackend", "TritonAttentionMetadata", "TritonMetadataBuilder"]
+__all__ = [
+    "MIXED_PLAN_ENV",
+    "TritonAttentionBackend",
+    "TritonAttentionMetadata",
+    "TritonMetadataBuilder",
+]
 
 #: Bound on ``T * segments`` of a split mixed capture: its partials take ``T * Hq * segments
 #: * (HEAD_PAD + 2)`` float32 per bucket (29 MB for 14 heads of 64 at 8192).
 MIXED_SPLIT_TOKEN_SLOTS = 8192
+
+#: Context tokens a flat mixed-capture segment holds at least (fewer tiles per program than
+#: `SplitRule.min_tokens_per_segment` for decodes: a warm prefix hit's few q-blocks finish
+#: sooner; the merge reads only the segments that saw keys).
+MIXED_MIN_SEGMENT_TOKENS = 128
+
+#: ``classic`` plans captured mixed steps the way s3b1 measured (a grid over every request
+#: slot and `TritonMetadataBuilder._mixed_segments` segments), for comparisons; unset or
+#: ``flat`` uses the flat grid (`TritonMetadataBuilder._plan_mixed_capture`).
+MIXED_PLAN_ENV = "PAGEDCORE_TRITON_MIXED_PLAN"
 
 
 @attrs.frozen(kw_only=True)
@@ -151,8 +167,8 @@ class TritonMetadataBuilder(MetadataBuilder[TritonAttentionMetadata]):
         the merge, so the plan is exact for every ``seq_lens`` in ``[1, max_seq_len]``.
 
         A mixed token bucket (``max_query_len == num_actual_tokens == T > 1``) gets one
-        launch over all ``num_reqs`` requests and ``T`` tokens with prefill tiles and no
-        split-KV (`_plan_mixed_capture`).
+        launch over all ``num_reqs`` requests and ``T`` tokens with prefill tiles on a flat
+        grid whose split-KV adapts to the step at run time (`_plan_mixed_capture`).
         """
         mixed = 1 < common.max_query_len == common.num_actual_tokens
         if not mixed and (
@@ -198,7 +214,64 @@ class TritonMetadataBuilder(MetadataBuilder[TritonAttentionMetadata]):
         )
 
     def _plan_mixed_capture(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
-        """One unified launch for a captured mixed step of ``T`` token slots.
+        """One unified launch on a flat grid for a captured mixed step of ``T`` token slots.
+
+        A captured step's cost must follow its work, not the worst case: the classic grid
+        (one q-block range per request slot times segments sized for ``max_model_len``)
+        launched 8192 mostly empty programs for a 16-token bucket with 64 request slots and
+        took ~45 us per layer on the H200 whatever the context. The flat grid has
+        `flat_grid_size` programs per KV head: at most ``cdiv(T, BLOCK_Q) + min(R, T)``
+        q-blocks (a ``T``-token step holds at most ``T`` non-empty requests), grown to the
+        split budget ``split_rule.target_programs / Hkv``. At run time every program reads
+        ``query_start_loc`` to find how many q-blocks the step uses, gives each of them as
+        many segments (a power of two, at most `_max_mixed_segments`) as the grid holds, and
+        exits at once when it gets none; a segment that a short context leaves empty exits
+        before loading anything, and a step left unsplit writes its output directly (the
+        merge then returns at once). Only shapes enter the plan, so it stays valid for any
+        contents the contract allows. ``PAGEDCORE_TRITON_MIXED_PLAN=classic`` restores the
+        previous plan.
+        """
+        if os.environ.get(MIXED_PLAN_ENV, "flat") == "classic":
+            return self._plan_mixed_capture_classic(common)
+        rule = self.split_rule
+        part = LaunchPart(
+            req_begin=0,
+            req_end=common.num_reqs,
+            token_begin=0,
+            token_end=common.num_actual_tokens,
+            max_query_len=common.max_query_len,
+            num_segments=self._max_mixed_segments(common.num_actual_tokens, common.max_seq_len),
+            flat_programs=max(1, rule.target_programs // self.kv_cache_spec.num_kv_heads),
+            min_segment_tokens=min(rule.min_tokens_per_segment, MIXED_MIN_SEGMENT_TOKENS),
+        )
+        return TritonAttentionMetadata(
+            query_start_loc=common.query_start_loc,
+            seq_lens=common.seq_lens,
+            block_table=common.block_table,
+            num_actual_tokens=common.num_actual_tokens,
+            causal=common.causal,
+            parts=(part,) if common.num_reqs > 0 else (),
+        )
+
+    def _max_mixed_segments(self, num_tokens: int, max_seq_len: int) -> int:
+        """Most segments a flat mixed capture may give one q-block: a power of two at most
+        ``split_rule.max_segments``, keeping ``split_rule.min_tokens_per_segment`` tokens of
+        `max_seq_len` per segment and at most ``MIXED_SPLIT_TOKEN_SLOTS`` token-segments of
+        partials."""
+        rule = self.split_rule
+        segments = 1
+        while (
+            segments * 2 <= rule.max_segments
+            and max_seq_len // (segments * 2) >= rule.min_tokens_per_segment
+            and num_tokens * segments * 2 <= MIXED_SPLIT_TOKEN_SLOTS
+        ):
+            segments *= 2
+        return segments
+
+    def _plan_mixed_capture_classic(
+        self, common: CommonAttentionMetadata
+    ) -> TritonAttentionMetadata:
+        """The previous mixed plan (``PAGEDCORE_TRITON_MIXED_PLAN=classic``): one launch.
 
         The grid (``T // BLOCK_Q + num_reqs`` q-blocks) depends only on ``T`` and
         ``num_reqs``; the kernel finds each program's request from ``query_start_loc`` at

@@ -19,7 +19,13 @@ import triton
 from pagedcore_triton._env import interpreting
 from pagedcore_triton.kernels.attention import merge_segments_kernel, paged_attention_kernel
 from pagedcore_triton.kernels.cache_write import write_kv_cache
-from pagedcore_triton.plan import PREFILL_TILES_ENV, LaunchPart, TileConfig, tile_config
+from pagedcore_triton.plan import (
+    PREFILL_TILES_ENV,
+    LaunchPart,
+    TileConfig,
+    flat_grid_size,
+    tile_config,
+)
 
 __all__ = ["PreparedLaunch", "paged_attention", "prepare_launch", "run_launch", "write_kv_cache"]
 
@@ -31,7 +37,8 @@ class PreparedLaunch:
     Attributes
     ----------
     grid:
-        ``(q_blocks, Hkv, segments)``; None when the part has no tokens (nothing to launch).
+        ``(q_blocks, Hkv, segments)``, or ``(P, Hkv, 1)`` for a flat part
+        (`LaunchPart.flat_programs`); None when the part has no tokens (nothing to launch).
     qsl, seq_lens, block_table:
         The part's ``[n + 1]``, ``[n]`` and ``[n, max_blocks]`` int32 views of the step's
         buffers.
@@ -91,7 +98,14 @@ def prepare_launch(
     if table.stride(-1) != 1:
         table = table.contiguous()
     grid = None
-    if part.num_reqs > 0 and num_tokens > 0:
+    flat = part.flat_programs is not None
+    if part.num_reqs > 0 and num_tokens > 0 and part.flat_programs is not None:
+        programs = flat_grid_size(
+            num_tokens=num_tokens, num_reqs=part.num_reqs, block_q=cfg.block_q,
+            num_segments=segments, target_programs=part.flat_programs,
+        )
+        grid = (programs, num_kv_heads, 1)
+    elif part.num_reqs > 0 and num_tokens > 0:
         grid = (
             part.token_end // cfg.block_q - part.token_begin // cfg.block_q + part.num_reqs,
             num_kv_heads,
@@ -143,6 +157,9 @@ def prepare_launch(
             "LONGEST_FIRST": cfg.longest_first,
             "EDGE_STAGES": 1 if cfg.unpipelined_edges else None,
             "OFF32": cfg.int32_offsets and math.prod(kv_cache_shape) < 2**31,
+            "FLAT": flat,
+            "MIN_SEGMENT_TILES": max(1, part.min_segment_tokens // cfg.tile_n),
+            "REQ_PAD": triton.next_power_of_2(part.num_reqs + 1) if flat else 1,
             "num_warps": cfg.num_warps,
             "num_stages": cfg.num_stages,
         },
@@ -202,9 +219,15 @@ def run_launch(
             launch.token_begin,
             output.stride(0),
             output.stride(1),
+            launch.qsl,
+            launch.num_reqs,
+            grid[0],
             HEAD_SIZE=c["HEAD_SIZE"],
             HEAD_PAD=c["HEAD_PAD"],
             NUM_SEGMENTS=c["NUM_SEGMENTS"],
+            BLOCK_Q=c["BLOCK_Q"],
+            FLAT=c["FLAT"],
+            REQ_PAD=c["REQ_PAD"],
             num_warps=4,
         )
 

@@ -14,6 +14,7 @@ __all__ = [
     "SplitRule",
     "TileConfig",
     "choose_num_segments",
+    "flat_grid_size",
     "parse_tiles",
     "tile_config",
 ]
@@ -50,6 +51,14 @@ class LaunchPart:
     prefill_only:
         Every request of the part has more than one query token (no decodes among them:
         allows the 256-row prefill tiles, see `tile_config`).
+    flat_programs:
+        None for the classic grid ``(q_blocks, Hkv, num_segments)``. Otherwise a captured
+        mixed step's *flat* grid (`flat_grid_size`): about this many programs in all, which
+        the kernel deals out at run time over the q-blocks the step really uses times up to
+        `num_segments` segments each (fewer q-blocks get more segments).
+    min_segment_tokens:
+        With `flat_programs`: context tokens a segment holds at least (a short context
+        leaves the later segments empty; they exit before loading anything).
     """
 
     req_begin: int
@@ -59,6 +68,8 @@ class LaunchPart:
     max_query_len: int
     num_segments: int = 1
     prefill_only: bool = False
+    flat_programs: int | None = None
+    min_segment_tokens: int = 0
 
     @property
     def num_reqs(self) -> int:
@@ -97,6 +108,31 @@ def choose_num_segments(
     ):
         segments *= 2
     return segments
+
+
+def flat_grid_size(
+    *, num_tokens: int, num_reqs: int, block_q: int, num_segments: int, target_programs: int
+) -> int:
+    """Programs per KV head of a flat mixed-step grid (`LaunchPart.flat_programs`).
+
+    A step of at most `num_tokens` tokens over `num_reqs` request slots, every non-empty
+    request starting a fresh q-block, uses at most ``cdiv(num_tokens, block_q) +
+    min(num_reqs, num_tokens)`` q-blocks (a request with query length 0 adds none: see the
+    kernel's ``_flat_layout``). The grid covers that bound once, and grows towards
+    `target_programs` (the split budget) so that a step using few q-blocks can give each one
+    up to `num_segments` segments.
+
+    Examples
+    --------
+    >>> flat_grid_size(num_tokens=16, num_reqs=64, block_q=18, num_segments=64,
+    ...                target_programs=256)
+    256
+    >>> flat_grid_size(num_tokens=8192, num_reqs=64, block_q=18, num_segments=1,
+    ...                target_programs=256)
+    520
+    """
+    q_blocks = -(-num_tokens // block_q) + min(num_reqs, num_tokens)
+    return max(q_blocks, min(q_blocks * num_segments, target_programs))
 
 
 @attrs.frozen(kw_only=True)

@@ -81,6 +81,7 @@ def stats(variant: str) -> dict[str, Any]:
         "LONGEST_FIRST": cfg.longest_first,
         "EDGE_STAGES": 1 if getattr(cfg, "unpipelined_edges", False) else None,
         "OFF32": getattr(cfg, "int32_offsets", False),
+        "FLAT": False, "MIN_SEGMENT_TILES": 1, "REQ_PAD": 1,
     }
     consts = {k: v for k, v in consts.items() if k in kernel.arg_names}
     ptrs = ["out_ptr", "q_ptr", "k_cache_ptr", "alibi_ptr", "part_acc_ptr", "part_ml_ptr"]

@@ -6,13 +6,16 @@ share one KV head (``BLOCK_M = BLOCK_Q * QPK`` rows, padded to a power of two), 
 is loaded once for the whole GQA group. Programs walk the request's context in tiles of
 ``TILE_N`` tokens, gathering each token's physical slot through the block table, with an online
 softmax in base 2. With ``NUM_SEGMENTS > 1`` the tile range is cut into segments computed by
-separate programs that write partial ``(acc, max, sum)`` triples; `merge_segments` combines them.
+separate programs that write partial ``(acc, max, sum)`` triples; `merge_segments_kernel`
+(``merge.py``) combines them.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from pagedcore_triton.kernels.merge import _flat_layout, merge_segments_kernel
 
 __all__ = ["merge_segments_kernel", "paged_attention_kernel"]
 
@@ -172,8 +175,11 @@ def paged_attention_kernel(
     LONGEST_FIRST: tl.constexpr,
     EDGE_STAGES: tl.constexpr = None,
     OFF32: tl.constexpr = False,
+    FLAT: tl.constexpr = False,
+    MIN_SEGMENT_TILES: tl.constexpr = 1,
+    REQ_PAD: tl.constexpr = 1,
 ):
-    """Grid ``(q_blocks, Hkv, NUM_SEGMENTS)``; see the module docstring.
+    """Grid ``(q_blocks, Hkv, NUM_SEGMENTS)``, or ``(P, Hkv, 1)`` with ``FLAT``.
 
     ``v_offset`` is V's distance from K in the cache (elements): K is ``cache[0]``, V
     ``cache[1]``. With ``LONGEST_FIRST`` the q-blocks run last-first: under a causal mask the
@@ -181,18 +187,44 @@ def paged_attention_kernel(
     tail of the grid. ``EDGE_STAGES`` pipelines the masked loops with that many stages (None:
     ``num_stages``); ``OFF32`` computes K/V offsets in int32 (only for caches of fewer than
     2**31 elements: half the address arithmetic of the gather).
-    """
-    if LONGEST_FIRST:
-        q_block_id = tl.num_programs(0) - 1 - tl.program_id(0)
-    else:
-        q_block_id = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    segment = tl.program_id(2)
 
-    req = _find_request(qsl_ptr, num_reqs, q_block_id, BLOCK_Q)
-    q_begin = tl.load(qsl_ptr + req)
-    q_len = tl.load(qsl_ptr + req + 1) - q_begin
-    first_block = q_begin // BLOCK_Q - tl.load(qsl_ptr) // BLOCK_Q + req
+    ``FLAT`` (captured mixed steps): program ``p`` serves q-block ``p // S`` (compact
+    numbering, see `_flat_layout`) and segment ``p % S``, with the step's q-block count and
+    ``S <= NUM_SEGMENTS`` read from ``query_start_loc`` in one vector load of ``REQ_PAD >
+    num_reqs`` lanes (`_flat_layout`, which also finds the request); programs past the
+    used q-blocks exit after that read. Segments hold at least ``MIN_SEGMENT_TILES`` tiles; an
+    empty one only marks its partial rows empty (max -inf) for the merge, and with ``S == 1``
+    the output is written directly.
+    """
+    kv_head = tl.program_id(1)
+    if FLAT:
+        idx, starts, firsts, _, used, n_seg = _flat_layout(
+            qsl_ptr, num_reqs, tl.num_programs(0), BLOCK_Q, NUM_SEGMENTS, REQ_PAD
+        )
+        slot = tl.program_id(0) // n_seg
+        segment = tl.program_id(0) % n_seg
+        if slot >= used:
+            return
+        if LONGEST_FIRST:
+            q_block_id = used - 1 - slot
+        else:
+            q_block_id = slot
+        # The last request starting at or before this q-block (firsts is non-decreasing).
+        req = tl.sum(((idx < num_reqs) & (firsts <= q_block_id)).to(tl.int32), 0) - 1
+        q_begin = tl.sum(tl.where(idx == req, starts, 0), 0)
+        q_len = tl.sum(tl.where(idx == req + 1, starts, 0), 0) - q_begin
+        first_block = tl.sum(tl.where(idx == req, firsts, 0), 0)
+    else:
+        n_seg = NUM_SEGMENTS
+        segment = tl.program_id(2)
+        if LONGEST_FIRST:
+            q_block_id = tl.num_programs(0) - 1 - tl.program_id(0)
+        else:
+            q_block_id = tl.program_id(0)
+        req = _find_request(qsl_ptr, num_reqs, q_block_id, BLOCK_Q)
+        q_begin = tl.load(qsl_ptr + req)
+        q_len = tl.load(qsl_ptr + req + 1) - q_begin
+        first_block = q_begin // BLOCK_Q - tl.load(qsl_ptr) // BLOCK_Q + req
     q_off = (q_block_id - first_block) * BLOCK_Q
     if q_off >= q_len:  # spare program of the over-provisioned grid
         return
@@ -206,13 +238,6 @@ def paged_attention_kernel(
     d = tl.arange(0, HEAD_PAD)
     d_ok = d < HEAD_SIZE
     q_rows = (q_begin + tok).to(tl.int64)
-    q = tl.load(
-        q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-        mask=row_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )
-    if DOT_FP32:
-        q = q.to(tl.float32)
     pos_q = ctx_len + tok
 
     # Keys this q-block can see: [kv_begin, kv_end).
@@ -226,12 +251,30 @@ def paged_attention_kernel(
     tile_lo = kv_begin // TILE_N
     tile_hi = tl.cdiv(kv_end, TILE_N)
     if NUM_SEGMENTS > 1:
-        per_segment = tl.cdiv(tile_hi - tile_lo, NUM_SEGMENTS)
+        per_segment = tl.cdiv(tile_hi - tile_lo, n_seg)
+        if FLAT:
+            per_segment = tl.maximum(per_segment, MIN_SEGMENT_TILES)
         t_start = tile_lo + segment * per_segment
         t_stop = tl.minimum(t_start + per_segment, tile_hi)
     else:
         t_start = tile_lo
         t_stop = tile_hi
+    # partials: acc [Tp, Hq, S, HEAD_PAD], ml [Tp, Hq, S, 2] float32, contiguous.
+    prow = ((q_rows - token_base) * (QPK * tl.num_programs(1)) + head) * NUM_SEGMENTS
+    prow += segment
+    if FLAT and NUM_SEGMENTS > 1:
+        if (n_seg > 1) & (t_start >= t_stop):  # empty segment: tell the merge, load nothing
+            tl.store(part_ml_ptr + prow * 2, tl.full([BLOCK_M], float("-inf"), tl.float32),
+                     mask=row_ok)
+            return
+
+    q = tl.load(
+        q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    if DOT_FP32:
+        q = q.to(tl.float32)
 
     if USE_ALIBI:
         slope = tl.load(alibi_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
@@ -295,51 +338,35 @@ def paged_attention_kernel(
             )
 
     if NUM_SEGMENTS == 1:
-        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-        tl.store(
-            out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=row_ok[:, None] & d_ok[None, :],
-        )
+        _store_output(out_ptr, acc, l_i, q_rows, head, d, row_ok, d_ok, stride_ot, stride_oh)
+    elif FLAT:
+        if n_seg == 1:
+            _store_output(
+                out_ptr, acc, l_i, q_rows, head, d, row_ok, d_ok, stride_ot, stride_oh
+            )
+        else:
+            _store_partials(part_acc_ptr, part_ml_ptr, acc, m_i, l_i, prow, d, row_ok,
+                            HEAD_PAD)
     else:
-        # partials: acc [Tp, Hq, S, HEAD_PAD], ml [Tp, Hq, S, 2] float32, contiguous.
-        prow = ((q_rows - token_base) * (QPK * tl.num_programs(1)) + head) * NUM_SEGMENTS
-        prow += segment
-        tl.store(
-            part_acc_ptr + prow[:, None] * HEAD_PAD + d[None, :],
-            acc,
-            mask=row_ok[:, None],
-        )
-        tl.store(part_ml_ptr + prow * 2, m_i, mask=row_ok)
-        tl.store(part_ml_ptr + prow * 2 + 1, l_i, mask=row_ok)
+        _store_partials(part_acc_ptr, part_ml_ptr, acc, m_i, l_i, prow, d, row_ok, HEAD_PAD)
 
 
 @triton.jit
-def merge_segments_kernel(
-    out_ptr,
-    part_acc_ptr,
-    part_ml_ptr,
-    token_base,
-    stride_ot,
-    stride_oh,
-    HEAD_SIZE: tl.constexpr,
-    HEAD_PAD: tl.constexpr,
-    NUM_SEGMENTS: tl.constexpr,
+def _store_output(out_ptr, acc, l_i, q_rows, head, d, row_ok, d_ok, stride_ot, stride_oh):
+    """Normalize and write one program's rows of the output."""
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(
+        out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & d_ok[None, :],
+    )
+
+
+@triton.jit
+def _store_partials(
+    part_acc_ptr, part_ml_ptr, acc, m_i, l_i, prow, d, row_ok, HEAD_PAD: tl.constexpr
 ):
-    """Grid ``(Tp, Hq)``: combine the segments' partial ``(acc, max, sum)`` of one row."""
-    tok = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    num_heads = tl.num_programs(1)
-    s = tl.arange(0, NUM_SEGMENTS)
-    d = tl.arange(0, HEAD_PAD)
-    prow = (tok * num_heads + head) * NUM_SEGMENTS + s
-    m = tl.load(part_ml_ptr + prow * 2)
-    lse = tl.load(part_ml_ptr + prow * 2 + 1)
-    m_max = tl.max(m, 0)
-    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.exp2(m - m_safe)  # empty segments (m = -inf) weigh 0
-    total = tl.sum(w * lse, 0)
-    acc = tl.load(part_acc_ptr + prow[:, None] * HEAD_PAD + d[None, :])
-    out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-    row = (tok + token_base) * stride_ot + head * stride_oh
-    tl.store(out_ptr + row + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_SIZE)
+    """Write one segment's partial ``(acc, max, sum)`` rows for `merge_segments_kernel`."""
+    tl.store(part_acc_ptr + prow[:, None] * HEAD_PAD + d[None, :], acc, mask=row_ok[:, None])
+    tl.store(part_ml_ptr + prow * 2, m_i, mask=row_ok)
+    tl.store(part_ml_ptr + prow * 2 + 1, l_i, mask=row_ok)
