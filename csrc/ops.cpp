@@ -255,15 +255,21 @@ void prefill(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache
   // Variants: 0 mma, 1 wmma, 2 wmma lane per key, 3 mma pipelined gather (64 or 128 rows),
   // 4 the same with 8 warps of 16 rows (128 rows), 5 with 32-key tiles (128 rows, 4 warps),
   // 6 with 32-key tiles and 8 warps of 32 rows (256 rows), 7 = 5 and 8 = 4 with three K/V
-  // tiles in flight instead of two, 9 = 7 and 10 = 3 (128 rows) with the fast softmax.
-  TORCH_CHECK(variant >= 0 && variant <= 10, "prefill variant must be 0 (mma), 1 (wmma), 2 "
+  // tiles in flight instead of two, 9 = 7 and 10 = 3 (128 rows) with the fast softmax,
+  // 11 = 9 in head-major tile order with a 2-blocks-per-SM register bound, 12 = 11 with 64
+  // rows (4 warps of 16 rows, Q in registers) and 3 blocks per SM, 13 = 11 with 4 stages,
+  // 14 = 10 in head-major order with a 2-blocks-per-SM register bound.
+  TORCH_CHECK(variant >= 0 && variant <= 14, "prefill variant must be 0 (mma), 1 (wmma), 2 "
               "(wmma, lane per key), 3 (mma, pipelined gather), 4 (3 with 8 warps), 5 (3 with "
               "32-key tiles), 6 (5 with 8 warps), 7 (5 with 3 stages), 8 (4 with 3 stages), "
-              "9 (7 with the fast softmax) or 10 (3 with the fast softmax), got ", variant);
+              "9 (7 with the fast softmax), 10 (3 with the fast softmax), 11 (9, head-major), "
+              "12 (11 with 64 rows), 13 (11 with 4 stages) or 14 (10, head-major), got ",
+              variant);
   const bool mma = variant == 0 || variant >= 3;
   const bool warps8 = variant == 4 || variant == 6 || variant == 8;
-  const bool keys32 = variant == 5 || variant == 6 || variant == 7 || variant == 9;
-  const int64_t want_rows = variant == 6 ? 256 : variant >= 4 ? 128 : 0;
+  const bool keys32 = variant == 5 || variant == 6 || variant == 7 || variant == 9 ||
+                      (variant >= 11 && variant <= 13);
+  const int64_t want_rows = variant == 6 ? 256 : variant == 12 ? 64 : variant >= 4 ? 128 : 0;
   if (want_rows != 0) {
     TORCH_CHECK(tile_rows == want_rows, "prefill variant ", variant, " takes tiles of ",
                 want_rows, " query rows, got ", tile_rows);
@@ -279,8 +285,10 @@ void prefill(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache
     p.prefill_pipe = variant >= 3;
     p.prefill_warps = warps8 ? 8 : 4;
     p.prefill_keys = keys32 ? 32 : 64;
-    p.prefill_stages = variant == 7 || variant == 8 || variant == 9 ? 3 : 2;
+    p.prefill_stages = variant == 13 ? 4 : variant == 7 || variant == 8 || variant == 9 ||
+                       variant == 11 || variant == 12 ? 3 : 2;
     p.prefill_fast = variant >= 9;
+    p.prefill_sched = variant >= 11;
     launch_for_dtype(p, query, launch_prefill_mma_f16, launch_prefill_mma_bf16, nullptr,
                      "prefill (mma)");
     return;

@@ -51,6 +51,7 @@ struct AttentionParams {
   int prefill_keys;            // mma prefill: keys per shared-memory K/V tile (64 or 32)
   int prefill_stages;          // mma prefill: K/V tiles in flight (2 or 3)
   bool prefill_fast;           // mma prefill: straight-line softmax of unmasked tiles
+  bool prefill_sched;          // mma prefill: head-major tile order, blocks-per-SM bound
   // decode only
   int partition_size;          // tokens, a multiple of block_size
   int max_partitions;          // grid.z; 1 = one pass (tmp buffers unused)

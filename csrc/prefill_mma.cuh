@@ -40,8 +40,12 @@ struct FaSmem {
   static constexpr int BYTES = V_OFF + ST * V_BYTES;
 };
 
-template <typename T, int HEAD, int MT, bool PIPE, int NW, int KN, int ST, bool FAST>
-__global__ void __launch_bounds__(NW * 32) prefill_mma_kernel(AttentionParams p) {
+// MINB: thread blocks per SM the register budget must allow (`__launch_bounds__`); HMAJOR:
+// the query heads of one tile are consecutive thread blocks (the heads sharing a KV head run
+// side by side and read the same K/V tiles), heaviest tiles first over all heads.
+template <typename T, int HEAD, int MT, bool PIPE, int NW, int KN, int ST, bool FAST,
+          int MINB = 1, bool HMAJOR = false>
+__global__ void __launch_bounds__(NW * 32, MINB) prefill_mma_kernel(AttentionParams p) {
   static_assert(ST == 2 || (PIPE && ST > 2), "more than two stages need the pipelined gather");
   using L = FaSmem<T, HEAD, MT, NW, KN, ST>;
   constexpr int kFaRows = L::ROWS;
@@ -59,8 +63,9 @@ __global__ void __launch_bounds__(NW * 32) prefill_mma_kernel(AttentionParams p)
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
   // Heaviest tiles (last rows of a request under causal masking) are listed last: run first.
-  const int tile = gridDim.x - 1 - blockIdx.x;
-  const int head = blockIdx.y;
+  const int linear = HMAJOR ? blockIdx.y * gridDim.x + blockIdx.x : 0;
+  const int tile = gridDim.x - 1 - (HMAJOR ? linear / gridDim.y : blockIdx.x);
+  const int head = HMAJOR ? linear % gridDim.y : blockIdx.y;
   const int req = p.work[2 * tile];
   const int row0 = p.work[2 * tile + 1];
   const int q_begin = p.query_start_loc[req];

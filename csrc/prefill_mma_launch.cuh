@@ -7,13 +7,18 @@
 namespace pagedcore {
 
 template <typename T, int HEAD, int MT, bool PIPE, int NW, int KN, int ST = 2,
-          bool FAST = false>
+          bool FAST = false, int MINB = 1, bool HMAJOR = false>
 cudaError_t launch_prefill_mma_cfg(const AttentionParams& p, cudaStream_t stream) {
   constexpr int smem = FaSmem<T, HEAD, MT, NW, KN, ST>::BYTES;
-  auto kernel = prefill_mma_kernel<T, HEAD, MT, PIPE, NW, KN, ST, FAST>;
+  auto kernel = prefill_mma_kernel<T, HEAD, MT, PIPE, NW, KN, ST, FAST, MINB, HMAJOR>;
   if (smem > 48 * 1024) {
     const cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return err;
+  }
+  if constexpr (MINB > 1) {  // ask for the whole carveout: MINB blocks' shared memory per SM
+    const cudaError_t err = cudaFuncSetAttribute(
+        kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
     if (err != cudaSuccess) return err;
   }
   kernel<<<dim3(p.num_items, p.num_heads), NW * 32, smem, stream>>>(p);
@@ -33,6 +38,22 @@ template <typename T, int HEAD>
 cudaError_t launch_prefill_mma_head(const AttentionParams& p, cudaStream_t stream) {
   const int rows = p.prefill_rows, warps = p.prefill_warps, keys = p.prefill_keys;
   const int stages = p.prefill_stages;
+  if (p.prefill_sched) {  // FAST, head-major order, blocks-per-SM bound
+    if (!p.prefill_fast || !p.prefill_pipe || warps != 4) return cudaErrorInvalidValue;
+    if (keys == 64) {
+      if (rows == 128 && stages == 2)
+        return launch_prefill_mma_cfg<T, HEAD, 2, true, 4, 64, 2, true, 2, true>(p, stream);
+      return cudaErrorInvalidValue;
+    }
+    if (keys != 32) return cudaErrorInvalidValue;
+    if (rows == 128 && stages == 3)
+      return launch_prefill_mma_cfg<T, HEAD, 2, true, 4, 32, 3, true, 2, true>(p, stream);
+    if (rows == 128 && stages == 4)
+      return launch_prefill_mma_cfg<T, HEAD, 2, true, 4, 32, 4, true, 2, true>(p, stream);
+    if (rows == 64 && stages == 3)
+      return launch_prefill_mma_cfg<T, HEAD, 1, true, 4, 32, 3, true, 3, true>(p, stream);
+    return cudaErrorInvalidValue;
+  }
   if (p.prefill_fast) {
     if (p.prefill_pipe && stages == 3 && rows == 128 && warps == 4 && keys == 32)
       return launch_prefill_mma_cfg<T, HEAD, 2, true, 4, 32, 3, true>(p, stream);

@@ -116,7 +116,11 @@ def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 DECODE_SHAPES = [(64, 4096), (8, 32768), (256, 1024)]  # (batch, context)
 PREFILL_SHAPES = [(4, 0, 2048), (4, 0, 8192), (4, 6144, 2048)]  # (batch, prefix, chunk)
-PREFILL_KERNELS = [PrefillKernel.MMA_128_K32_3STAGE_FAST, PrefillKernel.MMA_128_FAST,
+PREFILL_KERNELS = [PrefillKernel.MMA_128_FAST, PrefillKernel.MMA_128_FAST_HM,
+                   PrefillKernel.MMA_128_K32_3STAGE_FAST_HM,
+                   PrefillKernel.MMA_64_K32_3STAGE_FAST_HM,
+                   PrefillKernel.MMA_128_K32_4STAGE_FAST_HM,
+                   PrefillKernel.MMA_128_K32_3STAGE_FAST,
                    PrefillKernel.MMA_128_K32_3STAGE, PrefillKernel.MMA_128_K32_PIPE,
                    PrefillKernel.MMA_W8_3STAGE, PrefillKernel.MMA_128_PIPE,
                    PrefillKernel.MMA_W8_PIPE, PrefillKernel.MMA_256_K32_PIPE,

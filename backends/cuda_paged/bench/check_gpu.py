@@ -197,7 +197,10 @@ def run_graph_case(dtype: torch.dtype, head: int, block: int, *, window: int | N
 PIPES = [PrefillKernel.MMA_128_PIPE, PrefillKernel.MMA_PIPE, PrefillKernel.MMA_W8_PIPE,
          PrefillKernel.MMA_128_K32_PIPE, PrefillKernel.MMA_256_K32_PIPE,
          PrefillKernel.MMA_128_K32_3STAGE, PrefillKernel.MMA_W8_3STAGE,
-         PrefillKernel.MMA_128_K32_3STAGE_FAST, PrefillKernel.MMA_128_FAST]
+         PrefillKernel.MMA_128_K32_3STAGE_FAST, PrefillKernel.MMA_128_FAST,
+         PrefillKernel.MMA_128_K32_3STAGE_FAST_HM, PrefillKernel.MMA_64_K32_3STAGE_FAST_HM,
+         PrefillKernel.MMA_128_K32_4STAGE_FAST_HM,
+         PrefillKernel.MMA_128_FAST_HM]
 # Long prompts: several 128/256-row tiles, a chunk over a long prefix, block-table lookahead.
 LONGER = [(0, 600), (1500, 700), (37, 300), (2000, 1)]
 
@@ -221,6 +224,13 @@ def cases() -> list[dict[str, object]]:
     for dtype, head, block, pre in itertools.product(half, [64, 128], [16, 32], PIPES):
         out.append({**base, "dtype": dtype, "head": head, "block": block, "prefill": pre,
                     "reqs": LONGER, "group": 1 if block == 32 else 4, "partition_size": 512})
+    # GQA 7 and 8 (query heads of one KV head in consecutive thread blocks: head-major order)
+    # through the pipelined kernels, every block size, with a window or a soft-cap.
+    for dtype, group, block, pre in itertools.product(half, [7, 8], [8, 16, 32], PIPES):
+        out.append({**base, "dtype": dtype, "head": 128, "block": block, "prefill": pre,
+                    "reqs": LONGER, "group": group, "hkv": 1 if block == 8 else 2,
+                    "window": 333 if block == 16 else None, "cap": 5.0 if block == 32 else None,
+                    "partition_size": 512})
     # Long chunked prefills over cached prefixes (MMA and WMMA prefill), all head sizes.
     for dtype, head, (window, alibi, cap), pre in itertools.product(
             half, [64, 80, 96, 112, 128], [(None, False, None), (100, True, None),
@@ -291,6 +301,8 @@ def main() -> int:
     ap.add_argument("--only", choices=["mma", "classic", "new", "old_mma"])
     ap.add_argument("--json")
     ap.add_argument("--graphs", action="store_true", help="only the CUDA-graph replay cases")
+    ap.add_argument("--prefill", help="comma-separated PrefillKernel values: only the cases "
+                    "that name one of them")
     args = ap.parse_args()
     if args.graphs:
         return graph_main()
@@ -303,6 +315,9 @@ def main() -> int:
         todo = [c for c in todo if _uses_mma(c) and not _is_new(c)]
     elif args.only == "classic":
         todo = [c for c in todo if not _uses_mma(c)]
+    if args.prefill:
+        keep = {PrefillKernel(v) for v in args.prefill.split(",")}
+        todo = [c for c in todo if c.get("prefill") in keep]
     if args.quick:
         todo = todo[::7]
     failures = 0

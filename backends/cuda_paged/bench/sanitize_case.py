@@ -1,7 +1,7 @@
 """A small mixed step for compute-sanitizer (memcheck / racecheck): every kernel once.
 
     compute-sanitizer --tool memcheck python backends/cuda_paged/bench/sanitize_case.py
-        [--prefill-only]
+        [--prefill-only [--default-only]]
 """
 
 from __future__ import annotations
@@ -13,7 +13,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from check_gpu import LONG, run_case
-from pagedcore_cuda_paged.plan import DecodeKernel, DecodePass, PrefillKernel
+from pagedcore_cuda_paged.plan import (
+    DEFAULT_PREFILL_KERNEL,
+    DecodeKernel,
+    DecodePass,
+    PrefillKernel,
+)
 
 MMA, CLASSIC = DecodeKernel.MMA, DecodeKernel.CLASSIC
 errs = []
@@ -23,7 +28,9 @@ VARIANTS = ((MMA, True, PrefillKernel.MMA, 1), (MMA, True, PrefillKernel.MMA, 2)
             (CLASSIC, True, PrefillKernel.WMMA, 1), (CLASSIC, False, PrefillKernel.WMMA, 1))
 # `--prefill-only`: just the multi-stage prefill kernels (a quicker racecheck of their
 # one-barrier-per-tile ring).
+# `--default-only`: of those, just the shipped default (racecheck is slow).
 PREFILL_ONLY = "--prefill-only" in sys.argv
+DEFAULT_ONLY = "--default-only" in sys.argv
 if not PREFILL_ONLY:
     for dtype, block, head in CONFIGS:
         for force in (DecodePass.ONE_PASS, DecodePass.PARTITIONED):
@@ -43,13 +50,21 @@ if not PREFILL_ONLY:
 for prefill in (PrefillKernel.MMA_128_PIPE, PrefillKernel.MMA_PIPE, PrefillKernel.MMA_W8_PIPE,
                 PrefillKernel.MMA_128_K32_PIPE, PrefillKernel.MMA_256_K32_PIPE,
                 PrefillKernel.MMA_128_K32_3STAGE, PrefillKernel.MMA_W8_3STAGE,
-                PrefillKernel.MMA_128_K32_3STAGE_FAST, PrefillKernel.MMA_128_FAST):
+                PrefillKernel.MMA_128_K32_3STAGE_FAST, PrefillKernel.MMA_128_FAST,
+                PrefillKernel.MMA_128_K32_3STAGE_FAST_HM, PrefillKernel.MMA_64_K32_3STAGE_FAST_HM,
+                PrefillKernel.MMA_128_K32_4STAGE_FAST_HM,
+                PrefillKernel.MMA_128_FAST_HM):
     if PREFILL_ONLY:
         continue
     errs.append(run_case(torch.float16, 80, 16, 2, 2, window=90, alibi=True, cap=None,
                          force=None, seed=5, reqs=LONG, prefill=prefill))
 for prefill in (PrefillKernel.MMA_128_K32_3STAGE, PrefillKernel.MMA_W8_3STAGE,
-                PrefillKernel.MMA_128_K32_3STAGE_FAST, PrefillKernel.MMA_128_FAST):
+                PrefillKernel.MMA_128_K32_3STAGE_FAST, PrefillKernel.MMA_128_FAST,
+                PrefillKernel.MMA_128_K32_3STAGE_FAST_HM, PrefillKernel.MMA_64_K32_3STAGE_FAST_HM,
+                PrefillKernel.MMA_128_K32_4STAGE_FAST_HM,
+                PrefillKernel.MMA_128_FAST_HM):
+    if DEFAULT_ONLY and prefill is not DEFAULT_PREFILL_KERNEL:
+        continue
     errs.append(run_case(torch.bfloat16, 128, 32, 2, 4, window=None, alibi=False, cap=None,
                          force=None, seed=6, reqs=LONG, prefill=prefill))
 torch.cuda.synchronize()

@@ -74,9 +74,16 @@ class PrefillKernel(enum.Enum):
     pipelined, 256 rows as 8 warps of 32 rows, 32-key tiles. ``MMA_128_K32_3STAGE`` and
     ``MMA_W8_3STAGE``: ``MMA_128_K32_PIPE`` and ``MMA_W8_PIPE`` with three K/V tiles in
     flight (a cp.async ring, one barrier per tile). ``MMA_128_K32_3STAGE_FAST`` and
-    ``MMA_128_FAST`` (``MMA_128_PIPE``): the same with a straight-line softmax on unmasked
-    tiles without ALiBi / soft-cap and the output rescaled only when a row maximum moved
-    (not yet measured on a GPU). ``WMMA``: the first tensor-core kernel
+    ``MMA_128_FAST`` (``MMA_128_PIPE``, the default): the same with a straight-line softmax
+    on unmasked tiles without ALiBi / soft-cap and the output rescaled only when a row maximum
+    moved. ``MMA_128_K32_3STAGE_FAST_HM``: ``MMA_128_K32_3STAGE_FAST`` with the query heads
+    of a tile as consecutive thread blocks (the heads of one KV head read the same K/V tiles
+    side by side, heaviest tiles first over all heads) and the whole shared-memory carveout
+    requested. ``MMA_64_K32_3STAGE_FAST_HM``: the same with 64-row tiles (4 warps of 16
+    rows, Q fragments in registers, <= 168 registers: three thread blocks per SM).
+    ``MMA_128_K32_4STAGE_FAST_HM``: ``MMA_128_K32_3STAGE_FAST_HM`` with four K/V tiles in
+    flight. ``MMA_128_FAST_HM``: ``MMA_128_FAST`` launched head-major the same way (not yet
+    measured on a GPU). ``WMMA``: the first tensor-core kernel
     (WMMA 16x16x16, scores and output through shared memory; float32 on CUDA cores).
     ``WMMA_LANE_PER_KEY``: the same with its first softmax formulation, a slower reference
     path.
@@ -93,6 +100,10 @@ class PrefillKernel(enum.Enum):
     MMA_W8_3STAGE = "mma_w8_3stage"
     MMA_128_K32_3STAGE_FAST = "mma_128_k32_3stage_fast"
     MMA_128_FAST = "mma_128_fast"
+    MMA_128_K32_3STAGE_FAST_HM = "mma_128_k32_3stage_fast_hm"
+    MMA_64_K32_3STAGE_FAST_HM = "mma_64_k32_3stage_fast_hm"
+    MMA_128_K32_4STAGE_FAST_HM = "mma_128_k32_4stage_fast_hm"
+    MMA_128_FAST_HM = "mma_128_fast_hm"
     WMMA = "wmma"
     WMMA_LANE_PER_KEY = "wmma_lane_per_key"
 
@@ -104,7 +115,7 @@ def mma_applies(*, head_size: int, is_float32: bool) -> bool:
 
 #: The prefill kernel builders use unless told otherwise (measured on the H200: see
 #: docs/benchmarks/cuda_paged.md).
-DEFAULT_PREFILL_KERNEL = PrefillKernel.MMA_128_K32_3STAGE
+DEFAULT_PREFILL_KERNEL = PrefillKernel.MMA_128_FAST
 
 #: (extension variant, rows per tile) of the MMA prefill kernels (csrc/ops.cpp `prefill`).
 _MMA_PREFILL = {
@@ -119,6 +130,10 @@ _MMA_PREFILL = {
     PrefillKernel.MMA_W8_3STAGE: (8, 128),
     PrefillKernel.MMA_128_K32_3STAGE_FAST: (9, 128),
     PrefillKernel.MMA_128_FAST: (10, 128),
+    PrefillKernel.MMA_128_K32_3STAGE_FAST_HM: (11, 128),
+    PrefillKernel.MMA_64_K32_3STAGE_FAST_HM: (12, 64),
+    PrefillKernel.MMA_128_K32_4STAGE_FAST_HM: (13, 128),
+    PrefillKernel.MMA_128_FAST_HM: (14, 128),
 }
 
 

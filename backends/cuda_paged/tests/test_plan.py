@@ -112,6 +112,23 @@ def test_prefill_tiles_cover_rows_of_multi_token_requests() -> None:
     assert PREFILL_TILE_ROWS == 64
 
 
+def _head_major_block(bx: int, by: int, items: int, heads: int) -> tuple[int, int]:
+    """(tile, query head) of thread block (bx, by) in the head-major prefill order: the
+    formula of csrc/prefill_mma.cuh with HMAJOR (grid (items, heads), launched x fastest)."""
+    linear = by * items + bx
+    return items - 1 - linear // heads, linear % heads
+
+
+@pytest.mark.parametrize(("items", "heads"), [(1, 1), (5, 32), (64, 28), (3, 7)])
+def test_head_major_order_covers_every_tile_and_head_once(items: int, heads: int) -> None:
+    launch = [_head_major_block(bx, by, items, heads)
+              for by in range(heads) for bx in range(items)]  # hardware launch order
+    assert sorted(launch) == [(t, h) for t in range(items) for h in range(heads)]
+    # Heaviest (last-listed) tiles first, all heads of a tile in consecutive blocks.
+    assert launch[:heads] == [(items - 1, h) for h in range(heads)]
+    assert [t for t, _ in launch] == sorted((t for t, _ in launch), reverse=True)
+
+
 def test_grouping_counts_kv_heads_and_sizes_shared_memory() -> None:
     # 256 decodes x 8 KV heads = 2048 grouped blocks: too few for the one pass at 4096 tokens.
     grouped = plan([4096] * 256, num_heads=32, num_kv_heads=8)
@@ -175,7 +192,11 @@ def test_mma_falls_back_to_classic_where_it_does_not_apply() -> None:
                        (PrefillKernel.MMA_128_K32_3STAGE, (7, 128)),
                        (PrefillKernel.MMA_W8_3STAGE, (8, 128)),
                        (PrefillKernel.MMA_128_K32_3STAGE_FAST, (9, 128)),
-                       (PrefillKernel.MMA_128_FAST, (10, 128))):
+                       (PrefillKernel.MMA_128_FAST, (10, 128)),
+                       (PrefillKernel.MMA_128_K32_3STAGE_FAST_HM, (11, 128)),
+                       (PrefillKernel.MMA_64_K32_3STAGE_FAST_HM, (12, 64)),
+                       (PrefillKernel.MMA_128_K32_4STAGE_FAST_HM, (13, 128)),
+                       (PrefillKernel.MMA_128_FAST_HM, (14, 128))):
         assert prefill_kernel_code(kern, head_size=112, is_float32=False) == want
         assert prefill_kernel_code(kern, head_size=128, is_float32=True) == (1, 64)
     with pytest.raises(ValueError, match="unroll"):
