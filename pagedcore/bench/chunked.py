@@ -11,10 +11,13 @@ long prompt is one step and every short arrived during it).
 Configurations change one variable at a time: ``long_prefill_token_threshold`` at a budget
 large enough for the whole prompt (so only the threshold chunks it), then
 ``max_num_batched_tokens`` (no per-request threshold); ``--pairs`` adds configurations that
-set both (a chunk size and a step cap above it). One engine serves them all (`apply_config`),
-and each configuration runs the timeline once untimed first. Prefix caching is off, so
-repetitions cannot hit. The JSON is rewritten after every configuration (``"complete"`` says
-whether the sweep finished), so a run cut short by a timeout keeps what it measured.
+set both (a chunk size and a step cap above it); ``--unaligned`` adds threshold rows with the
+scheduler's bucket alignment off (``token_buckets=None``: steps pad up to the next CUDA-graph
+token bucket) next to the aligned default, for an A/B in one run. One engine serves them all
+(`apply_config`), and each configuration runs the timeline once untimed first. Prefix caching
+is off, so repetitions cannot hit. The JSON is rewritten after every configuration
+(``"complete"`` says whether the sweep finished), so a run cut short by a timeout keeps what
+it measured.
 """
 
 from __future__ import annotations
@@ -216,12 +219,15 @@ def _plot(report: dict[str, Any], path: str) -> None:
 @click.option("--pairs", default=None,
               help="Comma list of THRESHOLD:BUDGET pairs run as well, after the thresholds "
                    "(e.g. 768:1024: 768-token chunks, steps capped at 1,024 tokens).")
+@click.option("--unaligned", default=None,
+              help="Comma list of long_prefill_token_threshold run again with bucket-aware "
+                   "chunk alignment off (SchedulerConfig.token_buckets=None), after the pairs.")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
 @click.option("--plot", "plot_path", default=None, type=click.Path(dir_okay=False))
 def chunked(small: bool, device: str | None, backend: str | None, model_name: str,
             long_len: int | None, reps: int | None, budgets: str | None,
             thresholds: str | None, pairs: str | None, json_path: str | None,
-            plot_path: str | None) -> None:
+            plot_path: str | None, unaligned: str | None = None) -> None:
     """Chunked prefill: short-request TTFT/ITL and long completion vs no chunking."""
     import torch
 
@@ -279,6 +285,10 @@ def chunked(small: bool, device: str | None, backend: str | None, model_name: st
     configs += [(f"thr={t}, mnbt={b}", dict(enable_chunked_prefill=True, max_num_batched_tokens=b,
                                             long_prefill_token_threshold=t))
                 for t, b in pair_list]
+    configs += [(f"thr={int(t)} unaligned (mnbt={max_model_len})",
+                 dict(enable_chunked_prefill=True, max_num_batched_tokens=max_model_len,
+                      long_prefill_token_threshold=int(t), token_buckets=None))
+                for t in (unaligned.split(",") if unaligned else [])]
     configs += [(f"mnbt={b}", dict(enable_chunked_prefill=True, max_num_batched_tokens=b,
                                    long_prefill_token_threshold=None)) for b in budget_list]
     # One engine, built with the largest budget; `apply_config` switches the limits.
@@ -289,7 +299,10 @@ def chunked(small: bool, device: str | None, backend: str | None, model_name: st
     llm = LLM(model, device=dev, dtype=dtype, backend=backend,
               max_num_batched_tokens=largest, **common)
     del model
-    click.echo(f"engine built: {llm.cudagraph_status()}", err=True)
+    # Bucket-aware chunk alignment as built (None: off); rows without a token_buckets key use it.
+    aligned = llm.scheduler.config.token_buckets
+    click.echo(f"engine built: {llm.cudagraph_status()}; chunk alignment buckets {aligned}",
+               err=True)
     g = torch.Generator().manual_seed(123)
     warmup = [torch.randint(10, vocab, (n,), generator=g).tolist()
               for n in (96, min(1024, long_len))]
@@ -336,10 +349,12 @@ def chunked(small: bool, device: str | None, backend: str | None, model_name: st
                   f"{largest}; the scheduler limits are switched between "
                   "configurations (pagedcore.bench.chunked.apply_config)",
         "engine_config_common": common,
+        "token_buckets": aligned,
         "complete": False,
         "configs": rows,
     }
     for label, cfg in configs:
+        cfg = {"token_buckets": aligned, **cfg}
         apply_config(llm, cfg)
         summary = run_config(llm, arrivals, reps=reps, clock_factory=clock)
         row: dict[str, Any] = {"label": label, "engine_config": {**common, **cfg}, **summary}

@@ -44,6 +44,24 @@ class EngineParts:
     runner: ModelRunner | TensorParallelExecutor
 
 
+def _align_chunks(
+    config: SchedulerConfig, runner: ModelRunner, align: bool | Sequence[int]
+) -> SchedulerConfig:
+    """`config` with ``token_buckets`` set as `align` asks: True: the captured mixed-step
+    token buckets (unchanged when mixed steps run eagerly); False: off; a sequence: these
+    buckets whether graphs run or not (tests)."""
+    if align is False:
+        return config
+    if align is True:
+        mixed = runner.mixed_graphs
+        if mixed is None:
+            return config
+        buckets = tuple(sorted(mixed.sizes))
+    else:
+        buckets = tuple(sorted(int(b) for b in align))
+    return attrs.evolve(config, token_buckets=buckets)
+
+
 def build_engine(
     model: str | PretrainedConfig | PreTrainedModel,
     *,
@@ -65,6 +83,7 @@ def build_engine(
     tensor_parallel_size: int,
     enforce_eager: bool = False,
     cudagraph_capture_sizes: Sequence[int] | None = None,
+    align_chunks_to_buckets: bool | Sequence[int] = True,
 ) -> EngineParts:
     """Load the model and build its KV cache, scheduler and runner (see `LLM` for the args).
 
@@ -148,6 +167,8 @@ def build_engine(
         local.cudagraph_disabled_reason = "tensor parallelism runs every step eagerly"
     else:
         local.enable_cudagraphs(sizes=cudagraph_capture_sizes)
+    scheduler_config = _align_chunks(scheduler_config, local, align_chunks_to_buckets)
+    scheduler.config = scheduler_config
     runner: ModelRunner | TensorParallelExecutor = local
     if tp is not None:
         runner = tp.attach(

@@ -84,6 +84,12 @@ class LLM:
         (``stats()["cudagraph"]`` says whether graphs are on, and why not).
     cudagraph_capture_sizes:
         The buckets (None: 1, 2, 4, 8, 16, 24, ... up to `max_num_seqs`).
+    align_chunks_to_buckets:
+        True: when mixed steps replay CUDA graphs (`pagedcore.engine.mixed_graphs`), shrink a
+        partial prefill chunk so its step totals exactly a token bucket instead of padding up
+        to the next one (``SchedulerConfig.token_buckets``; never the final chunk of a
+        prompt, never below half the chunk). False: never. A sequence of token counts:
+        align to those, with or without graphs (tests).
 
     Examples
     --------
@@ -114,6 +120,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         enforce_eager: bool = False,
         cudagraph_capture_sizes: Sequence[int] | None = None,
+        align_chunks_to_buckets: bool | Sequence[int] = True,
     ) -> None:
         parts = build_engine(
             model, dtype=dtype, device=device, block_size=block_size,
@@ -127,6 +134,7 @@ class LLM:
             scheduling_policy=scheduling_policy, tokenizer=tokenizer,
             tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
             cudagraph_capture_sizes=cudagraph_capture_sizes,
+            align_chunks_to_buckets=align_chunks_to_buckets,
         )
         self.device = parts.device
         self.dtype = parts.dtype

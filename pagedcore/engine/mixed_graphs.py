@@ -2,8 +2,9 @@
 
 An eager step of a small model costs far more host time (Python and ~750 kernel launches)
 than GPU time, so prefill chunks and mixed steps gain from graphs as much as decodes do.
-`MixedGraphs` captures the base model's forward once per *token* bucket ``T`` (16, 32, ...,
-1024, 1536, 2048, 3072, ..., 8192, capped at ``max_num_batched_tokens``) over persistent
+`MixedGraphs` captures the base model's forward once per *token* bucket ``T`` (16, ..., 256,
+384, ..., 1024, 1280, ..., 2048, 3072, 4096, 6144, 8192, capped at ``max_num_batched_tokens``;
+see `token_buckets`) over persistent
 buffers of ``max_num_seqs`` request slots and ``T`` token slots. A step is prepared eagerly
 as usual, then copied *on the device* into those buffers, padded as
 `MetadataBuilder.build_for_cudagraph_capture` describes for mixed steps:
@@ -48,14 +49,17 @@ MAX_TOKEN_BUCKET = 8192
 
 
 def token_buckets(max_num_batched_tokens: int) -> list[int]:
-    """Token buckets: powers of two from 16, with 1.5x steps in between from 1024 on (a
-    padded prefill wastes at most a third of its GEMM work there), up to
-    ``min(max_num_batched_tokens, 8192)``, plus that cap itself when it is not one.
+    """Token buckets: powers of two from 16 to 256, then steps of 128 up to 1024 and of 256
+    up to 2048 (where chunked-prefill steps land: a chunk plus a few decodes pads by at most
+    127 or 255 tokens, and the scheduler's bucket alignment has a bucket just below), then
+    1.5x steps (3072, 4096, 6144, 8192: a padded prefill wastes at most a third of its GEMM
+    work there), up to ``min(max_num_batched_tokens, 8192)``, plus that cap itself when it
+    is not one.
 
     Examples
     --------
-    >>> token_buckets(2048)
-    [16, 32, 64, 128, 256, 512, 1024, 1536, 2048]
+    >>> token_buckets(2048)  # doctest: +NORMALIZE_WHITESPACE
+    [16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048]
     >>> token_buckets(100)
     [16, 32, 64, 100]
     """
@@ -68,9 +72,14 @@ def token_buckets(max_num_batched_tokens: int) -> list[int]:
     size = 16
     while size < cap:
         sizes.append(size)
-        if size >= 1024 and size * 3 // 2 < cap:
-            sizes.append(size * 3 // 2)
-        size *= 2
+        if size < 256:
+            size *= 2
+        elif size < 1024:
+            size += 128
+        elif size < 2048:
+            size += 256
+        else:
+            size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
     sizes.append(cap)
     return sizes
 

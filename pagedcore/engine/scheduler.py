@@ -6,10 +6,18 @@ waiting ones (FCFS or priority). A prompt is chunked when it does not fit the bu
 running request is preempted: its blocks are freed and it is recomputed later, keeping every
 token it generated. `update_from_output()` appends sampled tokens and retires finished requests,
 freeing their blocks at once.
+
+Bucket-aware chunking: with ``SchedulerConfig.token_buckets`` set (the token buckets of the
+captured mixed-step CUDA graphs), a step is replayed from the graph of the smallest bucket
+that holds it, so 512 prompt tokens + 1 decode = 513 tokens would run (and pay for) a larger
+bucket. `Scheduler._align_to_bucket` shrinks a *partial* prefill chunk so the step totals
+exactly the largest bucket at or below what it would total; a prompt's final chunk is never
+shrunk, nor any chunk below half its size.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Iterable, Sequence
 from itertools import compress, repeat
@@ -275,6 +283,7 @@ class Scheduler:
 
         if not preempted:
             budget = self._schedule_waiting(budget, scheduled, rejected)
+        budget += self._align_to_bucket(scheduled, self.config.max_num_batched_tokens - budget)
 
         stats = (len(self.running), len(self.waiting), float(self.kv.usage))
         output = SchedulerOutput(
@@ -326,6 +335,8 @@ class Scheduler:
             scheduled.update((d.request.request_id, d) for d in decodes)
             budget = self._schedule_waiting(budget, scheduled, rejected)
             if len(scheduled) > len(decodes):
+                budget += self._align_to_bucket(
+                    scheduled, self.config.max_num_batched_tokens - budget)
                 items = tuple(scheduled.values())
         stats = (len(self.running), len(self.waiting), float(self.kv.usage))
         output = SchedulerOutput(
@@ -339,6 +350,39 @@ class Scheduler:
                 item.request.num_computed_tokens = item.start + item.num_new_tokens
         self.stats.num_running, self.stats.num_waiting, self.stats.kv_cache_usage = stats
         return output
+
+    def _align_to_bucket(self, scheduled: dict[str, ScheduledRequest], total: int) -> int:
+        """Shrink one partial prefill chunk so the step's `total` tokens land on a token bucket.
+
+        With ``config.token_buckets`` set and `total` between two buckets (at most the
+        largest: larger steps run eagerly, unpadded), the largest partial chunk (one that does
+        not reach its request's last token, so it samples nothing) that can give up
+        ``total - bucket`` tokens while keeping at least half its size is cut by that much,
+        ``bucket`` being the largest bucket below `total`. The KV blocks allocated for the
+        cut tokens stay with the request (its next chunk fills them); their prefix-cache
+        entries are dropped until then. Returns the tokens removed (0: step unchanged).
+        """
+        buckets = self.config.token_buckets
+        if buckets is None or total > buckets[-1]:
+            return 0
+        index = bisect_right(buckets, total) - 1
+        if index < 0 or buckets[index] == total:
+            return 0
+        cut = total - buckets[index]
+        best: ScheduledRequest | None = None
+        for item in scheduled.values():
+            n = item.num_new_tokens
+            if item.samples or 2 * (n - cut) < n:
+                continue
+            if best is None or n > best.num_new_tokens:
+                best = item
+        if best is None:
+            return 0
+        request = best.request
+        scheduled[request.request_id] = ScheduledRequest(
+            request, best.start, best.num_new_tokens - cut, samples=False)
+        self.kv.uncache_unwritten_blocks(request.request_id, best.end - cut)
+        return cut
 
     def _schedule_waiting(
         self, budget: int, scheduled: dict[str, ScheduledRequest], rejected: list[Request]

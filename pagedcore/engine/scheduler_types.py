@@ -4,6 +4,7 @@ the KV-cache manager it relies on."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from itertools import pairwise
 from typing import Any, Literal, Protocol, overload
 
 import attrs
@@ -63,6 +64,12 @@ class SchedulerConfig:
         A prefill step of one request takes at most this many tokens (None: no cap).
     policy:
         "fcfs" or "priority" (lower `SamplingParams.priority` first, then arrival).
+    token_buckets:
+        Step sizes (tokens, ascending) that run without padding: the token buckets of the
+        captured mixed-step CUDA graphs (`pagedcore.engine.mixed_graphs`). When set, a step
+        that holds a *partial* prefill chunk and would total a few tokens above a bucket has
+        that chunk shrunk so the step totals exactly the largest bucket below (see
+        `Scheduler`). None: off (eager engines, CPU).
     """
 
     max_num_seqs: int = 256
@@ -71,6 +78,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int | None = None
     policy: Literal["fcfs", "priority"] = "fcfs"
+    token_buckets: tuple[int, ...] | None = None
 
     def __attrs_post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -81,6 +89,17 @@ class SchedulerConfig:
             raise ValueError(
                 "long_prefill_token_threshold must be None or a positive integer, got "
                 f"{self.long_prefill_token_threshold!r}"
+            )
+        buckets = self.token_buckets
+        if buckets is not None and (
+            not isinstance(buckets, tuple)
+            or not buckets
+            or any(not isinstance(b, int) or b < 1 for b in buckets)
+            or any(a >= b for a, b in pairwise(buckets))
+        ):
+            raise ValueError(
+                "token_buckets must be None or a non-empty tuple of positive integers in "
+                f"strictly ascending order, got {buckets!r}"
             )
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")

@@ -251,7 +251,9 @@ class KVCacheManager:
 
         `allocate_slots` registers blocks as cached before the step that fills them runs; when
         that step fails their contents were never written, so no later request may hit them.
-        Call before `free`. Returns the number of blocks uncached.
+        Call before `free`, or when a step computes fewer tokens than were allocated (the
+        request keeps its blocks; later allocations register them again once written).
+        Returns the number of blocks uncached.
         """
         dropped = 0
         groups = self.coordinator.get_blocks(request_id)
@@ -260,6 +262,10 @@ class KVCacheManager:
                 if not block.is_null and block.block_hash is not None:
                     self.block_pool._uncache(block)
                     dropped += 1
+        for manager in self.coordinator.managers:
+            cached = manager.num_cached_blocks
+            if request_id in cached:
+                cached[request_id] = min(cached[request_id], num_valid_tokens // manager.block_size)
         return dropped
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:

@@ -29,9 +29,11 @@ CUDA = torch.cuda.is_available()
 
 
 def test_token_buckets() -> None:
-    assert token_buckets(2048) == [16, 32, 64, 128, 256, 512, 1024, 1536, 2048]
+    assert token_buckets(2048) == [16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024,
+                                   1280, 1536, 1792, 2048]
     assert token_buckets(8192)[-5:] == [2048, 3072, 4096, 6144, 8192]
     assert token_buckets(5000)[-4:] == [2048, 3072, 4096, 5000]
+    assert token_buckets(300) == [16, 32, 64, 128, 256, 300]
     assert token_buckets(100) == [16, 32, 64, 100]
     assert token_buckets(16) == [16] and token_buckets(5) == [5]
     assert token_buckets(1 << 20)[-1] == 8192
