@@ -21,7 +21,6 @@ The measuring primitives (`time_ms`, `PagedKV`, `BackendUnderTest`, ...) live in
 from __future__ import annotations
 
 import json
-import subprocess
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +38,7 @@ from pagedcore.bench.kernel_primitives import (
     host_ms,
     time_ms,
 )
+from pagedcore.bench.report import git_commit
 
 if TYPE_CHECKING:
     import torch
@@ -299,10 +299,9 @@ def kernels(names: tuple[str, ...], json_path: str | None, quick: bool) -> None:
         command = ["pagedcore bench kernels"]
         command += [f"--backend {n}" for n in names] + (["--quick"] if quick else [])
         command.append(f"--json {json_path}")
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
         info = {
             "command": " ".join(command),
-            "git_commit": commit.stdout.strip() if commit.returncode == 0 else None,
+            "git_commit": git_commit(),
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
             "torch": torch.__version__,
             "config": {"dtype": "bfloat16" if device.type == "cuda" else "float32",
