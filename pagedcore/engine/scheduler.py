@@ -5,25 +5,26 @@ waiting ones (FCFS or priority). A prompt is chunked when it does not fit the bu
 `long_prefill_token_threshold`). When the KV cache has no room, the newest (or lowest-priority)
 running request is preempted: its blocks are freed and it is recomputed later, keeping every
 token it generated. `update_from_output()` appends sampled tokens and retires finished requests,
-freeing their blocks at once.
+freeing their blocks at once (those result methods live in `SchedulerResults`,
+`pagedcore.engine.scheduler_results`).
 
 Bucket-aware chunking: with ``SchedulerConfig.token_buckets`` set (the token buckets of the
 captured mixed-step CUDA graphs), a step is replayed from the graph of the smallest bucket
 that holds it, so 512 prompt tokens + 1 decode = 513 tokens would run (and pay for) a larger
 bucket. `Scheduler._align_to_bucket` shrinks a *partial* prefill chunk so the step totals
 exactly the largest bucket at or below what it would total; a prompt's final chunk is never
-shrunk, nor any chunk below half its size.
+shrunk, nor any chunk below half its size (`pagedcore.engine.bucket_align`).
 """
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from itertools import compress, repeat
 from operator import gt
 from typing import Any
 
+from pagedcore.engine.bucket_align import align_to_bucket
 from pagedcore.engine.request import (
     Request,
     RequestStatus,
@@ -33,6 +34,7 @@ from pagedcore.engine.request import (
 )
 from pagedcore.engine.request_blocks import LOOKAHEAD_BLOCKS, LOOKAHEAD_MAX_USAGE, RequestBlocks
 from pagedcore.engine.schedule_undo import ScheduleUndo
+from pagedcore.engine.scheduler_results import SchedulerResults
 from pagedcore.engine.scheduler_types import (
     DecodeBatch,
     KVManagerLike,
@@ -59,7 +61,7 @@ __all__ = [
 _plus_one = (1).__add__
 
 
-class Scheduler:
+class Scheduler(SchedulerResults):
     """Decides, step by step, which tokens of which requests run.
 
     Parameters
@@ -352,37 +354,10 @@ class Scheduler:
         return output
 
     def _align_to_bucket(self, scheduled: dict[str, ScheduledRequest], total: int) -> int:
-        """Shrink one partial prefill chunk so the step's `total` tokens land on a token bucket.
-
-        With ``config.token_buckets`` set and `total` between two buckets (at most the
-        largest: larger steps run eagerly, unpadded), the largest partial chunk (one that does
-        not reach its request's last token, so it samples nothing) that can give up
-        ``total - bucket`` tokens while keeping at least half its size is cut by that much,
-        ``bucket`` being the largest bucket below `total`. The KV blocks allocated for the
-        cut tokens stay with the request (its next chunk fills them); their prefix-cache
-        entries are dropped until then. Returns the tokens removed (0: step unchanged).
-        """
-        buckets = self.config.token_buckets
-        if buckets is None or total > buckets[-1]:
-            return 0
-        index = bisect_right(buckets, total) - 1
-        if index < 0 or buckets[index] == total:
-            return 0
-        cut = total - buckets[index]
-        best: ScheduledRequest | None = None
-        for item in scheduled.values():
-            n = item.num_new_tokens
-            if item.samples or 2 * (n - cut) < n:
-                continue
-            if best is None or n > best.num_new_tokens:
-                best = item
-        if best is None:
-            return 0
-        request = best.request
-        scheduled[request.request_id] = ScheduledRequest(
-            request, best.start, best.num_new_tokens - cut, samples=False)
-        self.kv.uncache_unwritten_blocks(request.request_id, best.end - cut)
-        return cut
+        """Shrink one partial prefill chunk so the step's `total` tokens land on a token bucket
+        (``config.token_buckets``); see `pagedcore.engine.bucket_align.align_to_bucket`.
+        Returns the tokens removed (0: step unchanged)."""
+        return align_to_bucket(self.config.token_buckets, scheduled, total, self.kv)
 
     def _schedule_waiting(
         self, budget: int, scheduled: dict[str, ScheduledRequest], rejected: list[Request]
@@ -420,101 +395,3 @@ class Scheduler:
             scheduled[request.request_id] = ScheduledRequest(request, num_cached, num_new)
             budget -= num_new
         return budget
-
-    # ---- results ---------------------------------------------------------------------------
-
-    def update_from_output(
-        self,
-        output: SchedulerOutput,
-        sampled: dict[str, tuple[int, dict[int, float] | None]],
-        *,
-        now: float,
-    ) -> list[Request]:
-        """Append sampled tokens, stop finished requests and free their blocks.
-
-        Returns every request whose output changed this step (including ones that finished).
-        """
-        changed: list[Request] = list(output.rejected)
-        items = output.scheduled
-        requests = (items.requests if isinstance(items, DecodeBatch)
-                    else [item.request for item in items])
-        for request in requests:
-            if request.metrics.first_scheduled_time is None:
-                request.metrics.first_scheduled_time = now
-            if request.request_id not in sampled:
-                continue
-            token, logprobs = sampled[request.request_id]
-            request.append_token(token, logprobs)
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
-            request.metrics.last_token_time = now
-            status = self._stop_status(request, token)
-            if status is not None:
-                self.blocks.register_written(request)
-                self._finish(request, status, now=now)
-            changed.append(request)
-        return changed
-
-    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
-        params = request.params
-        if not params.ignore_eos and request.eos_token_id is not None:
-            if token == request.eos_token_id:
-                return RequestStatus.FINISHED_STOPPED
-        if token in params.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
-
-    def _finish(self, request: Request, status: RequestStatus, *, now: float) -> None:
-        if request in self.running:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
-        self._free(request)
-        request.status = status
-        request.metrics.finished_time = now
-        self.requests.pop(request.request_id, None)
-        self.stats.num_running = len(self.running)
-        self.stats.num_waiting = len(self.waiting)
-
-    def fail_step(self, output: SchedulerOutput, reason: str, *, now: float) -> list[Request]:
-        """Finish every request of a step that failed to run with `FINISHED_ERROR`.
-
-        `schedule()` already counted the step's tokens as computed and the KV manager cached
-        the blocks they fill, but the step never wrote them: those cache entries are dropped
-        (no later prefix hit may read them) and the requests' blocks freed. Tokens generated
-        in earlier steps stay in the requests. Returns the finished requests.
-        """
-        failed = [item.request for item in output.scheduled
-                  if not item.request.status.finished]
-        for item in output.scheduled:
-            item.request.num_computed_tokens = item.start
-            self.kv.uncache_unwritten_blocks(item.request.request_id, item.start)
-        self.fail(failed, reason, now=now)
-        return failed
-
-    def fail(self, requests: Iterable[Request], reason: str, *, now: float) -> None:
-        """Finish `requests` with `FINISHED_ERROR` and `reason` as their error; free blocks."""
-        for request in requests:
-            if request.status.finished:
-                continue
-            self._finish(request, RequestStatus.FINISHED_ERROR, now=now)
-            self.errors[request.request_id] = reason
-
-    def abort(self, request_ids: Iterable[str] | str, *, now: float) -> list[Request]:
-        """Stop requests at once and free their blocks; KeyError for an unknown id."""
-        ids: Sequence[str] = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        unknown = [i for i in ids if i not in self.requests]
-        if unknown:
-            raise KeyError(
-                f"cannot abort unknown or already finished request(s) {unknown}; "
-                f"{len(self.requests)} request(s) are in the engine"
-            )
-        aborted = [self.requests[i] for i in ids]
-        for request in aborted:
-            self._finish(request, RequestStatus.FINISHED_ABORTED, now=now)
-        return aborted
-

@@ -1,0 +1,152 @@
+"""Offline use of `LLM`: `generate` and `stream` over many prompts.
+
+`OfflineGeneration` is a base class of `pagedcore.engine.llm.LLM`: it queues prompts through
+`LLM.add_request` (validating every prompt first, so a bad one queues nothing), drives
+`LLM.step` until they finish, and on early exit or error aborts what it queued, so no request
+of a call is left behind in the engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from pagedcore.engine.errors import EngineStepError
+from pagedcore.engine.output_builder import ParentRequest, PromptType, normalize_prompts
+from pagedcore.engine.outputs import RequestOutput
+from pagedcore.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedcore.engine.scheduler import Scheduler
+
+__all__ = ["OfflineGeneration"]
+
+
+class OfflineGeneration:
+    """`generate` / `stream` for `LLM` (a base class of it), built on its online API."""
+
+    # Set by `LLM.__init__`.
+    scheduler: Scheduler
+    _parents: dict[str, ParentRequest]
+    _ids: itertools.count[int]
+
+    if TYPE_CHECKING:
+
+        def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]: ...
+
+        def add_request(
+            self, request_id: str, prompt: PromptType, params: SamplingParams | None = None
+        ) -> None: ...
+
+        def abort(self, request_id: str) -> RequestOutput: ...
+
+        def step(self, *, finished_only: bool = False) -> list[RequestOutput]: ...
+
+    def _add_all(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+    ) -> list[str]:
+        prompt_list, params_list = normalize_prompts(prompts, sampling_params)
+        # Validate everything first so a bad prompt queues nothing.
+        for prompt, params in zip(prompt_list, params_list, strict=True):
+            _, ids = self._tokenize(prompt)
+            self.scheduler.check_fits(len(ids), params.max_tokens)
+        ids_out = []
+        for prompt, params in zip(prompt_list, params_list, strict=True):
+            request_id = f"gen-{next(self._ids)}"
+            self.add_request(request_id, prompt, params)
+            ids_out.append(request_id)
+        return ids_out
+
+    def stream(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Queue `prompts` and yield each request's output every time it changes.
+
+        Closing the generator early (``break`` out of the loop, ``close()``, garbage
+        collection) or an exception aborts the requests it queued that have not finished,
+        freeing their blocks. A failed step raises `EngineStepError` (see `step`).
+        """
+        ids = set(self._add_all(prompts, sampling_params))
+        remaining = set(ids)
+        try:
+            while remaining:
+                for out in self.step():
+                    if out.request_id in ids:
+                        if out.finished:
+                            remaining.discard(out.request_id)
+                        yield out
+        finally:
+            self._abort_quietly(remaining)
+
+    def _abort_quietly(self, request_ids: Iterable[str]) -> dict[str, RequestOutput]:
+        """Abort those of `request_ids` still in the engine; their final outputs by id."""
+        return {rid: self.abort(rid) for rid in request_ids if rid in self._parents}
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+        on_step: Callable[[list[RequestOutput]], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; one finished `RequestOutput` per prompt, in order.
+
+        Parameters
+        ----------
+        prompts:
+            One prompt or a list (text, token ids, or vLLM-style dicts).
+        sampling_params:
+            One for all prompts, or one per prompt (None: defaults).
+        use_tqdm:
+            Show a progress bar of finished requests (vLLM's name; drawn with rich).
+        on_step:
+            Called with each step's changed outputs.
+
+        Raises
+        ------
+        EngineStepError
+            A step failed. Its ``outputs`` hold one output per prompt, in order: finished ones,
+            the failed step's (``finish_reason == "error"``), and the rest aborted with the
+            tokens they had. On this and any other exception (KeyboardInterrupt included) no
+            request of this call is left in the engine, which keeps serving.
+        """
+        ids = self._add_all(prompts, sampling_params)
+        wanted = set(ids)
+        done: dict[str, RequestOutput] = {}
+        progress: Any = None
+        if use_tqdm:
+            from rich.progress import Progress
+
+            progress = Progress(transient=True)
+            progress.start()
+            task = progress.add_task("generating", total=len(ids))
+        try:
+            while len(done) < len(ids):
+                outs = self.step(finished_only=on_step is None)
+                for out in outs:
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
+                if on_step is not None:
+                    on_step(outs)
+                if progress is not None:
+                    progress.update(task, completed=len(done))
+                if not outs and not self.scheduler.has_unfinished_requests():
+                    break
+        except BaseException as exc:
+            # Leave nothing of this call behind in the engine.
+            if isinstance(exc, EngineStepError):
+                done.update((o.request_id, o) for o in exc.outputs if o.request_id in wanted)
+            done.update(self._abort_quietly(i for i in ids if i not in done))
+            if isinstance(exc, EngineStepError):
+                exc.outputs = [done[i] for i in ids if i in done]
+            raise
+        finally:
+            if progress is not None:
+                progress.stop()
+        return [done[i] for i in ids]
