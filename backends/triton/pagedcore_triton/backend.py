@@ -244,14 +244,7 @@ class TritonMetadataBuilder(MetadataBuilder[TritonAttentionMetadata]):
             flat_programs=max(1, rule.target_programs // self.kv_cache_spec.num_kv_heads),
             min_segment_tokens=min(rule.min_tokens_per_segment, MIXED_MIN_SEGMENT_TOKENS),
         )
-        return TritonAttentionMetadata(
-            query_start_loc=common.query_start_loc,
-            seq_lens=common.seq_lens,
-            block_table=common.block_table,
-            num_actual_tokens=common.num_actual_tokens,
-            causal=common.causal,
-            parts=(part,) if common.num_reqs > 0 else (),
-        )
+        return _one_launch(common, part)
 
     def _max_mixed_segments(self, num_tokens: int, max_seq_len: int) -> int:
         """Most segments a flat mixed capture may give one q-block: a power of two at most
@@ -289,14 +282,7 @@ class TritonMetadataBuilder(MetadataBuilder[TritonAttentionMetadata]):
             max_query_len=common.max_query_len,
             num_segments=self._mixed_segments(common.num_actual_tokens, common.max_seq_len),
         )
-        return TritonAttentionMetadata(
-            query_start_loc=common.query_start_loc,
-            seq_lens=common.seq_lens,
-            block_table=common.block_table,
-            num_actual_tokens=common.num_actual_tokens,
-            causal=common.causal,
-            parts=(part,) if common.num_reqs > 0 else (),
-        )
+        return _one_launch(common, part)
 
     def _mixed_segments(self, num_tokens: int, max_seq_len: int) -> int:
         """Split-KV segments of a mixed capture of `num_tokens` token slots.
@@ -381,3 +367,16 @@ class TritonAttentionBackend(AttentionBackend, metaclass=_TritonBackendMeta):
                 f"(cache_dtype 'auto'), got {cache_dtype!r}"
             )
         return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+
+def _one_launch(common: CommonAttentionMetadata, part: LaunchPart) -> TritonAttentionMetadata:
+    """Metadata of a captured step planned as the single launch `part` (none without
+    requests)."""
+    return TritonAttentionMetadata(
+        query_start_loc=common.query_start_loc,
+        seq_lens=common.seq_lens,
+        block_table=common.block_table,
+        num_actual_tokens=common.num_actual_tokens,
+        causal=common.causal,
+        parts=(part,) if common.num_reqs > 0 else (),
+    )
