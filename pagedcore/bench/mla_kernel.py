@@ -188,7 +188,7 @@ def kernel_rows(
                     "variant": config.name, "batch": batch, "context": context,
                     "block_n": cfg.block_n,
                     "num_stages": cfg.num_stages, "maxnreg": cfg.maxnreg,
-                    "lat_split": cfg.lat_split, "rows_m": cfg.rows_m, "pdl": cfg.pdl,
+                    "lat_split": cfg.lat_split, "pdl": cfg.pdl,
                     "merge_chunk": cfg.merge_chunk,
                     "num_warps": cfg.launch_warps(splits, split_len),
                     "target_programs": cfg.split.target_programs, "num_splits": splits,

@@ -154,8 +154,6 @@ def test_kernel_config_rejects_bad_values() -> None:
         MLAKernelConfig(name="x", merge_cols=48)
     with pytest.raises(ValueError, match="merge_warps must be a power of two"):
         MLAKernelConfig(name="x", merge_warps=3)
-    with pytest.raises(ValueError, match="split_first is not supported with rows_m"):
-        MLAKernelConfig(name="x", rows_m=True, split_first=True)
 
 
 def test_merge_layout_per_shape() -> None:

@@ -270,7 +270,6 @@ class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
     ) -> None:
         """The decode kernel: ``out`` ``[T, H, L]`` directly when unsplit, else the partials."""
         from pagedcore_triton.mla_kernels import mla_decode_kernel
-        from pagedcore_triton.mla_rows_kernel import mla_decode_rows_kernel
 
         cfg = self.kernel_config
         lat = self.kv_lora_rank
@@ -287,14 +286,10 @@ class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
         part_acc = launch.part_acc if launch.part_acc is not None else out  # unused if None
         part_ml = launch.part_ml if launch.part_ml is not None else out
         grid = (launch.num_tokens, launch.head_blocks, launch.splits)
-        if cfg.rows_m:
-            decode = mla_decode_rows_kernel
-        else:
-            decode = mla_decode_kernel
-            if cfg.split_first and launch.splits > 1:  # few tokens (<= the split target)
-                grid = grid[::-1]
-                options["SPLIT_FIRST"] = True
-        compiled = decode[grid](
+        if cfg.split_first and launch.splits > 1:  # few tokens (<= the split target)
+            grid = grid[::-1]
+            options["SPLIT_FIRST"] = True
+        compiled = mla_decode_kernel[grid](
             out, part_acc, part_ml, query, kv_cache, metadata.block_table,
             metadata.token_req, metadata.token_kv_len,
             self.num_heads, launch.splits, self.scale * 1.4426950408889634, launch.split_len,

@@ -74,9 +74,6 @@ class MLAKernelConfig:
         own score MMA chain and accumulator, so the MMAs of a tile do not form one chain.
     split:
         When to split the context into segments (split-KV).
-    rows_m:
-        Use `mla_rows_kernel` (cache positions as the MMA's M side, so that with ``block_n``
-        64 Triton can use Hopper's warpgroup MMA) instead of `mla_kernels.mla_decode_kernel`.
     pdl:
         Launch the kernels with programmatic dependent launch (sm_90 and newer; ignored on
         older GPUs and under the interpreter): each kernel's programs are placed while the
@@ -96,7 +93,7 @@ class MLAKernelConfig:
         Warps of a merge program over `merge_cols` columns (whole-row programs have 4).
     split_first:
         Launch split grids as ``(splits, head blocks, tokens)`` so that the splits of one
-        token are placed next to each other (not with ``rows_m``).
+        token are placed next to each other.
     short_split_warps, short_split_len:
         When set, the warps of a split launch whose segments have at most `short_split_len`
         positions (few tiles per program, e.g. 4 requests of 32768 tokens in 64 splits).
@@ -109,7 +106,6 @@ class MLAKernelConfig:
     maxnreg: int | None = None
     lat_split: int = 1
     split: MLASplitRule = MLASplitRule()
-    rows_m: bool = False
     pdl: bool = False
     merge_chunk: int = 16
     merge_cols: int = 128
@@ -136,8 +132,6 @@ class MLAKernelConfig:
             raise ValueError(f"merge_cols must be a power of two >= 16, got {self.merge_cols}")
         if self.block_n < 16 or not _pow2(self.block_n):
             raise ValueError(f"block_n must be a power of two >= 16, got {self.block_n}")
-        if self.split_first and self.rows_m:
-            raise ValueError("split_first is not supported with rows_m")
         for what, warps in (("num_warps", self.num_warps), ("merge_warps", self.merge_warps),
                             ("short_split_warps", self.short_split_warps or 1)):
             if not _pow2(warps):
@@ -173,7 +167,7 @@ def _default_like(name: str, **kw: object) -> MLAKernelConfig:
     return MLAKernelConfig(name=name, **base)  # type: ignore[arg-type]
 
 
-#: Names: ``n<BLOCK_N>`` (or ``m<BLOCK_N>`` with ``rows_m``), ``s<stages>``, ``c<lat_split>``,
+#: Names: ``n<BLOCK_N>``, ``s<stages>``, ``c<lat_split>``,
 #: ``w<warps>`` (when not 4), ``p`` (``pdl``), ``m<merge_chunk>`` (when not 16), ``w2s``
 #: (``short_split_warps`` 2), ``k<merge_cols>`` (when not 128), ``R<merge_row_pairs>``,
 #: ``mw<merge_warps>`` (when not 4),
@@ -205,9 +199,6 @@ MLA_KERNEL_CONFIGS: dict[str, MLAKernelConfig] = {
         MLAKernelConfig(name="n32s5c4p", block_n=32, num_stages=5, lat_split=4, pdl=True),
         # No PDL, 16 splits per merge round trip:
         MLAKernelConfig(name="n32s5c4", block_n=32, num_stages=5, lat_split=4),
-        # Positions as the MMA's M side (Hopper warpgroup MMA), 64-row tiles, 1 program/SM:
-        MLAKernelConfig(name="m64s4c4p", block_n=64, num_stages=4, lat_split=4, pdl=True,
-                        rows_m=True, split=MLASplitRule(target_programs=132)),
         # One score-MMA chain over all 576 dims, single-buffered rows (the first kernel):
         MLAKernelConfig(name="n32s2", block_n=32, num_stages=2,
                         split=MLASplitRule(target_programs=528)),
