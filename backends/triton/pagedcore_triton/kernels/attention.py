@@ -239,13 +239,7 @@ def paged_attention_kernel(
     d_ok = d < HEAD_SIZE
     q_rows = (q_begin + tok).to(tl.int64)
     if not FLAT:  # the classic grid keeps the load order its timings were measured with
-        q = tl.load(
-            q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-            mask=row_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )
-        if DOT_FP32:
-            q = q.to(tl.float32)
+        q = _load_q(q_ptr, q_rows, head, d, row_ok, d_ok, stride_qt, stride_qh, DOT_FP32)
     pos_q = ctx_len + tok
 
     # Keys this q-block can see: [kv_begin, kv_end).
@@ -276,13 +270,7 @@ def paged_attention_kernel(
                 tl.store(part_ml_ptr + prow * 2, tl.full([BLOCK_M], float("-inf"), tl.float32),
                          mask=row_ok)
                 return
-        q = tl.load(
-            q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-            mask=row_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )
-        if DOT_FP32:
-            q = q.to(tl.float32)
+        q = _load_q(q_ptr, q_rows, head, d, row_ok, d_ok, stride_qt, stride_qh, DOT_FP32)
 
     if USE_ALIBI:
         slope = tl.load(alibi_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
@@ -376,6 +364,19 @@ def paged_attention_kernel(
         )
         tl.store(part_ml_ptr + prow * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + prow * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _load_q(q_ptr, q_rows, head, d, row_ok, d_ok, stride_qt, stride_qh, DOT_FP32: tl.constexpr):
+    """One program's query rows ``[BLOCK_M, HEAD_PAD]`` (fp32 when the dots run in fp32)."""
+    q = tl.load(
+        q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    return q
 
 
 @triton.jit
