@@ -196,22 +196,7 @@ class TritonMetadataBuilder(MetadataBuilder[TritonAttentionMetadata]):
             max_seq_len=common.max_seq_len,
             max_query_len=1,
         )
-        part = LaunchPart(
-            req_begin=0,
-            req_end=num_reqs,
-            token_begin=0,
-            token_end=num_reqs,
-            max_query_len=1,
-            num_segments=segments,
-        )
-        return TritonAttentionMetadata(
-            query_start_loc=common.query_start_loc,
-            seq_lens=common.seq_lens,
-            block_table=common.block_table,
-            num_actual_tokens=common.num_actual_tokens,
-            causal=common.causal,
-            parts=(part,) if num_reqs > 0 else (),
-        )
+        return _one_launch(common, token_end=num_reqs, max_query_len=1, num_segments=segments)
 
     def _plan_mixed_capture(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
         """One unified launch on a flat grid for a captured mixed step of ``T`` token slots.
@@ -234,17 +219,14 @@ class TritonMetadataBuilder(MetadataBuilder[TritonAttentionMetadata]):
         if os.environ.get(MIXED_PLAN_ENV, "flat") == "classic":
             return self._plan_mixed_capture_classic(common)
         rule = self.split_rule
-        part = LaunchPart(
-            req_begin=0,
-            req_end=common.num_reqs,
-            token_begin=0,
+        return _one_launch(
+            common,
             token_end=common.num_actual_tokens,
             max_query_len=common.max_query_len,
             num_segments=self._max_mixed_segments(common.num_actual_tokens, common.max_seq_len),
             flat_programs=max(1, rule.target_programs // self.kv_cache_spec.num_kv_heads),
             min_segment_tokens=min(rule.min_tokens_per_segment, MIXED_MIN_SEGMENT_TOKENS),
         )
-        return _one_launch(common, part)
 
     def _max_mixed_segments(self, num_tokens: int, max_seq_len: int) -> int:
         """Most segments a flat mixed capture may give one q-block: a power of two at most
@@ -274,15 +256,12 @@ class TritonMetadataBuilder(MetadataBuilder[TritonAttentionMetadata]):
         Prefill tiles (from ``max_query_len = T``) and `_mixed_segments` split-KV segments,
         so nothing depends on the buffers' values.
         """
-        part = LaunchPart(
-            req_begin=0,
-            req_end=common.num_reqs,
-            token_begin=0,
+        return _one_launch(
+            common,
             token_end=common.num_actual_tokens,
             max_query_len=common.max_query_len,
             num_segments=self._mixed_segments(common.num_actual_tokens, common.max_seq_len),
         )
-        return _one_launch(common, part)
 
     def _mixed_segments(self, num_tokens: int, max_seq_len: int) -> int:
         """Split-KV segments of a mixed capture of `num_tokens` token slots.
@@ -369,9 +348,27 @@ class TritonAttentionBackend(AttentionBackend, metaclass=_TritonBackendMeta):
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
 
-def _one_launch(common: CommonAttentionMetadata, part: LaunchPart) -> TritonAttentionMetadata:
-    """Metadata of a captured step planned as the single launch `part` (none without
-    requests)."""
+def _one_launch(
+    common: CommonAttentionMetadata,
+    *,
+    token_end: int,
+    max_query_len: int,
+    num_segments: int,
+    flat_programs: int | None = None,
+    min_segment_tokens: int = 0,
+) -> TritonAttentionMetadata:
+    """Metadata of a captured step planned as one launch over all its request slots and its
+    first `token_end` token slots (no launch without requests)."""
+    part = LaunchPart(
+        req_begin=0,
+        req_end=common.num_reqs,
+        token_begin=0,
+        token_end=token_end,
+        max_query_len=max_query_len,
+        num_segments=num_segments,
+        flat_programs=flat_programs,
+        min_segment_tokens=min_segment_tokens,
+    )
     return TritonAttentionMetadata(
         query_start_loc=common.query_start_loc,
         seq_lens=common.seq_lens,
