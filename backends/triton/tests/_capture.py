@@ -2,9 +2,27 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from _reference import make_batch
+from pagedcore_triton import SplitRule, TritonAttentionBackend
 
 from pagedcore.attention import CommonAttentionMetadata
+from pagedcore.kv_cache.spec import FullAttentionSpec
+
+
+def triton_builder(
+    *, block_size: int, kv_heads: int, head_size: int, device: str,
+    dtype: torch.dtype = torch.float32, split: SplitRule | None = None,
+) -> Any:
+    """A triton `MetadataBuilder` for two layers, with `split` as its split-KV rule."""
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=kv_heads,
+                             head_size=head_size, dtype=dtype)
+    builder = TritonAttentionBackend.get_builder_cls()(spec, ["l0", "l1"], torch.device(device))
+    if split is not None:
+        builder.split_rule = split
+    return builder
 
 
 class CaptureBuffers:
@@ -20,6 +38,7 @@ class CaptureBuffers:
         heads: int, kv_heads: int, head_size: int, device: str,
     ) -> None:
         dev = torch.device(device)
+        self.heads, self.kv_heads, self.head_size, self.device = heads, kv_heads, head_size, device
         self.decode = num_tokens == num_reqs
         self.num_reqs, self.num_tokens, self.max_model_len = num_reqs, num_tokens, max_model_len
         if self.decode:
@@ -45,3 +64,33 @@ class CaptureBuffers:
             max_seq_len=self.max_model_len, block_table=self.table, slot_mapping=self.slots,
             positions=self.positions,
         )
+
+    def load_mixed(
+        self, reqs: list[tuple[int, int]], seed: int, *, block_size: int, cache_blocks: int
+    ) -> Any:
+        """Rewrite a mixed bucket in place: `reqs` (``(context, query)`` pairs) first, then
+        padding requests (query length 0, ``seq_lens`` 0) and padding tokens (slot -1, finite
+        junk as after a real step). The cache always has `cache_blocks` blocks, so every mix
+        compiles to the same kernel. Returns `make_batch`'s batch."""
+        used = sum(-(-(ctx + q) // block_size) for ctx, q in reqs)
+        batch = make_batch(reqs, num_heads=self.heads, num_kv_heads=self.kv_heads,
+                           head_size=self.head_size, block_size=block_size,
+                           dtype=torch.float32, device=self.device, seed=seed,
+                           extra_blocks=cache_blocks - 1 - used)
+        n, c = len(reqs), batch.common
+        t = c.num_actual_tokens
+        assert t <= self.num_tokens and n <= self.num_reqs
+        width = min(c.block_table.shape[1], self.table.shape[1])  # make_batch adds a column
+        self.qsl[: n + 1] = c.query_start_loc
+        self.qsl[n + 1 :] = t
+        self.seq_lens.zero_()
+        self.seq_lens[:n] = c.seq_lens
+        self.table.zero_()
+        self.table[:n, :width] = c.block_table[:, :width]
+        self.slots.fill_(-1)
+        self.slots[:t] = c.slot_mapping
+        for buf, new in ((self.query, batch.query), (self.key, batch.key),
+                         (self.value, batch.value)):
+            buf.normal_()
+            buf[:t] = new
+        return batch

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 import torch
-from _capture import CaptureBuffers
-from _reference import make_batch, reference_attention, rel_error
+from _capture import CaptureBuffers, triton_builder
+from _reference import reference_attention, rel_error
 from pagedcore_triton import SplitRule, TritonAttentionBackend
 
 from pagedcore.attention import CommonAttentionMetadata
@@ -37,29 +37,8 @@ class _MixedBuffers(CaptureBuffers):
                          head_size=HEAD_SIZE, device=DEVICE)
 
     def load(self, reqs: list[tuple[int, int]], seed: int) -> Any:
-        """Rewrite the buffers in place: `reqs` first, then padding requests and tokens."""
-        # One cache shape for every mix (one compiled kernel per layer variant on a GPU).
-        used = sum(-(-(ctx + q) // BLOCK) for ctx, q in reqs)
-        batch = make_batch(reqs, num_heads=HEADS, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE,
-                           block_size=BLOCK, dtype=torch.float32, device=DEVICE, seed=seed,
-                           extra_blocks=CACHE_BLOCKS - 1 - used)
-        n, c = len(reqs), batch.common
-        t = c.num_actual_tokens
-        assert t <= TOKENS and n <= NUM_REQS
-        width = min(c.block_table.shape[1], MAX_BLOCKS)  # make_batch adds a spare column
-        self.qsl[: n + 1] = c.query_start_loc
-        self.qsl[n + 1 :] = t
-        self.seq_lens.zero_()
-        self.seq_lens[:n] = c.seq_lens
-        self.table.zero_()
-        self.table[:n, :width] = c.block_table[:, :width]
-        self.slots.fill_(-1)
-        self.slots[:t] = c.slot_mapping
-        for buf, new in ((self.query, batch.query), (self.key, batch.key),
-                         (self.value, batch.value)):
-            buf.normal_()  # padding tokens carry finite junk, as after a real step
-            buf[:t] = new
-        return batch
+        """Rewrite the buffers in place with `reqs`, then padding (see `load_mixed`)."""
+        return self.load_mixed(reqs, seed, block_size=BLOCK, cache_blocks=CACHE_BLOCKS)
 
 
 MIXES = [
@@ -74,12 +53,8 @@ MIXES = [
 
 
 def _builder(split: SplitRule | None = None) -> Any:
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE,
-                             dtype=torch.float32)
-    builder = TritonAttentionBackend.get_builder_cls()(spec, ["l0", "l1"], torch.device(DEVICE))
-    if split is not None:
-        builder.split_rule = split
-    return builder
+    return triton_builder(block_size=BLOCK, kv_heads=KV_HEADS, head_size=HEAD_SIZE,
+                          device=DEVICE, split=split)
 
 
 #: Splits the 200-token max_seq_len into 2 segments of >= 64 tokens (the default rule keeps

@@ -16,12 +16,10 @@ from typing import Any
 import attrs
 import pytest
 import torch
-from _capture import CaptureBuffers
-from _reference import make_batch, reference_attention, rel_error
+from _capture import CaptureBuffers, triton_builder
+from _reference import reference_attention, rel_error
 from pagedcore_triton import SplitRule, TritonAttentionBackend
 from pagedcore_triton.backend import MIXED_PLAN_ENV
-
-from pagedcore.kv_cache.spec import FullAttentionSpec
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK = 14, 2, 64, 16  # Qwen2-0.5B's GQA group of 7
@@ -34,12 +32,8 @@ SPLIT = SplitRule(min_tokens_per_segment=32, target_programs=64)
 
 
 def _builder(spec_dtype: torch.dtype = torch.float32, split: SplitRule | None = SPLIT) -> Any:
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE,
-                             dtype=spec_dtype)
-    builder = TritonAttentionBackend.get_builder_cls()(spec, ["l0", "l1"], torch.device(DEVICE))
-    if split is not None:
-        builder.split_rule = split
-    return builder
+    return triton_builder(block_size=BLOCK, kv_heads=KV_HEADS, head_size=HEAD_SIZE,
+                          device=DEVICE, dtype=spec_dtype, split=split)
 
 
 class _Bucket(CaptureBuffers):
@@ -51,27 +45,8 @@ class _Bucket(CaptureBuffers):
                          head_size=HEAD_SIZE, device=DEVICE)
 
     def load(self, reqs: list[tuple[int, int]], seed: int) -> Any:
-        used = sum(-(-(ctx + q) // BLOCK) for ctx, q in reqs)
-        batch = make_batch(reqs, num_heads=HEADS, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE,
-                           block_size=BLOCK, dtype=torch.float32, device=DEVICE, seed=seed,
-                           extra_blocks=CACHE_BLOCKS - 1 - used)
-        n, c = len(reqs), batch.common
-        t = c.num_actual_tokens
-        assert t <= TOKENS and n <= NUM_REQS
-        width = min(c.block_table.shape[1], MAX_BLOCKS)
-        self.qsl[: n + 1] = c.query_start_loc
-        self.qsl[n + 1 :] = t
-        self.seq_lens.zero_()
-        self.seq_lens[:n] = c.seq_lens
-        self.table.zero_()
-        self.table[:n, :width] = c.block_table[:, :width]
-        self.slots.fill_(-1)
-        self.slots[:t] = c.slot_mapping
-        for buf, new in ((self.query, batch.query), (self.key, batch.key),
-                         (self.value, batch.value)):
-            buf.normal_()
-            buf[:t] = new
-        return batch
+        """Rewrite the buffers in place with `reqs`, then padding (see `load_mixed`)."""
+        return self.load_mixed(reqs, seed, block_size=BLOCK, cache_blocks=CACHE_BLOCKS)
 
 
 MIXES = [
