@@ -28,7 +28,7 @@ import attrs
 if TYPE_CHECKING:
     import torch
 
-    from pagedcore.attention.backend import AttentionBackend
+    from pagedcore.attention.backend import AttentionBackend, CudaGraphSupport
 
 __all__ = [
     "BucketedGraphs",
@@ -39,6 +39,7 @@ __all__ = [
     "GraphCapturer",
     "capture_sizes",
     "cudagraph_unsupported_reason",
+    "graph_support_reason",
     "pick_bucket",
 ]
 
@@ -73,17 +74,32 @@ def cudagraph_unsupported_reason(
     """Why decode steps cannot run as CUDA graphs here (None: they can)."""
     from pagedcore.attention.backend import CudaGraphSupport
 
-    if device.type != "cuda":
+    return graph_support_reason(
+        backends, device, CudaGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE,
+        ">= UNIFORM_SINGLE_TOKEN_DECODE",
+    )
+
+
+def graph_support_reason(
+    backends: Sequence[type[AttentionBackend]],
+    device: torch.device | None,
+    minimum: CudaGraphSupport,
+    wanted: str,
+) -> str | None:
+    """Why steps cannot be captured when every backend must declare at least `minimum`
+    (`wanted` says so in the message); None when they can. `device` None skips the device
+    check (a test capturer)."""
+    if device is not None and device.type != "cuda":
         return f"device is {device.type}, CUDA graphs need a CUDA device"
     weak = [
         f"{b.name} ({b.cudagraph_support.name})"
         for b in backends
-        if b.cudagraph_support < CudaGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        if b.cudagraph_support < minimum
     ]
     if weak:
         return (
             "backend(s) " + ", ".join(sorted(set(weak))) + " do not declare cudagraph_support "
-            ">= UNIFORM_SINGLE_TOKEN_DECODE"
+            + wanted
         )
     return None
 

@@ -43,11 +43,7 @@ def prepare_decode(
     ib._seq.np[:n] = starts + 1
     tables, _lo, _hi = decode_tables(ib, batch, reqs, block_ids, num_rows=n)
     rows = ib._arange[:n]
-    for g, (table, block_size) in enumerate(zip(tables, ib.block_sizes, strict=True)):
-        ib._slots[g].np[:n] = (
-            table[rows, starts // block_size].astype(np.int64) * block_size
-            + starts % block_size
-        )
+    ib._write_slots(tables, rows, starts)
     return ib._finish(
         batch,
         num_reqs=n,

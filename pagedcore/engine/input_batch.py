@@ -14,7 +14,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from itertools import compress
 from operator import is_not
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
@@ -195,11 +195,7 @@ class InputBatch:
         self._seq.np[:num_reqs] = seq_lens
         self._row_reqs = None
         tables, _lo, _hi = self._fill_tables([block_ids(s.request.request_id) for s in order])
-        for g, (table, block_size) in enumerate(zip(tables, self.block_sizes, strict=True)):
-            self._slots[g].np[:num_tokens] = (
-                table[req_of_token, positions // block_size].astype(np.int64) * block_size
-                + positions % block_size
-            )
+        self._write_slots(tables, req_of_token, positions)
         return self._finish(
             order,
             num_reqs=num_reqs,
@@ -287,6 +283,16 @@ class InputBatch:
         if not touched:
             return tables, num_rows, 0
         return tables, min(touched), max(touched) + 1
+
+    def _write_slots(self, tables: Sequence[Any], rows: Any, positions: Any) -> None:
+        """Each group's slot mapping of the step's ``len(positions)`` tokens: token ``i`` of
+        block-table row ``rows[i]`` at ``positions[i]`` (numpy int arrays)."""
+        n = len(positions)
+        for g, (table, block_size) in enumerate(zip(tables, self.block_sizes, strict=True)):
+            self._slots[g].np[:n] = (
+                table[rows, positions // block_size].astype(np.int64) * block_size
+                + positions % block_size
+            )
 
     def _finish(
         self,

@@ -27,7 +27,12 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from pagedcore.attention.metadata import CommonAttentionMetadata
-from pagedcore.engine.cuda_graph import BucketedGraphs, GraphCapturer, pick_bucket
+from pagedcore.engine.cuda_graph import (
+    BucketedGraphs,
+    GraphCapturer,
+    graph_support_reason,
+    pick_bucket,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -91,19 +96,7 @@ def mixed_unsupported_reason(
     device check (a test capturer)."""
     from pagedcore.attention.backend import CudaGraphSupport
 
-    if device is not None and device.type != "cuda":
-        return f"device is {device.type}, CUDA graphs need a CUDA device"
-    weak = [
-        f"{b.name} ({b.cudagraph_support.name})"
-        for b in backends
-        if b.cudagraph_support < CudaGraphSupport.ALWAYS
-    ]
-    if weak:
-        return (
-            "backend(s) " + ", ".join(sorted(set(weak))) + " do not declare cudagraph_support "
-            "ALWAYS (mixed steps)"
-        )
-    return None
+    return graph_support_reason(backends, device, CudaGraphSupport.ALWAYS, "ALWAYS (mixed steps)")
 
 
 class MixedBuffers:

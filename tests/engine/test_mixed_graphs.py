@@ -49,6 +49,14 @@ def test_unsupported_reasons() -> None:
     why = mixed_unsupported_reason([GraphMixedBackend, GraphDecodeBackend], None)
     assert why is not None and "UNIFORM_SINGLE_TOKEN_DECODE" in why and "ALWAYS" in why
     assert mixed_unsupported_reason([GraphMixedBackend], torch.device("cuda")) is None
+    # Decode graphs need only UNIFORM_SINGLE_TOKEN_DECODE; the reference backend has less.
+    from pagedcore.engine.cuda_graph import cudagraph_unsupported_reason
+    from pagedcore.reference.backend import ReferenceBackend
+
+    assert cudagraph_unsupported_reason([GraphDecodeBackend], torch.device("cuda")) is None
+    assert "cpu" in str(cudagraph_unsupported_reason([GraphDecodeBackend], CPU))
+    why = cudagraph_unsupported_reason([ReferenceBackend, GraphDecodeBackend], torch.device("cuda"))
+    assert why is not None and ReferenceBackend.name in why and ">= UNIFORM" in why
 
 
 def _sched(rid: str, tokens: list[int], start: int, num: int) -> ScheduledRequest:
