@@ -35,10 +35,12 @@ class CaptureBuffers:
 
     def __init__(
         self, *, num_reqs: int, num_tokens: int, max_blocks: int, max_model_len: int,
-        heads: int, kv_heads: int, head_size: int, device: str,
+        heads: int, kv_heads: int, head_size: int, device: str, block_size: int = 16,
+        cache_blocks: int = 0,
     ) -> None:
         dev = torch.device(device)
         self.heads, self.kv_heads, self.head_size, self.device = heads, kv_heads, head_size, device
+        self.block_size, self.cache_blocks = block_size, cache_blocks
         self.decode = num_tokens == num_reqs
         self.num_reqs, self.num_tokens, self.max_model_len = num_reqs, num_tokens, max_model_len
         if self.decode:
@@ -65,13 +67,13 @@ class CaptureBuffers:
             positions=self.positions,
         )
 
-    def load_mixed(
-        self, reqs: list[tuple[int, int]], seed: int, *, block_size: int, cache_blocks: int
-    ) -> Any:
+    def load_mixed(self, reqs: list[tuple[int, int]], seed: int) -> Any:
         """Rewrite a mixed bucket in place: `reqs` (``(context, query)`` pairs) first, then
         padding requests (query length 0, ``seq_lens`` 0) and padding tokens (slot -1, finite
-        junk as after a real step). The cache always has `cache_blocks` blocks, so every mix
-        compiles to the same kernel. Returns `make_batch`'s batch."""
+        junk as after a real step). The cache always has ``cache_blocks`` blocks (given at
+        construction), so every mix compiles to the same kernel. Returns `make_batch`'s
+        batch."""
+        block_size, cache_blocks = self.block_size, self.cache_blocks
         used = sum(-(-(ctx + q) // block_size) for ctx, q in reqs)
         batch = make_batch(reqs, num_heads=self.heads, num_kv_heads=self.kv_heads,
                            head_size=self.head_size, block_size=block_size,

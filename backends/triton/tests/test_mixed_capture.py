@@ -10,6 +10,7 @@ the padding tokens' output rows alone and write nothing through slot -1.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -28,17 +29,12 @@ SENTINEL = 7.0
 CACHE_BLOCKS = 40
 
 
-class _MixedBuffers(CaptureBuffers):
-    """The engine's persistent buffers of one mixed token bucket."""
-
-    def __init__(self) -> None:
-        super().__init__(num_reqs=NUM_REQS, num_tokens=TOKENS, max_blocks=MAX_BLOCKS,
-                         max_model_len=MAX_MODEL_LEN, heads=HEADS, kv_heads=KV_HEADS,
-                         head_size=HEAD_SIZE, device=DEVICE)
-
-    def load(self, reqs: list[tuple[int, int]], seed: int) -> Any:
-        """Rewrite the buffers in place with `reqs`, then padding (see `load_mixed`)."""
-        return self.load_mixed(reqs, seed, block_size=BLOCK, cache_blocks=CACHE_BLOCKS)
+#: The engine's persistent buffers of one mixed token bucket.
+_MixedBuffers = functools.partial(
+    CaptureBuffers, num_reqs=NUM_REQS, num_tokens=TOKENS, max_blocks=MAX_BLOCKS,
+    max_model_len=MAX_MODEL_LEN, heads=HEADS, kv_heads=KV_HEADS, head_size=HEAD_SIZE,
+    device=DEVICE, block_size=BLOCK, cache_blocks=CACHE_BLOCKS,
+)
 
 
 MIXES = [
@@ -94,7 +90,7 @@ def test_mixed_plan_survives_in_place_rewrites(split: SplitRule | None) -> None:
     out = torch.empty_like(buf.query)
     keys = set()
     for seed, reqs in enumerate(MIXES):
-        batch = buf.load(reqs, seed)
+        batch = buf.load_mixed(reqs, seed)
         keys |= {(batch.kv_cache.shape, impl.sliding_window) for impl in impls}
         t = batch.common.num_actual_tokens
         null_block = batch.kv_cache[:, 0].clone()

@@ -11,6 +11,7 @@ q-blocks, requests with query length 0 before the last real one).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import attrs
@@ -36,17 +37,12 @@ def _builder(spec_dtype: torch.dtype = torch.float32, split: SplitRule | None = 
                           device=DEVICE, dtype=spec_dtype, split=split)
 
 
-class _Bucket(CaptureBuffers):
-    """A 16-token bucket with 24 request slots, rewritten in place like the engine does."""
-
-    def __init__(self) -> None:
-        super().__init__(num_reqs=NUM_REQS, num_tokens=TOKENS, max_blocks=MAX_BLOCKS,
-                         max_model_len=MAX_MODEL_LEN, heads=HEADS, kv_heads=KV_HEADS,
-                         head_size=HEAD_SIZE, device=DEVICE)
-
-    def load(self, reqs: list[tuple[int, int]], seed: int) -> Any:
-        """Rewrite the buffers in place with `reqs`, then padding (see `load_mixed`)."""
-        return self.load_mixed(reqs, seed, block_size=BLOCK, cache_blocks=CACHE_BLOCKS)
+#: A 16-token bucket with 24 request slots, rewritten in place like the engine does.
+_Bucket = functools.partial(
+    CaptureBuffers, num_reqs=NUM_REQS, num_tokens=TOKENS, max_blocks=MAX_BLOCKS,
+    max_model_len=MAX_MODEL_LEN, heads=HEADS, kv_heads=KV_HEADS, head_size=HEAD_SIZE,
+    device=DEVICE, block_size=BLOCK, cache_blocks=CACHE_BLOCKS,
+)
 
 
 MIXES = [
@@ -83,7 +79,7 @@ def test_flat_plan_survives_in_place_rewrites(mix: int) -> None:
     out = torch.empty_like(buf.query)
     # Each test replays the plan after an earlier mix (stale partials from it must not leak).
     for step, reqs in enumerate((MIXES[mix - 1], MIXES[mix])):
-        batch = buf.load(reqs, seed=10 * mix + step)
+        batch = buf.load_mixed(reqs, seed=10 * mix + step)
         t = batch.common.num_actual_tokens
         for impl in impls:
             impl.do_kv_cache_update(buf.key, buf.value, batch.kv_cache, buf.slots)
