@@ -26,7 +26,8 @@ def _prompts(n: int, lo: int, hi: int, *, vocab: int, seed: int) -> list[list[in
 
 def run_size(model: str, size: int, prompts: list[list[int]], max_new: int, *,
              device: str | None, dtype: str | None, backend: str | None,
-             kv_cache_memory_bytes: int | None) -> tuple[dict[str, Any], list[list[int]]]:
+             kv_cache_memory_bytes: int | None,
+             enforce_eager: bool = False) -> tuple[dict[str, Any], list[list[int]]]:
     """Figures and output tokens of one tensor-parallel size."""
     import torch
 
@@ -34,7 +35,7 @@ def run_size(model: str, size: int, prompts: list[list[int]], max_new: int, *,
     from pagedcore.engine.sampling_params import SamplingParams
 
     llm = LLM(model, device=device, dtype=dtype, backend=backend, tensor_parallel_size=size,
-              kv_cache_memory_bytes=kv_cache_memory_bytes)
+              kv_cache_memory_bytes=kv_cache_memory_bytes, enforce_eager=enforce_eager)
     try:
         warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         llm.generate(prompts[:2], warm)
@@ -56,6 +57,7 @@ def run_size(model: str, size: int, prompts: list[list[int]], max_new: int, *,
             "steps": llm.num_steps - steps0,
             "num_blocks": llm.kv_cache_config.num_blocks,
             "backends": llm.backend_names,
+            "cuda_graphs": llm.cudagraph_status(),
         }
     finally:
         shutdown = getattr(llm.runner, "shutdown", None)
@@ -79,10 +81,13 @@ def run_size(model: str, size: int, prompts: list[list[int]], max_new: int, *,
               help="Per-rank KV budget (default: as LLM).")
 @click.option("--threads", default=None, type=int,
               help="torch intra-op threads per rank (default: 1 on CPU, unchanged on CUDA).")
+@click.option("--enforce-eager", is_flag=True,
+              help="No CUDA graphs at any size (compare like with like when N>1 runs eager).")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
 def tp(model: str, sizes: str, device: str | None, dtype: str | None, backend: str | None,
        num_prompts: int, min_len: int, max_len: int, max_new: int,
-       kv_cache_memory_bytes: int | None, threads: int | None, json_path: str | None) -> None:
+       kv_cache_memory_bytes: int | None, threads: int | None, enforce_eager: bool,
+       json_path: str | None) -> None:
     """Tokens/s of tensor_parallel_size N (e.g. 1 vs 2) on one workload."""
     import torch
 
@@ -105,7 +110,8 @@ def tp(model: str, sizes: str, device: str | None, dtype: str | None, backend: s
     first: list[list[int]] | None = None
     for size in size_list:
         figures, tokens = run_size(model, size, prompts, max_new, device=device, dtype=dtype,
-                                   backend=backend, kv_cache_memory_bytes=kv_cache_memory_bytes)
+                                   backend=backend, kv_cache_memory_bytes=kv_cache_memory_bytes,
+                                   enforce_eager=enforce_eager)
         if first is None:
             first = tokens
         figures["identical_to_first_size"] = sum(a == b for a, b in zip(first, tokens,
@@ -115,11 +121,12 @@ def tp(model: str, sizes: str, device: str | None, dtype: str | None, backend: s
     click.echo(f"model {model}, {num_prompts} prompts of {min_len}-{max_len} tokens, "
                f"{max_new} new tokens, greedy")
     click.echo(f"{'N':>3} {'tok/s':>10} {'speedup':>8} {'steps':>6} {'blocks':>8} "
-               f"{'identical':>10}  backends")
+               f"{'identical':>10} {'graphs':>6}  backends")
     for r in rows:
         click.echo(f"{r['tensor_parallel_size']:>3} {r['tokens_per_s']:>10.1f} "
                    f"{r['tokens_per_s'] / base:>7.2f}x {r['steps']:>6} {r['num_blocks']:>8} "
-                   f"{r['identical_to_first_size']:>4}/{num_prompts:<5}  "
+                   f"{r['identical_to_first_size']:>4}/{num_prompts:<5} "
+                   f"{'yes' if r['cuda_graphs']['enabled'] else 'no':>6}  "
                    f"{','.join(r['backends'])}")
     if json_path:
         with open(json_path, "w") as fh:

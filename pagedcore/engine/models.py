@@ -26,6 +26,7 @@ __all__ = [
     "llama3_8b_config",
     "load_model",
     "qwen2_0_5b_config",
+    "random_config",
     "random_model",
     "tiny_config",
 ]
@@ -188,6 +189,13 @@ def llama3_8b_config(**overrides: Any) -> PretrainedConfig:
     return LlamaConfig(**base)
 
 
+def random_config(kind: str) -> PretrainedConfig:
+    """The config behind ``"random:<kind>"``: the full-size ``qwen2-0.5b`` / ``llama3-8b`` shapes,
+    else `tiny_config(kind)`."""
+    full_size = {"qwen2-0.5b": qwen2_0_5b_config, "llama3-8b": llama3_8b_config}
+    return full_size[kind]() if kind in full_size else tiny_config(kind)
+
+
 def random_model(
     config: PretrainedConfig,
     *,
@@ -232,8 +240,9 @@ def load_model(
     ----------
     model:
         ``"demo"`` (built-in model, byte tokenizer), ``"random:<type>"`` (a `tiny_config` of
-        that type) or ``"random:qwen2-0.5b"``, a local checkpoint directory, a transformers
-        config (seeded random weights) or a loaded model (used as is, moved to `device`).
+        that type), ``"random:qwen2-0.5b"`` or ``"random:llama3-8b"`` (full-size shapes), a
+        local checkpoint directory, a transformers config (seeded random weights) or a loaded
+        model (used as is, moved to `device`).
     """
     from transformers import PretrainedConfig, PreTrainedModel
 
@@ -251,7 +260,7 @@ def load_model(
         return LoadedModel(built, ByteTokenizer(), "demo")
     if model.startswith("random:"):
         kind = model.removeprefix("random:")
-        config = qwen2_0_5b_config() if kind == "qwen2-0.5b" else tiny_config(kind)
+        config = random_config(kind)
         return LoadedModel(random_model(config, dtype=dtype, device=device, seed=seed), None,
                            model)
     if os.path.isdir(model):
@@ -269,6 +278,7 @@ def load_model(
         return LoadedModel(loaded.to(device).eval(), tokenizer, os.path.basename(model))
     raise ValueError(
         f"cannot load model {model!r}: give a local checkpoint directory, 'demo', "
-        f"'random:<{'|'.join(SUPPORTED_MODEL_TYPES)}>', 'random:qwen2-0.5b', a transformers "
+        f"'random:<{'|'.join(SUPPORTED_MODEL_TYPES)}>', 'random:qwen2-0.5b', "
+        "'random:llama3-8b', a transformers "
         "config or a loaded model"
     )

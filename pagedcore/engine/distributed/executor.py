@@ -50,7 +50,7 @@ def peek_config(model: Any) -> Any:
     """The transformers config `model` will load with, without loading weights."""
     from transformers import PretrainedConfig, PreTrainedModel
 
-    from pagedcore.engine.models import demo_config, qwen2_0_5b_config, tiny_config
+    from pagedcore.engine.models import demo_config, random_config
 
     if isinstance(model, PreTrainedModel):
         raise ValueError(
@@ -63,8 +63,7 @@ def peek_config(model: Any) -> Any:
     if model == "demo":
         return demo_config()
     if isinstance(model, str) and model.startswith("random:"):
-        kind = model.removeprefix("random:")
-        return qwen2_0_5b_config() if kind == "qwen2-0.5b" else tiny_config(kind)
+        return random_config(model.removeprefix("random:"))
     if isinstance(model, str) and os.path.isdir(model):
         from transformers import AutoConfig
 
