@@ -7,6 +7,7 @@ in bf16 the all-reduce's different summation order may flip near-ties).
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from typing import Any
@@ -63,6 +64,12 @@ def run_size(model: str, size: int, prompts: list[list[int]], max_new: int, *,
         shutdown = getattr(llm.runner, "shutdown", None)
         if shutdown is not None:
             shutdown()
+        is_cuda = llm.device.type == "cuda"
+        del llm
+        gc.collect()
+        if is_cuda:
+            # The next size sizes its KV cache from the free memory: hand this one's back.
+            torch.cuda.empty_cache()
     return figures, tokens
 
 

@@ -114,79 +114,85 @@ def build_engine(
             gpu_memory_utilization=gpu_memory_utilization,
         )
         device = tp.device
-    loaded = load_model(model, dtype=dtype, device=device, seed=seed)
-    if tp is not None:
-        tp.shard(loaded.model)
-    config = loaded.model.config
-    max_positions = int(config.max_position_embeddings)
-    if max_model_len is None:
-        max_model_len = max_positions
-    elif max_model_len > max_positions:
-        raise ValueError(
-            f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
-            f"{max_positions}; lower max_model_len"
+    try:
+        loaded = load_model(model, dtype=dtype, device=device, seed=seed)
+        if tp is not None:
+            tp.shard(loaded.model)
+        config = loaded.model.config
+        max_positions = int(config.max_position_embeddings)
+        if max_model_len is None:
+            max_model_len = max_positions
+        elif max_model_len > max_positions:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+                f"{max_positions}; lower max_model_len"
+            )
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=enable_chunked_prefill,
+            long_prefill_token_threshold=long_prefill_token_threshold,
+            policy=scheduling_policy,
         )
-    scheduler_config = SchedulerConfig(
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max_model_len,
-        enable_chunked_prefill=enable_chunked_prefill,
-        long_prefill_token_threshold=long_prefill_token_threshold,
-        policy=scheduling_policy,
-    )
-    rank_config = config if tp is None else tp.rank_config(config)
-    specs = kv_cache_specs_from_hf_config(rank_config, block_size=block_size, dtype=dtype)
-    if kv_cache_memory_bytes is None:
-        kv_cache_memory_bytes = default_kv_cache_bytes(device, config, gpu_memory_utilization)
-    if tp is not None:
-        kv_cache_memory_bytes = tp.agree_kv_cache_bytes(kv_cache_memory_bytes)
-    kv_cache_config = make_kv_cache_config(
-        specs,
-        memory_bytes=kv_cache_memory_bytes,
-        max_model_len=max_model_len,
-        max_num_batched_tokens=max_num_batched_tokens,
-    )
-    kv_cache_manager = KVCacheManager(
-        kv_cache_config, max_model_len, enable_caching=enable_prefix_caching
-    )
-    scheduler = Scheduler(scheduler_config, kv_cache_manager, kv_cache_config)
-    local = ModelRunner(
-        loaded.model,
-        kv_cache_config=kv_cache_config,
-        device=device,
-        dtype=dtype,
-        backend=backend,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max_model_len,
-        num_heads=None if tp is None else int(rank_config.num_attention_heads),
-    )
-    if enforce_eager:
-        local.cudagraph_disabled_reason = "enforce_eager=True"
-    elif tp is not None:
-        local.cudagraph_disabled_reason = "tensor parallelism runs every step eagerly"
-    else:
-        local.enable_cudagraphs(sizes=cudagraph_capture_sizes)
-    scheduler_config = _align_chunks(scheduler_config, local, align_chunks_to_buckets)
-    scheduler.config = scheduler_config
-    runner: ModelRunner | TensorParallelExecutor = local
-    if tp is not None:
-        runner = tp.attach(
-            local, kv_cache_config=kv_cache_config, backend=backend,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len, num_heads=int(rank_config.num_attention_heads),
+        rank_config = config if tp is None else tp.rank_config(config)
+        specs = kv_cache_specs_from_hf_config(rank_config, block_size=block_size, dtype=dtype)
+        if kv_cache_memory_bytes is None:
+            kv_cache_memory_bytes = default_kv_cache_bytes(device, config, gpu_memory_utilization)
+        if tp is not None:
+            kv_cache_memory_bytes = tp.agree_kv_cache_bytes(kv_cache_memory_bytes)
+        kv_cache_config = make_kv_cache_config(
+            specs,
+            memory_bytes=kv_cache_memory_bytes,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens,
         )
-    return EngineParts(
-        device=device,
-        dtype=dtype,
-        model=loaded.model,
-        model_name=loaded.name,
-        tokenizer=tokenizer if tokenizer is not None else loaded.tokenizer,
-        eos_token_id=loaded.eos_token_id,
-        max_model_len=max_model_len,
-        scheduler_config=scheduler_config,
-        kv_cache_config=kv_cache_config,
-        kv_cache_manager=kv_cache_manager,
-        scheduler=scheduler,
-        runner=runner,
-    )
+        kv_cache_manager = KVCacheManager(
+            kv_cache_config, max_model_len, enable_caching=enable_prefix_caching
+        )
+        scheduler = Scheduler(scheduler_config, kv_cache_manager, kv_cache_config)
+        local = ModelRunner(
+            loaded.model,
+            kv_cache_config=kv_cache_config,
+            device=device,
+            dtype=dtype,
+            backend=backend,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            num_heads=None if tp is None else int(rank_config.num_attention_heads),
+        )
+        if enforce_eager:
+            local.cudagraph_disabled_reason = "enforce_eager=True"
+        elif tp is None:
+            local.enable_cudagraphs(sizes=cudagraph_capture_sizes)
+        runner: ModelRunner | TensorParallelExecutor = local
+        if tp is not None:
+            # Every rank captures (in lockstep) once the workers have built their runners.
+            runner = tp.attach(
+                local, kv_cache_config=kv_cache_config, backend=backend,
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len, num_heads=int(rank_config.num_attention_heads),
+                cudagraphs=not enforce_eager, cudagraph_capture_sizes=cudagraph_capture_sizes,
+            )
+        scheduler_config = _align_chunks(scheduler_config, local, align_chunks_to_buckets)
+        scheduler.config = scheduler_config
+        return EngineParts(
+            device=device,
+            dtype=dtype,
+            model=loaded.model,
+            model_name=loaded.name,
+            tokenizer=tokenizer if tokenizer is not None else loaded.tokenizer,
+            eos_token_id=loaded.eos_token_id,
+            max_model_len=max_model_len,
+            scheduler_config=scheduler_config,
+            kv_cache_config=kv_cache_config,
+            kv_cache_manager=kv_cache_manager,
+            scheduler=scheduler,
+            runner=runner,
+        )
+    except BaseException as exc:
+        if tp is not None:
+            # The workers wait in a setup collective: stop them, or the process cannot exit.
+            tp.abort(f"engine setup failed on rank 0: {type(exc).__name__}: {exc}")
+        raise

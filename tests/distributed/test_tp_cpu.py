@@ -4,14 +4,17 @@ the engine with an error naming it, quickly."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
+import time
 
 import pytest
 from tp_helpers import assert_same_outputs, make_llm, params, random_prompts, workload
 
 from pagedcore.engine.distributed.executor import TensorParallelExecutor
 from pagedcore.engine.distributed.group import FAULT_ENV, TensorParallelError
+from pagedcore.engine.distributed.monitor import WorkerMonitor
 
 
 def _executor(llm: object) -> TensorParallelExecutor:
@@ -96,3 +99,34 @@ def test_rank0_failure_stops_workers(monkeypatch: pytest.MonkeyPatch) -> None:
         llm.generate(random_prompts([5]), params())
     # Rank 1 was waiting in the step's all-reduce; it must not be left hanging.
     assert all(not p.is_alive() for p in ex._pool.procs.values())
+
+
+def test_rank0_setup_failure_stops_workers() -> None:
+    # Rank 0 fails after the workers started (its max_model_len check runs once the model is
+    # loaded) while they wait in the KV-budget all-reduce: the error propagates and no worker
+    # is left behind (before, they kept the process from exiting).
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
+        make_llm("llama", 2, max_position_embeddings=64)
+    left = [p.name for p in multiprocessing.active_children() if p.name.startswith("pagedcore-tp")]
+    assert left == []
+
+
+def test_monitor_reports_a_worker_that_exits() -> None:
+    ctx = multiprocessing.get_context("fork")
+    deaths: list[int] = []
+    quick = ctx.Process(target=time.sleep, args=(0.2,))
+    quick.start()
+    monitor = WorkerMonitor({3: quick}, deaths.append)
+    quick.join()
+    deadline = time.monotonic() + 5.0
+    while not deaths and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert deaths == [3] and monitor.dead_rank == 3
+    # Stopped before the worker exits (a graceful shutdown): nothing is reported.
+    slow = ctx.Process(target=time.sleep, args=(0.2,))
+    slow.start()
+    quiet = WorkerMonitor({1: slow}, deaths.append)
+    quiet.stop()
+    slow.join()
+    time.sleep(0.1)
+    assert deaths == [3] and quiet.dead_rank is None

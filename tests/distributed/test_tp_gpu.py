@@ -6,9 +6,14 @@ Needs two CUDA devices; skipped otherwise. Command for a 2-GPU machine:
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 import pytest
 import torch
 from tp_helpers import assert_same_outputs, make_llm, params, workload
+
+from pagedcore.engine.distributed.group import FAULT_ENV, TensorParallelError
 
 pytestmark = [
     pytest.mark.gpu,
@@ -29,3 +34,51 @@ def test_nccl_two_gpus_match_one(arch: str) -> None:
         assert_same_outputs(expected, got, tol=1e-3)
     finally:
         two.runner.shutdown()  # type: ignore[union-attr]
+
+
+def _triton_llm(tp: int, **kw: Any) -> Any:
+    # Head size 64 and block size 16 (Triton's smallest), float32: CUDA graphs for decode and mixed
+    # steps on every rank, captured in lockstep.
+    return make_llm("llama", tp, device="cuda", backend="triton", head_dim=64, block_size=16,
+                    **kw)
+
+
+def test_nccl_cuda_graphs_match_one_gpu() -> None:
+    prompts = workload()
+    one = _triton_llm(1)
+    assert one.cudagraph_status()["enabled"]
+    expected = one.generate(prompts, params())
+    two = _triton_llm(2)
+    try:
+        status = two.cudagraph_status()
+        assert status["enabled"], status
+        graphs = two.runner.runner.graphs  # type: ignore[union-attr]
+        assert graphs is not None
+        replayed: list[int] = []
+        original = graphs.replay
+
+        def counting(bucket: int) -> torch.Tensor:
+            replayed.append(bucket)
+            return original(bucket)
+
+        graphs.replay = counting  # type: ignore[method-assign]
+        got = two.generate(prompts, params())
+        assert_same_outputs(expected, got, tol=1e-3)
+        assert replayed, "no decode step replayed a graph on rank 0"
+    finally:
+        two.runner.shutdown()  # type: ignore[union-attr]
+
+
+def test_worker_failing_inside_a_graph_replay_stops_engine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Rank 1 raises before step 12 (decode, replayed from a graph) while rank 0 is already in
+    # the step's all-reduces: the monitor aborts NCCL and the step raises instead of hanging.
+    monkeypatch.setenv(FAULT_ENV, "1:12")
+    two = _triton_llm(2)
+    t0 = time.monotonic()
+    with pytest.raises(TensorParallelError, match=r"rank 1 failed: .*injected fault at step 12"):
+        two.generate(workload(), params())
+    assert time.monotonic() - t0 < 60
+    with pytest.raises(TensorParallelError, match="stopped"):
+        two.generate(workload(), params())

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     import torch
 
     from pagedcore.engine.distributed.group import Groups
+    from pagedcore.engine.distributed.monitor import WorkerMonitor
     from pagedcore.engine.distributed.worker import RankReport
     from pagedcore.engine.input_batch import StepInputs
     from pagedcore.engine.model_runner import ModelRunner
@@ -78,6 +79,7 @@ class _Pool:
         self.procs: dict[int, multiprocessing.process.BaseProcess] = {}
         self.conns: dict[int, Connection] = {}
         self.groups: Groups | None = None
+        self.monitor: WorkerMonitor | None = None
         self.closed = False
 
     def close(self, *, graceful: bool) -> None:
@@ -85,6 +87,9 @@ class _Pool:
             return
         self.closed = True
         import torch.distributed as dist
+
+        if self.monitor is not None:
+            self.monitor.stop()
 
         from pagedcore.engine.distributed.group import destroy_groups
 
@@ -191,6 +196,9 @@ class TensorParallelExecutor:
             timeout_s=self.timeout_s,
         ))
         self._pool.groups = self.groups
+        from pagedcore.engine.distributed.monitor import WorkerMonitor
+
+        self._pool.monitor = WorkerMonitor(self._pool.procs, self._on_worker_death)
 
     # ---- setup (collectives mirrored by every worker) ---------------------------------------
 
@@ -223,16 +231,23 @@ class TensorParallelExecutor:
         max_num_batched_tokens: int,
         max_model_len: int,
         num_heads: int,
+        cudagraphs: bool = False,
+        cudagraph_capture_sizes: Sequence[int] | None = None,
     ) -> TensorParallelExecutor:
-        """Send the KV-cache config to the workers, gather and check what every rank built."""
+        """Send the KV-cache config to the workers, gather and check what every rank built;
+        with `cudagraphs`, every rank then captures the same CUDA graphs (their warm-up
+        forwards' all-reduces meet) and rank 0 checks that all ranks captured the same
+        buckets."""
         import torch.distributed as dist
 
-        from pagedcore.engine.distributed.worker import WorkerSetup, rank_report
+        from pagedcore.engine.distributed.worker import WorkerSetup, graph_status, rank_report
 
+        sizes = None if cudagraph_capture_sizes is None else tuple(cudagraph_capture_sizes)
         setup = WorkerSetup(kv_cache_config=kv_cache_config, backend=backend,
                             max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_num_batched_tokens,
-                            max_model_len=max_model_len, num_heads=num_heads)
+                            max_model_len=max_model_len, num_heads=num_heads,
+                            cudagraphs=cudagraphs, cudagraph_capture_sizes=sizes)
         reports: list[Any] = [None] * self.world_size
 
         def exchange() -> None:
@@ -253,6 +268,20 @@ class TensorParallelExecutor:
                 )
                 self._fail(str(error))
                 raise error
+        if cudagraphs:
+            statuses: list[Any] = [None] * self.world_size
+
+            def capture() -> None:
+                runner.enable_cudagraphs(sizes=sizes)
+                dist.gather_object(graph_status(runner), statuses, dst=0,
+                                   group=self.groups.control)
+
+            self._guard(capture)
+            if len(set(statuses)) != 1:
+                message = (f"ranks captured different CUDA graphs (decode sizes, mixed token "
+                           f"buckets per rank: {statuses}); pass enforce_eager=True")
+                self._fail(message)
+                raise TensorParallelError(message)
         self.runner = runner
         return self
 
@@ -288,8 +317,38 @@ class TensorParallelExecutor:
 
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """Run rank 0's shard of the step; ``[S, V]`` float32 logits (see `ModelRunner`)."""
+        import torch
+
         runner = self._runner
-        return self._guard(lambda: runner.execute(inputs))
+
+        def run() -> torch.Tensor:
+            logits = runner.execute(inputs)
+            if self.device.type == "cuda":
+                # A worker that died mid-step leaves the all-reduces to the monitor's abort:
+                # wait for the step, then refuse its (meaningless) logits.
+                torch.cuda.current_stream(self.device).synchronize()
+            dead = self._pool.monitor.dead_rank if self._pool.monitor is not None else None
+            if dead is not None:
+                raise TensorParallelError(f"tensor-parallel rank {dead} exited during the step")
+            return logits
+
+        return self._guard(run)
+
+    def abort(self, reason: str) -> None:
+        """Stop the workers at once (rank 0 failed while they may wait in a collective);
+        every later call raises `TensorParallelError` quoting `reason`."""
+        if self._dead is None:
+            self._fail(reason)
+
+    def _on_worker_death(self, rank: int) -> None:
+        """Monitor thread: a worker exited while the engine runs. On NCCL, abort the compute
+        communicator so that a collective rank 0 waits in (maybe in a graph replay) returns."""
+        if self.device.type != "cuda" or self._dead is not None:
+            return
+        try:
+            self.groups.compute.abort()
+        except Exception:  # best effort: the step still fails on the monitor's flag
+            pass
 
     def shutdown(self) -> None:
         """Stop the workers and leave the process groups (idempotent; also runs at exit)."""

@@ -3,8 +3,9 @@
 Setup mirrors rank 0 collective for collective: join the groups, load the model and keep this
 rank's shard, agree on the KV-cache budget (minimum over ranks), receive the `WorkerSetup`
 (the KV-cache config rank 0's scheduler plans with), build a `ModelRunner` (the selector runs
-here too), report back. Then each step: receive a `StepPlan`, rebuild the inputs, run the
-forward (its all-reduces meet rank 0's); ``None`` ends the loop.
+here too), report back, and capture the same CUDA graphs as rank 0 when asked. Then each
+step: receive a `StepPlan`, rebuild the inputs, run the forward (its all-reduces meet rank
+0's); ``None`` ends the loop.
 
 Any exception is sent to rank 0 over the worker's pipe (rank, type, message, traceback) and
 the process exits, which closes its sockets: rank 0's pending collective fails at once and
@@ -28,7 +29,8 @@ if TYPE_CHECKING:
 
     from pagedcore.kv_cache.spec import KVCacheConfig
 
-__all__ = ["RankReport", "WorkerArgs", "WorkerSetup", "parse_fault", "worker_main"]
+__all__ = ["RankReport", "WorkerArgs", "WorkerSetup", "graph_status", "parse_fault",
+           "worker_main"]
 
 _MAX_REPORT_CHARS = 8000
 
@@ -60,6 +62,8 @@ class WorkerSetup:
     max_num_batched_tokens: int
     max_model_len: int
     num_heads: int
+    cudagraphs: bool = False
+    cudagraph_capture_sizes: tuple[int, ...] | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -86,6 +90,14 @@ def rank_report(rank: int, runner: Any, num_heads: int) -> RankReport:
         num_heads=num_heads,
         kv_cache_shape=tuple(first.shape),
     )
+
+
+def graph_status(runner: Any) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
+    """The CUDA graphs a `ModelRunner` captured: (decode batch sizes, mixed token buckets),
+    each None when that kind runs eagerly; every rank must report the same."""
+    decode = None if runner.graphs is None else tuple(sorted(runner.graphs.sizes))
+    mixed = None if runner.mixed_graphs is None else tuple(sorted(runner.mixed_graphs.sizes))
+    return decode, mixed
 
 
 #: The "step" of a fault injected during setup (after loading, before the first collective).
@@ -168,6 +180,10 @@ def _run(args: WorkerArgs, conn: Connection) -> None:
     )
     dist.gather_object(rank_report(args.rank, runner, setup.num_heads), None, dst=0,
                        group=groups.control)
+    if setup.cudagraphs:
+        # Same buckets, same order as rank 0: the warm-up forwards' all-reduces meet.
+        runner.enable_cudagraphs(sizes=setup.cudagraph_capture_sizes)
+        dist.gather_object(graph_status(runner), None, dst=0, group=groups.control)
     while True:
         message: list[Any] = [None]
         dist.broadcast_object_list(message, src=0, group=groups.control)
