@@ -135,7 +135,11 @@ class CudaGraphCapturer:
 
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # With tensor parallelism, NCCL's watchdog thread queries events while this thread
+        # captures: "thread_local" keeps other threads' calls from invalidating the capture.
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        mode = "thread_local" if distributed else "global"
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=mode):
             output = fn()
         torch.cuda.synchronize(self.device)
         return CapturedGraph(graph.replay, output)

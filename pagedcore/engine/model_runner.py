@@ -208,6 +208,7 @@ class ModelRunner:
         sizes: Sequence[int] | None = None,
         capturer: GraphCapturer | None = None,
         capture_now: bool = True,
+        fallback: bool = True,
     ) -> str | None:
         """Run uniform single-token decode steps as CUDA graphs, one per batch-size bucket.
 
@@ -221,6 +222,10 @@ class ModelRunner:
             (tests: `EagerCapturer`) skips those checks.
         capture_now:
             Capture every bucket now (largest first) instead of on first use.
+        fallback:
+            When a capture fails: serve eagerly with a warning (True), or raise (False: with
+            tensor parallelism every rank must capture the same graphs, or their collectives
+            stop meeting).
 
         Returns
         -------
@@ -248,13 +253,13 @@ class ModelRunner:
         # graphs, whose pool memory the decode graphs then reuse).
         self.mixed_graphs, self.mixed_graphs_disabled_reason = enable_mixed_graphs(
             self, capturer=capturer, capture_now=capture_now, check_device=automatic,
-            strict=not automatic,
+            strict=not (automatic and fallback),
         )
         if capture_now:
             try:
                 self.graphs.capture_all()
             except Exception as exc:
-                if not automatic:
+                if not (automatic and fallback):
                     raise
                 # A backend that declares support but cannot be captured: serve eagerly
                 # (slower, still correct) and say why.

@@ -40,7 +40,7 @@ def _triton_llm(tp: int, **kw: Any) -> Any:
     # Head size 64 and block size 16 (Triton's smallest), float32: CUDA graphs for decode and mixed
     # steps on every rank, captured in lockstep.
     return make_llm("llama", tp, device="cuda", backend="triton", head_dim=64, block_size=16,
-                    **kw)
+                    capture_sizes=[1, 2, 4, 8], **kw)
 
 
 def test_nccl_cuda_graphs_match_one_gpu() -> None:

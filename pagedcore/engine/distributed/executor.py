@@ -272,7 +272,7 @@ class TensorParallelExecutor:
             statuses: list[Any] = [None] * self.world_size
 
             def capture() -> None:
-                runner.enable_cudagraphs(sizes=sizes)
+                runner.enable_cudagraphs(sizes=sizes, fallback=False)
                 dist.gather_object(graph_status(runner), statuses, dst=0,
                                    group=self.groups.control)
 

@@ -126,10 +126,18 @@ def init_groups(
 
 
 def destroy_groups() -> None:
-    """Leave the process groups (no-op when none)."""
+    """Leave the process groups (no-op when none). NCCL communicators are aborted, not
+    destroyed: ``ncclCommDestroy`` can hang once collectives were captured in CUDA graphs
+    (pytorch/pytorch#115388); the engine is done with them either way."""
     import torch.distributed as dist
+    from torch.distributed import distributed_c10d
 
-    if dist.is_initialized():
+    if not dist.is_initialized():
+        return
+    abort = getattr(distributed_c10d, "_abort_process_group", None)
+    if dist.get_backend() == "nccl" and abort is not None:
+        abort()
+    else:
         dist.destroy_process_group()
 
 

@@ -182,7 +182,7 @@ def _run(args: WorkerArgs, conn: Connection) -> None:
                        group=groups.control)
     if setup.cudagraphs:
         # Same buckets, same order as rank 0: the warm-up forwards' all-reduces meet.
-        runner.enable_cudagraphs(sizes=setup.cudagraph_capture_sizes)
+        runner.enable_cudagraphs(sizes=setup.cudagraph_capture_sizes, fallback=False)
         dist.gather_object(graph_status(runner), None, dst=0, group=groups.control)
     while True:
         message: list[Any] = [None]
