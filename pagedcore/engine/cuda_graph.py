@@ -106,10 +106,13 @@ def graph_support_reason(
 
 @attrs.frozen
 class CapturedGraph:
-    """A captured forward: `replay()` reruns it; `output` is its persistent result tensor."""
+    """A captured forward: `replay()` reruns it; `output` is its persistent result tensor;
+    `release()` (when given) frees the graph before its owner goes (see
+    `BucketedGraphs.release`)."""
 
     replay: Callable[[], None]
     output: torch.Tensor
+    release: Callable[[], None] | None = None
 
 
 class GraphCapturer(Protocol):
@@ -142,7 +145,7 @@ class CudaGraphCapturer:
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=mode):
             output = fn()
         torch.cuda.synchronize(self.device)
-        return CapturedGraph(graph.replay, output)
+        return CapturedGraph(graph.replay, output, graph.reset)
 
 
 class EagerCapturer:
@@ -237,6 +240,17 @@ class BucketedGraphs:
         """Capture every bucket, largest first (smaller graphs reuse its pool memory)."""
         for bucket in reversed(self.sizes):
             self.capture(bucket)
+
+    def release(self) -> None:
+        """Free every captured graph now, not when the last reference goes. A graph that
+        captured NCCL collectives holds the communicator: destroying or aborting it while
+        the graph lives hangs (pytorch/pytorch#115388), so tensor parallelism releases the
+        graphs first."""
+        for graph in self.graphs.values():
+            if graph.release is not None:
+                graph.release()
+        self.graphs.clear()
+        self.forwards.clear()
 
 
 class DecodeGraphs(BucketedGraphs):

@@ -276,6 +276,17 @@ class ModelRunner:
                 return self.cudagraph_disabled_reason
         return None
 
+    def release_graphs(self) -> None:
+        """Free the captured decode and mixed-step graphs (steps run eagerly afterwards)."""
+        for graphs in (self.graphs, self.mixed_graphs):
+            if graphs is not None:
+                graphs.release()
+        if self.graphs is not None or self.mixed_graphs is not None:
+            self.cudagraph_disabled_reason = "graphs released"
+            self.mixed_graphs_disabled_reason = "graphs released"
+        self.graphs = None
+        self.mixed_graphs = None
+
     def _graph_forward(self, bucket: int) -> Callable[[], torch.Tensor]:
         """The forward a bucket's graph records, over the persistent buffers."""
         import torch

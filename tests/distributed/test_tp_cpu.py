@@ -14,7 +14,7 @@ from tp_helpers import assert_same_outputs, make_llm, params, random_prompts, wo
 
 from pagedcore.engine.distributed.executor import TensorParallelExecutor
 from pagedcore.engine.distributed.group import FAULT_ENV, TensorParallelError
-from pagedcore.engine.distributed.monitor import WorkerMonitor
+from pagedcore.engine.distributed.pool import WorkerMonitor
 
 
 def _executor(llm: object) -> TensorParallelExecutor:
@@ -113,20 +113,27 @@ def test_rank0_setup_failure_stops_workers() -> None:
 
 def test_monitor_reports_a_worker_that_exits() -> None:
     ctx = multiprocessing.get_context("fork")
-    deaths: list[int] = []
     quick = ctx.Process(target=time.sleep, args=(0.2,))
+    idle = ctx.Process(target=time.sleep, args=(60,))
     quick.start()
-    monitor = WorkerMonitor({3: quick}, deaths.append)
-    quick.join()
-    deadline = time.monotonic() + 5.0
-    while not deaths and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert deaths == [3] and monitor.dead_rank == 3
+    idle.start()
+    try:
+        monitor = WorkerMonitor({3: quick, 4: idle})
+        assert monitor.dead_rank is None
+        quick.join()
+        deadline = time.monotonic() + 5.0
+        while monitor.dead_rank is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert monitor.dead_rank == 3
+        monitor.stop()
+    finally:
+        idle.kill()
+        idle.join()
     # Stopped before the worker exits (a graceful shutdown): nothing is reported.
     slow = ctx.Process(target=time.sleep, args=(0.2,))
     slow.start()
-    quiet = WorkerMonitor({1: slow}, deaths.append)
+    quiet = WorkerMonitor({1: slow})
     quiet.stop()
     slow.join()
     time.sleep(0.1)
-    assert deaths == [3] and quiet.dead_rank is None
+    assert quiet.dead_rank is None

@@ -24,15 +24,12 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pagedcore.engine.distributed.group import TensorParallelError
+from pagedcore.engine.distributed.pool import WorkerMonitor, WorkerPool
 
 if TYPE_CHECKING:
-    import multiprocessing.process
-    from multiprocessing.connection import Connection
 
     import torch
 
-    from pagedcore.engine.distributed.group import Groups
-    from pagedcore.engine.distributed.monitor import WorkerMonitor
     from pagedcore.engine.distributed.worker import RankReport
     from pagedcore.engine.input_batch import StepInputs
     from pagedcore.engine.model_runner import ModelRunner
@@ -70,50 +67,6 @@ def peek_config(model: Any) -> Any:
 
         return AutoConfig.from_pretrained(model, local_files_only=True)
     raise ValueError(f"cannot load model {model!r} (see LLM's `model` parameter)")
-
-
-class _Pool:
-    """The worker processes and their pipes; closing it stops them (also at exit)."""
-
-    def __init__(self) -> None:
-        self.procs: dict[int, multiprocessing.process.BaseProcess] = {}
-        self.conns: dict[int, Connection] = {}
-        self.groups: Groups | None = None
-        self.monitor: WorkerMonitor | None = None
-        self.closed = False
-
-    def close(self, *, graceful: bool) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        import torch.distributed as dist
-
-        if self.monitor is not None:
-            self.monitor.stop()
-
-        from pagedcore.engine.distributed.group import destroy_groups
-
-        if graceful and self.groups is not None:
-            try:
-                dist.broadcast_object_list([None], src=0, group=self.groups.control)
-            except RuntimeError:
-                graceful = False
-        deadline = time.monotonic() + (10.0 if graceful else 0.0)
-        for proc in self.procs.values():
-            proc.join(max(0.0, deadline - time.monotonic()))
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(2.0)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-        for conn in self.conns.values():
-            conn.close()
-        if self.groups is not None:
-            try:
-                destroy_groups()
-            except RuntimeError:
-                pass
 
 
 class TensorParallelExecutor:
@@ -172,7 +125,7 @@ class TensorParallelExecutor:
         self.rank_reports: list[RankReport] = []
         self._step = 0
         self._dead: str | None = None
-        self._pool = _Pool()
+        self._pool = WorkerPool()
         self._finalizer = weakref.finalize(self, self._pool.close, graceful=True)
         port = free_port()
         ctx = mp.get_context("spawn")
@@ -196,9 +149,8 @@ class TensorParallelExecutor:
             timeout_s=self.timeout_s,
         ))
         self._pool.groups = self.groups
-        from pagedcore.engine.distributed.monitor import WorkerMonitor
 
-        self._pool.monitor = WorkerMonitor(self._pool.procs, self._on_worker_death)
+        self._pool.monitor = WorkerMonitor(self._pool.procs)
 
     # ---- setup (collectives mirrored by every worker) ---------------------------------------
 
@@ -283,6 +235,7 @@ class TensorParallelExecutor:
                 self._fail(message)
                 raise TensorParallelError(message)
         self.runner = runner
+        self._pool.runner = runner
         return self
 
     # ---- the ModelRunner interface ----------------------------------------------------------
@@ -317,19 +270,13 @@ class TensorParallelExecutor:
 
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """Run rank 0's shard of the step; ``[S, V]`` float32 logits (see `ModelRunner`)."""
-        import torch
 
         runner = self._runner
 
         def run() -> torch.Tensor:
             logits = runner.execute(inputs)
             if self.device.type == "cuda":
-                # A worker that died mid-step leaves the all-reduces to the monitor's abort:
-                # wait for the step, then refuse its (meaningless) logits.
-                torch.cuda.current_stream(self.device).synchronize()
-            dead = self._pool.monitor.dead_rank if self._pool.monitor is not None else None
-            if dead is not None:
-                raise TensorParallelError(f"tensor-parallel rank {dead} exited during the step")
+                self._wait_for_step()
             return logits
 
         return self._guard(run)
@@ -340,15 +287,27 @@ class TensorParallelExecutor:
         if self._dead is None:
             self._fail(reason)
 
-    def _on_worker_death(self, rank: int) -> None:
-        """Monitor thread: a worker exited while the engine runs. On NCCL, abort the compute
-        communicator so that a collective rank 0 waits in (maybe in a graph replay) returns."""
-        if self.device.type != "cuda" or self._dead is not None:
-            return
-        try:
-            self.groups.compute.abort()
-        except Exception:  # best effort: the step still fails on the monitor's flag
-            pass
+    def _wait_for_step(self) -> None:
+        """Wait for the step's GPU work by polling its event, not by a blocking synchronise:
+        if a worker dies (the monitor's flag) or the step outlives the collective timeout,
+        the all-reduces it left never finish, and the step raises instead of hanging."""
+        import torch
+
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        done.record(torch.cuda.current_stream(self.device))
+        start = time.monotonic()
+        monitor = self._pool.monitor
+        while not done.query():  # type: ignore[no-untyped-call]
+            if monitor is not None and monitor.dead_rank is not None:
+                raise TensorParallelError(
+                    f"tensor-parallel rank {monitor.dead_rank} exited during the step"
+                )
+            if time.monotonic() - start > self.timeout_s:
+                raise TensorParallelError(
+                    f"a tensor-parallel step did not finish in {self.timeout_s:g} s (a worker "
+                    "hangs?); set PAGEDCORE_TP_TIMEOUT_S to wait longer"
+                )
+            time.sleep(0)
 
     def shutdown(self) -> None:
         """Stop the workers and leave the process groups (idempotent; also runs at exit)."""

@@ -194,5 +194,6 @@ def _run(args: WorkerArgs, conn: Connection) -> None:
             raise RuntimeError(f"injected fault at step {plan.step} ({FAULT_ENV})")
         scheduled, block_ids = scheduled_from_plan(plan)
         runner.execute(runner.prepare(scheduled, block_ids))
+    runner.release_graphs()  # before the communicator they captured goes
     destroy_groups()
     conn.send(("bye", args.rank))
