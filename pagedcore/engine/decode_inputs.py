@@ -82,7 +82,7 @@ def prepare_padded_decode(
         reqs = [s.request for s in scheduled]
         start_list = [s.start for s in scheduled]
     starts = np.array(start_list, np.int64)
-    # (Graphs run on a local runner only, whose requests index like lists.)
+    # (Requests index like lists; a tensor-parallel worker's planned views do too.)
     ids = ib._ids.np
     ids[:n] = (token_ids if token_ids is not None
                else list(map(getitem, map(get_token_list, reqs), start_list)))

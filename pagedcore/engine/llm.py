@@ -200,13 +200,11 @@ class LLM(OfflineGeneration):
     def cudagraph_status(self) -> dict[str, Any]:
         """Whether decode steps replay CUDA graphs: ``{"enabled", "reason", "sizes",
         "capture_seconds"}`` (``reason`` says why not when disabled)."""
-        runner: Any = self.runner
+        # With tensor parallelism: rank 0's runner (every rank captured the same graphs).
+        runner: Any = getattr(self.runner, "local_runner", self.runner)
         graphs = getattr(runner, "graphs", None)
         if graphs is None:
-            reason = getattr(runner, "cudagraph_disabled_reason", None)
-            if reason is None:  # tensor-parallel executor
-                reason = getattr(getattr(runner, "_runner", None), "cudagraph_disabled_reason",
-                                 "not available")
+            reason = getattr(runner, "cudagraph_disabled_reason", None) or "not available"
             return {"enabled": False, "reason": reason, "sizes": [], "capture_seconds": 0.0}
         mixed = getattr(runner, "mixed_graphs", None)
         return {"enabled": True, "reason": None, "sizes": list(graphs.sizes),

@@ -114,3 +114,29 @@ def test_plan_rebuilds_identical_inputs_without_logits() -> None:
         assert torch.equal(a.query_start_loc, b.query_start_loc)
     assert ref.logits_indices.numel() == 2  # r0 (decode) and r2 (whole prompt) sample
     assert got.logits_indices.numel() == 0  # workers compute no logits
+
+
+def test_plan_rebuilds_a_padded_decode_step() -> None:
+    # A CUDA-graph decode step (inputs padded to a bucket): the worker's planned views go
+    # through the decode fast path, which indexes the token list by position.
+    params = SamplingParams(max_tokens=4)
+    reqs = [Request(f"r{i}", list(range(5 + i, 30 + 3 * i)), params, arrival_index=i,
+                    eos_token_id=None) for i in range(3)]
+    scheduled = [ScheduledRequest(r, r.num_tokens - 1, 1) for r in reqs]
+    blocks = {f"r{i}": ([3 * i + 1, 3 * i + 2, 3 * i + 3, 20 + 3 * i, 21 + 3 * i,
+                         22 + 3 * i, 30 + 2 * i, 31 + 2 * i],) for i in range(3)}
+
+    def batch() -> InputBatch:
+        return InputBatch(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=128,
+                          block_sizes=[4], device=CPU)
+
+    ref = batch().prepare(scheduled, blocks.__getitem__, pad_to=4)
+    again, lookup = scheduled_from_plan(make_plan(3, scheduled, blocks.__getitem__))
+    got = batch().prepare(again, lookup, pad_to=4)
+    assert got.input_ids.tolist() == [r.all_token_ids[-1] for r in reqs] + [0]
+    assert torch.equal(got.input_ids, ref.input_ids)
+    assert torch.equal(got.positions, ref.positions)
+    for a, b in zip(got.common, ref.common, strict=True):
+        assert torch.equal(a.slot_mapping, b.slot_mapping)
+        assert torch.equal(a.block_table, b.block_table)
+        assert torch.equal(a.seq_lens, b.seq_lens)

@@ -31,6 +31,8 @@ def test_two_ranks_match_one(arch: str, kv_bytes: int) -> None:
     two = make_llm(arch, 2, kv_bytes=kv_bytes)
     try:
         ex = _executor(two)
+        # The status looks through the executor at rank 0's runner (CUDA graphs on a GPU).
+        assert "need a CUDA device" in two.cudagraph_status()["reason"]
         got = two.generate(prompts, params())
         assert_same_outputs(expected, got)
         # Each rank caches its half of the KV heads; one block count for every rank.

@@ -246,6 +246,11 @@ class TensorParallelExecutor:
         return self._runner.backend_names
 
     @property
+    def local_runner(self) -> ModelRunner:
+        """Rank 0's `ModelRunner` (its shard; the same graphs and backends as every rank)."""
+        return self._runner
+
+    @property
     def _runner(self) -> ModelRunner:
         if self.runner is None:
             raise RuntimeError("TensorParallelExecutor.attach() has not run")

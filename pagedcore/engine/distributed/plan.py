@@ -9,7 +9,7 @@ prefix hits and aborts need no extra messages. The tensors are rebuilt locally b
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, cast, overload
 
 import attrs
 
@@ -71,7 +71,8 @@ def make_plan(
 
 
 class _TokenWindow:
-    """The slice ``[start, end)`` of a token list, all a worker knows of a request."""
+    """The slice ``[start, end)`` of a token list, all a worker knows of a request: indexed
+    like the whole list, by that slice or by one position inside it (decode fast paths)."""
 
     __slots__ = ("_start", "_tokens")
 
@@ -79,7 +80,20 @@ class _TokenWindow:
         self._start = start
         self._tokens = tokens
 
-    def __getitem__(self, index: slice) -> tuple[int, ...]:
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[int, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> int | tuple[int, ...]:
+        if isinstance(index, int):
+            if not 0 <= index - self._start < len(self._tokens):
+                raise IndexError(
+                    f"a planned request only holds tokens [{self._start}, "
+                    f"{self._start + len(self._tokens)}); asked for position {index}"
+                )
+            return self._tokens[index - self._start]
         if index.start != self._start or index.stop != self._start + len(self._tokens):
             raise IndexError(
                 f"a planned request only holds tokens [{self._start}, "
@@ -94,11 +108,13 @@ class _PlannedRequestView:
     ``num_tokens`` is one past the step's end, so no row is sampled: workers compute no logits.
     """
 
-    __slots__ = ("all_token_ids", "num_tokens", "request_id")
+    __slots__ = ("_all_token_ids", "all_token_ids", "num_tokens", "request_id")
 
     def __init__(self, planned: PlannedRequest) -> None:
         self.request_id = planned.request_id
         self.all_token_ids = _TokenWindow(planned.start, planned.token_ids)
+        # `get_token_list` (the decode fast paths' attrgetter) reads the private name.
+        self._all_token_ids = self.all_token_ids
         self.num_tokens = planned.start + len(planned.token_ids) + 1
 
 
