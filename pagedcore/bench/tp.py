@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import gc
 import json
+import sys
 import time
 from typing import Any
 
 import click
+
+from pagedcore.bench.report import git_commit
 
 __all__ = ["tp"]
 
@@ -137,5 +140,7 @@ def tp(model: str, sizes: str, device: str | None, dtype: str | None, backend: s
                    f"{','.join(r['backends'])}")
     if json_path:
         with open(json_path, "w") as fh:
-            json.dump({"model": model, "num_prompts": num_prompts, "min_len": min_len,
+            json.dump({"command": "pagedcore bench tp " + " ".join(sys.argv[3:]),
+                       "git_commit": git_commit(),
+                       "model": model, "num_prompts": num_prompts, "min_len": min_len,
                        "max_len": max_len, "max_new": max_new, "rows": rows}, fh, indent=2)
