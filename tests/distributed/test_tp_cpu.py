@@ -7,13 +7,19 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 from tp_helpers import assert_same_outputs, make_llm, params, random_prompts, workload
 
 from pagedcore.engine.distributed.executor import TensorParallelExecutor
-from pagedcore.engine.distributed.group import FAULT_ENV, TensorParallelError
+from pagedcore.engine.distributed.group import (
+    FAULT_ENV,
+    GRAPH_EMULATION_ENV,
+    TensorParallelError,
+)
 from pagedcore.engine.distributed.pool import WorkerMonitor
 
 
@@ -139,3 +145,35 @@ def test_monitor_reports_a_worker_that_exits() -> None:
     slow.join()
     time.sleep(0.1)
     assert quiet.dead_rank is None
+
+
+_EMULATED_GRAPHS_SCRIPT = r"""
+import os, sys
+os.environ["TRITON_INTERPRET"] = "1"
+import torch
+torch.set_num_threads(1)
+sys.path.insert(0, sys.argv[1])
+from tp_helpers import assert_same_outputs, make_llm, params, workload
+kw = dict(head_dim=64, block_size=16, backend="triton")
+expected = make_llm("llama", 1, **kw).generate(workload(), params())
+os.environ["PAGEDCORE_TP_GRAPH_EMULATION"] = "1"
+two = make_llm("llama", 2, capture_sizes=[1, 2, 4, 8], **kw)
+status = two.cudagraph_status()
+assert status["sizes"] == [1, 2, 4, 8] and status["mixed_sizes"] == [16, 32], status
+assert_same_outputs(expected, two.generate(workload(), params()))
+two.runner.shutdown()
+print("OK")
+"""
+
+
+def test_two_ranks_with_emulated_graphs_match_one() -> None:
+    # Every rank "captures" decode and mixed-step graphs (EagerCapturer: the padded inputs and
+    # buckets of a CUDA-graph engine, replayed eagerly) with the Triton kernels in the
+    # interpreter: what the workers rebuild from the plans must match rank 0 bucket for bucket.
+    pytest.importorskip("pagedcore_triton")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    env.pop(GRAPH_EMULATION_ENV, None)
+    proc = subprocess.run([sys.executable, "-c", _EMULATED_GRAPHS_SCRIPT, here],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]

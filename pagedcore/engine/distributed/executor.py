@@ -23,7 +23,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from pagedcore.engine.distributed.group import TensorParallelError
+from pagedcore.engine.distributed.group import TensorParallelError, emulation_capturer
 from pagedcore.engine.distributed.pool import WorkerMonitor, WorkerPool
 
 if TYPE_CHECKING:
@@ -224,7 +224,7 @@ class TensorParallelExecutor:
             statuses: list[Any] = [None] * self.world_size
 
             def capture() -> None:
-                runner.enable_cudagraphs(sizes=sizes, fallback=False)
+                runner.enable_cudagraphs(sizes=sizes, fallback=False, capturer=emulation_capturer())
                 dist.gather_object(graph_status(runner), statuses, dst=0,
                                    group=self.groups.control)
 

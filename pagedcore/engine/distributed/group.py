@@ -24,11 +24,13 @@ if TYPE_CHECKING:
 __all__ = [
     "CONTROL_TIMEOUT",
     "FAULT_ENV",
+    "GRAPH_EMULATION_ENV",
     "TIMEOUT_ENV",
     "Groups",
     "TensorParallelError",
     "collective_timeout_s",
     "destroy_groups",
+    "emulation_capturer",
     "free_port",
     "init_groups",
     "min_over_ranks",
@@ -39,11 +41,23 @@ __all__ = [
 TIMEOUT_ENV = "PAGEDCORE_TP_TIMEOUT_S"
 #: Test hook, ``"RANK:STEP"``: that worker raises before executing that step.
 FAULT_ENV = "PAGEDCORE_TP_FAULT"
+#: Test hook, ``"1"``: every rank "captures" with `EagerCapturer` (graphs emulated on the CPU:
+#: the padded graph inputs and buckets of a CUDA-graph engine, replayed eagerly).
+GRAPH_EMULATION_ENV = "PAGEDCORE_TP_GRAPH_EMULATION"
 CONTROL_TIMEOUT = datetime.timedelta(days=30)
 
 
 class TensorParallelError(RuntimeError):
     """A rank of a tensor-parallel engine failed; the engine is stopped."""
+
+
+def emulation_capturer() -> Any:
+    """`EagerCapturer` when `GRAPH_EMULATION_ENV` is ``"1"``, else None (real CUDA graphs)."""
+    if os.environ.get(GRAPH_EMULATION_ENV) != "1":
+        return None
+    from pagedcore.engine.cuda_graph import EagerCapturer
+
+    return EagerCapturer()
 
 
 def collective_timeout_s() -> float:

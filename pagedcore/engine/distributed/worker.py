@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from pagedcore.engine.distributed.group import FAULT_ENV
+from pagedcore.engine.distributed.group import FAULT_ENV, emulation_capturer
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -182,7 +182,8 @@ def _run(args: WorkerArgs, conn: Connection) -> None:
                        group=groups.control)
     if setup.cudagraphs:
         # Same buckets, same order as rank 0: the warm-up forwards' all-reduces meet.
-        runner.enable_cudagraphs(sizes=setup.cudagraph_capture_sizes, fallback=False)
+        runner.enable_cudagraphs(sizes=setup.cudagraph_capture_sizes, fallback=False,
+                                 capturer=emulation_capturer())
         dist.gather_object(graph_status(runner), None, dst=0, group=groups.control)
     while True:
         message: list[Any] = [None]
