@@ -67,8 +67,25 @@ rm -rf "$OUT"
 # shellcheck disable=SC2086  # MODULES is a space-separated list of module names
 # Subpackages are listed as well as their parents (a package's __all__ hides its submodules
 # from pdoc), so pdoc's "already been added" notes are expected and filtered out.
-"$PYTHON" -m pdoc --docformat numpy --footer-text "pagedcore @ ${COMMIT}" -o "$OUT" $MODULES \
-  2> >(grep -v "already been added" >&2)
+# The names a package exports lazily (module __getattr__: pagedcore.LLM, select_backend, ...)
+# are resolved into the package's namespace first, so pdoc documents them where they are
+# exported instead of warning that they "do not resolve".
+"$PYTHON" - "$OUT" "$COMMIT" $MODULES 2> >(grep -v "already been added" >&2) <<'EOF'
+import importlib
+import sys
+
+for package in ("pagedcore", "pagedcore.plugins"):
+    module = importlib.import_module(package)
+    for name in getattr(module, "__all__", ()):
+        if name not in vars(module):
+            setattr(module, name, getattr(module, name))
+from pdoc.__main__ import cli
+
+out, commit, *modules = sys.argv[1:]
+sys.argv = ["pdoc", "--docformat", "numpy", "--footer-text", f"pagedcore @ {commit}",
+            "-o", out, *modules]
+cli()
+EOF
 
 if [[ ! -f "$OUT/index.html" || ! -f "$OUT/pagedcore.html" ]]; then
   echo "build_api.sh: pdoc produced no index.html / pagedcore.html in $OUT" >&2

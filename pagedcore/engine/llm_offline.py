@@ -8,7 +8,6 @@ of a call is left behind in the engine.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +28,7 @@ class OfflineGeneration:
     # Set by `LLM.__init__`.
     scheduler: Scheduler
     _parents: dict[str, ParentRequest]
-    _ids: itertools.count[int]
+    _ids: Iterator[int]  # an itertools.count
 
     if TYPE_CHECKING:
 
