@@ -54,6 +54,11 @@ TIMED=$(echo $OK $LATE)
 echo "  timing: $TIMED (cut short in phase 1:${LATE:- none})"
 echo "  pytest cache_write + engine: $(tail -1 "$R/pytest_cache_write.txt")"
 
+# MLA_WAIT_FILE: a caller's background GPU job creates it when done; the timing waits for it
+# (at most MLA_WAIT_MAX seconds, default 30).
+if [ -n "$MLA_WAIT_FILE" ]; then
+  for _ in $(seq $(( ${MLA_WAIT_MAX:-30} * 2 ))); do [ -e "$MLA_WAIT_FILE" ] && break; sleep 0.5; done
+fi
 P2=${MLA_P2:-$(( CAP - 2 - ($(date +%s) - T0) ))}
 [ -n "$MLA_SMALL" ] && P2=600
 ONE="--one-target"; [ -n "$MLA_BOTH_TARGETS" ] && ONE=""

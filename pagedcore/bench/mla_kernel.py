@@ -189,7 +189,7 @@ def kernel_rows(
                     "block_n": cfg.block_n,
                     "num_stages": cfg.num_stages, "maxnreg": cfg.maxnreg,
                     "lat_split": cfg.lat_split, "pdl": cfg.pdl,
-                    "merge_chunk": cfg.merge_chunk,
+                    "merge_chunk": cfg.merge_chunk, "fused_fanin": cfg.fused_fanin,
                     "num_warps": cfg.launch_warps(splits, split_len),
                     "target_programs": cfg.split.target_programs, "num_splits": splits,
                     "kv_bytes": kv_bytes,
@@ -250,7 +250,7 @@ def breakdown_rows(
             empty = attrs.evolve(launch, split_len=0)
             row["empty_decode_ms"] = time_ms(
                 functools.partial(impl.launch_decode, empty, query, cache, meta, out), device)
-            if launch.splits > 1:
+            if launch.splits > 1 and launch.counters is None:  # else merged in the decode
                 row["merge_ms"] = time_ms(functools.partial(impl.launch_merge, launch, out),
                                           device)
             row["forward_ms"] = time_ms(_forward_fn(impl, query, cache, meta), device)

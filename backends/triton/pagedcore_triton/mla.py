@@ -75,7 +75,11 @@ class MLALaunch:
         Whether the kernels are launched with programmatic dependent launch.
     part_acc, part_ml:
         ``[T, H, splits, lat_pad]`` and ``[T, H, splits, 2]`` float32 partials (None when
-        unsplit).
+        unsplit); with a fused merge ``[T, head_blocks, 2 * splits, block_h, lat_pad]`` and
+        ``[T, head_blocks, 2 * splits, block_h, 2]`` (the tree's levels).
+    counters:
+        With a fused merge (`MLAKernelConfig.fused_fanin`) on a split launch: the impl's
+        persistent int32 group counters (zero between launches), else None.
     """
 
     num_tokens: int
@@ -86,6 +90,7 @@ class MLALaunch:
     pdl: bool
     part_acc: torch.Tensor | None
     part_ml: torch.Tensor | None
+    counters: torch.Tensor | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -156,6 +161,8 @@ class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
     #: The compiled kernels of the last `forward` (decode, then merge when split), for the
     #: bench's register / shared-memory report.
     last_kernels: tuple[Any, ...] = ()
+    #: The fused merge's group counters (`_counters`), per instance once allocated.
+    _fused_counters: torch.Tensor | None = None
 
     def do_kv_cache_update(
         self,
@@ -230,9 +237,18 @@ class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
             return out
         launch = self.plan_launch(query, metadata)
         self.launch_decode(launch, query, kv_cache, metadata, out)
-        if launch.splits > 1:
+        if launch.splits > 1 and launch.counters is None:
             self.launch_merge(launch, out)
         return out
+
+    def _counters(self, device: torch.device, size: int) -> torch.Tensor:
+        """The persistent zeroed int32 counters of the fused merge (each launch leaves them
+        zero), grown to at least `size`. One impl serves one stream at a time."""
+        have = self._fused_counters
+        if have is None or have.device != device or have.numel() < size:
+            have = torch.zeros(max(size, 4096), dtype=torch.int32, device=device)
+            self._fused_counters = have
+        return have
 
     def plan_launch(self, query: torch.Tensor, metadata: TritonMLAMetadata) -> MLALaunch:
         """Split count, segment length and partial buffers of one `forward` (no launch).
@@ -249,8 +265,13 @@ class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
         # Segments start on tile boundaries (whole blocks when BLOCK_N is a multiple of them).
         seg = -(-metadata.max_seq_len // splits)
         split_len = -(-seg // cfg.block_n) * cfg.block_n
-        part_acc = part_ml = None
-        if splits > 1:
+        part_acc = part_ml = counters = None
+        if splits > 1 and cfg.fused_fanin is not None:
+            slots = (actual, head_blocks, 2 * splits, self.block_h)
+            part_acc = torch.empty(*slots, lat_pad, dtype=torch.float32, device=query.device)
+            part_ml = torch.empty(*slots, 2, dtype=torch.float32, device=query.device)
+            counters = self._counters(query.device, actual * head_blocks * splits)
+        elif splits > 1:
             part_acc = torch.empty(actual, self.num_heads, splits, lat_pad,
                                    dtype=torch.float32, device=query.device)
             part_ml = torch.empty(actual, self.num_heads, splits, 2, dtype=torch.float32,
@@ -258,7 +279,7 @@ class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
         pdl = cfg.pdl and not interpreting() and _has_pdl(query.device)
         return MLALaunch(num_tokens=actual, head_blocks=head_blocks, splits=splits,
                          split_len=split_len, lat_pad=lat_pad, pdl=pdl, part_acc=part_acc,
-                         part_ml=part_ml)
+                         part_ml=part_ml, counters=counters)
 
     def launch_decode(
         self,
@@ -289,8 +310,9 @@ class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
         if cfg.split_first and launch.splits > 1:  # few tokens (<= the split target)
             grid = grid[::-1]
             options["SPLIT_FIRST"] = True
+        counters = launch.counters if launch.counters is not None else out  # unused if None
         compiled = mla_decode_kernel[grid](
-            out, part_acc, part_ml, query, kv_cache, metadata.block_table,
+            out, part_acc, part_ml, counters, query, kv_cache, metadata.block_table,
             metadata.token_req, metadata.token_kv_len,
             self.num_heads, launch.splits, self.scale * 1.4426950408889634, launch.split_len,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
@@ -299,16 +321,20 @@ class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
             LAT_SPLIT=min(cfg.lat_split, launch.lat_pad // 16), ROPE=rope,
             ROPE_PAD=max(16, _next_pow2(rope)), BLOCK_SIZE=kv_cache.shape[1],
             BLOCK_H=self.block_h, BLOCK_N=cfg.block_n, WRITE_PARTIAL=launch.splits > 1,
-            DOT_FP32=interp or query.dtype == torch.float32, USE_PDL=launch.pdl, **options,
+            DOT_FP32=interp or query.dtype == torch.float32, USE_PDL=launch.pdl,
+            FANIN=(cfg.fused_fanin or 0) if launch.counters is not None else 0, **options,
         )
         self.last_kernels = (compiled,)
 
     def launch_merge(self, launch: MLALaunch, out: torch.Tensor) -> None:
         """The merge kernel: combine `launch`'s partials into ``out`` ``[T, H, L]``."""
-        from pagedcore_triton.mla_kernels import mla_merge_kernel
+        from pagedcore_triton.mla_merge import mla_merge_kernel
 
         if launch.part_acc is None or launch.part_ml is None:
             raise ValueError("launch_merge needs a split launch (plan_launch gave 1 split)")
+        if launch.counters is not None:
+            raise ValueError("launch_merge: this launch merges inside the decode kernel "
+                             "(kernel_config.fused_fanin); there is nothing left to merge")
         lat_pad = launch.lat_pad
         cols, chunk, warps = merge_layout(
             self.kernel_config, num_tokens=launch.num_tokens, num_heads=self.num_heads,

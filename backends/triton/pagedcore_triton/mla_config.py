@@ -97,6 +97,12 @@ class MLAKernelConfig:
     short_split_warps, short_split_len:
         When set, the warps of a split launch whose segments have at most `short_split_len`
         positions (few tiles per program, e.g. 4 requests of 32768 tokens in 64 splits).
+    fused_fanin:
+        When set (a power of two >= 2), no merge kernel: the split programs merge their
+        partials themselves, as a tree of this fan-in. Each program writes its partial and
+        counts itself in with an atomic counter per group of `fused_fanin` splits; the last
+        arrival of a group merges the group (and resets the counter to 0), then does the same
+        one level up. The merge settings (`merge_chunk` ... `merge_warps`) are then unused.
     """
 
     name: str
@@ -114,6 +120,7 @@ class MLAKernelConfig:
     split_first: bool = False
     short_split_warps: int | None = None
     short_split_len: int = 512
+    fused_fanin: int | None = None
 
     def launch_warps(self, splits: int, split_len: int) -> int:
         """``num_warps``, or `short_split_warps` for a split launch of short segments."""
@@ -132,6 +139,9 @@ class MLAKernelConfig:
             raise ValueError(f"merge_cols must be a power of two >= 16, got {self.merge_cols}")
         if self.block_n < 16 or not _pow2(self.block_n):
             raise ValueError(f"block_n must be a power of two >= 16, got {self.block_n}")
+        if self.fused_fanin is not None and (self.fused_fanin < 2 or not _pow2(self.fused_fanin)):
+            raise ValueError(
+                f"fused_fanin must be None or a power of two >= 2, got {self.fused_fanin}")
         for what, warps in (("num_warps", self.num_warps), ("merge_warps", self.merge_warps),
                             ("short_split_warps", self.short_split_warps or 1)):
             if not _pow2(warps):
@@ -172,7 +182,7 @@ def _default_like(name: str, **kw: object) -> MLAKernelConfig:
 #: (``short_split_warps`` 2), ``k<merge_cols>`` (when not 128), ``R<merge_row_pairs>``,
 #: ``mw<merge_warps>`` (when not 4),
 #: ``x<max_splits>`` (when not 64), ``f`` (``split_first``), ``r<maxnreg>``, ``t<split
-#: target>`` (when not 264).
+#: target>`` (when not 264), ``u<fused_fanin>`` (merge fused into the split programs).
 MLA_KERNEL_CONFIGS: dict[str, MLAKernelConfig] = {
     c.name: c
     for c in (
@@ -182,6 +192,11 @@ MLA_KERNEL_CONFIGS: dict[str, MLAKernelConfig] = {
         # columns]); neither sums across warps.
         _default_like("n32s5c4pm64R256k32mw1", merge_row_pairs=256, merge_cols=32,
                       merge_warps=1),
+        # No merge kernel: the last-finishing split of each group of 4 splits merges the
+        # group (a tree: 64 splits in 3 levels). Correct (CUDA-graph replay included) but
+        # 1.5-21 points slower than the default at every split shape (seventh run; fan-in
+        # 2, 8, 64 and two partials per round trip were no better and were removed).
+        _default_like("n32s5c4pu4", fused_fanin=4),
         # The same with 4-warp, 128-column merge programs below 256 pairs:
         _default_like("n32s5c4pm64R256", merge_row_pairs=256),
         # The previous default (whole-row merges from 1024 pairs on):

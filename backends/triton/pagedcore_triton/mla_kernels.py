@@ -13,7 +13,14 @@ Each token sees the first ``kv_len`` positions of its request (``kv_len`` = cont
 in the step + 1: causal aligned to the end), so one kernel serves decodes and prefill tokens of a
 mixed batch. With ``WRITE_PARTIAL`` (split-KV, for long contexts with few tokens) the positions
 are cut into ``split_len``-token segments computed by separate programs that write partial
-``(acc / sum, max, sum)`` in fp32; `mla_merge_kernel` combines them.
+``(acc / sum, max, sum)`` in fp32; `pagedcore_triton.mla_merge.mla_merge_kernel` combines them.
+With ``FANIN`` (``MLAKernelConfig.fused_fanin``) there is no merge kernel: the split programs
+merge among themselves as a tree of that fan-in. Each writes its unnormalised partial and
+increments its group's counter (``atomic_add``, acquire-release, after a barrier so that every
+thread's stores precede the release); the group's last arrival reads the other partials from
+L2 (``.cg`` loads), combines them with its own registers, resets the counter to zero for the
+next launch (no host work per call: CUDA-graph safe) and goes one level up; the root's last
+arrival writes the output. No program ever waits for another, so any launch order is safe.
 
 Speed notes (H200, bf16, DeepSeek-V2-Lite shapes; from the TTGIR/SASS of Triton 3.6 for sm_90
 and the bench in ``docs/mla.md``):
@@ -39,7 +46,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["mla_cache_write_kernel", "mla_decode_kernel", "mla_merge_kernel"]
+__all__ = ["mla_cache_write_kernel", "mla_decode_kernel"]
 
 
 @triton.jit
@@ -97,11 +104,30 @@ def _store_cols(ptrs, acc, col0, mask_rows, valid, WIDTH: tl.constexpr):
              mask=mask_rows[:, None] & (offs < valid)[None, :])
 
 
+@triton.jit
+def _weight(m, m_new):
+    """``exp2(m - m_new)``, and 0 for an empty partial (``m = -inf``, also when all are)."""
+    return tl.exp2(tl.where(m > float("-inf"), m - m_new, float("-inf")))
+
+
+@triton.jit
+def _peer_cols(part_acc_ptr, part_ml_ptr, rows, ok, m_new, col0, LATENT_PAD: tl.constexpr,
+               WIDTH: tl.constexpr):
+    """``w * acc``: the ``[len(rows), WIDTH]`` fp32 partial another program wrote, weighted by
+    ``exp2(m - m_new)``; read from L2 (``.cg``), never from this SM's L1; 0 where not `ok`."""
+    offs = col0 + tl.arange(0, WIDTH)
+    m = tl.load(part_ml_ptr + rows * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    acc = tl.load(part_acc_ptr + rows[:, None] * LATENT_PAD + offs[None, :],
+                  mask=ok[:, None], other=0.0, cache_modifier=".cg")
+    return _weight(m, m_new)[:, None] * acc
+
+
 @triton.jit(do_not_specialize=["num_splits"])
 def mla_decode_kernel(
     out_ptr,
     part_acc_ptr,
     part_ml_ptr,
+    counter_ptr,
     q_ptr,
     cache_ptr,
     block_table_ptr,
@@ -130,6 +156,7 @@ def mla_decode_kernel(
     DOT_FP32: tl.constexpr,
     USE_PDL: tl.constexpr,
     SPLIT_FIRST: tl.constexpr = False,
+    FANIN: tl.constexpr = 0,
 ):
     """Grid ``(tokens, cdiv(H, BLOCK_H), num_splits)``, or ``(num_splits, cdiv(H, BLOCK_H),
     tokens)`` with `SPLIT_FIRST` (the splits of one token launched next to each other); see
@@ -216,7 +243,79 @@ def mla_decode_kernel(
             acc3 = _accumulate(p, c3, acc3, alpha, DOT_FP32)
         m_i = m_new
 
-    if WRITE_PARTIAL:
+    rows_ok = head_mask
+    if WRITE_PARTIAL and FANIN > 0:
+        # Merge fused into the last-finishing programs, as a tree of fan-in FANIN. Partial
+        # slots of one (token, head block): num_splits at level 0, then one per group of
+        # each level ([T, head blocks, 2 * num_splits, BLOCK_H, LATENT_PAD], unnormalised,
+        # with (max, sum) as [..., BLOCK_H, 2]); one int32 counter per group (fewer than
+        # num_splits per pair), zero between launches: the group's last arrival resets it.
+        hl = tl.arange(0, BLOCK_H)
+        pair = tok.to(tl.int64) * tl.num_programs(1) + head_block
+        slot0 = pair * 2 * num_splits
+        ctr0 = pair * num_splits
+        node = split
+        width = num_splits + 0 * split
+        lvl_slot = 0 * split
+        lvl_ctr = 0 * split
+        alive = split >= 0
+        while alive & (width > 1):
+            rows = (slot0 + lvl_slot + node) * BLOCK_H + hl
+            tl.store(part_ml_ptr + rows * 2, m_i)
+            tl.store(part_ml_ptr + rows * 2 + 1, l_i)
+            own = part_acc_ptr + rows[:, None] * LATENT_PAD
+            _store_cols(own, acc0, 0, head_mask, LATENT_PAD, CW)
+            if LAT_SPLIT >= 2:
+                _store_cols(own, acc1, CW, head_mask, LATENT_PAD, CW)
+            if LAT_SPLIT == 4:
+                _store_cols(own, acc2, 2 * CW, head_mask, LATENT_PAD, CW)
+                _store_cols(own, acc3, 3 * CW, head_mask, LATENT_PAD, CW)
+            # Every thread's stores before the (one-thread) release of the counter.
+            tl.debug_barrier()
+            first = (node // FANIN) * FANIN
+            n_in = tl.minimum(width - first, FANIN)
+            ctr = counter_ptr + ctr0 + lvl_ctr + node // FANIN
+            alive = tl.atomic_add(ctr, 1, sem="acq_rel", scope="gpu") == n_in - 1
+            if alive:  # the group's last arrival: the others' partials are in L2
+                tl.store(ctr, 0)
+                peers = first + tl.arange(0, FANIN)
+                ok = (peers < first + n_in) & (peers != node)
+                prow = (slot0 + lvl_slot + peers)[:, None] * BLOCK_H + hl[None, :]
+                m_p = tl.load(part_ml_ptr + prow * 2, mask=ok[:, None], other=float("-inf"),
+                              cache_modifier=".cg")
+                l_p = tl.load(part_ml_ptr + prow * 2 + 1, mask=ok[:, None], other=0.0,
+                              cache_modifier=".cg")
+                m_new = tl.maximum(m_i, tl.max(m_p, axis=0))
+                w_own = _weight(m_i, m_new)
+                l_i = l_i * w_own + tl.sum(l_p * _weight(m_p, m_new[None, :]), axis=0)
+                acc0 = acc0 * w_own[:, None]
+                if LAT_SPLIT >= 2:
+                    acc1 = acc1 * w_own[:, None]
+                if LAT_SPLIT == 4:
+                    acc2 = acc2 * w_own[:, None]
+                    acc3 = acc3 * w_own[:, None]
+                for j in range(first, first + n_in):
+                    rows_j = (slot0 + lvl_slot + j) * BLOCK_H + hl
+                    ok_j = head_mask & ((hl * 0 + j) != node)
+                    acc0 += _peer_cols(part_acc_ptr, part_ml_ptr, rows_j, ok_j, m_new, 0,
+                                       LATENT_PAD, CW)
+                    if LAT_SPLIT >= 2:
+                        acc1 += _peer_cols(part_acc_ptr, part_ml_ptr, rows_j, ok_j, m_new, CW,
+                                           LATENT_PAD, CW)
+                    if LAT_SPLIT == 4:
+                        acc2 += _peer_cols(part_acc_ptr, part_ml_ptr, rows_j, ok_j, m_new,
+                                           2 * CW, LATENT_PAD, CW)
+                        acc3 += _peer_cols(part_acc_ptr, part_ml_ptr, rows_j, ok_j, m_new,
+                                           3 * CW, LATENT_PAD, CW)
+                m_i = m_new
+            lvl_slot += width
+            lvl_ctr += tl.cdiv(width, FANIN)
+            node = node // FANIN
+            width = tl.cdiv(width, FANIN)
+        # Only the root's last arrival writes the output. (Broadcast by a compare: the
+        # interpreter turns ``bool[BLOCK_H] & bool`` into int32.)
+        rows_ok = head_mask & ((heads * 0 + alive.to(tl.int32)) != 0)
+    if WRITE_PARTIAL and FANIN == 0:
         # Partials acc / sum laid out [T, H, num_splits, LATENT_PAD] and (max, sum) as
         # [T, H, num_splits, 2].
         part = (tok.to(tl.int64) * num_heads + heads) * num_splits + split
@@ -229,69 +328,17 @@ def mla_decode_kernel(
         valid = LATENT_PAD
     else:
         ptrs = out_ptr + (tok.to(tl.int64) * stride_ot + heads * stride_oh)[:, None]
-        scale = 1.0 / l_i
+        if FANIN > 0:  # (the programs that write nothing may hold a sum of 0)
+            scale = 1.0 / tl.where(rows_ok, l_i, 1.0)
+        else:
+            scale = 1.0 / l_i
         valid = LATENT
-    _store_cols(ptrs, acc0 * scale[:, None], 0, head_mask, valid, CW)
+    _store_cols(ptrs, acc0 * scale[:, None], 0, rows_ok, valid, CW)
     if LAT_SPLIT >= 2:
-        _store_cols(ptrs, acc1 * scale[:, None], CW, head_mask, valid, CW)
+        _store_cols(ptrs, acc1 * scale[:, None], CW, rows_ok, valid, CW)
     if LAT_SPLIT == 4:
-        _store_cols(ptrs, acc2 * scale[:, None], 2 * CW, head_mask, valid, CW)
-        _store_cols(ptrs, acc3 * scale[:, None], 3 * CW, head_mask, valid, CW)
-
-
-@triton.jit(do_not_specialize=["num_splits"])
-def mla_merge_kernel(
-    out_ptr,
-    part_acc_ptr,
-    part_ml_ptr,
-    num_heads,
-    num_splits,
-    stride_ot,
-    stride_oh,
-    LATENT: tl.constexpr,
-    LATENT_PAD: tl.constexpr,
-    COLS: tl.constexpr,
-    CHUNK: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    """Grid ``(tokens, H, LATENT_PAD // COLS)``: combine the split partials of one token and
-    head (log-sum-exp) for ``COLS`` latent columns (several programs per head, so that a few
-    long requests still give enough programs).
-
-    The split count is a runtime value (no recompile per count): partials are read ``CHUNK``
-    splits at a time (maxima, sums and accumulators of a chunk in one round trip) and combined
-    with a running maximum. With `USE_PDL` (launched with programmatic dependent launch) the
-    programs start during the decode kernel's tail and wait for its partials here.
-    """
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    tok = tl.program_id(0)
-    head = tl.program_id(1)
-    col0 = tl.program_id(2) * COLS
-    base = (tok.to(tl.int64) * num_heads + head) * num_splits
-    offs_s = tl.arange(0, CHUNK)
-    offs_l = col0 + tl.arange(0, COLS)
-    m_run = tl.full([], float("-inf"), dtype=tl.float32)
-    den = tl.zeros([], dtype=tl.float32)
-    acc = tl.zeros([COLS], dtype=tl.float32)
-    for s0 in range(0, num_splits, CHUNK):
-        idx = base + s0 + offs_s
-        valid = s0 + offs_s < num_splits
-        m = tl.load(part_ml_ptr + idx * 2, mask=valid, other=float("-inf"))
-        lsum = tl.load(part_ml_ptr + idx * 2 + 1, mask=valid, other=0.0)
-        part = tl.load(part_acc_ptr + idx[:, None] * LATENT_PAD + offs_l[None, :],
-                       mask=valid[:, None], other=0.0).to(tl.float32)
-        # Split 0 is never empty, so m_new is finite from the first chunk on; empty splits
-        # carry m = -inf and weigh exp2(-inf) = 0, as does the initial running maximum.
-        m_new = tl.maximum(m_run, tl.max(m, axis=0))
-        w = tl.exp2(m - m_new)
-        rescale = tl.exp2(m_run - m_new)
-        acc = acc * rescale + tl.sum(part * (w * lsum)[:, None], axis=0)
-        den = den * rescale + tl.sum(lsum * w, axis=0)
-        m_run = m_new
-    tl.store(out_ptr + tok.to(tl.int64) * stride_ot + head * stride_oh + offs_l,
-             (acc / den).to(out_ptr.dtype.element_ty), mask=offs_l < LATENT)
+        _store_cols(ptrs, acc2 * scale[:, None], 2 * CW, rows_ok, valid, CW)
+        _store_cols(ptrs, acc3 * scale[:, None], 3 * CW, rows_ok, valid, CW)
 
 
 @triton.jit
