@@ -258,12 +258,16 @@ void prefill(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache
   // tiles in flight instead of two, 9 = 7 and 10 = 3 (128 rows) with the fast softmax,
   // 11 = 9 in head-major tile order with a 2-blocks-per-SM register bound, 12 = 11 with 64
   // rows (4 warps of 16 rows, Q in registers) and 3 blocks per SM, 13 = 11 with 4 stages,
-  // 14 = 10 in head-major order with a 2-blocks-per-SM register bound.
-  TORCH_CHECK(variant >= 0 && variant <= 14, "prefill variant must be 0 (mma), 1 (wmma), 2 "
+  // 14 = 10 in head-major order with a 2-blocks-per-SM register bound, 15 = 10 and 16 = 14
+  // with masks decided per warp (fully masked warps skip a tile), 17 = 15 with one barrier
+  // per tile, 18 = 15 and 19 = 17 with the straight-line softmax of masked plain tiles.
+  TORCH_CHECK(variant >= 0 && variant <= 19, "prefill variant must be 0 (mma), 1 (wmma), 2 "
               "(wmma, lane per key), 3 (mma, pipelined gather), 4 (3 with 8 warps), 5 (3 with "
               "32-key tiles), 6 (5 with 8 warps), 7 (5 with 3 stages), 8 (4 with 3 stages), "
               "9 (7 with the fast softmax), 10 (3 with the fast softmax), 11 (9, head-major), "
-              "12 (11 with 64 rows), 13 (11 with 4 stages) or 14 (10, head-major), got ",
+              "12 (11 with 64 rows), 13 (11 with 4 stages), 14 (10, head-major), 15 (10 with "
+              "per-warp masks), 16 (14 with per-warp masks), 17 (15 with one barrier per "
+              "tile), 18 (15 with straight-line masked plain tiles) or 19 (17 with them), got ",
               variant);
   const bool mma = variant == 0 || variant >= 3;
   const bool warps8 = variant == 4 || variant == 6 || variant == 8;
@@ -288,7 +292,10 @@ void prefill(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache
     p.prefill_stages = variant == 13 ? 4 : variant == 7 || variant == 8 || variant == 9 ||
                        variant == 11 || variant == 12 ? 3 : 2;
     p.prefill_fast = variant >= 9;
-    p.prefill_sched = variant >= 11;
+    p.prefill_sched = variant >= 11 && variant <= 16 && variant != 15;
+    p.prefill_warp_mask = variant >= 15;
+    p.prefill_one_barrier = variant == 17 || variant == 19;
+    p.prefill_plain_mask = variant >= 18;
     launch_for_dtype(p, query, launch_prefill_mma_f16, launch_prefill_mma_bf16, nullptr,
                      "prefill (mma)");
     return;

@@ -47,11 +47,17 @@ struct AttentionParams {
   int decode_unroll;           // mma decode: 16-key tiles whose loads are issued together (1, 2)
   int prefill_rows;            // mma prefill: query rows per tile (64 or 128)
   bool prefill_pipe;           // mma prefill: pipelined K/V gather (block table read ahead)
+  bool prefill_plain_mask;     // mma prefill (fast): masked plain tiles without branches
+                               // (in the padding after prefill_pipe, like the two new bools
+                               // below after prefill_sched: the older fields keep their
+                               // offsets, so the older kernels' code is unchanged)
   int prefill_warps;           // mma prefill: warps per thread block (4 or 8)
   int prefill_keys;            // mma prefill: keys per shared-memory K/V tile (64 or 32)
   int prefill_stages;          // mma prefill: K/V tiles in flight (2 or 3)
   bool prefill_fast;           // mma prefill: straight-line softmax of unmasked tiles
   bool prefill_sched;          // mma prefill: head-major tile order, blocks-per-SM bound
+  bool prefill_warp_mask;      // mma prefill (fast): masks decided per warp, masked warps skip
+  bool prefill_one_barrier;    // mma prefill (2 stages): the ring's one barrier per tile
   // decode only
   int partition_size;          // tokens, a multiple of block_size
   int max_partitions;          // grid.z; 1 = one pass (tmp buffers unused)

@@ -42,11 +42,25 @@ struct FaSmem {
 
 // MINB: thread blocks per SM the register budget must allow (`__launch_bounds__`); HMAJOR:
 // the query heads of one tile are consecutive thread blocks (the heads sharing a KV head run
-// side by side and read the same K/V tiles), heaviest tiles first over all heads.
+// side by side and read the same K/V tiles), heaviest tiles first over all heads. WMASK (with
+// FAST): masks decided per warp instead of per thread block, so on a tile that needs masks for
+// the block (the causal diagonal, window edges) a warp whose rows see every key of the tile
+// takes the straight-line softmax, and a warp whose rows see none of them (or that holds only
+// padding rows) skips the tile's mmas and softmax (its running max / sum / O are unchanged,
+// exactly as the masked softmax would leave them). ONEBAR (two stages): the ring's schedule,
+// one barrier per tile: tile i + 1 is requested after the barrier that follows tile i's
+// arrival (so only one tile is in flight, for the whole of tile i's compute). PMASK (with
+// FAST): masked tiles without ALiBi / soft-cap take a straight-line softmax too, each row's
+// visible keys being one range (a select per score instead of the general per-score code).
 template <typename T, int HEAD, int MT, bool PIPE, int NW, int KN, int ST, bool FAST,
-          int MINB = 1, bool HMAJOR = false>
+          int MINB = 1, bool HMAJOR = false, bool WMASK = false, bool ONEBAR = false,
+          bool PMASK = false>
 __global__ void __launch_bounds__(NW * 32, MINB) prefill_mma_kernel(AttentionParams p) {
   static_assert(ST == 2 || (PIPE && ST > 2), "more than two stages need the pipelined gather");
+  static_assert(FAST || (!WMASK && !PMASK), "per-warp / plain masks need the fast softmax");
+  // The cp.async ring (one barrier per tile): more than two stages, or two with ONEBAR.
+  constexpr bool kRing = ST > 2 || ONEBAR;
+  static_assert(!kRing || PIPE, "the ring needs the pipelined gather");
   using L = FaSmem<T, HEAD, MT, NW, KN, ST>;
   constexpr int kFaRows = L::ROWS;
   constexpr int kFaThreads = NW * 32;
@@ -175,7 +189,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) prefill_mma_kernel(AttentionPar
   const int kt_begin = (kv_lo / kFaKeys) * kFaKeys;
   const int n_kt = kv_hi > kt_begin ? cdiv(kv_hi - kt_begin, kFaKeys) : 0;
   int kph = -1, vph = -1;  // PIPE: block-table entries of the next tile to load
-  if constexpr (ST > 2) {
+  if constexpr (kRing) {
     // Tiles 0 .. ST - 2 in flight (one commit group each, empty past the end), then the
     // block-table entries of tile ST - 1.
 #pragma unroll
@@ -197,7 +211,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) prefill_mma_kernel(AttentionPar
       load_kv(kt_begin, 0);
     }
   }
-  if constexpr (ST == 2) {
+  if constexpr (!kRing) {
     cp_async_commit();
     cp_async_wait<1>();  // Q has landed (the first K/V tile may still be in flight)
   }
@@ -228,11 +242,11 @@ __global__ void __launch_bounds__(NW * 32, MINB) prefill_mma_kernel(AttentionPar
     pos_q[mt][1] = pos_q[mt][0] + 8;
   }
 
-  int ring = 0;  // ST > 2: stage of tile i
+  int ring = 0;  // kRing: stage of tile i
   for (int i = 0; i < n_kt; ++i) {
     const int kt = kt_begin + i * kFaKeys;
-    const int stage = ST == 2 ? (i & 1) : ring;
-    if constexpr (ST > 2) {
+    const int stage = kRing ? ring : (i & 1);
+    if constexpr (kRing) {
       // Tile i has landed once at most ST - 2 younger groups are pending; after the barrier
       // every warp is done with tile i - 1, whose stage takes tile i + ST - 1 (so one barrier
       // per tile instead of two).
@@ -256,7 +270,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) prefill_mma_kernel(AttentionPar
     } else {
       cp_async_wait<0>();
     }
-    if constexpr (ST == 2) __syncthreads();
+    if constexpr (!kRing) __syncthreads();
     const T* k_s = reinterpret_cast<const T*>(smem_raw + L::K_OFF + stage * L::K_BYTES);
     T* v_s = reinterpret_cast<T*>(smem_raw + L::V_OFF + stage * L::V_BYTES);
 
@@ -280,214 +294,270 @@ __global__ void __launch_bounds__(NW * 32, MINB) prefill_mma_kernel(AttentionPar
       __syncthreads();
     }
 
-    // S = Q K^T: 16 * MT rows x KN keys per warp (NS n-tiles per m-tile).
-    float s[MT][NS][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-      for (int j = 0; j < NS; ++j) s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.f;
+    // WMASK: this warp's rows (padding rows count as the last real one); warp_skip: every
+    // score of those rows is masked in this tile, or the warp holds only padding rows.
+    const int wfirst = first_pos + warp * MT * 16;
+    const int wlast = min(wfirst + MT * 16 - 1, last_pos);
+    bool warp_skip = false;
+    if constexpr (WMASK) {
+      warp_skip = wfirst > last_pos || (p.causal && kt > wlast) ||
+                  (p.window > 0 && kt + kFaKeys - 1 <= wfirst - p.window);
     }
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-      uint32_t qk[MT][4];
+    if (!warp_skip) {
+      // S = Q K^T: 16 * MT rows x KN keys per warp (NS n-tiles per m-tile).
+      float s[MT][NS][4];
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        if constexpr (MT == 1) {
 #pragma unroll
-          for (int x = 0; x < 4; ++x) qk[mt][x] = qf[ks][x];
-        } else {
-          load_q(qk[mt], mt, ks);
-        }
+        for (int j = 0; j < NS; ++j) s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.f;
       }
 #pragma unroll
-      for (int j = 0; j < NS; j += 2) {
-        uint32_t r[4];
-        const int key = (j + lane / 16) * 8 + lane % 8;
-        ldmatrix_x4(r, k_s + key * L::LDK + ks * 16 + (lane / 8 % 2) * 8);
-        const uint32_t b0[2] = {r[0], r[1]};
-        const uint32_t b1[2] = {r[2], r[3]};
+      for (int ks = 0; ks < KS; ++ks) {
+        uint32_t qk[MT][4];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-          mma_acc<T>(s[mt][j], qk[mt], b0);
-          mma_acc<T>(s[mt][j + 1], qk[mt], b1);
+          if constexpr (MT == 1) {
+#pragma unroll
+            for (int x = 0; x < 4; ++x) qk[mt][x] = qf[ks][x];
+          } else {
+            load_q(qk[mt], mt, ks);
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < NS; j += 2) {
+          uint32_t r[4];
+          const int key = (j + lane / 16) * 8 + lane % 8;
+          ldmatrix_x4(r, k_s + key * L::LDK + ks * 16 + (lane / 8 % 2) * 8);
+          const uint32_t b0[2] = {r[0], r[1]};
+          const uint32_t b1[2] = {r[2], r[3]};
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            mma_acc<T>(s[mt][j], qk[mt], b0);
+            mma_acc<T>(s[mt][j + 1], qk[mt], b1);
+          }
         }
       }
-    }
 
-    // Online softmax in registers; rows g (r = 0) and g + 8 (r = 1).
-    const bool need_mask = kt < kv_lo || kt + kFaKeys > kv_hi ||
-                           (p.causal && kt + kFaKeys - 1 > first_pos) ||
-                           (p.window > 0 && kt <= last_pos - p.window);
-    if constexpr (FAST) {
-      // FAST: unmasked plain tiles (the bulk of a long prompt) take a straight-line path
-      // (no per-score branches, exp2 of one FMA); rows whose max did not move have
-      // alpha == 1 exactly, so O is rescaled only when some row of the warp needs it.
-      float alpha[MT][2];
-      if (plain && !need_mask && scale_log2 > 0.f) {
+      // Online softmax in registers; rows g (r = 0) and g + 8 (r = 1). need_mask: some score of
+      // the tile is masked for some row of the block (WMASK: of the warp).
+      bool need_mask = kt < kv_lo || kt + kFaKeys > kv_hi ||
+                       (p.causal && kt + kFaKeys - 1 > first_pos) ||
+                       (p.window > 0 && kt <= last_pos - p.window);
+      if constexpr (WMASK) {
+        need_mask = kt < kv_lo || kt + kFaKeys > kv_hi || (p.causal && kt + kFaKeys - 1 > wfirst) ||
+                    (p.window > 0 && kt <= wlast - p.window);
+      }
+      if constexpr (FAST) {
+        // FAST: unmasked plain tiles (the bulk of a long prompt) take a straight-line path
+        // (no per-score branches, exp2 of one FMA); rows whose max did not move have
+        // alpha == 1 exactly, so O is rescaled only when some row of the warp needs it.
+        float alpha[MT][2];
+        if (plain && !need_mask && scale_log2 > 0.f) {
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
+          for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            float mx = s[mt][0][2 * r];
+            for (int r = 0; r < 2; ++r) {
+              float mx = s[mt][0][2 * r];
 #pragma unroll
-            for (int j = 0; j < NS; ++j) {
-              mx = fmaxf(mx, fmaxf(s[mt][j][2 * r], s[mt][j][2 * r + 1]));
-            }
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float m_new = fmaxf(m[mt][r], mx * scale_log2);  // finite: all visible
-            alpha[mt][r] = fast_exp2(m[mt][r] - m_new);           // exp2(-inf) = 0
-            float sum = 0.f;
-#pragma unroll
-            for (int j = 0; j < NS; ++j) {
-#pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                const float pv = fast_exp2(fmaf(s[mt][j][2 * r + e], scale_log2, -m_new));
-                s[mt][j][2 * r + e] = pv;
-                sum += pv;
+              for (int j = 0; j < NS; ++j) {
+                mx = fmaxf(mx, fmaxf(s[mt][j][2 * r], s[mt][j][2 * r + 1]));
               }
+              mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+              mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+              const float m_new = fmaxf(m[mt][r], mx * scale_log2);  // finite: all visible
+              alpha[mt][r] = fast_exp2(m[mt][r] - m_new);           // exp2(-inf) = 0
+              float sum = 0.f;
+#pragma unroll
+              for (int j = 0; j < NS; ++j) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                  const float pv = fast_exp2(fmaf(s[mt][j][2 * r + e], scale_log2, -m_new));
+                  s[mt][j][2 * r + e] = pv;
+                  sum += pv;
+                }
+              }
+              l[mt][r] = l[mt][r] * alpha[mt][r] + sum;
+              m[mt][r] = m_new;
             }
-            l[mt][r] = l[mt][r] * alpha[mt][r] + sum;
-            m[mt][r] = m_new;
+          }
+        } else if (PMASK && plain && scale_log2 > 0.f) {
+          // PMASK: a masked tile without ALiBi / soft-cap: each row's visible keys are one
+          // range [lo, hi) (edges, causal, window), so one select per score, no branches.
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              const int pq = pos_q[mt][r];
+              const int lo = p.window > 0 ? max(kv_lo, pq - p.window + 1) : kv_lo;
+              const int hi = p.causal ? min(kv_hi, pq + 1) : kv_hi;
+              float mx = -INFINITY;
+#pragma unroll
+              for (int j = 0; j < NS; ++j) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                  const int pos_k = kt + 8 * j + 2 * t + e;
+                  const float v = pos_k >= lo && pos_k < hi ? s[mt][j][2 * r + e] : -INFINITY;
+                  s[mt][j][2 * r + e] = v;
+                  mx = fmaxf(mx, v);
+                }
+              }
+              mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+              mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+              const float m_new = fmaxf(m[mt][r], mx * scale_log2);  // -inf: nothing seen yet
+              alpha[mt][r] = m_new == -INFINITY ? 1.f : fast_exp2(m[mt][r] - m_new);
+              const float m_use = m_new == -INFINITY ? 0.f : m_new;
+              float sum = 0.f;
+#pragma unroll
+              for (int j = 0; j < NS; ++j) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                  const float pv = fast_exp2(fmaf(s[mt][j][2 * r + e], scale_log2, -m_use));
+                  s[mt][j][2 * r + e] = pv;  // exp2(-inf) = 0
+                  sum += pv;
+                }
+              }
+              l[mt][r] = l[mt][r] * alpha[mt][r] + sum;
+              m[mt][r] = m_new;
+            }
+          }
+        } else {
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              float mx = -INFINITY;
+#pragma unroll
+              for (int j = 0; j < NS; ++j) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                  const int pos_k = kt + 8 * j + 2 * t + e;
+                  const int pq = pos_q[mt][r];
+                  float v = s[mt][j][2 * r + e];
+                  v = plain ? v * scale_log2
+                            : kLog2e * transform_score(v, p.scale, p.soft_cap, slope, pos_k, pq);
+                  if (need_mask) {
+                    bool vis = pos_k >= kv_lo && pos_k < kv_hi;
+                    if (p.causal) vis = vis && pos_k <= pq;
+                    if (p.window > 0) vis = vis && pq - pos_k < p.window;
+                    v = vis ? v : -INFINITY;
+                  }
+                  s[mt][j][2 * r + e] = v;
+                  mx = fmaxf(mx, v);
+                }
+              }
+              mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+              mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+              const float m_new = fmaxf(m[mt][r], mx);
+              alpha[mt][r] = m_new == -INFINITY ? 1.f : fast_exp2(m[mt][r] - m_new);
+              const float m_use = m_new == -INFINITY ? 0.f : m_new;
+              float sum = 0.f;
+#pragma unroll
+              for (int j = 0; j < NS; ++j) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                  const float pv = fast_exp2(s[mt][j][2 * r + e] - m_use);  // exp2(-inf) = 0
+                  s[mt][j][2 * r + e] = pv;
+                  sum += pv;
+                }
+              }
+              l[mt][r] = l[mt][r] * alpha[mt][r] + sum;
+              m[mt][r] = m_new;
+            }
+          }
+        }
+        bool moved = false;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) moved = moved || alpha[mt][0] != 1.f || alpha[mt][1] != 1.f;
+        if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+              o[mt][j][0] *= alpha[mt][0];
+              o[mt][j][1] *= alpha[mt][0];
+              o[mt][j][2] *= alpha[mt][1];
+              o[mt][j][3] *= alpha[mt][1];
+            }
           }
         }
       } else {
-#pragma unroll
+    #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            float mx = -INFINITY;
-#pragma unroll
-            for (int j = 0; j < NS; ++j) {
-#pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                const int pos_k = kt + 8 * j + 2 * t + e;
-                const int pq = pos_q[mt][r];
-                float v = s[mt][j][2 * r + e];
-                v = plain ? v * scale_log2
-                          : kLog2e * transform_score(v, p.scale, p.soft_cap, slope, pos_k, pq);
-                if (need_mask) {
-                  bool vis = pos_k >= kv_lo && pos_k < kv_hi;
-                  if (p.causal) vis = vis && pos_k <= pq;
-                  if (p.window > 0) vis = vis && pq - pos_k < p.window;
-                  v = vis ? v : -INFINITY;
-                }
-                s[mt][j][2 * r + e] = v;
-                mx = fmaxf(mx, v);
+    #pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float mx = -INFINITY;
+    #pragma unroll
+          for (int j = 0; j < NS; ++j) {
+    #pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int pos_k = kt + 8 * j + 2 * t + e;
+              const int pq = pos_q[mt][r];
+              float v = s[mt][j][2 * r + e];
+              v = plain ? v * scale_log2
+                        : kLog2e * transform_score(v, p.scale, p.soft_cap, slope, pos_k, pq);
+              if (need_mask) {
+                bool vis = pos_k >= kv_lo && pos_k < kv_hi;
+                if (p.causal) vis = vis && pos_k <= pq;
+                if (p.window > 0) vis = vis && pq - pos_k < p.window;
+                v = vis ? v : -INFINITY;
               }
+              s[mt][j][2 * r + e] = v;
+              mx = fmaxf(mx, v);
             }
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float m_new = fmaxf(m[mt][r], mx);
-            alpha[mt][r] = m_new == -INFINITY ? 1.f : fast_exp2(m[mt][r] - m_new);
-            const float m_use = m_new == -INFINITY ? 0.f : m_new;
-            float sum = 0.f;
-#pragma unroll
-            for (int j = 0; j < NS; ++j) {
-#pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                const float pv = fast_exp2(s[mt][j][2 * r + e] - m_use);  // exp2(-inf) = 0
-                s[mt][j][2 * r + e] = pv;
-                sum += pv;
-              }
-            }
-            l[mt][r] = l[mt][r] * alpha[mt][r] + sum;
-            m[mt][r] = m_new;
           }
-        }
-      }
-      bool moved = false;
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) moved = moved || alpha[mt][0] != 1.f || alpha[mt][1] != 1.f;
-      if (__any_sync(0xffffffffu, moved)) {
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          const float m_new = fmaxf(m[mt][r], mx);
+          const float alpha = m_new == -INFINITY ? 1.f : fast_exp2(m[mt][r] - m_new);
+          const float m_use = m_new == -INFINITY ? 0.f : m_new;
+          float sum = 0.f;
+    #pragma unroll
+          for (int j = 0; j < NS; ++j) {
+    #pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const float pv = fast_exp2(s[mt][j][2 * r + e] - m_use);  // exp2(-inf) = 0
+              s[mt][j][2 * r + e] = pv;
+              sum += pv;
+            }
+          }
+          l[mt][r] = l[mt][r] * alpha + sum;
+          m[mt][r] = m_new;
+    #pragma unroll
           for (int j = 0; j < NT; ++j) {
-            o[mt][j][0] *= alpha[mt][0];
-            o[mt][j][1] *= alpha[mt][0];
-            o[mt][j][2] *= alpha[mt][1];
-            o[mt][j][3] *= alpha[mt][1];
+            o[mt][j][2 * r] *= alpha;
+            o[mt][j][2 * r + 1] *= alpha;
           }
         }
-      }
-    } else {
-  #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-  #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float mx = -INFINITY;
-  #pragma unroll
-        for (int j = 0; j < NS; ++j) {
-  #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int pos_k = kt + 8 * j + 2 * t + e;
-            const int pq = pos_q[mt][r];
-            float v = s[mt][j][2 * r + e];
-            v = plain ? v * scale_log2
-                      : kLog2e * transform_score(v, p.scale, p.soft_cap, slope, pos_k, pq);
-            if (need_mask) {
-              bool vis = pos_k >= kv_lo && pos_k < kv_hi;
-              if (p.causal) vis = vis && pos_k <= pq;
-              if (p.window > 0) vis = vis && pq - pos_k < p.window;
-              v = vis ? v : -INFINITY;
-            }
-            s[mt][j][2 * r + e] = v;
-            mx = fmaxf(mx, v);
-          }
-        }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m[mt][r], mx);
-        const float alpha = m_new == -INFINITY ? 1.f : fast_exp2(m[mt][r] - m_new);
-        const float m_use = m_new == -INFINITY ? 0.f : m_new;
-        float sum = 0.f;
-  #pragma unroll
-        for (int j = 0; j < NS; ++j) {
-  #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float pv = fast_exp2(s[mt][j][2 * r + e] - m_use);  // exp2(-inf) = 0
-            s[mt][j][2 * r + e] = pv;
-            sum += pv;
-          }
-        }
-        l[mt][r] = l[mt][r] * alpha + sum;
-        m[mt][r] = m_new;
-  #pragma unroll
-        for (int j = 0; j < NT; ++j) {
-          o[mt][j][2 * r] *= alpha;
-          o[mt][j][2 * r + 1] *= alpha;
         }
       }
-      }
-    }
 
-    // O += P V: k-steps of 16 keys; P's A fragment is S's C fragment of n-tiles 2kk, 2kk + 1.
+      // O += P V: k-steps of 16 keys; P's A fragment is S's C fragment of n-tiles 2kk, 2kk + 1.
 #pragma unroll
-    for (int kk = 0; kk < kFaKeys / 16; ++kk) {
-      uint32_t a[MT][4];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        a[mt][0] = pack2<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-        a[mt][1] = pack2<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-        a[mt][2] = pack2<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-        a[mt][3] = pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-      }
-#pragma unroll
-      for (int n = 0; n < NT; n += 2) {
-        uint32_t r[4];
-        const int d = (n + lane / 16) * 8 + lane % 8;
-        ldmatrix_x4(r, v_s + d * L::LDV + kk * 16 + (lane / 8 % 2) * 8);
-        const uint32_t b0[2] = {r[0], r[1]};
-        const uint32_t b1[2] = {r[2], r[3]};
+      for (int kk = 0; kk < kFaKeys / 16; ++kk) {
+        uint32_t a[MT][4];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-          mma_acc<T>(o[mt][n], a[mt], b0);
-          mma_acc<T>(o[mt][n + 1], a[mt], b1);
+          a[mt][0] = pack2<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+          a[mt][1] = pack2<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+          a[mt][2] = pack2<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+          a[mt][3] = pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+        }
+#pragma unroll
+        for (int n = 0; n < NT; n += 2) {
+          uint32_t r[4];
+          const int d = (n + lane / 16) * 8 + lane % 8;
+          ldmatrix_x4(r, v_s + d * L::LDV + kk * 16 + (lane / 8 % 2) * 8);
+          const uint32_t b0[2] = {r[0], r[1]};
+          const uint32_t b1[2] = {r[2], r[3]};
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            mma_acc<T>(o[mt][n], a[mt], b0);
+            mma_acc<T>(o[mt][n + 1], a[mt], b1);
+          }
         }
       }
-    }
-    if constexpr (ST == 2) __syncthreads();  // this stage is refilled by the next load
+    }  // !warp_skip
+    if constexpr (!kRing) __syncthreads();  // this stage is refilled by the next load
   }
 
   T* out = static_cast<T*>(p.out);

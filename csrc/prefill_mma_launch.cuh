@@ -7,10 +7,12 @@
 namespace pagedcore {
 
 template <typename T, int HEAD, int MT, bool PIPE, int NW, int KN, int ST = 2,
-          bool FAST = false, int MINB = 1, bool HMAJOR = false>
+          bool FAST = false, int MINB = 1, bool HMAJOR = false, bool WMASK = false,
+          bool ONEBAR = false, bool PMASK = false>
 cudaError_t launch_prefill_mma_cfg(const AttentionParams& p, cudaStream_t stream) {
   constexpr int smem = FaSmem<T, HEAD, MT, NW, KN, ST>::BYTES;
-  auto kernel = prefill_mma_kernel<T, HEAD, MT, PIPE, NW, KN, ST, FAST, MINB, HMAJOR>;
+  auto kernel = prefill_mma_kernel<T, HEAD, MT, PIPE, NW, KN, ST, FAST, MINB, HMAJOR, WMASK,
+                                   ONEBAR, PMASK>;
   if (smem > 48 * 1024) {
     const cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -34,10 +36,31 @@ cudaError_t launch_prefill_mma_cfg(const AttentionParams& p, cudaStream_t stream
 //   256 rows, 8 warps, 32 keys, 2 stages: MT 2, pipelined
 //   `p.prefill_fast`: 128 rows, 4 warps, MT 2, pipelined, 32 keys and 3 stages or 64 keys
 //   and 2 stages, with the straight-line softmax of unmasked tiles and the lazy O rescale
+//   `p.prefill_warp_mask`: the fast 128-row, 64-key, 2-stage kernel with per-warp masks, in
+//   the default or (`p.prefill_sched`) head-major order, or in the default order with one
+//   barrier per tile (`p.prefill_one_barrier`) and / or the straight-line masked softmax of
+//   plain tiles (`p.prefill_plain_mask`)
 template <typename T, int HEAD>
 cudaError_t launch_prefill_mma_head(const AttentionParams& p, cudaStream_t stream) {
   const int rows = p.prefill_rows, warps = p.prefill_warps, keys = p.prefill_keys;
   const int stages = p.prefill_stages;
+  if (p.prefill_warp_mask) {
+    if (!p.prefill_fast || !p.prefill_pipe || warps != 4 || keys != 64 || rows != 128 ||
+        stages != 2)
+      return cudaErrorInvalidValue;
+    if (p.prefill_sched)
+      return launch_prefill_mma_cfg<T, HEAD, 2, true, 4, 64, 2, true, 2, true, true>(p, stream);
+    if (p.prefill_plain_mask && p.prefill_one_barrier)
+      return launch_prefill_mma_cfg<T, HEAD, 2, true, 4, 64, 2, true, 1, false, true, true,
+                                    true>(p, stream);
+    if (p.prefill_plain_mask)
+      return launch_prefill_mma_cfg<T, HEAD, 2, true, 4, 64, 2, true, 1, false, true, false,
+                                    true>(p, stream);
+    if (p.prefill_one_barrier)
+      return launch_prefill_mma_cfg<T, HEAD, 2, true, 4, 64, 2, true, 1, false, true, true>(
+          p, stream);
+    return launch_prefill_mma_cfg<T, HEAD, 2, true, 4, 64, 2, true, 1, false, true>(p, stream);
+  }
   if (p.prefill_sched) {  // FAST, head-major order, blocks-per-SM bound
     if (!p.prefill_fast || !p.prefill_pipe || warps != 4) return cudaErrorInvalidValue;
     if (keys == 64) {

@@ -8,7 +8,7 @@ partitioned crossover grid; causal prefill 4x2048 and 4x8192 and a 2048-token ch
 one 2048-token chunk).
 
     python backends/cuda_paged/bench/bench_kernels.py --json OUT.json [--commit SHA]
-        [--sections decode,prefill,mixed,crossover]
+        [--sections decode,prefill,mixed,crossover] [--kernels mma_128_fast,...]
 """
 
 from __future__ import annotations
@@ -117,6 +117,9 @@ def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 DECODE_SHAPES = [(64, 4096), (8, 32768), (256, 1024)]  # (batch, context)
 PREFILL_SHAPES = [(4, 0, 2048), (4, 0, 8192), (4, 6144, 2048)]  # (batch, prefix, chunk)
 PREFILL_KERNELS = [PrefillKernel.MMA_128_FAST, PrefillKernel.MMA_128_FAST_HM,
+                   PrefillKernel.MMA_128_FAST_WM, PrefillKernel.MMA_128_FAST_HM_WM,
+                   PrefillKernel.MMA_128_FAST_WM_1B, PrefillKernel.MMA_128_FAST_WMP,
+                   PrefillKernel.MMA_128_FAST_WMP_1B,
                    PrefillKernel.MMA_128_K32_3STAGE_FAST_HM,
                    PrefillKernel.MMA_64_K32_3STAGE_FAST_HM,
                    PrefillKernel.MMA_128_K32_4STAGE_FAST_HM,
@@ -194,7 +197,7 @@ def bench_crossover() -> list[dict[str, Any]]:
     return rows
 
 
-def bench_prefill() -> list[dict[str, Any]]:
+def bench_prefill(kernels: list[PrefillKernel] | None = None) -> list[dict[str, Any]]:
     rows = []
     for batch, ctx, length in PREFILL_SHAPES:
         paged = Paged([(ctx, length)] * batch)
@@ -217,7 +220,7 @@ def bench_prefill() -> list[dict[str, Any]]:
         flops = 4 * HQ * D * pairs
         sdpa_ms = time_ms(sdpa_fn, iters=5)
         shape = f"{batch}x{length}" + (f"+{ctx}cached" if ctx else "")
-        for kern in PREFILL_KERNELS:
+        for kern in kernels or PREFILL_KERNELS:
             try:
                 fn = paged.runner(prefill=kern)
                 ms = time_ms(fn, iters=5)
@@ -250,7 +253,10 @@ def main() -> None:
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--skip-crossover", action="store_true")
     ap.add_argument("--sections", default="decode,prefill,mixed,crossover")
+    ap.add_argument("--kernels", help="comma-separated PrefillKernel values to time (default: "
+                    "PREFILL_KERNELS)")
     args = ap.parse_args()
+    kernels = [PrefillKernel(v) for v in args.kernels.split(",")] if args.kernels else None
     torch.manual_seed(0)
     result: dict[str, Any] = dict(
         device=torch.cuda.get_device_name(), torch=torch.__version__, commit=args.commit,
@@ -273,7 +279,7 @@ def main() -> None:
     if "decode" in sections:
         save("decode", bench_decode(copy))
     if "prefill" in sections:
-        save("prefill", bench_prefill())
+        save("prefill", bench_prefill(kernels))
     if "mixed" in sections:
         save("mixed", bench_mixed())
     if "crossover" in sections and not args.skip_crossover:

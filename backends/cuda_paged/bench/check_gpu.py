@@ -51,7 +51,7 @@ def run_case(dtype: torch.dtype, head: int, block: int, hkv: int, group: int, *,
              seed: int, device: str = "cuda", reqs: list[tuple[int, int]] | None = None,
              partition_size: int = 64, group_heads: bool = True,
              prefill: PrefillKernel = DEFAULT_PREFILL_KERNEL,
-             kernel: DecodeKernel = DecodeKernel.MMA, unroll: int = 1) -> float:
+             kernel: DecodeKernel = DecodeKernel.MMA, unroll: int | None = 1) -> float:
     """Max relative error of one mixed step against the reference (NaN if NaN leaked)."""
     gen = torch.Generator().manual_seed(seed)
     dev = torch.device(device)
@@ -200,7 +200,9 @@ PIPES = [PrefillKernel.MMA_128_PIPE, PrefillKernel.MMA_PIPE, PrefillKernel.MMA_W
          PrefillKernel.MMA_128_K32_3STAGE_FAST, PrefillKernel.MMA_128_FAST,
          PrefillKernel.MMA_128_K32_3STAGE_FAST_HM, PrefillKernel.MMA_64_K32_3STAGE_FAST_HM,
          PrefillKernel.MMA_128_K32_4STAGE_FAST_HM,
-         PrefillKernel.MMA_128_FAST_HM]
+         PrefillKernel.MMA_128_FAST_HM, PrefillKernel.MMA_128_FAST_WM,
+         PrefillKernel.MMA_128_FAST_HM_WM, PrefillKernel.MMA_128_FAST_WM_1B,
+         PrefillKernel.MMA_128_FAST_WMP, PrefillKernel.MMA_128_FAST_WMP_1B]
 # Long prompts: several 128/256-row tiles, a chunk over a long prefix, block-table lookahead.
 LONGER = [(0, 600), (1500, 700), (37, 300), (2000, 1)]
 

@@ -1,11 +1,18 @@
 """A small mixed step for compute-sanitizer (memcheck / racecheck): every kernel once.
 
     compute-sanitizer --tool memcheck python backends/cuda_paged/bench/sanitize_case.py
-        [--prefill-only [--default-only]]
+        [--defaults | --prefill-only [--default-only]]
+
+`--defaults`: only the shipped kernels as the planner picks them (MMA decode with its default
+unroll, one pass and partitioned + reduce, the DEFAULT_PREFILL_KERNEL prefill, the cache
+write), on small mixed steps of fp16 / bf16, head sizes 128 / 64 and block sizes 16 / 32
+(GQA 4, decodes, prefills and chunked prefills over a prefix; a window and ALiBi once): the
+racecheck-sized case of the issue.
 """
 
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
 
@@ -31,7 +38,18 @@ VARIANTS = ((MMA, True, PrefillKernel.MMA, 1), (MMA, True, PrefillKernel.MMA, 2)
 # `--default-only`: of those, just the shipped default (racecheck is slow).
 PREFILL_ONLY = "--prefill-only" in sys.argv
 DEFAULT_ONLY = "--default-only" in sys.argv
-if not PREFILL_ONLY:
+DEFAULTS = "--defaults" in sys.argv
+if DEFAULTS:
+    print("shipped defaults: prefill", DEFAULT_PREFILL_KERNEL.value, flush=True)
+    for (dtype, head, block, window, alibi), force in itertools.product(
+            ((torch.float16, 128, 16, None, False), (torch.bfloat16, 64, 32, 50, True)),
+            (DecodePass.ONE_PASS, DecodePass.PARTITIONED)):
+        # REQUESTS: decodes at block edges (context up to 300: several partitions of 64
+        # tokens), prompts of 70 and 130 tokens (two 128-row tiles, the causal diagonal inside
+        # one), chunks over prefixes.
+        errs.append(run_case(dtype, head, block, 2, 4, window=window, alibi=alibi, cap=None,
+                             force=force, seed=7, partition_size=64, unroll=None))
+if not PREFILL_ONLY and not DEFAULTS:
     for dtype, block, head in CONFIGS:
         for force in (DecodePass.ONE_PASS, DecodePass.PARTITIONED):
             for kernel, grouped, prefill, unroll in VARIANTS:
@@ -53,8 +71,10 @@ for prefill in (PrefillKernel.MMA_128_PIPE, PrefillKernel.MMA_PIPE, PrefillKerne
                 PrefillKernel.MMA_128_K32_3STAGE_FAST, PrefillKernel.MMA_128_FAST,
                 PrefillKernel.MMA_128_K32_3STAGE_FAST_HM, PrefillKernel.MMA_64_K32_3STAGE_FAST_HM,
                 PrefillKernel.MMA_128_K32_4STAGE_FAST_HM,
-                PrefillKernel.MMA_128_FAST_HM):
-    if PREFILL_ONLY:
+                PrefillKernel.MMA_128_FAST_HM, PrefillKernel.MMA_128_FAST_WM,
+                PrefillKernel.MMA_128_FAST_HM_WM, PrefillKernel.MMA_128_FAST_WM_1B,
+                PrefillKernel.MMA_128_FAST_WMP, PrefillKernel.MMA_128_FAST_WMP_1B):
+    if PREFILL_ONLY or DEFAULTS:
         continue
     errs.append(run_case(torch.float16, 80, 16, 2, 2, window=90, alibi=True, cap=None,
                          force=None, seed=5, reqs=LONG, prefill=prefill))
@@ -62,8 +82,10 @@ for prefill in (PrefillKernel.MMA_128_K32_3STAGE, PrefillKernel.MMA_W8_3STAGE,
                 PrefillKernel.MMA_128_K32_3STAGE_FAST, PrefillKernel.MMA_128_FAST,
                 PrefillKernel.MMA_128_K32_3STAGE_FAST_HM, PrefillKernel.MMA_64_K32_3STAGE_FAST_HM,
                 PrefillKernel.MMA_128_K32_4STAGE_FAST_HM,
-                PrefillKernel.MMA_128_FAST_HM):
-    if DEFAULT_ONLY and prefill is not DEFAULT_PREFILL_KERNEL:
+                PrefillKernel.MMA_128_FAST_HM, PrefillKernel.MMA_128_FAST_WM,
+                PrefillKernel.MMA_128_FAST_HM_WM, PrefillKernel.MMA_128_FAST_WM_1B,
+                PrefillKernel.MMA_128_FAST_WMP, PrefillKernel.MMA_128_FAST_WMP_1B):
+    if DEFAULTS or (DEFAULT_ONLY and prefill is not DEFAULT_PREFILL_KERNEL):
         continue
     errs.append(run_case(torch.bfloat16, 128, 32, 2, 4, window=None, alibi=False, cap=None,
                          force=None, seed=6, reqs=LONG, prefill=prefill))

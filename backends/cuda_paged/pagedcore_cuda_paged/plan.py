@@ -82,8 +82,16 @@ class PrefillKernel(enum.Enum):
     requested. ``MMA_64_K32_3STAGE_FAST_HM``: the same with 64-row tiles (4 warps of 16
     rows, Q fragments in registers, <= 168 registers: three thread blocks per SM).
     ``MMA_128_K32_4STAGE_FAST_HM``: ``MMA_128_K32_3STAGE_FAST_HM`` with four K/V tiles in
-    flight. ``MMA_128_FAST_HM``: ``MMA_128_FAST`` launched head-major the same way (not yet
-    measured on a GPU). ``WMMA``: the first tensor-core kernel
+    flight. ``MMA_128_FAST_HM``: ``MMA_128_FAST`` launched head-major the same way.
+    ``MMA_128_FAST_WM`` and ``MMA_128_FAST_HM_WM``: ``MMA_128_FAST`` and ``MMA_128_FAST_HM``
+    with the masks decided per warp (on the causal diagonal a warp whose rows see the whole
+    key tile takes the straight-line softmax, one whose rows see none of it skips the tile).
+    ``MMA_128_FAST_WM_1B``: ``MMA_128_FAST_WM`` with one barrier per K/V tile (the next tile
+    is requested after the barrier that follows the current tile's arrival).
+    ``MMA_128_FAST_WMP`` and ``MMA_128_FAST_WMP_1B``: ``MMA_128_FAST_WM`` and
+    ``MMA_128_FAST_WM_1B`` where masked tiles without ALiBi / soft-cap also take a straight-
+    line softmax (each row's visible keys are one range: a select per score).
+    ``WMMA``: the first tensor-core kernel
     (WMMA 16x16x16, scores and output through shared memory; float32 on CUDA cores).
     ``WMMA_LANE_PER_KEY``: the same with its first softmax formulation, a slower reference
     path.
@@ -104,6 +112,11 @@ class PrefillKernel(enum.Enum):
     MMA_64_K32_3STAGE_FAST_HM = "mma_64_k32_3stage_fast_hm"
     MMA_128_K32_4STAGE_FAST_HM = "mma_128_k32_4stage_fast_hm"
     MMA_128_FAST_HM = "mma_128_fast_hm"
+    MMA_128_FAST_WM = "mma_128_fast_wm"
+    MMA_128_FAST_HM_WM = "mma_128_fast_hm_wm"
+    MMA_128_FAST_WM_1B = "mma_128_fast_wm_1b"
+    MMA_128_FAST_WMP = "mma_128_fast_wmp"
+    MMA_128_FAST_WMP_1B = "mma_128_fast_wmp_1b"
     WMMA = "wmma"
     WMMA_LANE_PER_KEY = "wmma_lane_per_key"
 
@@ -134,6 +147,11 @@ _MMA_PREFILL = {
     PrefillKernel.MMA_64_K32_3STAGE_FAST_HM: (12, 64),
     PrefillKernel.MMA_128_K32_4STAGE_FAST_HM: (13, 128),
     PrefillKernel.MMA_128_FAST_HM: (14, 128),
+    PrefillKernel.MMA_128_FAST_WM: (15, 128),
+    PrefillKernel.MMA_128_FAST_HM_WM: (16, 128),
+    PrefillKernel.MMA_128_FAST_WM_1B: (17, 128),
+    PrefillKernel.MMA_128_FAST_WMP: (18, 128),
+    PrefillKernel.MMA_128_FAST_WMP_1B: (19, 128),
 }
 
 
@@ -143,8 +161,10 @@ def prefill_kernel_code(
     """``(variant, tile_rows)`` of the extension's prefill for `kernel`: variant 0 mma,
     1 wmma, 2 wmma lane per key, 3 mma with the pipelined gather, 4 the same with 8 warps,
     5 with 32-key tiles, 6 with 32-key tiles and 8 warps, 7 = 5 and 8 = 4 with three stages,
-    9 = 7 and 10 = 3 (128 rows) with the fast softmax; the MMA kernels fall back to WMMA
-    where they do not apply."""
+    9 = 7 and 10 = 3 (128 rows) with the fast softmax, 11-14 head-major ones, 15 = 10 and
+    16 = 14 with per-warp masks, 17 = 15 with one barrier per tile, 18 = 15 and 19 = 17 with
+    straight-line masked plain tiles (csrc/ops.cpp); the MMA kernels fall back to WMMA where
+    they do not apply."""
     if kernel in _MMA_PREFILL:
         if mma_applies(head_size=head_size, is_float32=is_float32):
             return _MMA_PREFILL[kernel]

@@ -78,9 +78,10 @@ class FakeOps:
                 soft_cap: float, alibi: torch.Tensor | None, window: int,
                 causal: bool, variant: int, tile_rows: int) -> None:
         assert tiles.dtype == torch.int32 and tiles.dim() == 2 and tiles.shape[1] == 2
-        assert variant in range(15)
+        assert variant in range(20)
         want = {4: 128, 5: 128, 6: 256, 7: 128, 8: 128, 9: 128, 10: 128, 11: 128,
-                12: 64, 13: 128, 14: 128}.get(variant)
+                12: 64, 13: 128, 14: 128, 15: 128, 16: 128,
+                17: 128, 18: 128, 19: 128}.get(variant)
         if want is not None:
             assert tile_rows == want
         else:

@@ -213,10 +213,12 @@ def decode_mma(q: torch.Tensor, k_view: torch.Tensor, v_view: torch.Tensor,
 def prefill_mma(q: torch.Tensor, k_view: torch.Tensor, v_view: torch.Tensor, bt: list[int], *,
                 seq_len: int, q_len: int, row0: int, head: int, kv_head: int, scale: float,
                 cap: float, slope: float, window: int, causal: bool = True,
-                mt: int = 1) -> torch.Tensor:
+                mt: int = 1, warp_mask: bool = False) -> torch.Tensor:
     """One thread block of prefill_mma_kernel: ``[rows, D]`` outputs of query rows
     ``row0..row0 + rows`` (`q` is the request's ``[q_len, Hq, D]``). Its `mt` m-tiles per
-    warp are independent, so they are replayed as 4 * mt warps of 16 rows."""
+    warp are independent, so they are replayed as 4 * mt warps of 16 rows. `warp_mask`: the
+    kernel's WMASK decisions per (real) warp of 16 * mt rows: a tile it skips is not visited,
+    a tile it does not mask is computed without masks (so a wrong decision shows)."""
     head_dim = q.shape[2]
     block = v_view.shape[-1]
     ks_count, nt_count = head_dim // 16, head_dim // 8
@@ -242,6 +244,15 @@ def prefill_mma(q: torch.Tensor, k_view: torch.Tensor, v_view: torch.Tensor, bt:
         lsum = [[0.0, 0.0] for _ in range(32)]
         for i in range(n_kt):
             kt = kt_begin + 64 * i
+            need_mask = True
+            if warp_mask:
+                wfirst = first_pos + (warp // mt) * mt * 16
+                wlast = min(wfirst + mt * 16 - 1, last_pos)
+                if (wfirst > last_pos or (causal and kt > wlast)
+                        or (window > 0 and kt + 63 <= wfirst - window)):
+                    continue  # warp_skip
+                need_mask = (kt < kv_lo or kt + 64 > kv_hi or (causal and kt + 63 > wfirst)
+                             or (window > 0 and kt <= wlast - window))
             k_s = torch.zeros(64, head_dim, dtype=torch.float64)
             v_s = torch.zeros(head_dim, 64, dtype=torch.float64)
             for kk in range(64):
@@ -280,7 +291,7 @@ def prefill_mma(q: torch.Tensor, k_view: torch.Tensor, v_view: torch.Tensor, bt:
                                 vis = vis and pos_k <= pos_q
                             if window > 0:
                                 vis = vis and pos_q - pos_k < window
-                            row_vals.append(v if vis else NEG)
+                            row_vals.append(v if vis or not need_mask else NEG)
                     vals.append(row_vals)
                     mx.append(max(row_vals))
                 mx = _quad_max(mx)

@@ -74,16 +74,22 @@ def test_decode_mma_model(seq_len: int, head: int, block: int, group: int, windo
 
 
 @pytest.mark.parametrize(
-    "ctx,q_len,head,block,window,alibi,cap,mt",
+    "ctx,q_len,head,block,window,alibi,cap,mt,warp_mask",
     [
-        (70, 100, 64, 16, 0, False, 0.0, 1),
-        (5, 67, 80, 8, 50, True, 0.0, 1),
-        (129, 3, 64, 32, 0, False, 5.0, 1),
-        (40, 150, 64, 16, 90, False, 0.0, 2),
+        (70, 100, 64, 16, 0, False, 0.0, 1, False),
+        (5, 67, 80, 8, 50, True, 0.0, 1, False),
+        (129, 3, 64, 32, 0, False, 5.0, 1, False),
+        (40, 150, 64, 16, 90, False, 0.0, 2, False),
+        # per-warp masks (MMA_128_FAST_WM): causal diagonals inside 128-row tiles, a
+        # window cutting the tile, padding warps (q_len not a multiple of 128), a prefix
+        (0, 200, 64, 16, 0, False, 0.0, 2, True),
+        (37, 150, 64, 8, 70, False, 0.0, 2, True),
+        (64, 90, 64, 32, 0, True, 5.0, 2, True),
+        (0, 250, 64, 16, 100, False, 0.0, 2, True),
     ],
 )
 def test_prefill_mma_model(ctx: int, q_len: int, head: int, block: int, window: int,
-                           alibi: bool, cap: float, mt: int) -> None:
+                           alibi: bool, cap: float, mt: int, warp_mask: bool) -> None:
     hkv, group = 2, 2
     hq, seq_len = hkv * group, ctx + q_len
     ids, k, v, kv, vv, gen = _paged(seq_len, hkv, head, block, seed=q_len)
@@ -95,7 +101,8 @@ def test_prefill_mma_model(ctx: int, q_len: int, head: int, block: int, window: 
     out = torch.cat([
         prefill_mma(q.double(), kv, vv, ids, seq_len=seq_len, q_len=q_len, row0=row0,
                     head=head_idx, kv_head=head_idx // group, scale=head**-0.5, cap=cap,
-                    slope=slopes[head_idx] if slopes else 0.0, window=window, mt=mt)
+                    slope=slopes[head_idx] if slopes else 0.0, window=window, mt=mt,
+                    warp_mask=warp_mask)
         for row0 in range(0, q_len, 64 * mt)])
     want = ref[:, head_idx].double()
     err = float((out - want).abs().max() / want.abs().max())

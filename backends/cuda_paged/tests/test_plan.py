@@ -196,7 +196,12 @@ def test_mma_falls_back_to_classic_where_it_does_not_apply() -> None:
                        (PrefillKernel.MMA_128_K32_3STAGE_FAST_HM, (11, 128)),
                        (PrefillKernel.MMA_64_K32_3STAGE_FAST_HM, (12, 64)),
                        (PrefillKernel.MMA_128_K32_4STAGE_FAST_HM, (13, 128)),
-                       (PrefillKernel.MMA_128_FAST_HM, (14, 128))):
+                       (PrefillKernel.MMA_128_FAST_HM, (14, 128)),
+                       (PrefillKernel.MMA_128_FAST_WM, (15, 128)),
+                       (PrefillKernel.MMA_128_FAST_HM_WM, (16, 128)),
+                       (PrefillKernel.MMA_128_FAST_WM_1B, (17, 128)),
+                       (PrefillKernel.MMA_128_FAST_WMP, (18, 128)),
+                       (PrefillKernel.MMA_128_FAST_WMP_1B, (19, 128))):
         assert prefill_kernel_code(kern, head_size=112, is_float32=False) == want
         assert prefill_kernel_code(kern, head_size=128, is_float32=True) == (1, 64)
     with pytest.raises(ValueError, match="unroll"):
