@@ -203,6 +203,8 @@ PIPES = [PrefillKernel.MMA_128_PIPE, PrefillKernel.MMA_PIPE, PrefillKernel.MMA_W
          PrefillKernel.MMA_128_FAST_HM, PrefillKernel.MMA_128_FAST_WM,
          PrefillKernel.MMA_128_FAST_HM_WM, PrefillKernel.MMA_128_FAST_WM_1B,
          PrefillKernel.MMA_128_FAST_WMP, PrefillKernel.MMA_128_FAST_WMP_1B]
+#: The multi-stage ones among `PIPES` (from MMA_128_K32_3STAGE on).
+STAGED = PIPES[PIPES.index(PrefillKernel.MMA_128_K32_3STAGE):]
 # Long prompts: several 128/256-row tiles, a chunk over a long prefix, block-table lookahead.
 LONGER = [(0, 600), (1500, 700), (37, 300), (2000, 1)]
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from check_gpu import LONG, run_case
+from check_gpu import LONG, PIPES, STAGED, run_case
 from pagedcore_cuda_paged.plan import (
     DEFAULT_PREFILL_KERNEL,
     DecodeKernel,
@@ -65,26 +65,12 @@ if not PREFILL_ONLY and not DEFAULTS:
                          force=DecodePass.PARTITIONED, seed=3, reqs=LONG, partition_size=128))
     errs.append(run_case(torch.bfloat16, 80, 8, 2, 2, window=90, alibi=False, cap=5.0,
                          force=None, seed=4, reqs=LONG, prefill=PrefillKernel.MMA_128))
-for prefill in (PrefillKernel.MMA_128_PIPE, PrefillKernel.MMA_PIPE, PrefillKernel.MMA_W8_PIPE,
-                PrefillKernel.MMA_128_K32_PIPE, PrefillKernel.MMA_256_K32_PIPE,
-                PrefillKernel.MMA_128_K32_3STAGE, PrefillKernel.MMA_W8_3STAGE,
-                PrefillKernel.MMA_128_K32_3STAGE_FAST, PrefillKernel.MMA_128_FAST,
-                PrefillKernel.MMA_128_K32_3STAGE_FAST_HM, PrefillKernel.MMA_64_K32_3STAGE_FAST_HM,
-                PrefillKernel.MMA_128_K32_4STAGE_FAST_HM,
-                PrefillKernel.MMA_128_FAST_HM, PrefillKernel.MMA_128_FAST_WM,
-                PrefillKernel.MMA_128_FAST_HM_WM, PrefillKernel.MMA_128_FAST_WM_1B,
-                PrefillKernel.MMA_128_FAST_WMP, PrefillKernel.MMA_128_FAST_WMP_1B):
+for prefill in PIPES:
     if PREFILL_ONLY or DEFAULTS:
         continue
     errs.append(run_case(torch.float16, 80, 16, 2, 2, window=90, alibi=True, cap=None,
                          force=None, seed=5, reqs=LONG, prefill=prefill))
-for prefill in (PrefillKernel.MMA_128_K32_3STAGE, PrefillKernel.MMA_W8_3STAGE,
-                PrefillKernel.MMA_128_K32_3STAGE_FAST, PrefillKernel.MMA_128_FAST,
-                PrefillKernel.MMA_128_K32_3STAGE_FAST_HM, PrefillKernel.MMA_64_K32_3STAGE_FAST_HM,
-                PrefillKernel.MMA_128_K32_4STAGE_FAST_HM,
-                PrefillKernel.MMA_128_FAST_HM, PrefillKernel.MMA_128_FAST_WM,
-                PrefillKernel.MMA_128_FAST_HM_WM, PrefillKernel.MMA_128_FAST_WM_1B,
-                PrefillKernel.MMA_128_FAST_WMP, PrefillKernel.MMA_128_FAST_WMP_1B):
+for prefill in STAGED:
     if DEFAULTS or (DEFAULT_ONLY and prefill is not DEFAULT_PREFILL_KERNEL):
         continue
     errs.append(run_case(torch.bfloat16, 128, 32, 2, 4, window=None, alibi=False, cap=None,
