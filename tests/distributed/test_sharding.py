@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -81,6 +82,17 @@ def test_parse_fault() -> None:
         parse_fault("1")
 
 
+def _assert_same_step_inputs(got: Any, ref: Any) -> None:
+    """Token ids, positions and every group's slots, block table, lengths and offsets equal."""
+    assert torch.equal(got.input_ids, ref.input_ids)
+    assert torch.equal(got.positions, ref.positions)
+    for a, b in zip(got.common, ref.common, strict=True):
+        assert torch.equal(a.slot_mapping, b.slot_mapping)
+        assert torch.equal(a.block_table, b.block_table)
+        assert torch.equal(a.seq_lens, b.seq_lens)
+        assert torch.equal(a.query_start_loc, b.query_start_loc)
+
+
 def test_plan_rebuilds_identical_inputs_without_logits() -> None:
     params = SamplingParams(max_tokens=4)
     reqs = [Request(f"r{i}", list(range(3 + i, 40 + 7 * i)), params, arrival_index=i,
@@ -105,13 +117,7 @@ def test_plan_rebuilds_identical_inputs_without_logits() -> None:
     assert plan.step == 7 and plan.requests[1].token_ids == tuple(range(12, 24))
     again, lookup = scheduled_from_plan(plan)
     got = batch().prepare(again, lookup)
-    assert torch.equal(got.input_ids, ref.input_ids)
-    assert torch.equal(got.positions, ref.positions)
-    for a, b in zip(got.common, ref.common, strict=True):
-        assert torch.equal(a.slot_mapping, b.slot_mapping)
-        assert torch.equal(a.block_table, b.block_table)
-        assert torch.equal(a.seq_lens, b.seq_lens)
-        assert torch.equal(a.query_start_loc, b.query_start_loc)
+    _assert_same_step_inputs(got, ref)
     assert ref.logits_indices.numel() == 2  # r0 (decode) and r2 (whole prompt) sample
     assert got.logits_indices.numel() == 0  # workers compute no logits
 
@@ -134,9 +140,4 @@ def test_plan_rebuilds_a_padded_decode_step() -> None:
     again, lookup = scheduled_from_plan(make_plan(3, scheduled, blocks.__getitem__))
     got = batch().prepare(again, lookup, pad_to=4)
     assert got.input_ids.tolist() == [r.all_token_ids[-1] for r in reqs] + [0]
-    assert torch.equal(got.input_ids, ref.input_ids)
-    assert torch.equal(got.positions, ref.positions)
-    for a, b in zip(got.common, ref.common, strict=True):
-        assert torch.equal(a.slot_mapping, b.slot_mapping)
-        assert torch.equal(a.block_table, b.block_table)
-        assert torch.equal(a.seq_lens, b.seq_lens)
+    _assert_same_step_inputs(got, ref)

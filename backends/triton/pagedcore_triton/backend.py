@@ -80,6 +80,20 @@ class TritonAttentionMetadata:
     parts: tuple[LaunchPart, ...]
     launches: dict[tuple[Any, ...], Any] = attrs.field(factory=dict, eq=False, repr=False)
 
+    @classmethod
+    def from_common(
+        cls, common: CommonAttentionMetadata, parts: Sequence[LaunchPart]
+    ) -> TritonAttentionMetadata:
+        """The plan of `parts` over the step's shared metadata."""
+        return cls(
+            query_start_loc=common.query_start_loc,
+            seq_lens=common.seq_lens,
+            block_table=common.block_table,
+            num_actual_tokens=common.num_actual_tokens,
+            causal=common.causal,
+            parts=tuple(parts),
+        )
+
 
 class TritonMetadataBuilder(MetadataBuilder[TritonAttentionMetadata]):
     """Plans each step: launch parts (decode vs prefill tiles) and split-KV segments.
@@ -147,14 +161,7 @@ class TritonMetadataBuilder(MetadataBuilder[TritonAttentionMetadata]):
                 parts.append(self._part(common, num_decodes, num_reqs, allow_split=False))
             else:
                 parts.append(self._part(common, 0, num_reqs, allow_split=True))
-        return TritonAttentionMetadata(
-            query_start_loc=common.query_start_loc,
-            seq_lens=common.seq_lens,
-            block_table=common.block_table,
-            num_actual_tokens=common.num_actual_tokens,
-            causal=common.causal,
-            parts=tuple(parts),
-        )
+        return TritonAttentionMetadata.from_common(common, parts)
 
     def build_for_cudagraph_capture(
         self, common: CommonAttentionMetadata
@@ -369,11 +376,4 @@ def _one_launch(
         flat_programs=flat_programs,
         min_segment_tokens=min_segment_tokens,
     )
-    return TritonAttentionMetadata(
-        query_start_loc=common.query_start_loc,
-        seq_lens=common.seq_lens,
-        block_table=common.block_table,
-        num_actual_tokens=common.num_actual_tokens,
-        causal=common.causal,
-        parts=(part,) if common.num_reqs > 0 else (),
-    )
+    return TritonAttentionMetadata.from_common(common, (part,) if common.num_reqs > 0 else ())

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import attrs
 
+from pagedcore_triton.plan import pow2_splits
+
 __all__ = [
     "DEFAULT_MLA_KERNEL",
     "MLA_KERNEL_CONFIGS",
@@ -38,15 +40,9 @@ def choose_mla_splits(
     rule: MLASplitRule, *, num_tokens: int, head_blocks: int, max_seq_len: int
 ) -> int:
     """Power-of-two split count for one launch (1 = no split)."""
-    programs = max(1, num_tokens * head_blocks)
-    splits = 1
-    while (
-        splits * 2 <= rule.max_splits
-        and programs * splits * 2 <= rule.target_programs
-        and max_seq_len // (splits * 2) >= rule.min_tokens_per_split
-    ):
-        splits *= 2
-    return splits
+    return pow2_splits(max(1, num_tokens * head_blocks), max_splits=rule.max_splits,
+                       target_programs=rule.target_programs, max_seq_len=max_seq_len,
+                       min_tokens=rule.min_tokens_per_split)
 
 
 def _pow2(x: int) -> bool:

@@ -16,6 +16,7 @@ __all__ = [
     "choose_num_segments",
     "flat_grid_size",
     "parse_tiles",
+    "pow2_splits",
     "tile_config",
 ]
 
@@ -100,14 +101,25 @@ def choose_num_segments(
     programs = num_reqs * num_kv_heads
     if max_query_len > 1 or programs >= rule.min_programs or programs == 0:
         return 1
-    segments = 1
+    return pow2_splits(programs, max_splits=rule.max_segments,
+                       target_programs=rule.target_programs, max_seq_len=max_seq_len,
+                       min_tokens=rule.min_tokens_per_segment)
+
+
+def pow2_splits(
+    programs: int, *, max_splits: int, target_programs: int, max_seq_len: int, min_tokens: int
+) -> int:
+    """The largest power of two ``S <= max_splits`` (1 at least) with ``programs * S <=
+    target_programs`` and at least `min_tokens` context tokens per split of `max_seq_len`:
+    the split-KV rule of the attention and MLA decodes."""
+    splits = 1
     while (
-        segments * 2 <= rule.max_segments
-        and programs * segments * 2 <= rule.target_programs
-        and max_seq_len // (segments * 2) >= rule.min_tokens_per_segment
+        splits * 2 <= max_splits
+        and programs * splits * 2 <= target_programs
+        and max_seq_len // (splits * 2) >= min_tokens
     ):
-        segments *= 2
-    return segments
+        splits *= 2
+    return splits
 
 
 def flat_grid_size(

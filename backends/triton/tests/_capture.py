@@ -5,11 +5,25 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from _reference import make_batch
+from _reference import make_batch, reference_attention, rel_error
 from pagedcore_triton import SplitRule, TritonAttentionBackend
 
 from pagedcore.attention import CommonAttentionMetadata
 from pagedcore.kv_cache.spec import FullAttentionSpec
+
+#: What a step's output is filled with first: rows still holding it were written by no program.
+SENTINEL = 7.0
+
+
+def replay_layer(impl: Any, buf: Any, batch: Any, metadata: Any, out: torch.Tensor) -> float:
+    """One layer of a step over a captured plan: the cache write, then `forward` into `out`
+    (filled with `SENTINEL` first); the relative error of the real tokens' rows against the
+    reference (padding rows are the caller's to check)."""
+    impl.do_kv_cache_update(buf.key, buf.value, batch.kv_cache, buf.slots)
+    out.fill_(SENTINEL)
+    impl.forward(buf.query, buf.key, buf.value, batch.kv_cache, metadata, output=out)
+    ref = reference_attention(batch, scale=0.125, sliding_window=impl.sliding_window)
+    return rel_error(out[: batch.common.num_actual_tokens], ref)
 
 
 def triton_builder(

@@ -15,8 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from _capture import CaptureBuffers, triton_builder
-from _reference import reference_attention, rel_error
+from _capture import SENTINEL, CaptureBuffers, replay_layer, triton_builder
 from pagedcore_triton import SplitRule, TritonAttentionBackend
 
 from pagedcore.attention import CommonAttentionMetadata
@@ -25,7 +24,6 @@ from pagedcore.kv_cache.spec import FullAttentionSpec
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK = 8, 2, 64, 16
 NUM_REQS, TOKENS, MAX_MODEL_LEN, MAX_BLOCKS = 6, 48, 200, 13
-SENTINEL = 7.0
 CACHE_BLOCKS = 40
 
 
@@ -95,11 +93,7 @@ def test_mixed_plan_survives_in_place_rewrites(split: SplitRule | None) -> None:
         t = batch.common.num_actual_tokens
         null_block = batch.kv_cache[:, 0].clone()
         for impl in impls:  # two layers sharing the plan (and its prepared launch)
-            impl.do_kv_cache_update(buf.key, buf.value, batch.kv_cache, buf.slots)
-            out.fill_(SENTINEL)
-            impl.forward(buf.query, buf.key, buf.value, batch.kv_cache, metadata, output=out)
-            ref = reference_attention(batch, scale=0.125, sliding_window=impl.sliding_window)
-            err = rel_error(out[:t], ref)
+            err = replay_layer(impl, buf, batch, metadata, out)
             assert err < 1e-4, (reqs, impl.sliding_window, err)
             if split is None:  # (the split merge also writes padding rows, discarded)
                 # No program wrote a padding token's row.

@@ -17,8 +17,7 @@ from typing import Any
 import attrs
 import pytest
 import torch
-from _capture import CaptureBuffers, triton_builder
-from _reference import reference_attention, rel_error
+from _capture import SENTINEL, CaptureBuffers, replay_layer, triton_builder
 from pagedcore_triton import SplitRule, TritonAttentionBackend
 from pagedcore_triton.backend import MIXED_PLAN_ENV
 
@@ -26,7 +25,6 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK = 14, 2, 64, 16  # Qwen2-0.5B's GQA group of 7
 NUM_REQS, TOKENS, MAX_MODEL_LEN, MAX_BLOCKS = 24, 16, 400, 25
 CACHE_BLOCKS = 160
-SENTINEL = 7.0
 #: Up to 8 segments of >= 32 tokens, and a grid of 32 programs per KV head: one request gets
 #: all 8 segments, 16 decodes get one each (the unsplit branch).
 SPLIT = SplitRule(min_tokens_per_segment=32, target_programs=64)
@@ -82,11 +80,7 @@ def test_flat_plan_survives_in_place_rewrites(mix: int) -> None:
         batch = buf.load_mixed(reqs, seed=10 * mix + step)
         t = batch.common.num_actual_tokens
         for impl in impls:
-            impl.do_kv_cache_update(buf.key, buf.value, batch.kv_cache, buf.slots)
-            out.fill_(SENTINEL)
-            impl.forward(buf.query, buf.key, buf.value, batch.kv_cache, metadata, output=out)
-            ref = reference_attention(batch, scale=0.125, sliding_window=impl.sliding_window)
-            err = rel_error(out[:t], ref)
+            err = replay_layer(impl, buf, batch, metadata, out)
             assert err < 1e-4, (reqs, impl.sliding_window, err)
             assert bool((out[t:] == SENTINEL).all()), (reqs, "a padding token's row written")
 
