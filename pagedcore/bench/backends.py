@@ -125,6 +125,9 @@ def _plot(report: dict[str, Any], path: str) -> None:
     from pagedcore.bench.report import save_figure, subplots
 
     rows = report["rows"]
+    # One colour per backend across both panels (the SDPA baseline grey).
+    everyone = sorted({r["backend"] for r in rows if r["backend"] != _SDPA})
+    colour = {name: f"C{i % 10}" for i, name in enumerate(everyone)} | {_SDPA: "0.6"}
     fig, axes = subplots(2, width=6.0, height=4.4)
     for ax, case, unit in ((axes[0], "decode", "KV read GB/s"),
                            (axes[1], "prefill", "TFLOP/s")):
@@ -136,7 +139,7 @@ def _plot(report: dict[str, Any], path: str) -> None:
             vals = {r["shape"]: r["value"] for r in sel if r["backend"] == name}
             xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(shapes))]
             ax.bar(xs, [vals.get(s, 0.0) for s in shapes], width, label=name,
-                   color="0.6" if name == _SDPA else None)
+                   color=colour[name])
         if case == "decode" and report.get("copy_bandwidth_GBps"):
             ax.axhline(report["copy_bandwidth_GBps"], color="tab:red", ls="--", lw=0.8,
                        label="device copy bandwidth")

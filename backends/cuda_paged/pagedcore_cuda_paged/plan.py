@@ -74,7 +74,7 @@ class PrefillKernel(enum.Enum):
     pipelined, 256 rows as 8 warps of 32 rows, 32-key tiles. ``MMA_128_K32_3STAGE`` and
     ``MMA_W8_3STAGE``: ``MMA_128_K32_PIPE`` and ``MMA_W8_PIPE`` with three K/V tiles in
     flight (a cp.async ring, one barrier per tile). ``MMA_128_K32_3STAGE_FAST`` and
-    ``MMA_128_FAST`` (``MMA_128_PIPE``, the default): the same with a straight-line softmax
+    ``MMA_128_FAST`` (``MMA_128_PIPE``): the same with a straight-line softmax
     on unmasked tiles without ALiBi / soft-cap and the output rescaled only when a row maximum
     moved. ``MMA_128_K32_3STAGE_FAST_HM``: ``MMA_128_K32_3STAGE_FAST`` with the query heads
     of a tile as consecutive thread blocks (the heads of one KV head read the same K/V tiles
@@ -82,7 +82,7 @@ class PrefillKernel(enum.Enum):
     requested. ``MMA_64_K32_3STAGE_FAST_HM``: the same with 64-row tiles (4 warps of 16
     rows, Q fragments in registers, <= 168 registers: three thread blocks per SM).
     ``MMA_128_K32_4STAGE_FAST_HM``: ``MMA_128_K32_3STAGE_FAST_HM`` with four K/V tiles in
-    flight. ``MMA_128_FAST_HM``: ``MMA_128_FAST`` launched head-major the same way.
+    flight. ``MMA_128_FAST_HM`` (the default): ``MMA_128_FAST`` launched head-major the same way.
     ``MMA_128_FAST_WM`` and ``MMA_128_FAST_HM_WM``: ``MMA_128_FAST`` and ``MMA_128_FAST_HM``
     with the masks decided per warp (on the causal diagonal a warp whose rows see the whole
     key tile takes the straight-line softmax, one whose rows see none of it skips the tile).
@@ -126,9 +126,10 @@ def mma_applies(*, head_size: int, is_float32: bool) -> bool:
     return not is_float32 and head_size <= MMA_MAX_HEAD_SIZE
 
 
-#: The prefill kernel builders use unless told otherwise (measured on the H200: see
-#: docs/benchmarks/cuda_paged.md).
-DEFAULT_PREFILL_KERNEL = PrefillKernel.MMA_128_FAST
+#: The prefill kernel builders use unless told otherwise: the fastest of the checked candidates
+#: at both causal prompt shapes in two timing runs on the H200 (`bench/pick_prefill.py`; see
+#: docs/benchmarks/cuda_paged.md, session 5).
+DEFAULT_PREFILL_KERNEL = PrefillKernel.MMA_128_FAST_HM
 
 #: (extension variant, rows per tile) of the MMA prefill kernels (csrc/ops.cpp `prefill`).
 _MMA_PREFILL = {
