@@ -4,17 +4,8 @@ With ``SchedulerConfig.token_buckets`` set (the token buckets of the captured mi
 graphs), a step is replayed from the graph of the smallest bucket that holds it, so 512
 prompt tokens + 1 decode = 513 tokens would run (and pay for) a larger bucket.
 `align_to_bucket` (called by `Scheduler._align_to_bucket`) shrinks a *partial* prefill chunk
-so the step totals exactly the largest bucket at or below what it would total, when that
-cut is no larger than the padding it avoids; a prompt's final chunk is never shrunk, nor any
-chunk below half its size.
-
-Why the padding comparison: a cut token is not lost, it moves to a later step, so cutting
-costs extra steps (each pays the step's fixed cost: the weights read once more, the small
-kernels), while padding costs wasted compute in this step. 512 + 20 decodes = 532 tokens are
-cut to 512 (20 tokens deferred instead of 108 padded into the 640 bucket); 480 + 20 = 500
-stay and pad to 512 (cutting to the 384 bucket would defer 116 tokens per step, a quarter
-more steps: measured 1.22x the unchunked long request's time against 1.10x for 512 on the
-Llama-3-8B shape, docs/benchmarks.md).
+so the step totals exactly the largest bucket at or below what it would total; a prompt's
+final chunk is never shrunk, nor any chunk below half its size.
 """
 
 from __future__ import annotations
@@ -39,11 +30,10 @@ def align_to_bucket(
     largest: larger steps run eagerly, unpadded), the largest partial chunk (one that does
     not reach its request's last token, so it samples nothing) that can give up
     ``total - bucket`` tokens while keeping at least half its size is cut by that much,
-    ``bucket`` being the largest bucket below `total`, provided that cut is at most the
-    padding to the next bucket up (``next - total``; otherwise the step pads). The KV
-    blocks allocated for the cut tokens stay with the request (its next chunk fills them);
-    their prefix-cache entries are dropped (through `kv`) until then. `scheduled` is updated
-    in place. Returns the tokens removed (0: step unchanged).
+    ``bucket`` being the largest bucket below `total`. The KV blocks allocated for the
+    cut tokens stay with the request (its next chunk fills them); their prefix-cache
+    entries are dropped (through `kv`) until then. `scheduled` is updated in place. Returns
+    the tokens removed (0: step unchanged).
     """
     if buckets is None or total > buckets[-1]:
         return 0
@@ -51,8 +41,6 @@ def align_to_bucket(
     if index < 0 or buckets[index] == total:
         return 0
     cut = total - buckets[index]
-    if cut > buckets[index + 1] - total:
-        return 0  # padding to the next bucket costs less than deferring `cut` tokens
     best: ScheduledRequest | None = None
     for item in scheduled.values():
         n = item.num_new_tokens

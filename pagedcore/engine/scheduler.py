@@ -12,9 +12,8 @@ Bucket-aware chunking: with ``SchedulerConfig.token_buckets`` set (the token buc
 captured mixed-step CUDA graphs), a step is replayed from the graph of the smallest bucket
 that holds it, so 512 prompt tokens + 1 decode = 513 tokens would run (and pay for) a larger
 bucket. `Scheduler._align_to_bucket` shrinks a *partial* prefill chunk so the step totals
-exactly the largest bucket at or below what it would total, when that cut is no larger than
-the padding to the next bucket up; a prompt's final chunk is never shrunk, nor any chunk below
-half its size (`pagedcore.engine.bucket_align`).
+exactly the largest bucket at or below what it would total; a prompt's final chunk is never
+shrunk, nor any chunk below half its size (`pagedcore.engine.bucket_align`).
 """
 
 from __future__ import annotations
