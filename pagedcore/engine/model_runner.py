@@ -87,6 +87,7 @@ class ModelRunner:
         max_model_len: int,
         num_heads: int | None = None,
     ) -> None:
+        from pagedcore.engine.fused_ops import fused_kernels_disabled_reason, swap_fused_modules
         from pagedcore.engine.mla_attention import mla_impl_kwargs, swap_mla_attention
         from pagedcore.plugins.selector import select_backend
 
@@ -99,6 +100,12 @@ class ModelRunner:
         model.set_attn_implementation(attention_hook.ATTN_IMPLEMENTATION)
         # DeepSeek-V2/V3: paged latent attention modules (no-op for other models).
         swap_mla_attention(model)
+        #: Why transformers' norms and MLPs were kept (None: fused kernels swapped in).
+        self.fused_kernels_disabled_reason = fused_kernels_disabled_reason(device)
+        #: Modules replaced by fused Triton kernels, per kind (empty when disabled).
+        self.fused_kernels: dict[str, int] = (
+            {} if self.fused_kernels_disabled_reason else swap_fused_modules(model)
+        )
         self.base_model = getattr(model, model.base_model_prefix)
         self.lm_head: Any = model.get_output_embeddings()  # type: ignore[no-untyped-call]
         self.final_logit_softcap: float | None = getattr(config, "final_logit_softcapping", None)

@@ -212,7 +212,7 @@ def test_triton_mixed_graphs_match_eager_bf16_gpu() -> None:
                               kv_cache_memory_bytes=1 << 30)
     graphs = LLM(copy.deepcopy(model), **kw)
     status = graphs.stats()["cudagraph"]
-    assert status["enabled"] and status["mixed_sizes"] == [16, 32, 64, 128, 256, 512], status
+    assert status["enabled"] and status["mixed_sizes"] == [16, 32, 64, 128, 256, 384, 512], status
     eager = LLM(model, enforce_eager=True, **kw)
     vocab = 151936
     g = torch.Generator().manual_seed(5)

@@ -1,0 +1,250 @@
+"""Fused RMSNorm and SiLU-and-mul for the engine's Llama-family models (Triton, CUDA).
+
+transformers' `LlamaRMSNorm` (and its copies in Qwen2, Qwen3 and Mistral) runs as five to
+eight small kernels (casts, pow, mean, add, rsqrt, muls) and the MLP's
+``act_fn(gate_proj(x)) * up_proj(x)`` as two; a decode step of a 32-layer model launches
+about 65 norms and 32 activations. `swap_fused_modules` replaces those modules by
+`FusedRMSNorm` and `FusedSiLUMulMLP`, one Triton kernel each, which keep the original's
+parameters and submodules (same state-dict keys; tensor-parallel shards stay as they are)
+and round where transformers rounds, so the swapped model computes the same numbers.
+
+The engine swaps when the device is CUDA, Triton imports and ``PAGEDCORE_FUSED_KERNELS`` is
+not ``0`` (see `fused_kernels_disabled_reason`). The kernels are CUDA-graph capturable: no
+host syncs, outputs from torch's caching allocator.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "FUSED_KERNELS_ENV",
+    "MAX_NORM_SIZE",
+    "MLP_CLASSES",
+    "RMS_NORM_CLASSES",
+    "FusedRMSNorm",
+    "FusedSiLUMulMLP",
+    "fused_kernels_disabled_reason",
+    "rms_norm",
+    "silu_and_mul",
+    "swap_fused_modules",
+]
+
+#: Environment switch: ``0`` / ``false`` / ``off`` / ``no`` keeps transformers' own modules.
+FUSED_KERNELS_ENV = "PAGEDCORE_FUSED_KERNELS"
+#: RMSNorm classes computing ``w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)`` (not Gemma's
+#: ``1 + w``), replaced by `FusedRMSNorm`.
+RMS_NORM_CLASSES = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
+#: MLP classes computing ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, replaced by
+#: `FusedSiLUMulMLP` when their ``act_fn`` is SiLU.
+MLP_CLASSES = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP")
+#: Largest normalised size one RMSNorm program handles (the row lives in registers).
+MAX_NORM_SIZE = 32768
+
+_SILU_BLOCK = 1024
+
+
+def fused_kernels_disabled_reason(device: torch.device) -> str | None:
+    """Why the engine keeps transformers' modules on `device` (None: swap them)."""
+    if device.type != "cuda":
+        return f"fused kernels run on CUDA devices only (device is {device.type!r})"
+    setting = os.environ.get(FUSED_KERNELS_ENV, "1").strip().lower()
+    if setting in ("0", "false", "off", "no"):
+        return f"turned off by {FUSED_KERNELS_ENV}={os.environ[FUSED_KERNELS_ENV]!r}"
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    return None
+
+
+def _check_same_device(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
+    if a.device != b.device:
+        raise ValueError(f"{name}: tensors on {a.device} and {b.device}; move them to one device")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, *, eps: float) -> torch.Tensor:
+    """``weight * (x * rsqrt(mean(x^2, -1) + eps)).to(x.dtype)``, the mean in fp32.
+
+    Parameters
+    ----------
+    x:
+        ``[..., N]`` fp32 / fp16 / bf16, ``N <= MAX_NORM_SIZE``; any strides (copied when the
+        last dimension is not contiguous).
+    weight:
+        ``[N]`` on `x`'s device.
+    eps:
+        Added to the mean square.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[..., N]`` in ``promote_types(x.dtype, weight.dtype)`` (what transformers returns).
+    """
+    from pagedcore.engine import _fused_kernels as fused_kernels
+
+    size = x.shape[-1] if x.dim() else 0
+    if weight.dim() != 1 or weight.shape[0] != size:
+        raise ValueError(
+            f"rms_norm: weight of shape {tuple(weight.shape)} does not match the last dimension "
+            f"of x {tuple(x.shape)}; pass a [N] weight for a [..., N] input"
+        )
+    if not 0 < size <= MAX_NORM_SIZE:
+        raise ValueError(f"rms_norm: last dimension {size} is outside 1..{MAX_NORM_SIZE}")
+    _check_same_device("rms_norm", x, weight)
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    rows = x.reshape(-1, size)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if rows.shape[0] == 0:
+        return out
+    out_rows = out.view(-1, size)
+    block = 1 << (size - 1).bit_length()
+    num_warps = 4 if block <= 1024 else 8 if block <= 4096 else 16
+    fused_kernels.rms_norm_kernel[(rows.shape[0],)](
+        rows, weight.contiguous(), out_rows, rows.stride(0), out_rows.stride(0), size, float(eps),
+        BLOCK=block, num_warps=num_warps,
+    )
+    return out
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate).to(gate.dtype) * up``, elementwise, as transformers' gated MLP computes it.
+
+    Parameters
+    ----------
+    gate, up:
+        Same shape ``[..., I]``, fp32 / fp16 / bf16, on one device (``gate_proj(x)`` and
+        ``up_proj(x)``).
+
+    Returns
+    -------
+    torch.Tensor
+        ``[..., I]`` in ``promote_types(gate.dtype, up.dtype)``.
+    """
+    from pagedcore.engine import _fused_kernels as fused_kernels
+
+    if gate.shape != up.shape:
+        raise ValueError(
+            f"silu_and_mul: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape; "
+            "pass gate_proj(x) and up_proj(x) of the same input"
+        )
+    _check_same_device("silu_and_mul", gate, up)
+    gate, up = gate.contiguous(), up.contiguous()
+    out = torch.empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype),
+                      device=gate.device)
+    numel = gate.numel()
+    if numel:
+        grid = (_cdiv(numel, _SILU_BLOCK),)
+        fused_kernels.silu_mul_kernel[grid](gate, up, out, numel, BLOCK=_SILU_BLOCK, num_warps=4)
+    return out
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class FusedRMSNorm(nn.Module):
+    """A Llama-style RMSNorm as one Triton kernel, sharing the original's weight Parameter.
+
+    Parameters
+    ----------
+    orig:
+        One of `RMS_NORM_CLASSES` (its ``weight`` ``[N]`` and ``variance_epsilon``).
+    """
+
+    def __init__(self, orig: nn.Module) -> None:
+        super().__init__()
+        src: Any = orig
+        self.weight: nn.Parameter = src.weight
+        self.variance_epsilon = float(src.variance_epsilon)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[..., N]`` -> ``[..., N]`` (see `rms_norm`)."""
+        return rms_norm(hidden_states, self.weight, eps=self.variance_epsilon)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+class FusedSiLUMulMLP(nn.Module):
+    """``down_proj(silu_and_mul(gate_proj(x), up_proj(x)))`` over the original's projections.
+
+    Parameters
+    ----------
+    orig:
+        One of `MLP_CLASSES` with a SiLU ``act_fn``; its ``gate_proj``, ``up_proj`` and
+        ``down_proj`` (possibly tensor-parallel shards) are reused as they are.
+    """
+
+    def __init__(self, orig: nn.Module) -> None:
+        super().__init__()
+        src: Any = orig
+        self.gate_proj: nn.Module = src.gate_proj
+        self.up_proj: nn.Module = src.up_proj
+        self.down_proj: nn.Module = src.down_proj
+        for attr in ("config", "hidden_size", "intermediate_size"):
+            if hasattr(src, attr):
+                setattr(self, attr, getattr(src, attr))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., hidden]`` -> ``[..., hidden]``."""
+        out: torch.Tensor = self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
+        return out
+
+
+def _is_silu(act_fn: Any) -> bool:
+    return isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation"
+
+
+def _replacement(module: nn.Module) -> tuple[str, nn.Module] | None:
+    """``(kind, new module)`` for a module this swap handles, else None."""
+    name = type(module).__name__
+    src: Any = module
+    if (
+        name in RMS_NORM_CLASSES
+        and hasattr(src, "variance_epsilon")
+        and isinstance(getattr(src, "weight", None), nn.Parameter)
+        and src.weight.dim() == 1
+        and 0 < src.weight.shape[0] <= MAX_NORM_SIZE
+    ):
+        return "rms_norm", FusedRMSNorm(module)
+    if (
+        name in MLP_CLASSES
+        and all(hasattr(src, p) for p in ("gate_proj", "up_proj", "down_proj"))
+        and _is_silu(getattr(src, "act_fn", None))
+    ):
+        return "silu_mul", FusedSiLUMulMLP(module)
+    return None
+
+
+def swap_fused_modules(model: nn.Module) -> dict[str, int]:
+    """Replace `model`'s Llama-style RMSNorms and SiLU-gated MLPs by fused-kernel modules.
+
+    Parameters
+    ----------
+    model:
+        A transformers model (``...ForCausalLM`` or the bare model), already sharded when
+        tensor-parallel. Modules of other classes (Gemma's ``1 + w`` norm, non-SiLU MLPs,
+        MoE blocks, anything unrecognised) are left untouched, so any model may be passed.
+
+    Returns
+    -------
+    dict[str, int]
+        ``{"rms_norm": n, "silu_mul": m}``: how many modules of each kind were replaced.
+    """
+    counts = {"rms_norm": 0, "silu_mul": 0}
+    targets = [
+        (name, found)
+        for name, module in model.named_modules()
+        if name and (found := _replacement(module)) is not None
+    ]
+    for name, (kind, new) in targets:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, new)
+        counts[kind] += 1
+    return counts
