@@ -162,7 +162,6 @@ def kernel_rows(
     loop, so a run cut short has every shape of the first variants. The fastest row of each
     shape carries ``best_for_shape``; `on_row` sees each row as soon as it is measured."""
     import torch
-    from pagedcore_triton.mla import choose_mla_splits
 
     from pagedcore.bench.kernel_primitives import time_ms
     from pagedcore.reference.mla import MLAImpl
@@ -181,9 +180,8 @@ def kernel_rows(
             kv_bytes = batch * context * (LATENT + ROPE) * cache.element_size()
             for cfg in _target_configs(config, quick=quick, one_target=one_target):
                 impl = _impl(cfg)
-                splits = choose_mla_splits(cfg.split, num_tokens=batch, head_blocks=1,
-                                           max_seq_len=context)
-                split_len = cdiv(cdiv(context, splits), cfg.block_n) * cfg.block_n
+                plan = impl.plan_launch(query, meta)
+                splits, split_len = plan.splits, plan.split_len
                 row: dict[str, Any] = {
                     "variant": config.name, "batch": batch, "context": context,
                     "block_n": cfg.block_n,
@@ -192,8 +190,11 @@ def kernel_rows(
                     "merge_chunk": cfg.merge_chunk, "fused_fanin": cfg.fused_fanin,
                     "num_warps": cfg.launch_warps(splits, split_len),
                     "target_programs": cfg.split.target_programs, "num_splits": splits,
+                    "heads_per_program": plan.heads_per_program,
+                    "half_partials": cfg.half_partials,
                     "kv_bytes": kv_bytes,
                 }
+                del plan
                 try:
                     got = impl.forward(query, query, query, cache, meta).float()
                     rel = float((got - want).norm() / want.norm())
@@ -242,7 +243,9 @@ def breakdown_rows(
             launch = impl.plan_launch(query, meta)
             out = query.new_empty(batch, NUM_HEADS, LATENT)
             row: dict[str, Any] = {"variant": config.name, "batch": batch, "context": context,
-                                   "num_splits": launch.splits, "kv_bytes": kv_bytes}
+                                   "num_splits": launch.splits,
+                                   "heads_per_program": launch.heads_per_program,
+                                   "kv_bytes": kv_bytes}
             row["decode_ms"] = time_ms(
                 functools.partial(impl.launch_decode, launch, query, cache, meta, out), device)
             # The decode's fixed cost: the same grid with empty segments (queries loaded,

@@ -92,3 +92,29 @@ def test_summary_picks_the_variant_with_the_best_mean() -> None:
     assert s["best_variant"] == "b"
     assert s["best_pct_of_copy_per_shape"] == {"1x1024": 90.0, "2x1024": 69.0}
     assert s["met"] is False
+
+
+def test_probe_summary_of_synthetic_timelines() -> None:
+    """`summarize_probe` on four hand-made programs (SM 7 holds two): waits, spreads, loop
+    and epilogue times, per-tile loop time, SM clock and how busy the grid is over its span."""
+    from pagedcore.bench.mla_probe import summarize_probe
+
+    # smid, t_start, t_go, t_loop, t_end (ns), tiles, cycles
+    rows = [[7, 0, 1000, 9000, 10000, 16, 20000],
+            [7, 0, 1000, 11000, 12000, 16, 24000],
+            [3, 500, 2000, 8000, 9000, 16, 17000],
+            [5, 0, 1000, 20000, 21000, 16, 42000]]
+    s = summarize_probe(rows, kv_bytes=2_000_000)
+    assert s["programs"] == 4 and s["sms"] == 3
+    assert s["programs_per_sm"] == {"1": 2, "2": 1}
+    assert s["span_us"] == 20.0  # first go at 1000 ns, last end at 21000 ns
+    assert s["wait_us"]["max"] == 1.5 and s["wait_us"]["min"] == 1.0
+    assert s["end_us"] == {"min": 8.0, "p10": 8.0, "med": 10.0, "p90": 20.0, "max": 20.0}
+    assert s["loop_us"]["max"] == 19.0 and s["epilogue_us"]["med"] == 1.0
+    assert s["loop_us_per_tile"]["min"] == 0.375
+    assert s["duration_shared_sm_us"]["max"] == 11.0
+    assert s["duration_alone_on_sm_us"] == {"min": 7.0, "p10": 7.0, "med": 13.5, "p90": 20.0,
+                                            "max": 20.0}
+    assert s["sm_clock_GHz"]["med"] == 2.0
+    assert s["busy_fraction"] == round((9 + 11 + 7 + 20) / (4 * 20), 3)
+    assert s["kv_GBps_over_span"] == 100.0

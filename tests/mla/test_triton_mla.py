@@ -211,3 +211,127 @@ def test_short_split_warps_rule() -> None:
     assert cfg.launch_warps(16, 1024) == 4  # 16 x 16384
     assert cfg.launch_warps(1, 256) == 4  # unsplit short contexts
     assert mla.DEFAULT_MLA_KERNEL.launch_warps(64, 512) == mla.DEFAULT_MLA_KERNEL.num_warps
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_half_partials_split_matches_reference(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """16-bit partials (``...h``): with 16-bit queries the split partials are stored in the
+    query's dtype; many splits per sequence (some empty for the short request) still match
+    the reference with NaN in every unused slot, and stay close to the fp32-partial result."""
+    import attrs
+
+    many = MLASplitRule(target_programs=10**6, min_tokens_per_split=16, max_splits=64)
+    half = attrs.evolve(mla.MLA_KERNEL_CONFIGS["n32s5c4pm64R256k32mw1h"], block_n=16,
+                        split=many)
+    spec = MLABatchSpec(name="half", query_lens=(1, 1, 2), seq_lens=(260, 40, 130),
+                        block_size=16, num_heads=4, kv_lora_rank=64, rope_head_dim=16)
+    case = build_mla_case(spec, dtype=dtype, device=DEVICE, seed=7)
+    monkeypatch.setattr(mla.TritonMLAImpl, "kernel_config", half)
+    result = run_mla_case(mla.TritonMLABackend, case, device=DEVICE)
+    assert result.passed, result.detail
+    impl = mla.TritonMLAImpl(4, 80, 0.2, kv_lora_rank=64)
+    meta = mla.TritonMLAMetadataBuilder(None, [], torch.device(DEVICE)).build(case.common)
+    query = torch.randn(4, 4, 80, device=DEVICE).to(dtype)
+    cache = torch.randn(case.kv_cache.shape, device=DEVICE).to(dtype)
+    launch = impl.plan_launch(query, meta)
+    assert launch.splits == 16 and launch.part_acc is not None
+    assert launch.part_acc.dtype == dtype and launch.part_ml is not None
+    assert launch.part_ml.dtype == torch.float32
+    got = impl.forward(query, query, query, cache, meta).float()
+    impl.kernel_config = attrs.evolve(half, half_partials=False)
+    full_acc = impl.plan_launch(query, meta).part_acc
+    assert full_acc is not None and full_acc.dtype == torch.float32
+    full = impl.forward(query, query, query, cache, meta).float()
+    rel = float((got - full).norm() / full.norm())
+    assert 0 < rel < 1e-2, rel
+
+
+def test_half_partials_and_probe_misuse_are_refused() -> None:
+    with pytest.raises(ValueError, match="half_partials needs the merge kernel"):
+        MLAKernelConfig(name="x", half_partials=True, fused_fanin=4)
+    if DEVICE != "cpu":
+        return
+    impl = mla.TritonMLAImpl(3, 64, 0.2, kv_lora_rank=48)
+    case = build_mla_case(MLABatchSpec(name="p", query_lens=(1,), seq_lens=(20,)),
+                          dtype=torch.float32)
+    meta = mla.TritonMLAMetadataBuilder(None, [], torch.device("cpu")).build(case.common)
+    query = torch.randn(1, 3, 64)
+    launch = impl.plan_launch(query, meta)
+    with pytest.raises(ValueError, match="probe must be an int64 CUDA tensor"):
+        impl.launch_decode(launch, query, torch.zeros(case.kv_cache.shape), meta,
+                           torch.empty(1, 3, 48), probe=torch.zeros(8, dtype=torch.int64))
+
+
+def test_narrow_heads_plan_per_bench_shape() -> None:
+    """``...g8``: a launch that would split serves 8 heads per program instead, with half
+    the splits (4 x 32768: 32, not 64) or none at all (128 x 2048); unsplit launches keep
+    16 heads per program."""
+    cfg = mla.MLA_KERNEL_CONFIGS["n32s5c4pm64R256k32mw1g8"]
+    impl = mla.TritonMLAImpl(16, 576, 0.1, kv_lora_rank=512)
+    impl.kernel_config = cfg
+    plans = {}
+    for tokens, context in ((4, 32768), (64, 4096), (256, 1024), (16, 16384), (128, 2048)):
+        meta = mla.TritonMLAMetadata(
+            token_req=torch.arange(tokens, dtype=torch.int32),
+            token_kv_len=torch.full((tokens,), context, dtype=torch.int32),
+            block_table=torch.zeros(tokens, 1, dtype=torch.int32), num_actual_tokens=tokens,
+            max_seq_len=context)
+        launch = impl.plan_launch(torch.empty(tokens, 16, 576, dtype=torch.bfloat16), meta)
+        plans[tokens] = (launch.heads_per_program, launch.head_blocks, launch.splits,
+                         launch.part_acc is None)
+    assert plans == {4: (8, 2, 32, False), 64: (8, 2, 2, False), 256: (16, 1, 1, True),
+                     16: (8, 2, 8, False), 128: (8, 2, 1, True)}
+
+
+@pytest.mark.parametrize("half", [False, True], ids=["fp32", "bf16_half_partials"])
+def test_narrow_heads_matches_reference(half: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """8 heads per program over 12 heads (the second head block half empty), several
+    splits per sequence, NaN in every unused slot; bf16 with 16-bit partials."""
+    import attrs
+
+    many = MLASplitRule(target_programs=10**6, min_tokens_per_split=32, max_splits=64)
+    cfg = attrs.evolve(mla.MLA_KERNEL_CONFIGS["n32s5c4pm64R256k32mw1g8"], block_n=16,
+                       split=many, half_partials=half)
+    monkeypatch.setattr(mla.TritonMLAImpl, "kernel_config", cfg)
+    spec = MLABatchSpec(name="narrow", query_lens=(1, 2), seq_lens=(200, 70), block_size=16,
+                        num_heads=12, kv_lora_rank=32, rope_head_dim=16, num_pad_tokens=1)
+    dtype = torch.bfloat16 if cfg.half_partials else torch.float32
+    case = build_mla_case(spec, dtype=dtype, device=DEVICE, seed=8)
+    meta = mla.TritonMLAMetadataBuilder(None, [], torch.device(DEVICE)).build(case.common)
+    launch = mla.TritonMLAImpl(12, 48, 0.2, kv_lora_rank=32).plan_launch(case.query, meta)
+    assert (launch.heads_per_program, launch.head_blocks, launch.splits) == (8, 2, 4)
+    result = run_mla_case(mla.TritonMLABackend, case, device=DEVICE)
+    assert result.passed, result.detail
+
+
+@pytest.mark.parametrize("name", ["n32s5c4pm64R256k32mw1l8", "n32s5c4pm64R256k32mw1bl8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_lazy_rescale_with_growing_scores(
+    name: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lazy rescaling (``...l8``) with scores that grow by far more than 2^8 along the
+    positions (late keys aligned with the query): tiles that must move the maximum do, the
+    others keep it; several splits, a short prefill, NaN in every unused slot."""
+    import attrs
+
+    many = MLASplitRule(target_programs=10**6, min_tokens_per_split=96, max_splits=64)
+    cfg = attrs.evolve(mla.MLA_KERNEL_CONFIGS[name], block_n=16, split=many)
+    monkeypatch.setattr(mla.TritonMLAImpl, "kernel_config", cfg)
+    spec = MLABatchSpec(name="grow", query_lens=(1, 3), seq_lens=(300, 45), block_size=16,
+                        num_heads=4, kv_lora_rank=32, rope_head_dim=16)
+    case = build_mla_case(spec, dtype=dtype, device=DEVICE, seed=9)
+    # Key rows that point more and more along the queries: log2-scores grow by ~240 within
+    # each of the 2 splits, so a kernel that stopped moving the maximum would overflow.
+    table = case.common.block_table.long()
+    q_dir = case.query[0].float().mean(0)
+    q_dir = q_dir / q_dir.norm()
+    cache = case.kv_cache.float()
+    for pos in range(300):
+        slot = cache[table[0, pos // 16], pos % 16]
+        if not slot.isnan().any():
+            slot += (pos / 0.5) * q_dir
+    case = attrs.evolve(case, kv_cache=cache.to(dtype))
+    result = run_mla_case(mla.TritonMLABackend, case, device=DEVICE)
+    assert result.passed, result.detail

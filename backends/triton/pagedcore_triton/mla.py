@@ -66,7 +66,10 @@ class MLALaunch:
     num_tokens:
         Real tokens (the grid's first dimension).
     head_blocks:
-        Programs per token along the heads (``cdiv(H, block_h)``).
+        Programs per token along the heads (``cdiv(H, heads_per_program)``).
+    heads_per_program:
+        Query heads each program serves (``block_h``, or the config's `narrow_heads` on a
+        launch it narrows).
     splits, split_len:
         Split-KV segments per token and positions per segment (a multiple of ``block_n``).
     lat_pad:
@@ -75,8 +78,10 @@ class MLALaunch:
         Whether the kernels are launched with programmatic dependent launch.
     part_acc, part_ml:
         ``[T, H, splits, lat_pad]`` and ``[T, H, splits, 2]`` float32 partials (None when
-        unsplit); with a fused merge ``[T, head_blocks, 2 * splits, block_h, lat_pad]`` and
-        ``[T, head_blocks, 2 * splits, block_h, 2]`` (the tree's levels).
+        unsplit; ``part_acc`` in the query's 16-bit dtype with
+        `MLAKernelConfig.half_partials`); with a fused merge ``[T, head_blocks, 2 * splits,
+        block_h, lat_pad]`` and ``[T, head_blocks, 2 * splits, block_h, 2]`` (the tree's
+        levels).
     counters:
         With a fused merge (`MLAKernelConfig.fused_fanin`) on a split launch: the impl's
         persistent int32 group counters (zero between launches), else None.
@@ -91,6 +96,7 @@ class MLALaunch:
     part_acc: torch.Tensor | None
     part_ml: torch.Tensor | None
     counters: torch.Tensor | None = None
+    heads_per_program: int = 16
 
 
 @attrs.frozen(kw_only=True)
@@ -254,14 +260,22 @@ class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
         """Split count, segment length and partial buffers of one `forward` (no launch).
 
         ``query`` is ``[T, H, L + R]``; the partials are ``[T_actual, H, splits, L_pad]`` and
-        ``[T_actual, H, splits, 2]`` float32 when the context is split.
+        ``[T_actual, H, splits, 2]`` float32 when the context is split (the first in the
+        query's dtype with ``half_partials`` and a 16-bit query).
         """
         cfg = self.kernel_config
         actual = metadata.num_actual_tokens
         lat_pad = max(16, _next_pow2(self.kv_lora_rank))
-        head_blocks = -(-self.num_heads // self.block_h)
+        per_prog = self.block_h
+        head_blocks = -(-self.num_heads // per_prog)
         splits = choose_mla_splits(cfg.split, num_tokens=actual, head_blocks=head_blocks,
                                    max_seq_len=metadata.max_seq_len)
+        narrow = cfg.narrow_heads
+        if narrow is not None and narrow < per_prog and splits >= cfg.narrow_min_splits:
+            per_prog = narrow
+            head_blocks = -(-self.num_heads // per_prog)
+            splits = choose_mla_splits(cfg.split, num_tokens=actual, head_blocks=head_blocks,
+                                       max_seq_len=metadata.max_seq_len)
         # Segments start on tile boundaries (whole blocks when BLOCK_N is a multiple of them).
         seg = -(-metadata.max_seq_len // splits)
         split_len = -(-seg // cfg.block_n) * cfg.block_n
@@ -272,14 +286,16 @@ class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
             part_ml = torch.empty(*slots, 2, dtype=torch.float32, device=query.device)
             counters = self._counters(query.device, actual * head_blocks * splits)
         elif splits > 1:
+            half = cfg.half_partials and query.dtype in (torch.bfloat16, torch.float16)
             part_acc = torch.empty(actual, self.num_heads, splits, lat_pad,
-                                   dtype=torch.float32, device=query.device)
+                                   dtype=query.dtype if half else torch.float32,
+                                   device=query.device)
             part_ml = torch.empty(actual, self.num_heads, splits, 2, dtype=torch.float32,
                                   device=query.device)
         pdl = cfg.pdl and not interpreting() and _has_pdl(query.device)
         return MLALaunch(num_tokens=actual, head_blocks=head_blocks, splits=splits,
                          split_len=split_len, lat_pad=lat_pad, pdl=pdl, part_acc=part_acc,
-                         part_ml=part_ml, counters=counters)
+                         part_ml=part_ml, counters=counters, heads_per_program=per_prog)
 
     def launch_decode(
         self,
@@ -288,14 +304,26 @@ class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
         kv_cache: torch.Tensor,
         metadata: TritonMLAMetadata,
         out: torch.Tensor,
+        *,
+        probe: torch.Tensor | None = None,
     ) -> None:
-        """The decode kernel: ``out`` ``[T, H, L]`` directly when unsplit, else the partials."""
+        """The decode kernel: ``out`` ``[T, H, L]`` directly when unsplit, else the partials.
+
+        ``probe`` (a diagnostic, CUDA only): an int64 ``[programs, 8]`` tensor that each
+        program fills with its SM and ``%globaltimer`` times (see ``mla_decode_kernel``);
+        that launch compiles a separate, instrumented kernel.
+        """
         from pagedcore_triton.mla_kernels import mla_decode_kernel
 
         cfg = self.kernel_config
         lat = self.kv_lora_rank
         rope = query.shape[-1] - lat
         interp = interpreting()
+        programs = launch.num_tokens * launch.head_blocks * launch.splits
+        if probe is not None and (interp or probe.dtype != torch.int64
+                                  or probe.numel() < 8 * programs):
+            raise ValueError(f"probe must be an int64 CUDA tensor of at least [{programs}, 8] "
+                             "(programs, fields); it cannot run in the interpreter")
         options: dict[str, Any] = {
             "num_warps": cfg.launch_warps(launch.splits, launch.split_len),
             "num_stages": cfg.num_stages,
@@ -311,8 +339,17 @@ class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
             grid = grid[::-1]
             options["SPLIT_FIRST"] = True
         counters = launch.counters if launch.counters is not None else out  # unused if None
+        if probe is not None:
+            options["PROBE"] = True
+        if cfg.lazy_rescale is not None:
+            options["LAZY_TAU"] = float(cfg.lazy_rescale)
+        if cfg.clamp_rows:
+            options["CLAMP_ROWS"] = True
+        if launch.heads_per_program != self.block_h:
+            options["HEADS_PER_PROG"] = launch.heads_per_program
         compiled = mla_decode_kernel[grid](
-            out, part_acc, part_ml, counters, query, kv_cache, metadata.block_table,
+            out, part_acc, part_ml, counters, probe if probe is not None else counters,
+            query, kv_cache, metadata.block_table,
             metadata.token_req, metadata.token_kv_len,
             self.num_heads, launch.splits, self.scale * 1.4426950408889634, launch.split_len,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),

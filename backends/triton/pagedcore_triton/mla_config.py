@@ -99,6 +99,29 @@ class MLAKernelConfig:
         counts itself in with an atomic counter per group of `fused_fanin` splits; the last
         arrival of a group merges the group (and resets the counter to 0), then does the same
         one level up. The merge settings (`merge_chunk` ... `merge_warps`) are then unused.
+    half_partials:
+        Store the split partials' ``acc / sum`` in the query's dtype when it is 16-bit
+        (bf16, fp16; fp32 queries keep fp32 partials): half the bytes the split programs
+        write and the merge reads. A normalised partial is a convex combination of cache
+        rows, so it lies within the cache dtype's range; the maxima and sums stay fp32 and
+        the merge accumulates in fp32. Needs the merge kernel (not `fused_fanin`, whose
+        partials are unnormalised).
+    lazy_rescale:
+        When set (log2 units, e.g. 8.0), the running maximum the softmax sums refer to moves
+        (and the accumulators are rescaled) only in tiles where some head's maximum grew by
+        more than this; other tiles skip the ``acc * alpha`` multiplies (64 per thread and
+        tile). The weights stay below ``2 ** lazy_rescale``; the result is the same softmax.
+    clamp_rows:
+        Positions past a segment's end load the segment's last row instead of being masked
+        out: the block-table and row loads need no masks (fewer instructions per tile); the
+        scores of those positions are still masked to ``-inf``.
+    narrow_heads, narrow_min_splits:
+        When set (a power of two below ``TritonMLAImpl.block_h``, 16), a launch that would
+        split into at least `narrow_min_splits` segments serves only `narrow_heads` query
+        heads per program instead (the MMA keeps 16 rows, the rest masked): more head
+        blocks, so fewer splits, longer segments and fewer partials (none at all when the
+        split count drops to 1). Each cache row is then read by ``16 // narrow_heads``
+        programs that run side by side: one read from DRAM, the others from L2.
     """
 
     name: str
@@ -117,6 +140,11 @@ class MLAKernelConfig:
     short_split_warps: int | None = None
     short_split_len: int = 512
     fused_fanin: int | None = None
+    half_partials: bool = False
+    lazy_rescale: float | None = None
+    clamp_rows: bool = False
+    narrow_heads: int | None = None
+    narrow_min_splits: int = 2
 
     def launch_warps(self, splits: int, split_len: int) -> int:
         """``num_warps``, or `short_split_warps` for a split launch of short segments."""
@@ -138,6 +166,19 @@ class MLAKernelConfig:
         if self.fused_fanin is not None and (self.fused_fanin < 2 or not _pow2(self.fused_fanin)):
             raise ValueError(
                 f"fused_fanin must be None or a power of two >= 2, got {self.fused_fanin}")
+        if self.half_partials and self.fused_fanin is not None:
+            raise ValueError("half_partials needs the merge kernel (fused_fanin=None): the "
+                             "fused merge keeps unnormalised partials, which may overflow "
+                             "16 bits")
+        if self.lazy_rescale is not None and not 0 < self.lazy_rescale <= 16:
+            raise ValueError(f"lazy_rescale must be None or in (0, 16] (log2 units), got "
+                             f"{self.lazy_rescale}")
+        if self.narrow_heads is not None and (
+            not _pow2(self.narrow_heads) or self.fused_fanin is not None
+        ):
+            raise ValueError(f"narrow_heads must be None or a power of two, without "
+                             f"fused_fanin (got {self.narrow_heads}, fused_fanin="
+                             f"{self.fused_fanin})")
         for what, warps in (("num_warps", self.num_warps), ("merge_warps", self.merge_warps),
                             ("short_split_warps", self.short_split_warps or 1)):
             if not _pow2(warps):
@@ -178,7 +219,8 @@ def _default_like(name: str, **kw: object) -> MLAKernelConfig:
 #: (``short_split_warps`` 2), ``k<merge_cols>`` (when not 128), ``R<merge_row_pairs>``,
 #: ``mw<merge_warps>`` (when not 4),
 #: ``x<max_splits>`` (when not 64), ``f`` (``split_first``), ``r<maxnreg>``, ``t<split
-#: target>`` (when not 264), ``u<fused_fanin>`` (merge fused into the split programs).
+#: target>`` (when not 264), ``u<fused_fanin>`` (merge fused into the split programs),
+#: ``h`` (``half_partials``), ``g<narrow_heads>``, ``l<lazy_rescale>``, ``b`` (``clamp_rows``).
 MLA_KERNEL_CONFIGS: dict[str, MLAKernelConfig] = {
     c.name: c
     for c in (
@@ -207,6 +249,27 @@ MLA_KERNEL_CONFIGS: dict[str, MLAKernelConfig] = {
         # At most 32 splits (4 x 32768: 128 programs of 1024 positions, half the partials):
         _default_like("n32s5c4pm64x32", split=MLASplitRule(max_splits=32)),
         _default_like("n32s5c4w2pm64", num_warps=2),
+        # Eighth run (docs/mla.md). The profile: the decode is bound per SM by the chain of
+        # dependent steps of a tile (2 programs x 4 warps per SM), not by DRAM or by the
+        # instruction count. Fewer instructions per tile were slower (64 x 4096 / 4 x 32768):
+        # lazy rescaling (592 -> 543 SASS instructions per tile and warp; 75.4 / 67.7 % vs
+        # 79.6 / 70.1), clamped rows without load masks (~530; 77.4 / 68.6), both (~480;
+        # 76.1 / 67.8).
+        _default_like("n32s5c4pm64R256k32mw1l8", merge_row_pairs=256, merge_cols=32,
+                      merge_warps=1, lazy_rescale=8.0),
+        _default_like("n32s5c4pm64R256k32mw1b", merge_row_pairs=256, merge_cols=32,
+                      merge_warps=1, clamp_rows=True),
+        _default_like("n32s5c4pm64R256k32mw1bl8", merge_row_pairs=256, merge_cols=32,
+                      merge_warps=1, clamp_rows=True, lazy_rescale=8.0),
+        # 16-bit partials: the decode 2 us faster at every split shape, but the whole-row
+        # merge programs 3-4x slower on them (76.2 / 71.2 / 84.4 / 79.9 / 73.6 %).
+        _default_like("n32s5c4pm64R256k32mw1h", merge_row_pairs=256, merge_cols=32,
+                      merge_warps=1, half_partials=True),
+        # 8 heads per program on split launches, each row read by two programs side by side:
+        # DRAM traffic unchanged, but every program still needs 2.4 us per tile, so twice
+        # the time (41-45 % at the split shapes; 4 heads (g4): 23 %, removed).
+        _default_like("n32s5c4pm64R256k32mw1g8", merge_row_pairs=256, merge_cols=32,
+                      merge_warps=1, narrow_heads=8),
         MLAKernelConfig(name="n32s5c4p", block_n=32, num_stages=5, lat_split=4, pdl=True),
         # No PDL, 16 splits per merge round trip:
         MLAKernelConfig(name="n32s5c4", block_n=32, num_stages=5, lat_split=4),

@@ -46,80 +46,23 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from pagedcore_triton.mla_tiles import (
+    _accumulate,
+    _clock,
+    _load_cols,
+    _load_rows,
+    _mma,
+    _now,
+    _peer_cols,
+    _rows_of_tile,
+    _rows_of_tile_clamped,
+    _scores,
+    _smid,
+    _store_cols,
+    _weight,
+)
+
 __all__ = ["mla_cache_write_kernel", "mla_decode_kernel"]
-
-
-@triton.jit
-def _rows_of_tile(table_row, n0, end, stride_cb, stride_cs, BLOCK_SIZE: tl.constexpr,
-                  BLOCK_N: tl.constexpr):
-    """Element offsets ``[BLOCK_N]`` (int64) of the cache rows of positions ``n0 + i``, and
-    the mask of the positions before `end`. (One block-table entry per position: loading one
-    per block and reshaping kept Triton 3.6 from pipelining the row loads.)"""
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < end
-    blk = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
-    row = blk.to(tl.int64) * stride_cb + (offs_n % BLOCK_SIZE).to(tl.int64) * stride_cs
-    return row, n_mask
-
-
-@triton.jit
-def _load_cols(base_ptr, row, n_mask, col0, valid, WIDTH: tl.constexpr, PADDED: tl.constexpr):
-    """``[len(row), WIDTH]`` values at columns ``col0 + j`` of each row; zero where masked
-    (rows past the end, and with `PADDED` columns from `valid` on)."""
-    offs = col0 + tl.arange(0, WIDTH)
-    ptrs = base_ptr + row[:, None] + offs[None, :]
-    if PADDED:
-        out = tl.load(ptrs, mask=n_mask[:, None] & (offs < valid)[None, :], other=0.0)
-    else:
-        out = tl.load(ptrs, mask=n_mask[:, None], other=0.0)
-    return out
-
-
-@triton.jit
-def _scores(q, k, scale_log2, DOT_FP32: tl.constexpr):
-    """``scale_log2 * q @ k^T`` in fp32. The multiply keeps Triton from folding a sum of
-    such dots into one accumulator chain, so the chunks' MMAs stay independent."""
-    if DOT_FP32:  # fp32 caches, and the interpreter (whose bf16 dot is wrong)
-        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
-    return s * scale_log2
-
-
-@triton.jit
-def _accumulate(p, c, acc, alpha, DOT_FP32: tl.constexpr):
-    """``acc * alpha + p @ c`` (the rescale, then the MMA accumulating in place)."""
-    acc = acc * alpha[:, None]
-    if DOT_FP32:
-        acc = tl.dot(p, c.to(tl.float32), acc, input_precision="ieee")
-    else:
-        acc = tl.dot(p.to(c.dtype), c, acc)
-    return acc
-
-
-@triton.jit
-def _store_cols(ptrs, acc, col0, mask_rows, valid, WIDTH: tl.constexpr):
-    offs = col0 + tl.arange(0, WIDTH)
-    tl.store(ptrs + offs[None, :], acc.to(ptrs.dtype.element_ty),
-             mask=mask_rows[:, None] & (offs < valid)[None, :])
-
-
-@triton.jit
-def _weight(m, m_new):
-    """``exp2(m - m_new)``, and 0 for an empty partial (``m = -inf``, also when all are)."""
-    return tl.exp2(tl.where(m > float("-inf"), m - m_new, float("-inf")))
-
-
-@triton.jit
-def _peer_cols(part_acc_ptr, part_ml_ptr, rows, ok, m_new, col0, LATENT_PAD: tl.constexpr,
-               WIDTH: tl.constexpr):
-    """``w * acc``: the ``[len(rows), WIDTH]`` fp32 partial another program wrote, weighted by
-    ``exp2(m - m_new)``; read from L2 (``.cg``), never from this SM's L1; 0 where not `ok`."""
-    offs = col0 + tl.arange(0, WIDTH)
-    m = tl.load(part_ml_ptr + rows * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
-    acc = tl.load(part_acc_ptr + rows[:, None] * LATENT_PAD + offs[None, :],
-                  mask=ok[:, None], other=0.0, cache_modifier=".cg")
-    return _weight(m, m_new)[:, None] * acc
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -128,6 +71,7 @@ def mla_decode_kernel(
     part_acc_ptr,
     part_ml_ptr,
     counter_ptr,
+    probe_ptr,
     q_ptr,
     cache_ptr,
     block_table_ptr,
@@ -157,6 +101,10 @@ def mla_decode_kernel(
     USE_PDL: tl.constexpr,
     SPLIT_FIRST: tl.constexpr = False,
     FANIN: tl.constexpr = 0,
+    PROBE: tl.constexpr = False,
+    HEADS_PER_PROG: tl.constexpr = 0,
+    LAZY_TAU: tl.constexpr = 0,
+    CLAMP_ROWS: tl.constexpr = False,
 ):
     """Grid ``(tokens, cdiv(H, BLOCK_H), num_splits)``, or ``(num_splits, cdiv(H, BLOCK_H),
     tokens)`` with `SPLIT_FIRST` (the splits of one token launched next to each other); see
@@ -165,10 +113,26 @@ def mla_decode_kernel(
     The latent dims are handled as ``LAT_SPLIT`` (1, 2 or 4) column chunks of
     ``LATENT_PAD // LAT_SPLIT``, each with its own load, score MMA and accumulator, so the
     score MMAs form short independent chains instead of one chain over all 576 dims.
+
+    ``HEADS_PER_PROG`` (0 = ``BLOCK_H``): query heads per program; fewer than ``BLOCK_H``
+    masks the MMA's other rows (``MLAKernelConfig.narrow_heads``). ``LAZY_TAU`` > 0: the
+    running maximum the sums refer to is moved (and the accumulators rescaled) only when
+    some row's maximum grew by more than ``LAZY_TAU`` (``MLAKernelConfig.lazy_rescale``).
+    ``CLAMP_ROWS``: positions past the segment load its last row instead (no load masks; the
+    scores are still masked), ``MLAKernelConfig.clamp_rows``.
+    With ``PROBE`` (a
+    diagnostic build, never the shipped one) each program writes ``[smid, t_start, t_go,
+    t_loop, t_end, tiles, cycles, 0]`` int64 to ``probe_ptr`` row ``(tok * head blocks +
+    head_block) * num_splits + split``: ``%globaltimer`` ns at its start, after the PDL wait,
+    after its last tile and after its last store, and its ``%clock64`` cycles from start
+    to end.
     """
     CW: tl.constexpr = LATENT_PAD // LAT_SPLIT
     LP: tl.constexpr = LATENT_PAD != LATENT
     RP: tl.constexpr = ROPE_PAD != ROPE
+    if PROBE:
+        t_start = _now()
+        c_start = _clock()
     if USE_PDL:  # launched with programmatic dependent launch: inputs of the prior kernel
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -179,14 +143,20 @@ def mla_decode_kernel(
         tok = tl.program_id(0)
         split = tl.program_id(2)
     head_block = tl.program_id(1)
+    if PROBE:
+        t_go = _now()
 
     req = tl.load(token_req_ptr + tok)
     kv_len = tl.load(token_kv_len_ptr + tok)
     start = split * split_len
     end = tl.minimum(start + split_len, kv_len)
 
-    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
-    head_mask = heads < num_heads
+    if HEADS_PER_PROG > 0:
+        heads = head_block * HEADS_PER_PROG + tl.arange(0, BLOCK_H)
+        head_mask = (tl.arange(0, BLOCK_H) < HEADS_PER_PROG) & (heads < num_heads)
+    else:
+        heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+        head_mask = heads < num_heads
     q_row = (tok.to(tl.int64) * stride_qt + heads * stride_qh).to(tl.int64)
     # Queries: [BLOCK_H, CW] per latent chunk and [BLOCK_H, ROPE_PAD] rope (heads as rows).
     q_pe = _load_cols(q_ptr + LATENT, q_row, head_mask, 0, ROPE, ROPE_PAD, RP)
@@ -216,32 +186,74 @@ def mla_decode_kernel(
     table_row = block_table_ptr + req.to(tl.int64) * stride_bt
 
     for n0 in range(start, end, BLOCK_N):
-        row, n_mask = _rows_of_tile(table_row, n0, end, stride_cb, stride_cs, BLOCK_SIZE,
-                                    BLOCK_N)
-        k_pe = _load_cols(cache_ptr + LATENT, row, n_mask, 0, ROPE, ROPE_PAD, RP)
-        c0 = _load_cols(cache_ptr, row, n_mask, 0, LATENT, CW, LP)
-        s = _scores(q_pe, k_pe, scale_log2, DOT_FP32)
-        s += _scores(q0, c0, scale_log2, DOT_FP32)
-        if LAT_SPLIT >= 2:
-            c1 = _load_cols(cache_ptr, row, n_mask, CW, LATENT, CW, LP)
-            s += _scores(q1, c1, scale_log2, DOT_FP32)
-        if LAT_SPLIT == 4:
-            c2 = _load_cols(cache_ptr, row, n_mask, 2 * CW, LATENT, CW, LP)
-            c3 = _load_cols(cache_ptr, row, n_mask, 3 * CW, LATENT, CW, LP)
-            s += _scores(q2, c2, scale_log2, DOT_FP32)
-            s += _scores(q3, c3, scale_log2, DOT_FP32)
+        if CLAMP_ROWS:
+            row, n_mask = _rows_of_tile_clamped(table_row, n0, end, stride_cb, stride_cs,
+                                                BLOCK_SIZE, BLOCK_N)
+            k_pe = _load_rows(cache_ptr + LATENT, row, 0, ROPE, ROPE_PAD, RP)
+            c0 = _load_rows(cache_ptr, row, 0, LATENT, CW, LP)
+            s = _scores(q_pe, k_pe, scale_log2, DOT_FP32)
+            s += _scores(q0, c0, scale_log2, DOT_FP32)
+            if LAT_SPLIT >= 2:
+                c1 = _load_rows(cache_ptr, row, CW, LATENT, CW, LP)
+                s += _scores(q1, c1, scale_log2, DOT_FP32)
+            if LAT_SPLIT == 4:
+                c2 = _load_rows(cache_ptr, row, 2 * CW, LATENT, CW, LP)
+                c3 = _load_rows(cache_ptr, row, 3 * CW, LATENT, CW, LP)
+                s += _scores(q2, c2, scale_log2, DOT_FP32)
+                s += _scores(q3, c3, scale_log2, DOT_FP32)
+        else:
+            row, n_mask = _rows_of_tile(table_row, n0, end, stride_cb, stride_cs, BLOCK_SIZE,
+                                        BLOCK_N)
+            k_pe = _load_cols(cache_ptr + LATENT, row, n_mask, 0, ROPE, ROPE_PAD, RP)
+            c0 = _load_cols(cache_ptr, row, n_mask, 0, LATENT, CW, LP)
+            s = _scores(q_pe, k_pe, scale_log2, DOT_FP32)
+            s += _scores(q0, c0, scale_log2, DOT_FP32)
+            if LAT_SPLIT >= 2:
+                c1 = _load_cols(cache_ptr, row, n_mask, CW, LATENT, CW, LP)
+                s += _scores(q1, c1, scale_log2, DOT_FP32)
+            if LAT_SPLIT == 4:
+                c2 = _load_cols(cache_ptr, row, n_mask, 2 * CW, LATENT, CW, LP)
+                c3 = _load_cols(cache_ptr, row, n_mask, 3 * CW, LATENT, CW, LP)
+                s += _scores(q2, c2, scale_log2, DOT_FP32)
+                s += _scores(q3, c3, scale_log2, DOT_FP32)
         s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc0 = _accumulate(p, c0, acc0, alpha, DOT_FP32)
-        if LAT_SPLIT >= 2:
-            acc1 = _accumulate(p, c1, acc1, alpha, DOT_FP32)
-        if LAT_SPLIT == 4:
-            acc2 = _accumulate(p, c2, acc2, alpha, DOT_FP32)
-            acc3 = _accumulate(p, c3, acc3, alpha, DOT_FP32)
-        m_i = m_new
+        if LAZY_TAU > 0:
+            # Rescale only when some row's maximum grew by more than LAZY_TAU (log2
+            # units): p <= 2^LAZY_TAU, and m_i stays the maximum the sums refer to.
+            m_tile = tl.max(s, axis=1)
+            if tl.max((m_tile > m_i + LAZY_TAU).to(tl.int32), axis=0) > 0:
+                m_new = tl.maximum(m_i, m_tile)
+                alpha = tl.exp2(m_i - m_new)
+                l_i = l_i * alpha
+                acc0 = acc0 * alpha[:, None]
+                if LAT_SPLIT >= 2:
+                    acc1 = acc1 * alpha[:, None]
+                if LAT_SPLIT == 4:
+                    acc2 = acc2 * alpha[:, None]
+                    acc3 = acc3 * alpha[:, None]
+                m_i = m_new
+            p = tl.exp2(s - m_i[:, None])
+            l_i = l_i + tl.sum(p, axis=1)
+            acc0 = _mma(p, c0, acc0, DOT_FP32)
+            if LAT_SPLIT >= 2:
+                acc1 = _mma(p, c1, acc1, DOT_FP32)
+            if LAT_SPLIT == 4:
+                acc2 = _mma(p, c2, acc2, DOT_FP32)
+                acc3 = _mma(p, c3, acc3, DOT_FP32)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc0 = _accumulate(p, c0, acc0, alpha, DOT_FP32)
+            if LAT_SPLIT >= 2:
+                acc1 = _accumulate(p, c1, acc1, alpha, DOT_FP32)
+            if LAT_SPLIT == 4:
+                acc2 = _accumulate(p, c2, acc2, alpha, DOT_FP32)
+                acc3 = _accumulate(p, c3, acc3, alpha, DOT_FP32)
+            m_i = m_new
+    if PROBE:
+        t_loop = _now()
 
     rows_ok = head_mask
     if WRITE_PARTIAL and FANIN > 0:
@@ -339,6 +351,22 @@ def mla_decode_kernel(
     if LAT_SPLIT == 4:
         _store_cols(ptrs, acc2 * scale[:, None], 2 * CW, rows_ok, valid, CW)
         _store_cols(ptrs, acc3 * scale[:, None], 3 * CW, rows_ok, valid, CW)
+    if PROBE:
+        t_end = _now()
+        c_end = _clock()
+        if SPLIT_FIRST:
+            n_splits = tl.num_programs(0)
+        else:
+            n_splits = tl.num_programs(2)
+        prow = probe_ptr + ((tok.to(tl.int64) * tl.num_programs(1) + head_block) * n_splits
+                            + split) * 8
+        tl.store(prow, _smid().to(tl.int64))
+        tl.store(prow + 1, t_start)
+        tl.store(prow + 2, t_go)
+        tl.store(prow + 3, t_loop)
+        tl.store(prow + 4, t_end)
+        tl.store(prow + 5, (tl.maximum(end - start, 0) + BLOCK_N - 1) // BLOCK_N)
+        tl.store(prow + 6, c_end - c_start)
 
 
 @triton.jit
