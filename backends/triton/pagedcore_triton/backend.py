@@ -19,7 +19,16 @@ from pagedcore.attention import (
     split_decodes_and_prefills,
 )
 from pagedcore_triton._env import interpreting, triton_unavailable_reason
-from pagedcore_triton.plan import LaunchPart, SplitRule, choose_num_segments
+from pagedcore_triton.plan import (
+    DECODE_PLAN_ENV,
+    LaunchPart,
+    SplitRule,
+    balanced_grid_size,
+    balanced_pays,
+    choose_num_segments,
+    decode_plan,
+    tile_config,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -27,6 +36,7 @@ if TYPE_CHECKING:
     from pagedcore.kv_cache.spec import AttentionSpec
 
 __all__ = [
+    "DECODE_PLAN_ENV",
     "MIXED_PLAN_ENV",
     "TritonAttentionBackend",
     "TritonAttentionMetadata",
@@ -101,7 +111,9 @@ class TritonMetadataBuilder(MetadataBuilder[TritonAttentionMetadata]):
     Attributes
     ----------
     split_rule:
-        When a decode launch splits its contexts (`SplitRule`); replace to tune.
+        When a decode launch splits its contexts (`SplitRule`); replace to tune. Its
+        ``balanced`` field (or ``PAGEDCORE_TRITON_DECODE_PLAN=balanced``) selects the
+        length-balanced decode plan (`balanced_decode`).
     separate_decode_launch:
         Serve the decodes of a mixed batch in their own launch with 16-row tiles instead of
         the prefill-sized tiles of one unified launch (measured faster on the H200; see
@@ -133,6 +145,15 @@ class TritonMetadataBuilder(MetadataBuilder[TritonAttentionMetadata]):
                 max_seq_len=max_seq,
                 max_query_len=max_q,
             )
+            if max_q <= 1 and end > begin and self.balanced_decode:
+                lens = common.seq_lens_cpu[begin:end].tolist()
+                if self._balanced_pays(lens, end - begin, segments):
+                    return LaunchPart(
+                        req_begin=begin, req_end=end, token_begin=int(qsl[begin]),
+                        token_end=int(qsl[end]), max_query_len=max_q,
+                        balanced_programs=self._balanced_programs(end - begin),
+                        min_segment_tokens=self._decode_plan()[1],
+                    )
         return LaunchPart(
             req_begin=begin,
             req_end=end,
@@ -143,10 +164,40 @@ class TritonMetadataBuilder(MetadataBuilder[TritonAttentionMetadata]):
             prefill_only=min(q_lens, default=0) > 1,
         )
 
+    @property
+    def balanced_decode(self) -> bool:
+        """Decode launches use the length-balanced plan: ``PAGEDCORE_TRITON_DECODE_PLAN``
+        (``balanced`` / ``uniform``) when set, else ``split_rule.balanced``."""
+        return self._decode_plan()[0]
+
+    def _decode_plan(self) -> tuple[bool, int]:
+        """``(balanced, min_tokens_per_segment)``: `decode_plan` of the rule and
+        ``PAGEDCORE_TRITON_DECODE_PLAN``."""
+        return decode_plan(self.split_rule, os.environ.get(DECODE_PLAN_ENV, ""))
+
+    def _balanced_programs(self, num_reqs: int) -> int:
+        return balanced_grid_size(
+            self.split_rule, num_reqs=num_reqs, num_kv_heads=self.kv_cache_spec.num_kv_heads
+        )
+
+    def _balanced_pays(self, seq_lens: list[int], num_reqs: int, segments: int) -> bool:
+        """`balanced_pays` for an eager decode step (the uniform plan: `segments` each)."""
+        tile_n = tile_config(1, 1, self.kv_cache_spec.head_size,
+                             interpreting=interpreting()).tile_n
+        return balanced_pays(
+            seq_lens, budget=self._balanced_programs(num_reqs) - num_reqs, tile_n=tile_n,
+            min_tiles=max(1, self._decode_plan()[1] // tile_n), uniform_segments=segments,
+        )
+
     def build(
         self, common: CommonAttentionMetadata, *, common_prefix_len: int = 0
     ) -> TritonAttentionMetadata:
-        """Plan one step (``common_prefix_len`` is accepted and ignored: no cascade kernel)."""
+        """Plan one step (``common_prefix_len`` is accepted and ignored: no cascade kernel).
+
+        With the balanced decode plan (`balanced_decode`), a decode launch runs on the
+        length-balanced grid when that shortens its longest program by more than
+        `BALANCED_GAIN` (skewed lengths); otherwise the uniform plan's launch serves it.
+        """
         num_reqs = common.num_reqs
         parts: list[LaunchPart] = []
         if num_reqs > 0:
@@ -171,7 +222,10 @@ class TritonMetadataBuilder(MetadataBuilder[TritonAttentionMetadata]):
         One launch over all ``num_reqs`` requests; its split-KV segments come from
         ``common.max_seq_len`` (the longest sequence a replay may hold), never from this
         step's lengths. Segments that a shorter sequence leaves empty contribute nothing to
-        the merge, so the plan is exact for every ``seq_lens`` in ``[1, max_seq_len]``.
+        the merge, so the plan is exact for every ``seq_lens`` in ``[1, max_seq_len]``. With
+        the balanced decode plan (`balanced_decode`) the launch is the length-balanced grid
+        of `balanced_grid_size` programs per KV head instead, which sizes each request's
+        segments from ``seq_lens`` at run time (``kernels/balanced.py``).
 
         A mixed token bucket (``max_query_len == num_actual_tokens == T > 1``) gets one
         launch over all ``num_reqs`` requests and ``T`` tokens with prefill tiles on a flat
@@ -196,6 +250,12 @@ class TritonMetadataBuilder(MetadataBuilder[TritonAttentionMetadata]):
         if mixed:
             return self._plan_mixed_capture(common)
         num_reqs = common.num_reqs
+        if self.balanced_decode and num_reqs > 0:
+            return _one_launch(
+                common, token_end=num_reqs, max_query_len=1, num_segments=1,
+                balanced_programs=self._balanced_programs(num_reqs),
+                min_segment_tokens=self._decode_plan()[1],
+            )
         segments = choose_num_segments(
             self.split_rule,
             num_reqs=num_reqs,
@@ -363,6 +423,7 @@ def _one_launch(
     num_segments: int,
     flat_programs: int | None = None,
     min_segment_tokens: int = 0,
+    balanced_programs: int | None = None,
 ) -> TritonAttentionMetadata:
     """Metadata of a captured step planned as one launch over all its request slots and its
     first `token_end` token slots (no launch without requests)."""
@@ -375,5 +436,6 @@ def _one_launch(
         num_segments=num_segments,
         flat_programs=flat_programs,
         min_segment_tokens=min_segment_tokens,
+        balanced_programs=balanced_programs,
     )
     return TritonAttentionMetadata.from_common(common, (part,) if common.num_reqs > 0 else ())

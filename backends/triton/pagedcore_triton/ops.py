@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
 
-import attrs
 import torch
 import triton
 
 from pagedcore_triton._env import interpreting
 from pagedcore_triton.kernels.attention import merge_segments_kernel, paged_attention_kernel
 from pagedcore_triton.kernels.cache_write import write_kv_cache
+from pagedcore_triton.launch import PreparedLaunch
+from pagedcore_triton.ops_balanced import prepare_balanced, run_balanced
 from pagedcore_triton.plan import (
     PREFILL_TILES_ENV,
     LaunchPart,
@@ -28,40 +28,6 @@ from pagedcore_triton.plan import (
 )
 
 __all__ = ["PreparedLaunch", "paged_attention", "prepare_launch", "run_launch", "write_kv_cache"]
-
-
-@attrs.frozen(kw_only=True, eq=False)
-class PreparedLaunch:
-    """Everything of one attention launch that does not change from layer to layer.
-
-    Attributes
-    ----------
-    grid:
-        ``(q_blocks, Hkv, segments)``, or ``(P, Hkv, 1)`` for a flat part
-        (`LaunchPart.flat_programs`); None when the part has no tokens (nothing to launch).
-    qsl, seq_lens, block_table:
-        The part's ``[n + 1]``, ``[n]`` and ``[n, max_blocks]`` int32 views of the step's
-        buffers.
-    part_acc, part_ml:
-        Split-KV partials ``[Tp, Hq, S, HEAD_PAD]`` and ``[Tp, Hq, S, 2]`` float32 (shared by
-        the layers of a step, which run one after the other), or None without a split.
-    static_args:
-        Positional scalar arguments after the step's tensors.
-    constexprs:
-        The kernel's compile-time arguments and launch options.
-    """
-
-    grid: tuple[int, int, int] | None
-    qsl: torch.Tensor
-    seq_lens: torch.Tensor
-    block_table: torch.Tensor
-    part_acc: torch.Tensor | None
-    part_ml: torch.Tensor | None
-    num_reqs: int
-    token_begin: int
-    num_tokens: int
-    static_args: tuple[Any, ...]
-    constexprs: dict[str, Any]
 
 
 def prepare_launch(
@@ -90,6 +56,13 @@ def prepare_launch(
         itemsize=dtype.itemsize,
     )
     head_pad = triton.next_power_of_2(head_size)
+    if part.balanced_programs is not None:
+        return prepare_balanced(
+            part, cfg, num_heads=num_heads, head_pad=head_pad, dtype=dtype,
+            kv_cache_shape=kv_cache_shape, query_start_loc=query_start_loc,
+            seq_lens=seq_lens, block_table=block_table, use_alibi=use_alibi,
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+        )
     segments = part.num_segments
     if segments & (segments - 1):
         raise ValueError(f"num_segments must be a power of two, got {segments}")
@@ -180,6 +153,10 @@ def run_launch(
     """Run a prepared launch for one layer (see `paged_attention` for the tensors)."""
     grid = launch.grid
     if grid is None:
+        return
+    if launch.info is not None:
+        run_balanced(launch, query, kv_cache, output, scale=scale, alibi_slopes=alibi_slopes,
+                      sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
         return
     v_offset, stride_cb, stride_cs, stride_ch, stride_bt = launch.static_args
     part_acc = output if launch.part_acc is None else launch.part_acc

@@ -8,12 +8,21 @@ from __future__ import annotations
 import attrs
 
 __all__ = [
+    "BALANCED_GAIN",
+    "BALANCED_ORDERS",
+    "BALANCED_ORDER_ENV",
+    "DECODE_PLAN_ENV",
+    "DEFAULT_BALANCED_ORDER",
     "PREFILL_TILES_ENV",
     "TILE_FLAGS",
     "LaunchPart",
     "SplitRule",
     "TileConfig",
+    "balanced_grid_size",
+    "balanced_pays",
+    "balanced_segments",
     "choose_num_segments",
+    "decode_plan",
     "flat_grid_size",
     "parse_tiles",
     "pow2_splits",
@@ -22,6 +31,24 @@ __all__ = [
 
 #: Overrides the prefill tile shape (tuning): ``"BLOCK_M,TILE_N,WARPS,STAGES[,FLAG...]"``.
 PREFILL_TILES_ENV = "PAGEDCORE_TRITON_PREFILL_TILES"
+
+#: ``balanced`` plans decode launches on the length-balanced grid (``kernels/balanced.py``),
+#: ``balanced:N`` too with at least ``N`` tokens per segment (tests), ``uniform`` on the
+#: uniform split-KV plan; unset follows ``SplitRule.balanced`` (see `decode_plan`).
+DECODE_PLAN_ENV = "PAGEDCORE_TRITON_DECODE_PLAN"
+
+#: An eager decode step runs on the balanced grid only when that cuts its longest program
+#: (in K/V tiles) by more than this factor against the uniform plan (`balanced_pays`).
+BALANCED_GAIN = 1.25
+
+#: The order of the balanced decode's programs (tuning): ``req`` (request-major, programs
+#: fastest), ``heads`` (request-major, KV heads fastest), ``rr`` (round-robin over the
+#: requests' segments) or ``rr_heads``. See ``kernels/balanced.py``.
+BALANCED_ORDER_ENV = "PAGEDCORE_TRITON_BALANCED_ORDER"
+BALANCED_ORDERS = {"req": (False, False), "heads": (True, False), "rr": (False, True),
+                   "rr_heads": (True, True)}
+#: The order used when ``PAGEDCORE_TRITON_BALANCED_ORDER`` is unset.
+DEFAULT_BALANCED_ORDER = "heads"
 
 #: The flags `parse_tiles` accepts after the four numbers, and what each one selects.
 TILE_FLAGS = {
@@ -59,7 +86,12 @@ class LaunchPart:
         `num_segments` segments each (fewer q-blocks get more segments).
     min_segment_tokens:
         With `flat_programs`: context tokens a segment holds at least (a short context
-        leaves the later segments empty; they exit before loading anything).
+        leaves the later segments empty; they exit before loading anything). With
+        `balanced_programs`: the least tokens per segment (`balanced_segments`).
+    balanced_programs:
+        None, or a single-token decode launch on the length-balanced grid of this many
+        programs per KV head (`balanced_grid_size`; ``kernels/balanced.py``): the kernel
+        sizes each request's segments by its length at run time. `num_segments` is then 1.
     """
 
     req_begin: int
@@ -71,6 +103,7 @@ class LaunchPart:
     prefill_only: bool = False
     flat_programs: int | None = None
     min_segment_tokens: int = 0
+    balanced_programs: int | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -86,12 +119,20 @@ class SplitRule:
     ``S <= max_segments`` that keeps at least `min_tokens_per_segment` context tokens in each
     segment and no more than `target_programs` programs in all. The defaults (about four
     programs per SM) were measured on an H200 (132 SMs); see ``docs/benchmarks/triton.md``.
+
+    With `balanced` set, captured decode launches, and eager ones where it pays
+    (`balanced_pays`), use the length-balanced plan instead (`balanced_grid_size`,
+    `balanced_segments`): segments of about ``sum tiles / (target_programs / Hkv)`` tiles, at
+    least `min_tokens_per_segment` tokens, so that a long request gets many segments and
+    short ones one each. The metadata builder's ``PAGEDCORE_TRITON_DECODE_PLAN``
+    environment variable overrides it (`decode_plan`).
     """
 
     min_programs: int = 512
     target_programs: int = 512
     min_tokens_per_segment: int = 256
     max_segments: int = 64
+    balanced: bool = False
 
 
 def choose_num_segments(
@@ -120,6 +161,83 @@ def pow2_splits(
     ):
         splits *= 2
     return splits
+
+
+def balanced_grid_size(rule: SplitRule, *, num_reqs: int, num_kv_heads: int) -> int:
+    """Programs per KV head of a length-balanced decode grid: ``R + G``, ``G =
+    max(1, target_programs // Hkv)`` (the split budget), from the shapes only.
+
+    Every request gets at least one program and the segments share the budget ``G``, so
+    ``sum s_r <= G + R`` for any lengths (see `balanced_segments`).
+
+    >>> balanced_grid_size(SplitRule(), num_reqs=24, num_kv_heads=8)
+    88
+    """
+    return num_reqs + max(1, rule.target_programs // num_kv_heads)
+
+
+def balanced_segments(
+    seq_lens: list[int], *, budget: int, tile_n: int, min_tiles: int,
+    window: int | None = None,
+) -> list[int]:
+    """Segments of each request on a length-balanced grid (the kernel's `_balanced_layout`).
+
+    ``tiles_r = cdiv(len_r, tile_n)`` (only the window's tiles with `window`), ``L =
+    max(cdiv(sum tiles, budget), min_tiles)``, ``s_r = max(1, cdiv(tiles_r, L))``.
+
+    >>> balanced_segments([32768] + [256] * 20, budget=64, tile_n=64, min_tiles=4)[:3]
+    [52, 1, 1]
+    """
+    tiles = []
+    for n in seq_lens:
+        hi = -(-n // tile_n)
+        tiles.append(hi - max(n - window, 0) // tile_n if window is not None else hi)
+    per = max(-(-sum(tiles) // max(budget, 1)), min_tiles, 1)
+    return [max(1, -(-t // per)) for t in tiles]
+
+
+def balanced_pays(
+    seq_lens: list[int], *, budget: int, tile_n: int, min_tiles: int, uniform_segments: int
+) -> bool:
+    """Whether a decode step goes to the balanced grid: its longest program would read fewer
+    than ``1 / BALANCED_GAIN`` of the tiles of the uniform plan's longest (`uniform_segments`
+    per request). Otherwise (equal lengths, or nothing to split) the uniform launch serves
+    it without the layout work. (Without a sliding window: the kernel redoes the layout
+    exactly, this only picks the launch.)
+
+    >>> balanced_pays([32768] + [300] * 20, budget=64, tile_n=64, min_tiles=4,
+    ...               uniform_segments=2)
+    True
+    >>> balanced_pays([32768] * 8, budget=64, tile_n=64, min_tiles=4, uniform_segments=8)
+    False
+    """
+    segs = balanced_segments(seq_lens, budget=budget, tile_n=tile_n, min_tiles=min_tiles)
+    tiles = [-(-n // tile_n) for n in seq_lens]
+    balanced = max(-(-t // s) for t, s in zip(tiles, segs, strict=True))
+    uniform = max(-(-t // uniform_segments) for t in tiles)
+    return max(segs) > 1 and uniform > BALANCED_GAIN * balanced
+
+
+def decode_plan(rule: SplitRule, env: str) -> tuple[bool, int]:
+    """``(balanced, min_tokens_per_segment)`` of decode launches from `rule` and the
+    ``PAGEDCORE_TRITON_DECODE_PLAN`` value `env`: ``""`` follows ``rule.balanced``,
+    ``"uniform"`` / ``"balanced"`` force it, ``"balanced:N"`` also sets the least tokens per
+    segment to ``N`` (tests: splits short contexts too).
+
+    >>> decode_plan(SplitRule(), "balanced:16")
+    (True, 16)
+    """
+    name, _, tokens = env.partition(":")
+    if env == "":
+        return rule.balanced, rule.min_tokens_per_segment
+    if env == "uniform":
+        return False, rule.min_tokens_per_segment
+    if name == "balanced" and (tokens == "" or (tokens.isdigit() and int(tokens) > 0)):
+        return True, int(tokens) if tokens else rule.min_tokens_per_segment
+    raise ValueError(
+        f"{DECODE_PLAN_ENV}={env!r}: expected 'balanced', 'balanced:N' (N > 0 tokens per "
+        "segment at least) or 'uniform' (or unset for SplitRule.balanced)"
+    )
 
 
 def flat_grid_size(
