@@ -213,18 +213,24 @@ def test_short_split_warps_rule() -> None:
     assert mla.DEFAULT_MLA_KERNEL.launch_warps(64, 512) == mla.DEFAULT_MLA_KERNEL.num_warps
 
 
+@pytest.mark.parametrize("whole_rows", [False, True], ids=["column_merge", "row_merge_w2"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_half_partials_split_matches_reference(
-    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+    dtype: torch.dtype, whole_rows: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """16-bit partials (``...h``): with 16-bit queries the split partials are stored in the
     query's dtype; many splits per sequence (some empty for the short request) still match
-    the reference with NaN in every unused slot, and stay close to the fp32-partial result."""
+    the reference with NaN in every unused slot, and stay close to the fp32-partial result.
+    Both merge layouts: column slices, and whole-row programs on 2 warps (``...hrw2``)."""
     import attrs
 
     many = MLASplitRule(target_programs=10**6, min_tokens_per_split=16, max_splits=64)
     half = attrs.evolve(mla.MLA_KERNEL_CONFIGS["n32s5c4pm64R256k32mw1h"], block_n=16,
                         split=many)
+    if whole_rows:
+        half = attrs.evolve(half, merge_row_pairs=1, merge_row_warps=2)
+        assert mla.merge_layout(half, num_tokens=4, num_heads=4, lat_pad=64,
+                                splits=16)[::2] == (64, 2)
     spec = MLABatchSpec(name="half", query_lens=(1, 1, 2), seq_lens=(260, 40, 130),
                         block_size=16, num_heads=4, kv_lora_rank=64, rope_head_dim=16)
     case = build_mla_case(spec, dtype=dtype, device=DEVICE, seed=7)

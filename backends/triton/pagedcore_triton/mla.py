@@ -345,6 +345,8 @@ class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
             options["LAZY_TAU"] = float(cfg.lazy_rescale)
         if cfg.clamp_rows:
             options["CLAMP_ROWS"] = True
+        if cfg.rowsum_2d:
+            options["ROWSUM_2D"] = True
         if launch.heads_per_program != self.block_h:
             options["HEADS_PER_PROG"] = launch.heads_per_program
         compiled = mla_decode_kernel[grid](

@@ -115,6 +115,15 @@ class MLAKernelConfig:
         Positions past a segment's end load the segment's last row instead of being masked
         out: the block-table and row loads need no masks (fewer instructions per tile); the
         scores of those positions are still masked to ``-inf``.
+    rowsum_2d:
+        Keep the softmax row sums as a ``[BLOCK_H, BLOCK_N]`` tile (rescaled and added to
+        elementwise) and sum it across the tile's columns once after the loop, instead of a
+        row sum per tile: one cross-warp reduction less per tile (2 of the loop's 7 barriers
+        in an sm_90 compile).
+    merge_row_warps:
+        Warps of a whole-row merge program (`merge_row_pairs`). With 16-bit partials, 2
+        warps give each warp whole columns of a 512-wide row (4 would split the splits'
+        rows across warps and sum them through shared memory).
     narrow_heads, narrow_min_splits:
         When set (a power of two below ``TritonMLAImpl.block_h``, 16), a launch that would
         split into at least `narrow_min_splits` segments serves only `narrow_heads` query
@@ -145,6 +154,8 @@ class MLAKernelConfig:
     clamp_rows: bool = False
     narrow_heads: int | None = None
     narrow_min_splits: int = 2
+    rowsum_2d: bool = False
+    merge_row_warps: int = 4
 
     def launch_warps(self, splits: int, split_len: int) -> int:
         """``num_warps``, or `short_split_warps` for a split launch of short segments."""
@@ -180,7 +191,8 @@ class MLAKernelConfig:
                              f"fused_fanin (got {self.narrow_heads}, fused_fanin="
                              f"{self.fused_fanin})")
         for what, warps in (("num_warps", self.num_warps), ("merge_warps", self.merge_warps),
-                            ("short_split_warps", self.short_split_warps or 1)):
+                            ("short_split_warps", self.short_split_warps or 1),
+                            ("merge_row_warps", self.merge_row_warps)):
             if not _pow2(warps):
                 raise ValueError(f"{what} must be a power of two, got {warps}")
 
@@ -200,7 +212,7 @@ def merge_layout(
     threshold = cfg.merge_row_pairs or whole_row_pairs
     many = num_tokens * num_heads >= threshold
     cols = lat_pad if many else min(cfg.merge_cols, lat_pad)
-    warps = 4 if many else cfg.merge_warps
+    warps = cfg.merge_row_warps if many else cfg.merge_warps
     chunk = max(2, min(cfg.merge_chunk, 1 << max(0, splits - 1).bit_length(),
                        64 * 32 * warps // cols))
     return cols, chunk, warps
@@ -220,7 +232,8 @@ def _default_like(name: str, **kw: object) -> MLAKernelConfig:
 #: ``mw<merge_warps>`` (when not 4),
 #: ``x<max_splits>`` (when not 64), ``f`` (``split_first``), ``r<maxnreg>``, ``t<split
 #: target>`` (when not 264), ``u<fused_fanin>`` (merge fused into the split programs),
-#: ``h`` (``half_partials``), ``g<narrow_heads>``, ``l<lazy_rescale>``, ``b`` (``clamp_rows``).
+#: ``h`` (``half_partials``), ``g<narrow_heads>``, ``l<lazy_rescale>``, ``b`` (``clamp_rows``),
+#: ``d`` (``rowsum_2d``), ``rw<merge_row_warps>``.
 MLA_KERNEL_CONFIGS: dict[str, MLAKernelConfig] = {
     c.name: c
     for c in (
@@ -270,6 +283,22 @@ MLA_KERNEL_CONFIGS: dict[str, MLAKernelConfig] = {
         # the time (41-45 % at the split shapes; 4 heads (g4): 23 %, removed).
         _default_like("n32s5c4pm64R256k32mw1g8", merge_row_pairs=256, merge_cols=32,
                       merge_warps=1, narrow_heads=8),
+        # Ninth run (docs/mla.md): one cross-warp reduction less per tile (row sums as a
+        # tile), 16-bit partials with 2-warp whole-row merges, and 16-row tiles on 2 warps
+        # (243 registers, 55 KB: 4 programs per SM, so twice the split target).
+        _default_like("n32s5c4pm64R256k32mw1d", merge_row_pairs=256, merge_cols=32,
+                      merge_warps=1, rowsum_2d=True),
+        _default_like("n32s5c4pm64R256k32mw1hrw2", merge_row_pairs=256, merge_cols=32,
+                      merge_warps=1, half_partials=True, merge_row_warps=2),
+        _default_like("n32s5c4pm64R256k32mw1dhrw2", merge_row_pairs=256, merge_cols=32,
+                      merge_warps=1, rowsum_2d=True, half_partials=True, merge_row_warps=2),
+        _default_like("n16s5c4w2pm64R256k32mw1t528x128d", block_n=16, num_warps=2,
+                      merge_row_pairs=256, merge_cols=32, merge_warps=1, rowsum_2d=True,
+                      split=MLASplitRule(target_programs=528, max_splits=128)),
+        _default_like("n16s5c4w2pm64R256k32mw1t528x128dhrw2", block_n=16, num_warps=2,
+                      merge_row_pairs=256, merge_cols=32, merge_warps=1, rowsum_2d=True,
+                      half_partials=True, merge_row_warps=2,
+                      split=MLASplitRule(target_programs=528, max_splits=128)),
         MLAKernelConfig(name="n32s5c4p", block_n=32, num_stages=5, lat_split=4, pdl=True),
         # No PDL, 16 splits per merge round trip:
         MLAKernelConfig(name="n32s5c4", block_n=32, num_stages=5, lat_split=4),

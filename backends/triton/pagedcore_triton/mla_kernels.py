@@ -105,6 +105,7 @@ def mla_decode_kernel(
     HEADS_PER_PROG: tl.constexpr = 0,
     LAZY_TAU: tl.constexpr = 0,
     CLAMP_ROWS: tl.constexpr = False,
+    ROWSUM_2D: tl.constexpr = False,
 ):
     """Grid ``(tokens, cdiv(H, BLOCK_H), num_splits)``, or ``(num_splits, cdiv(H, BLOCK_H),
     tokens)`` with `SPLIT_FIRST` (the splits of one token launched next to each other); see
@@ -177,6 +178,8 @@ def mla_decode_kernel(
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    if ROWSUM_2D:
+        l_2d = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
     acc0 = tl.zeros([BLOCK_H, CW], dtype=tl.float32)
     if LAT_SPLIT >= 2:
         acc1 = tl.zeros([BLOCK_H, CW], dtype=tl.float32)
@@ -244,7 +247,10 @@ def mla_decode_kernel(
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             p = tl.exp2(s - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if ROWSUM_2D:  # no cross-warp sum per tile: one after the loop
+                l_2d = l_2d * alpha[:, None] + p
+            else:
+                l_i = l_i * alpha + tl.sum(p, axis=1)
             acc0 = _accumulate(p, c0, acc0, alpha, DOT_FP32)
             if LAT_SPLIT >= 2:
                 acc1 = _accumulate(p, c1, acc1, alpha, DOT_FP32)
@@ -252,6 +258,8 @@ def mla_decode_kernel(
                 acc2 = _accumulate(p, c2, acc2, alpha, DOT_FP32)
                 acc3 = _accumulate(p, c3, acc3, alpha, DOT_FP32)
             m_i = m_new
+    if ROWSUM_2D:
+        l_i = tl.sum(l_2d, axis=1)
     if PROBE:
         t_loop = _now()
 
