@@ -349,42 +349,21 @@ class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
             options["ROWSUM_2D"] = True
         if launch.heads_per_program != self.block_h:
             options["HEADS_PER_PROG"] = launch.heads_per_program
-        args = (
-            query, kv_cache, metadata.block_table, metadata.token_req, metadata.token_kv_len,
+        compiled = mla_decode_kernel[grid](
+            out, part_acc, part_ml, counters, probe if probe is not None else counters,
+            query, kv_cache, metadata.block_table,
+            metadata.token_req, metadata.token_kv_len,
             self.num_heads, launch.splits, self.scale * 1.4426950408889634, launch.split_len,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             kv_cache.stride(0), kv_cache.stride(1), metadata.block_table.stride(0),
+            LATENT=lat, LATENT_PAD=launch.lat_pad,
+            LAT_SPLIT=min(cfg.lat_split, launch.lat_pad // 16), ROPE=rope,
+            ROPE_PAD=max(16, _next_pow2(rope)), BLOCK_SIZE=kv_cache.shape[1],
+            BLOCK_H=self.block_h, BLOCK_N=cfg.block_n, WRITE_PARTIAL=launch.splits > 1,
+            DOT_FP32=interp or query.dtype == torch.float32, USE_PDL=launch.pdl,
+            FANIN=(cfg.fused_fanin or 0) if launch.counters is not None else 0, **options,
         )
-        dims: dict[str, Any] = dict(
-            LATENT=lat, LATENT_PAD=launch.lat_pad, ROPE=rope, ROPE_PAD=max(16, _next_pow2(rope)),
-            BLOCK_SIZE=kv_cache.shape[1], BLOCK_H=self.block_h, BLOCK_N=cfg.block_n,
-            WRITE_PARTIAL=launch.splits > 1, DOT_FP32=interp or query.dtype == torch.float32,
-            USE_PDL=launch.pdl,
-        )
-        if self._warp_split(launch, dims, probe):
-            from pagedcore_triton.mla_wsplit import mla_decode_wsplit_kernel
-
-            keep = ("num_stages", "maxnreg", "launch_pdl")
-            compiled = mla_decode_wsplit_kernel[grid](
-                out, part_acc, part_ml, *args, **dims, num_warps=4,
-                **{k: v for k, v in options.items() if k in keep},
-            )
-        else:
-            compiled = mla_decode_kernel[grid](
-                out, part_acc, part_ml, counters, probe if probe is not None else counters,
-                *args, **dims, LAT_SPLIT=min(cfg.lat_split, launch.lat_pad // 16),
-                FANIN=(cfg.fused_fanin or 0) if launch.counters is not None else 0, **options,
-            )
         self.last_kernels = (compiled,)
-
-    def _warp_split(self, launch: MLALaunch, dims: dict[str, Any],
-                    probe: torch.Tensor | None) -> bool:
-        """Whether this launch runs the warp-split decode (`MLAKernelConfig.warp_split`): it
-        needs latent and rope widths of at least 64 (padded), all 16 heads of a program, no
-        fused merge and no probe; anything else runs the main kernel."""
-        return (self.kernel_config.warp_split and probe is None and launch.counters is None
-                and launch.heads_per_program == self.block_h
-                and dims["LATENT_PAD"] >= 64 and dims["ROPE_PAD"] >= 64)
 
     def launch_merge(self, launch: MLALaunch, out: torch.Tensor) -> None:
         """The merge kernel: combine `launch`'s partials into ``out`` ``[T, H, L]``."""

@@ -124,13 +124,6 @@ class MLAKernelConfig:
         Warps of a whole-row merge program (`merge_row_pairs`). With 16-bit partials, 2
         warps give each warp whole columns of a 512-wide row (4 would split the splits'
         rows across warps and sum them through shared memory).
-    warp_split:
-        Launch `pagedcore_triton.mla_wsplit.mla_decode_wsplit_kernel`: the score dims split
-        across the 4 warps (batched 3-D dots, one latent and rope chunk per warp) instead of
-        the cache positions, so that the softmax and ``p @ c`` need nothing from other warps;
-        the partial scores are summed across warps once per tile. Needs 4 warps, a latent and
-        rope of at least 64 (padded) each, and neither `fused_fanin` nor `narrow_heads`;
-        other launches use the main kernel. Its row sums are always kept as a tile.
     narrow_heads, narrow_min_splits:
         When set (a power of two below ``TritonMLAImpl.block_h``, 16), a launch that would
         split into at least `narrow_min_splits` segments serves only `narrow_heads` query
@@ -163,7 +156,6 @@ class MLAKernelConfig:
     narrow_min_splits: int = 2
     rowsum_2d: bool = False
     merge_row_warps: int = 4
-    warp_split: bool = False
 
     def launch_warps(self, splits: int, split_len: int) -> int:
         """``num_warps``, or `short_split_warps` for a split launch of short segments."""
@@ -198,13 +190,6 @@ class MLAKernelConfig:
             raise ValueError(f"narrow_heads must be None or a power of two, without "
                              f"fused_fanin (got {self.narrow_heads}, fused_fanin="
                              f"{self.fused_fanin})")
-        if self.warp_split and (self.num_warps != 4 or self.fused_fanin is not None
-                                or self.narrow_heads is not None or self.split_first
-                                or self.lazy_rescale is not None or self.clamp_rows
-                                or self.short_split_warps is not None):
-            raise ValueError("warp_split needs num_warps=4 and none of fused_fanin, "
-                             "narrow_heads, split_first, lazy_rescale, clamp_rows, "
-                             "short_split_warps (its kernel has none of them)")
         for what, warps in (("num_warps", self.num_warps), ("merge_warps", self.merge_warps),
                             ("short_split_warps", self.short_split_warps or 1),
                             ("merge_row_warps", self.merge_row_warps)):
@@ -248,7 +233,7 @@ def _default_like(name: str, **kw: object) -> MLAKernelConfig:
 #: ``x<max_splits>`` (when not 64), ``f`` (``split_first``), ``r<maxnreg>``, ``t<split
 #: target>`` (when not 264), ``u<fused_fanin>`` (merge fused into the split programs),
 #: ``h`` (``half_partials``), ``g<narrow_heads>``, ``l<lazy_rescale>``, ``b`` (``clamp_rows``),
-#: ``d`` (``rowsum_2d``), ``rw<merge_row_warps>``, ``ws`` (``warp_split``).
+#: ``d`` (``rowsum_2d``), ``rw<merge_row_warps>``.
 MLA_KERNEL_CONFIGS: dict[str, MLAKernelConfig] = {
     c.name: c
     for c in (
@@ -307,10 +292,6 @@ MLA_KERNEL_CONFIGS: dict[str, MLAKernelConfig] = {
                       merge_warps=1, half_partials=True, merge_row_warps=2),
         _default_like("n32s5c4pm64R256k32mw1dhrw2", merge_row_pairs=256, merge_cols=32,
                       merge_warps=1, rowsum_2d=True, half_partials=True, merge_row_warps=2),
-        _default_like("n32s5c4pm64R256k32mw1wshrw2", merge_row_pairs=256, merge_cols=32,
-                      merge_warps=1, warp_split=True, half_partials=True, merge_row_warps=2),
-        _default_like("n32s5c4pm64R256k32mw1ws", merge_row_pairs=256, merge_cols=32,
-                      merge_warps=1, warp_split=True),
         _default_like("n16s5c4w2pm64R256k32mw1t528x128d", block_n=16, num_warps=2,
                       merge_row_pairs=256, merge_cols=32, merge_warps=1, rowsum_2d=True,
                       split=MLASplitRule(target_programs=528, max_splits=128)),
