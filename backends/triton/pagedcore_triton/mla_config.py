@@ -292,6 +292,17 @@ MLA_KERNEL_CONFIGS: dict[str, MLAKernelConfig] = {
                       merge_warps=1, half_partials=True, merge_row_warps=2),
         _default_like("n32s5c4pm64R256k32mw1dhrw2", merge_row_pairs=256, merge_cols=32,
                       merge_warps=1, rowsum_2d=True, half_partials=True, merge_row_warps=2),
+        # 64-row tiles single-buffered (95 KB, 2 programs per SM; half the barriers and
+        # query re-reads per row), and 8 warps (128 registers: 16 warps per SM).
+        _default_like("n64s4c4pm64R256k32mw1dhrw2", block_n=64, num_stages=4,
+                      merge_row_pairs=256, merge_cols=32, merge_warps=1, rowsum_2d=True,
+                      half_partials=True, merge_row_warps=2),
+        _default_like("n64s4c4w8pm64R256k32mw1dhrw2", block_n=64, num_stages=4, num_warps=8,
+                      merge_row_pairs=256, merge_cols=32, merge_warps=1, rowsum_2d=True,
+                      half_partials=True, merge_row_warps=2),
+        _default_like("n32s5c4w8pm64R256k32mw1dhrw2", num_warps=8,
+                      merge_row_pairs=256, merge_cols=32, merge_warps=1, rowsum_2d=True,
+                      half_partials=True, merge_row_warps=2),
         _default_like("n16s5c4w2pm64R256k32mw1t528x128d", block_n=16, num_warps=2,
                       merge_row_pairs=256, merge_cols=32, merge_warps=1, rowsum_2d=True,
                       split=MLASplitRule(target_programs=528, max_splits=128)),
