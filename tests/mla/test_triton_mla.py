@@ -157,25 +157,29 @@ def test_kernel_config_rejects_bad_values() -> None:
 
 
 def test_merge_layout_per_shape() -> None:
-    """The default merges whole rows from 256 (token, head) pairs on (16 x 16384: 16 splits in
-    one round trip), one-warp 32-column slices below (4 x 32768: all 64 splits at once, 64
-    partials per thread); `n32s5c4pm64R256` takes 4-warp 128-column slices there."""
+    """The default merges whole rows on 2 warps from 256 (token, head) pairs on (16-bit
+    partials: each warp owns 256 columns; 16 x 16384: 16 splits in 2 round trips of 8),
+    one-warp 32-column slices below (4 x 32768: all 64 splits at once); the previous default
+    (fp32 partials) took 4-warp whole rows, and `n32s5c4pm64R256` 4-warp 128-column slices
+    below 256 pairs."""
     from pagedcore_triton.mla_config import merge_layout
 
     def layout(name: str, tokens: int, splits: int) -> tuple[int, int, int]:
         cfg = mla.MLA_KERNEL_CONFIGS[name] if name else mla.DEFAULT_MLA_KERNEL
         return merge_layout(cfg, num_tokens=tokens, num_heads=16, lat_pad=512, splits=splits)
 
-    assert layout("", 16, 16) == (512, 16, 4)
-    assert layout("", 64, 4) == (512, 4, 4)
+    assert layout("", 16, 16) == (512, 8, 2)
+    assert layout("", 64, 4) == (512, 4, 2)
     assert layout("", 4, 64) == (32, 64, 1)
     assert layout("", 1, 3) == (32, 4, 1)
-    assert layout("n32s5c4pm64", 16, 16) == (128, 16, 4)  # the previous default
+    assert layout("n32s5c4pm64R256k32mw1", 16, 16) == (512, 16, 4)  # the previous default
+    assert layout("n32s5c4pm64R256k32mw1", 4, 64) == (32, 64, 1)
+    assert layout("n32s5c4pm64", 16, 16) == (128, 16, 4)
     assert layout("n32s5c4pm64R256", 4, 64) == (128, 64, 4)
     assert layout("n32s5c4pm64R256", 16, 16) == (512, 16, 4)
     # Whole rows of a wide latent: the chunk shrinks to keep 64 values per thread.
     assert merge_layout(mla.DEFAULT_MLA_KERNEL, num_tokens=64, num_heads=16, lat_pad=1024,
-                        splits=64) == (1024, 8, 4)
+                        splits=64) == (1024, 4, 2)
 
 
 def test_launch_parts_equal_forward() -> None:
@@ -312,14 +316,14 @@ def test_narrow_heads_matches_reference(half: bool, monkeypatch: pytest.MonkeyPa
     assert result.passed, result.detail
 
 
-@pytest.mark.parametrize("name", ["n32s5c4pm64R256k32mw1l8", "n32s5c4pm64R256k32mw1bl8"])
+@pytest.mark.parametrize("name", [mla.DEFAULT_MLA_KERNEL.name])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_lazy_rescale_with_growing_scores(
+def test_growing_scores_move_the_maximum(
     name: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Lazy rescaling (``...l8``) with scores that grow by far more than 2^8 along the
-    positions (late keys aligned with the query): tiles that must move the maximum do, the
-    others keep it; several splits, a short prefill, NaN in every unused slot."""
+    """Scores that grow by far more than 2^8 along the positions (late keys aligned with the
+    query): every tile that must move the running maximum does; several splits, a short
+    prefill, NaN in every unused slot."""
     import attrs
 
     many = MLASplitRule(target_programs=10**6, min_tokens_per_split=96, max_splits=64)

@@ -341,10 +341,6 @@ class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
         counters = launch.counters if launch.counters is not None else out  # unused if None
         if probe is not None:
             options["PROBE"] = True
-        if cfg.lazy_rescale is not None:
-            options["LAZY_TAU"] = float(cfg.lazy_rescale)
-        if cfg.clamp_rows:
-            options["CLAMP_ROWS"] = True
         if cfg.rowsum_2d:
             options["ROWSUM_2D"] = True
         if launch.heads_per_program != self.block_h:

@@ -106,20 +106,11 @@ class MLAKernelConfig:
         rows, so it lies within the cache dtype's range; the maxima and sums stay fp32 and
         the merge accumulates in fp32. Needs the merge kernel (not `fused_fanin`, whose
         partials are unnormalised).
-    lazy_rescale:
-        When set (log2 units, e.g. 8.0), the running maximum the softmax sums refer to moves
-        (and the accumulators are rescaled) only in tiles where some head's maximum grew by
-        more than this; other tiles skip the ``acc * alpha`` multiplies (64 per thread and
-        tile). The weights stay below ``2 ** lazy_rescale``; the result is the same softmax.
-    clamp_rows:
-        Positions past a segment's end load the segment's last row instead of being masked
-        out: the block-table and row loads need no masks (fewer instructions per tile); the
-        scores of those positions are still masked to ``-inf``.
     rowsum_2d:
         Keep the softmax row sums as a ``[BLOCK_H, BLOCK_N]`` tile (rescaled and added to
         elementwise) and sum it across the tile's columns once after the loop, instead of a
-        row sum per tile: one cross-warp reduction less per tile (2 of the loop's 7 barriers
-        in an sm_90 compile).
+        row sum per tile: one cross-warp reduction less per tile (9 -> 6 barriers per tile
+        in Triton 3.6's sm_90 SASS).
     merge_row_warps:
         Warps of a whole-row merge program (`merge_row_pairs`). With 16-bit partials, 2
         warps give each warp whole columns of a 512-wide row (4 would split the splits'
@@ -150,8 +141,6 @@ class MLAKernelConfig:
     short_split_len: int = 512
     fused_fanin: int | None = None
     half_partials: bool = False
-    lazy_rescale: float | None = None
-    clamp_rows: bool = False
     narrow_heads: int | None = None
     narrow_min_splits: int = 2
     rowsum_2d: bool = False
@@ -181,9 +170,6 @@ class MLAKernelConfig:
             raise ValueError("half_partials needs the merge kernel (fused_fanin=None): the "
                              "fused merge keeps unnormalised partials, which may overflow "
                              "16 bits")
-        if self.lazy_rescale is not None and not 0 < self.lazy_rescale <= 16:
-            raise ValueError(f"lazy_rescale must be None or in (0, 16] (log2 units), got "
-                             f"{self.lazy_rescale}")
         if self.narrow_heads is not None and (
             not _pow2(self.narrow_heads) or self.fused_fanin is not None
         ):
@@ -232,15 +218,20 @@ def _default_like(name: str, **kw: object) -> MLAKernelConfig:
 #: ``mw<merge_warps>`` (when not 4),
 #: ``x<max_splits>`` (when not 64), ``f`` (``split_first``), ``r<maxnreg>``, ``t<split
 #: target>`` (when not 264), ``u<fused_fanin>`` (merge fused into the split programs),
-#: ``h`` (``half_partials``), ``g<narrow_heads>``, ``l<lazy_rescale>``, ``b`` (``clamp_rows``),
+#: ``h`` (``half_partials``), ``g<narrow_heads>``,
 #: ``d`` (``rowsum_2d``), ``rw<merge_row_warps>``.
 MLA_KERNEL_CONFIGS: dict[str, MLAKernelConfig] = {
     c.name: c
     for c in (
-        # The shipped one: PDL, up to 64 splits merged in one round trip; whole-row merge
-        # programs from 256 (token, head) pairs on (16 x 16384: merge 6.6 -> 3.2 us), below
-        # that one-warp programs of 32 columns (4 x 32768: 1024 programs of [64 splits, 32
-        # columns]); neither sums across warps.
+        # The shipped one (ninth run): PDL, up to 64 splits merged in one round trip;
+        # whole-row merge programs from 256 (token, head) pairs on, below that one-warp
+        # programs of 32 columns (neither sums across warps); the row sums kept as a tile
+        # (one cross-warp reduction less per tile); 16-bit split partials, merged on 2-warp
+        # whole-row programs (each warp owns whole columns). 83-87 % of copy at 4 of the 5
+        # bench shapes, 71.5-72.8 % at 4 x 32768 (docs/mla.md).
+        _default_like("n32s5c4pm64R256k32mw1dhrw2", merge_row_pairs=256, merge_cols=32,
+                      merge_warps=1, rowsum_2d=True, half_partials=True, merge_row_warps=2),
+        # The previous default (sixth to eighth runs): fp32 partials, a row sum per tile.
         _default_like("n32s5c4pm64R256k32mw1", merge_row_pairs=256, merge_cols=32,
                       merge_warps=1),
         # No merge kernel: the last-finishing split of each group of 4 splits merges the
@@ -262,18 +253,10 @@ MLA_KERNEL_CONFIGS: dict[str, MLAKernelConfig] = {
         # At most 32 splits (4 x 32768: 128 programs of 1024 positions, half the partials):
         _default_like("n32s5c4pm64x32", split=MLASplitRule(max_splits=32)),
         _default_like("n32s5c4w2pm64", num_warps=2),
-        # Eighth run (docs/mla.md). The profile: the decode is bound per SM by the chain of
-        # dependent steps of a tile (2 programs x 4 warps per SM), not by DRAM or by the
-        # instruction count. Fewer instructions per tile were slower (64 x 4096 / 4 x 32768):
-        # lazy rescaling (592 -> 543 SASS instructions per tile and warp; 75.4 / 67.7 % vs
-        # 79.6 / 70.1), clamped rows without load masks (~530; 77.4 / 68.6), both (~480;
-        # 76.1 / 67.8).
-        _default_like("n32s5c4pm64R256k32mw1l8", merge_row_pairs=256, merge_cols=32,
-                      merge_warps=1, lazy_rescale=8.0),
-        _default_like("n32s5c4pm64R256k32mw1b", merge_row_pairs=256, merge_cols=32,
-                      merge_warps=1, clamp_rows=True),
-        _default_like("n32s5c4pm64R256k32mw1bl8", merge_row_pairs=256, merge_cols=32,
-                      merge_warps=1, clamp_rows=True, lazy_rescale=8.0),
+        # Eighth run (docs/mla.md): the decode is bound per SM by the chain of dependent
+        # steps of a tile (2 programs x 4 warps per SM), not by DRAM or by the instruction
+        # count (lazy rescaling and clamped rows, fewer instructions per tile, were slower
+        # and were removed).
         # 16-bit partials: the decode 2 us faster at every split shape, but the whole-row
         # merge programs 3-4x slower on them (76.2 / 71.2 / 84.4 / 79.9 / 73.6 %).
         _default_like("n32s5c4pm64R256k32mw1h", merge_row_pairs=256, merge_cols=32,
@@ -283,33 +266,12 @@ MLA_KERNEL_CONFIGS: dict[str, MLAKernelConfig] = {
         # the time (41-45 % at the split shapes; 4 heads (g4): 23 %, removed).
         _default_like("n32s5c4pm64R256k32mw1g8", merge_row_pairs=256, merge_cols=32,
                       merge_warps=1, narrow_heads=8),
-        # Ninth run (docs/mla.md): one cross-warp reduction less per tile (row sums as a
-        # tile), 16-bit partials with 2-warp whole-row merges, and 16-row tiles on 2 warps
-        # (243 registers, 55 KB: 4 programs per SM, so twice the split target).
+        # Ninth run: the default's two changes alone (row sums as a tile: +2-3 points at
+        # every shape but 4 x 32768; 16-bit partials on 2-warp whole-row merges: +1-2.5).
         _default_like("n32s5c4pm64R256k32mw1d", merge_row_pairs=256, merge_cols=32,
                       merge_warps=1, rowsum_2d=True),
         _default_like("n32s5c4pm64R256k32mw1hrw2", merge_row_pairs=256, merge_cols=32,
                       merge_warps=1, half_partials=True, merge_row_warps=2),
-        _default_like("n32s5c4pm64R256k32mw1dhrw2", merge_row_pairs=256, merge_cols=32,
-                      merge_warps=1, rowsum_2d=True, half_partials=True, merge_row_warps=2),
-        # 64-row tiles single-buffered (95 KB, 2 programs per SM; half the barriers and
-        # query re-reads per row), and 8 warps (128 registers: 16 warps per SM).
-        _default_like("n64s4c4pm64R256k32mw1dhrw2", block_n=64, num_stages=4,
-                      merge_row_pairs=256, merge_cols=32, merge_warps=1, rowsum_2d=True,
-                      half_partials=True, merge_row_warps=2),
-        _default_like("n64s4c4w8pm64R256k32mw1dhrw2", block_n=64, num_stages=4, num_warps=8,
-                      merge_row_pairs=256, merge_cols=32, merge_warps=1, rowsum_2d=True,
-                      half_partials=True, merge_row_warps=2),
-        _default_like("n32s5c4w8pm64R256k32mw1dhrw2", num_warps=8,
-                      merge_row_pairs=256, merge_cols=32, merge_warps=1, rowsum_2d=True,
-                      half_partials=True, merge_row_warps=2),
-        _default_like("n16s5c4w2pm64R256k32mw1t528x128d", block_n=16, num_warps=2,
-                      merge_row_pairs=256, merge_cols=32, merge_warps=1, rowsum_2d=True,
-                      split=MLASplitRule(target_programs=528, max_splits=128)),
-        _default_like("n16s5c4w2pm64R256k32mw1t528x128dhrw2", block_n=16, num_warps=2,
-                      merge_row_pairs=256, merge_cols=32, merge_warps=1, rowsum_2d=True,
-                      half_partials=True, merge_row_warps=2,
-                      split=MLASplitRule(target_programs=528, max_splits=128)),
         MLAKernelConfig(name="n32s5c4p", block_n=32, num_stages=5, lat_split=4, pdl=True),
         # No PDL, 16 splits per merge round trip:
         MLAKernelConfig(name="n32s5c4", block_n=32, num_stages=5, lat_split=4),
@@ -318,4 +280,4 @@ MLA_KERNEL_CONFIGS: dict[str, MLAKernelConfig] = {
                         split=MLASplitRule(target_programs=528)),
     )
 }
-DEFAULT_MLA_KERNEL = MLA_KERNEL_CONFIGS["n32s5c4pm64R256k32mw1"]
+DEFAULT_MLA_KERNEL = MLA_KERNEL_CONFIGS["n32s5c4pm64R256k32mw1dhrw2"]

@@ -50,12 +50,9 @@ from pagedcore_triton.mla_tiles import (
     _accumulate,
     _clock,
     _load_cols,
-    _load_rows,
-    _mma,
     _now,
     _peer_cols,
     _rows_of_tile,
-    _rows_of_tile_clamped,
     _scores,
     _smid,
     _store_cols,
@@ -103,8 +100,6 @@ def mla_decode_kernel(
     FANIN: tl.constexpr = 0,
     PROBE: tl.constexpr = False,
     HEADS_PER_PROG: tl.constexpr = 0,
-    LAZY_TAU: tl.constexpr = 0,
-    CLAMP_ROWS: tl.constexpr = False,
     ROWSUM_2D: tl.constexpr = False,
 ):
     """Grid ``(tokens, cdiv(H, BLOCK_H), num_splits)``, or ``(num_splits, cdiv(H, BLOCK_H),
@@ -116,12 +111,9 @@ def mla_decode_kernel(
     score MMAs form short independent chains instead of one chain over all 576 dims.
 
     ``HEADS_PER_PROG`` (0 = ``BLOCK_H``): query heads per program; fewer than ``BLOCK_H``
-    masks the MMA's other rows (``MLAKernelConfig.narrow_heads``). ``LAZY_TAU`` > 0: the
-    running maximum the sums refer to is moved (and the accumulators rescaled) only when
-    some row's maximum grew by more than ``LAZY_TAU`` (``MLAKernelConfig.lazy_rescale``).
-    ``CLAMP_ROWS``: positions past the segment load its last row instead (no load masks; the
-    scores are still masked), ``MLAKernelConfig.clamp_rows``.
-    With ``PROBE`` (a
+    masks the MMA's other rows (``MLAKernelConfig.narrow_heads``). ``ROWSUM_2D``: the row
+    sums are kept as a ``[BLOCK_H, BLOCK_N]`` tile and summed once after the loop
+    (``MLAKernelConfig.rowsum_2d``). With ``PROBE`` (a
     diagnostic build, never the shipped one) each program writes ``[smid, t_start, t_go,
     t_loop, t_end, tiles, cycles, 0]`` int64 to ``probe_ptr`` row ``(tok * head blocks +
     head_block) * num_splits + split``: ``%globaltimer`` ns at its start, after the PDL wait,
@@ -189,75 +181,35 @@ def mla_decode_kernel(
     table_row = block_table_ptr + req.to(tl.int64) * stride_bt
 
     for n0 in range(start, end, BLOCK_N):
-        if CLAMP_ROWS:
-            row, n_mask = _rows_of_tile_clamped(table_row, n0, end, stride_cb, stride_cs,
-                                                BLOCK_SIZE, BLOCK_N)
-            k_pe = _load_rows(cache_ptr + LATENT, row, 0, ROPE, ROPE_PAD, RP)
-            c0 = _load_rows(cache_ptr, row, 0, LATENT, CW, LP)
-            s = _scores(q_pe, k_pe, scale_log2, DOT_FP32)
-            s += _scores(q0, c0, scale_log2, DOT_FP32)
-            if LAT_SPLIT >= 2:
-                c1 = _load_rows(cache_ptr, row, CW, LATENT, CW, LP)
-                s += _scores(q1, c1, scale_log2, DOT_FP32)
-            if LAT_SPLIT == 4:
-                c2 = _load_rows(cache_ptr, row, 2 * CW, LATENT, CW, LP)
-                c3 = _load_rows(cache_ptr, row, 3 * CW, LATENT, CW, LP)
-                s += _scores(q2, c2, scale_log2, DOT_FP32)
-                s += _scores(q3, c3, scale_log2, DOT_FP32)
-        else:
-            row, n_mask = _rows_of_tile(table_row, n0, end, stride_cb, stride_cs, BLOCK_SIZE,
-                                        BLOCK_N)
-            k_pe = _load_cols(cache_ptr + LATENT, row, n_mask, 0, ROPE, ROPE_PAD, RP)
-            c0 = _load_cols(cache_ptr, row, n_mask, 0, LATENT, CW, LP)
-            s = _scores(q_pe, k_pe, scale_log2, DOT_FP32)
-            s += _scores(q0, c0, scale_log2, DOT_FP32)
-            if LAT_SPLIT >= 2:
-                c1 = _load_cols(cache_ptr, row, n_mask, CW, LATENT, CW, LP)
-                s += _scores(q1, c1, scale_log2, DOT_FP32)
-            if LAT_SPLIT == 4:
-                c2 = _load_cols(cache_ptr, row, n_mask, 2 * CW, LATENT, CW, LP)
-                c3 = _load_cols(cache_ptr, row, n_mask, 3 * CW, LATENT, CW, LP)
-                s += _scores(q2, c2, scale_log2, DOT_FP32)
-                s += _scores(q3, c3, scale_log2, DOT_FP32)
+        row, n_mask = _rows_of_tile(table_row, n0, end, stride_cb, stride_cs, BLOCK_SIZE,
+                                    BLOCK_N)
+        k_pe = _load_cols(cache_ptr + LATENT, row, n_mask, 0, ROPE, ROPE_PAD, RP)
+        c0 = _load_cols(cache_ptr, row, n_mask, 0, LATENT, CW, LP)
+        s = _scores(q_pe, k_pe, scale_log2, DOT_FP32)
+        s += _scores(q0, c0, scale_log2, DOT_FP32)
+        if LAT_SPLIT >= 2:
+            c1 = _load_cols(cache_ptr, row, n_mask, CW, LATENT, CW, LP)
+            s += _scores(q1, c1, scale_log2, DOT_FP32)
+        if LAT_SPLIT == 4:
+            c2 = _load_cols(cache_ptr, row, n_mask, 2 * CW, LATENT, CW, LP)
+            c3 = _load_cols(cache_ptr, row, n_mask, 3 * CW, LATENT, CW, LP)
+            s += _scores(q2, c2, scale_log2, DOT_FP32)
+            s += _scores(q3, c3, scale_log2, DOT_FP32)
         s = tl.where(n_mask[None, :], s, float("-inf"))
-        if LAZY_TAU > 0:
-            # Rescale only when some row's maximum grew by more than LAZY_TAU (log2
-            # units): p <= 2^LAZY_TAU, and m_i stays the maximum the sums refer to.
-            m_tile = tl.max(s, axis=1)
-            if tl.max((m_tile > m_i + LAZY_TAU).to(tl.int32), axis=0) > 0:
-                m_new = tl.maximum(m_i, m_tile)
-                alpha = tl.exp2(m_i - m_new)
-                l_i = l_i * alpha
-                acc0 = acc0 * alpha[:, None]
-                if LAT_SPLIT >= 2:
-                    acc1 = acc1 * alpha[:, None]
-                if LAT_SPLIT == 4:
-                    acc2 = acc2 * alpha[:, None]
-                    acc3 = acc3 * alpha[:, None]
-                m_i = m_new
-            p = tl.exp2(s - m_i[:, None])
-            l_i = l_i + tl.sum(p, axis=1)
-            acc0 = _mma(p, c0, acc0, DOT_FP32)
-            if LAT_SPLIT >= 2:
-                acc1 = _mma(p, c1, acc1, DOT_FP32)
-            if LAT_SPLIT == 4:
-                acc2 = _mma(p, c2, acc2, DOT_FP32)
-                acc3 = _mma(p, c3, acc3, DOT_FP32)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        if ROWSUM_2D:  # no cross-warp sum per tile: one after the loop
+            l_2d = l_2d * alpha[:, None] + p
         else:
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            if ROWSUM_2D:  # no cross-warp sum per tile: one after the loop
-                l_2d = l_2d * alpha[:, None] + p
-            else:
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc0 = _accumulate(p, c0, acc0, alpha, DOT_FP32)
-            if LAT_SPLIT >= 2:
-                acc1 = _accumulate(p, c1, acc1, alpha, DOT_FP32)
-            if LAT_SPLIT == 4:
-                acc2 = _accumulate(p, c2, acc2, alpha, DOT_FP32)
-                acc3 = _accumulate(p, c3, acc3, alpha, DOT_FP32)
-            m_i = m_new
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc0 = _accumulate(p, c0, acc0, alpha, DOT_FP32)
+        if LAT_SPLIT >= 2:
+            acc1 = _accumulate(p, c1, acc1, alpha, DOT_FP32)
+        if LAT_SPLIT == 4:
+            acc2 = _accumulate(p, c2, acc2, alpha, DOT_FP32)
+            acc3 = _accumulate(p, c3, acc3, alpha, DOT_FP32)
+        m_i = m_new
     if ROWSUM_2D:
         l_i = tl.sum(l_2d, axis=1)
     if PROBE:

@@ -1,7 +1,7 @@
 # mypy: disable-error-code="untyped-decorator,no-untyped-def"
 """Tile-level helpers of the Triton MLA decode kernel (`pagedcore_triton.mla_kernels`).
 
-Row addresses of a tile of cache positions (through the block table), masked or clamped
+Row addresses of a tile of cache positions (through the block table), masked
 loads of latent / rope columns, the score and PV MMAs, the stores of accumulator columns,
 the fused merge's peer reads, and the ``PROBE`` build's timers (``%globaltimer``,
 ``%clock64``, ``%smid``).
@@ -16,12 +16,9 @@ __all__ = [
     "_accumulate",
     "_clock",
     "_load_cols",
-    "_load_rows",
-    "_mma",
     "_now",
     "_peer_cols",
     "_rows_of_tile",
-    "_rows_of_tile_clamped",
     "_scores",
     "_smid",
     "_store_cols",
@@ -40,33 +37,6 @@ def _rows_of_tile(table_row, n0, end, stride_cb, stride_cs, BLOCK_SIZE: tl.const
     blk = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
     row = blk.to(tl.int64) * stride_cb + (offs_n % BLOCK_SIZE).to(tl.int64) * stride_cs
     return row, n_mask
-
-
-@triton.jit
-def _rows_of_tile_clamped(table_row, n0, end, stride_cb, stride_cs, BLOCK_SIZE: tl.constexpr,
-                          BLOCK_N: tl.constexpr):
-    """`_rows_of_tile` with the positions past `end` clamped to ``end - 1`` (a row of this
-    segment), so that the table and row loads need no mask; the scores of those positions
-    must still be masked (the returned mask)."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < end
-    pos = tl.minimum(offs_n, end - 1)
-    blk = tl.load(table_row + pos // BLOCK_SIZE)
-    row = blk.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE).to(tl.int64) * stride_cs
-    return row, n_mask
-
-
-@triton.jit
-def _load_rows(base_ptr, row, col0, valid, WIDTH: tl.constexpr, PADDED: tl.constexpr):
-    """``[len(row), WIDTH]`` values at columns ``col0 + j`` of rows that all exist (no row
-    mask); with `PADDED` zero from column `valid` on."""
-    offs = col0 + tl.arange(0, WIDTH)
-    ptrs = base_ptr + row[:, None] + offs[None, :]
-    if PADDED:
-        out = tl.load(ptrs, mask=(offs < valid)[None, :], other=0.0)
-    else:
-        out = tl.load(ptrs)
-    return out
 
 
 @triton.jit
@@ -112,16 +82,6 @@ def _scores(q, k, scale_log2, DOT_FP32: tl.constexpr):
     else:
         s = tl.dot(q, tl.trans(k))
     return s * scale_log2
-
-
-@triton.jit
-def _mma(p, c, acc, DOT_FP32: tl.constexpr):
-    """``acc + p @ c`` (the MMA accumulating in place)."""
-    if DOT_FP32:
-        acc = tl.dot(p, c.to(tl.float32), acc, input_precision="ieee")
-    else:
-        acc = tl.dot(p.to(c.dtype), c, acc)
-    return acc
 
 
 @triton.jit
