@@ -345,15 +345,3 @@ def test_growing_scores_move_the_maximum(
     case = attrs.evolve(case, kv_cache=cache.to(dtype))
     result = run_mla_case(mla.TritonMLABackend, case, device=DEVICE)
     assert result.passed, result.detail
-
-
-def test_split_counts_that_are_not_powers_of_two() -> None:
-    """``MLASplitRule(pow2=False)``: the largest count within the program target, the
-    positions per split and the cap (3 programs per SM on 132 SMs: 99 splits of 4 tokens)."""
-    rule = MLASplitRule(target_programs=396, max_splits=128, pow2=False)
-    assert mla.choose_mla_splits(rule, num_tokens=4, head_blocks=1, max_seq_len=32768) == 99
-    assert mla.choose_mla_splits(rule, num_tokens=64, head_blocks=1, max_seq_len=4096) == 6
-    assert mla.choose_mla_splits(rule, num_tokens=4, head_blocks=1, max_seq_len=700) == 5
-    assert mla.choose_mla_splits(rule, num_tokens=500, head_blocks=1, max_seq_len=9000) == 1
-    pow2 = MLASplitRule(target_programs=396, max_splits=128)
-    assert mla.choose_mla_splits(pow2, num_tokens=4, head_blocks=1, max_seq_len=32768) == 64

@@ -29,24 +29,17 @@ class MLASplitRule:
     """Split-KV rule: double the splits while the grid stays within `target_programs` programs
     (about one wave of resident programs on an H200's 132 SMs), each split keeps at least
     `min_tokens_per_split` positions, and the count stays at most `max_splits` (a power of
-    two). With `pow2` False the count is the largest that meets the same three bounds, power
-    of two or not (a grid of 3 programs per SM needs e.g. 99 splits of 4 tokens)."""
+    two)."""
 
     target_programs: int = 264
     min_tokens_per_split: int = 128
     max_splits: int = 64
-    pow2: bool = True
 
 
 def choose_mla_splits(
     rule: MLASplitRule, *, num_tokens: int, head_blocks: int, max_seq_len: int
 ) -> int:
-    """Split count for one launch (1 = no split): a power of two unless ``rule.pow2`` is
-    False."""
-    if not rule.pow2:
-        programs = max(1, num_tokens * head_blocks)
-        return max(1, min(rule.max_splits, rule.target_programs // programs,
-                          max_seq_len // rule.min_tokens_per_split))
+    """Power-of-two split count for one launch (1 = no split)."""
     return pow2_splits(max(1, num_tokens * head_blocks), max_splits=rule.max_splits,
                        target_programs=rule.target_programs, max_seq_len=max_seq_len,
                        min_tokens=rule.min_tokens_per_split)
@@ -223,8 +216,7 @@ def _default_like(name: str, **kw: object) -> MLAKernelConfig:
 #: ``w<warps>`` (when not 4), ``p`` (``pdl``), ``m<merge_chunk>`` (when not 16), ``w2s``
 #: (``short_split_warps`` 2), ``k<merge_cols>`` (when not 128), ``R<merge_row_pairs>``,
 #: ``mw<merge_warps>`` (when not 4),
-#: ``x<max_splits>`` (when not 64), ``e`` (split counts not only powers of two), ``f``
-#: (``split_first``), ``r<maxnreg>``, ``t<split
+#: ``x<max_splits>`` (when not 64), ``f`` (``split_first``), ``r<maxnreg>``, ``t<split
 #: target>`` (when not 264), ``u<fused_fanin>`` (merge fused into the split programs),
 #: ``h`` (``half_partials``), ``g<narrow_heads>``,
 #: ``d`` (``rowsum_2d``), ``rw<merge_row_warps>``.
@@ -239,16 +231,6 @@ MLA_KERNEL_CONFIGS: dict[str, MLAKernelConfig] = {
         # bench shapes, 71.5-72.8 % at 4 x 32768 (docs/mla.md).
         _default_like("n32s5c4pm64R256k32mw1dhrw2", merge_row_pairs=256, merge_cols=32,
                       merge_warps=1, rowsum_2d=True, half_partials=True, merge_row_warps=2),
-        # Tenth run: single-buffered rows (stages 4: 168 registers and 57 KB with Triton 3.6,
-        # so 3 programs per SM) on a grid of 3 per SM (396 programs, split counts that are
-        # not powers of two).
-        _default_like("n32s4c4pm64R256k32mw1dhrw2t396x128e", num_stages=4,
-                      merge_row_pairs=256, merge_cols=32, merge_warps=1, rowsum_2d=True,
-                      half_partials=True, merge_row_warps=2,
-                      split=MLASplitRule(target_programs=396, max_splits=128, pow2=False)),
-        _default_like("n32s4c4pm64R256k32mw1dhrw2", num_stages=4, merge_row_pairs=256,
-                      merge_cols=32, merge_warps=1, rowsum_2d=True, half_partials=True,
-                      merge_row_warps=2),
         # The previous default (sixth to eighth runs): fp32 partials, a row sum per tile.
         _default_like("n32s5c4pm64R256k32mw1", merge_row_pairs=256, merge_cols=32,
                       merge_warps=1),
