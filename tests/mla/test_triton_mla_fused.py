@@ -66,7 +66,7 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 def test_fused_merge_tree_many_splits(fanin: int) -> None:
     """64 splits per token merged by a tree of fan-in 2 (6 levels) or 64 (1 level), with a
     decode and a short prefill whose later splits are empty; a second call gives the same
-    result and the counters are left at zero."""
+    result (to rounding) and the counters are left at zero."""
     spec = MLABatchSpec(name="fused", query_lens=(1, 2), seq_lens=(530, 40),
                         block_size=16, num_heads=3, kv_lora_rank=32, rope_head_dim=16)
     case, meta, query, cache = _setup(spec, torch.float32, seed=7)
@@ -79,7 +79,10 @@ def test_fused_merge_tree_many_splits(fanin: int) -> None:
     got = impl.forward(query, query, query, cache, meta, output=out)
     assert _rel(got, want) < 1e-5
     again = impl.forward(query, query, query, cache, meta)
-    torch.testing.assert_close(again, got, rtol=0, atol=0)
+    # Not bit-identical on a GPU: which split of a group arrives last (and so which partial
+    # comes from registers and which from memory) changes the FMA rounding.
+    assert _rel(again, want) < 1e-5
+    torch.testing.assert_close(again, got, rtol=1e-5, atol=1e-6)
     assert impl._fused_counters is not None and int(impl._fused_counters.abs().sum()) == 0
 
 
