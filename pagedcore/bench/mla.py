@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from typing import TYPE_CHECKING, Any
 
 import attrs
 import click
 
+from pagedcore.bench.report import git_commit
 from pagedcore.kv_cache.spec import MLAAttentionSpec, cdiv
 
 if TYPE_CHECKING:
@@ -235,10 +235,9 @@ def mla(json_path: str | None, quick: bool, kv_gib: float, context: int, variant
                     if on]
         command += [f"--breakdown {breakdown}"] if breakdown else []
         command += [f"--json {json_path}"]
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
         info = {
             "command": " ".join(command),
-            "git_commit": commit.stdout.strip() if commit.returncode == 0 else None,
+            "git_commit": git_commit(),
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
             "torch": torch.__version__,
             "kernel_config": {"dtype": "bfloat16" if device.type == "cuda" else "float32",
