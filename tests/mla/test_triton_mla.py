@@ -345,3 +345,51 @@ def test_growing_scores_move_the_maximum(
     case = attrs.evolve(case, kv_cache=cache.to(dtype))
     result = run_mla_case(mla.TritonMLABackend, case, device=DEVICE)
     assert result.passed, result.detail
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_token_merge_matches_reference_twice(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Token merge (``...tm``): no merge kernel, the splits of each token merge slices of
+    the output themselves. Many splits (some empty for the short request), a short prefill,
+    NaN in every unused slot: the result matches the reference; on one impl, two launches in
+    a row match the merge kernel's result and leave the counters at zero."""
+    import attrs
+
+    many = MLASplitRule(target_programs=10**6, min_tokens_per_split=32, max_splits=8)
+    cfg = attrs.evolve(mla.MLA_KERNEL_CONFIGS["n32s5c4pm64R256k32mw1dhrw2tm"], block_n=16,
+                       split=many)
+    monkeypatch.setattr(mla.TritonMLAImpl, "kernel_config", cfg)
+    merges: list[object] = []
+    real_merge = mla.TritonMLAImpl.launch_merge
+
+    def spy(self: object, launch: object, out: torch.Tensor) -> None:
+        merges.append(launch)
+        real_merge(self, launch, out)
+
+    monkeypatch.setattr(mla.TritonMLAImpl, "launch_merge", spy)
+    spec = MLABatchSpec(name="token_merge", query_lens=(1, 2, 1), seq_lens=(300, 50, 130),
+                        block_size=16, num_heads=4, kv_lora_rank=64, rope_head_dim=16,
+                        num_pad_tokens=1)
+    case = build_mla_case(spec, dtype=dtype, device=DEVICE, seed=12)
+    result = run_mla_case(mla.TritonMLABackend, case, device=DEVICE)
+    assert result.passed, result.detail
+    assert not merges
+    impl = mla.TritonMLAImpl(4, 80, 0.2, kv_lora_rank=64)
+    meta = mla.TritonMLAMetadataBuilder(None, [], torch.device(DEVICE)).build(case.common)
+    launch = impl.plan_launch(case.query, meta)
+    assert launch.token_merge and launch.splits == 8 and launch.counters is not None
+    cache = torch.randn(case.kv_cache.shape, device=DEVICE).to(dtype)
+    impl.kernel_config = attrs.evolve(cfg, token_merge=False)
+    want = impl.forward(case.query, case.query, case.query, cache, meta).float()[:4]
+    assert len(merges) == 1
+    impl.kernel_config = cfg
+    for _ in range(2):
+        got = impl.forward(case.query, case.query, case.query, cache, meta).float()[:4]
+        assert impl._fused_counters is not None and int(impl._fused_counters.abs().sum()) == 0
+        rel = float((got - want).norm() / want.norm())
+        assert rel < (1e-2 if dtype == torch.bfloat16 else 1e-5), rel
+    assert len(merges) == 1
+    with pytest.raises(ValueError, match="token_merge and fused_fanin"):
+        MLAKernelConfig(name="x", token_merge=True, fused_fanin=4)
