@@ -1,5 +1,4 @@
-"""The Triton MLA decode with its merge fused into the split programs (``fused_fanin``,
-and on the GPU also ``token_merge``).
+"""The Triton MLA decode with its merge fused into the split programs (``fused_fanin``).
 
 On CPU (interpreter) the programs run one after another, so each group's last program is its
 highest split; on a GPU the order is arbitrary, so the CUDA tests repeat the launch many times
@@ -23,8 +22,6 @@ from pagedcore.reference.mla import MLAImpl  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 FUSED = [name for name, c in mla.MLA_KERNEL_CONFIGS.items() if c.fused_fanin is not None]
-#: Also merged by the split programs (each waits for its token's others): the same GPU tests.
-TOKEN_MERGED = [name for name, c in mla.MLA_KERNEL_CONFIGS.items() if c.token_merge]
 
 
 def _many_splits(fanin: int, max_splits: int = 64) -> Any:
@@ -140,7 +137,7 @@ def _bench_reference(query: torch.Tensor, cache: torch.Tensor, ref_meta: Any) ->
 @CUDA
 @pytest.mark.parametrize(
     ("name", "shape"),
-    [(n, s) for n in FUSED + TOKEN_MERGED for s in ((4, 32768), (16, 16384), (128, 2048))],
+    [(n, s) for n in FUSED for s in ((4, 32768), (16, 16384), (128, 2048))],
     ids=lambda x: x if isinstance(x, str) else f"{x[0]}x{x[1]}",
 )
 def test_fused_repeated_and_graph_replay(name: str, shape: tuple[int, int]) -> None:
@@ -179,7 +176,7 @@ def test_fused_repeated_and_graph_replay(name: str, shape: tuple[int, int]) -> N
 
 
 @CUDA
-@pytest.mark.parametrize("name", FUSED + TOKEN_MERGED)
+@pytest.mark.parametrize("name", FUSED)
 def test_fused_full_conformance(name: str) -> None:
     """The MLA conformance specs in fp16, bf16 and fp32, with the offsets past 2^31."""
     from pagedcore.conformance.mla import run_mla_suite

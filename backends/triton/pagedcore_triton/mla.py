@@ -10,7 +10,6 @@ how many split-KV segments to use so that a small decode batch still fills the G
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import attrs
@@ -52,25 +51,6 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, x - 1).bit_length()
 
 
-def _programs_per_sm(compiled: Any, device: torch.device) -> int:
-    """Programs of a compiled Triton kernel that fit on one SM of `device` at once: the
-    least of what its registers (allocated per warp in units of 256), its shared memory
-    (plus the 1 KB the driver reserves per block) and its threads allow; 0 when the kernel
-    does not say."""
-    compiled._init_handles()
-    regs, meta = getattr(compiled, "n_regs", None), getattr(compiled, "metadata", None)
-    warps, shared = getattr(meta, "num_warps", None), getattr(meta, "shared", None)
-    if not (isinstance(regs, int) and isinstance(warps, int) and isinstance(shared, int)):
-        return 0
-    props = torch.cuda.get_device_properties(device)
-    sm_regs = getattr(props, "regs_per_multiprocessor", 0)
-    sm_shared = getattr(props, "shared_memory_per_multiprocessor", 0)
-    sm_threads = getattr(props, "max_threads_per_multi_processor", 0)
-    per_warp = -(-max(regs, 1) * 32 // 256) * 256
-    return int(min(sm_regs // (per_warp * warps), sm_shared // (shared + 1024),
-                   sm_threads // (32 * warps)))
-
-
 @functools.cache
 def _has_pdl(device: torch.device) -> bool:
     """Programmatic dependent launch needs sm_90 or newer."""
@@ -103,12 +83,8 @@ class MLALaunch:
         block_h, lat_pad]`` and ``[T, head_blocks, 2 * splits, block_h, 2]`` (the tree's
         levels).
     counters:
-        With a fused merge (`MLAKernelConfig.fused_fanin`) or a token merge on a split
-        launch: the impl's persistent int32 counters (zero between launches), else None.
-    token_merge:
-        Whether the split programs merge the output themselves
-        (`MLAKernelConfig.token_merge`); `TritonMLAImpl.launch_decode` still runs without
-        it (and says so) when the grid does not fit in one wave.
+        With a fused merge (`MLAKernelConfig.fused_fanin`) on a split launch: the impl's
+        persistent int32 group counters (zero between launches), else None.
     """
 
     num_tokens: int
@@ -121,7 +97,6 @@ class MLALaunch:
     part_ml: torch.Tensor | None
     counters: torch.Tensor | None = None
     heads_per_program: int = 16
-    token_merge: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -192,13 +167,8 @@ class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
     #: The compiled kernels of the last `forward` (decode, then merge when split), for the
     #: bench's register / shared-memory report.
     last_kernels: tuple[Any, ...] = ()
-    #: The fused or token merge's counters (`_counters`), per instance once allocated.
+    #: The fused merge's group counters (`_counters`), per instance once allocated.
     _fused_counters: torch.Tensor | None = None
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        #: `_fits_one_wave`'s answers per launch signature.
-        self._wave_fits: dict[tuple[Any, ...], bool] = {}
 
     def do_kv_cache_update(
         self,
@@ -272,7 +242,8 @@ class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
         if actual == 0:
             return out
         launch = self.plan_launch(query, metadata)
-        if not self.launch_decode(launch, query, kv_cache, metadata, out):
+        self.launch_decode(launch, query, kv_cache, metadata, out)
+        if launch.splits > 1 and launch.counters is None:
             self.launch_merge(launch, out)
         return out
 
@@ -321,14 +292,10 @@ class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
                                    device=query.device)
             part_ml = torch.empty(actual, self.num_heads, splits, 2, dtype=torch.float32,
                                   device=query.device)
-        token_merge = splits > 1 and cfg.token_merge
-        if token_merge:
-            counters = self._counters(query.device, 2 * actual * head_blocks)
         pdl = cfg.pdl and not interpreting() and _has_pdl(query.device)
         return MLALaunch(num_tokens=actual, head_blocks=head_blocks, splits=splits,
                          split_len=split_len, lat_pad=lat_pad, pdl=pdl, part_acc=part_acc,
-                         part_ml=part_ml, counters=counters, heads_per_program=per_prog,
-                         token_merge=token_merge)
+                         part_ml=part_ml, counters=counters, heads_per_program=per_prog)
 
     def launch_decode(
         self,
@@ -339,11 +306,8 @@ class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
         out: torch.Tensor,
         *,
         probe: torch.Tensor | None = None,
-    ) -> bool:
+    ) -> None:
         """The decode kernel: ``out`` ``[T, H, L]`` directly when unsplit, else the partials.
-
-        Returns whether ``out`` is complete: unsplit, or merged by the split programs
-        (a fused or token merge); if not, `launch_merge` must follow.
 
         ``probe`` (a diagnostic, CUDA only): an int64 ``[programs, 8]`` tensor that each
         program fills with its SM and ``%globaltimer`` times (see ``mla_decode_kernel``);
@@ -381,47 +345,21 @@ class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
             options["ROWSUM_2D"] = True
         if launch.heads_per_program != self.block_h:
             options["HEADS_PER_PROG"] = launch.heads_per_program
-        fused = launch.counters is not None and not launch.token_merge
-        args = (
+        compiled = mla_decode_kernel[grid](
             out, part_acc, part_ml, counters, probe if probe is not None else counters,
             query, kv_cache, metadata.block_table,
             metadata.token_req, metadata.token_kv_len,
             self.num_heads, launch.splits, self.scale * 1.4426950408889634, launch.split_len,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             kv_cache.stride(0), kv_cache.stride(1), metadata.block_table.stride(0),
-        )
-        kwargs: dict[str, Any] = dict(
             LATENT=lat, LATENT_PAD=launch.lat_pad,
             LAT_SPLIT=min(cfg.lat_split, launch.lat_pad // 16), ROPE=rope,
             ROPE_PAD=max(16, _next_pow2(rope)), BLOCK_SIZE=kv_cache.shape[1],
             BLOCK_H=self.block_h, BLOCK_N=cfg.block_n, WRITE_PARTIAL=launch.splits > 1,
             DOT_FP32=interp or query.dtype == torch.float32, USE_PDL=launch.pdl,
-            FANIN=(cfg.fused_fanin or 0) if fused else 0, **options,
+            FANIN=(cfg.fused_fanin or 0) if launch.counters is not None else 0, **options,
         )
-        merged = fused
-        if launch.token_merge:
-            kwargs.update(TOKEN_MERGE=launch.splits, SEQUENTIAL=interp)
-            merged = interp or self._fits_one_wave(
-                (grid, query.dtype, kv_cache.dtype, lat, rope, kv_cache.shape[1], cfg),
-                lambda: mla_decode_kernel.warmup(*args, grid=grid, **kwargs), programs,
-                query.device)
-            if not merged:
-                kwargs.update(TOKEN_MERGE=0, SEQUENTIAL=False)
-        self.last_kernels = (mla_decode_kernel[grid](*args, **kwargs),)
-        return launch.splits == 1 or merged
-
-    def _fits_one_wave(self, key: tuple[Any, ...], compile_kernel: Callable[[], Any],
-                       programs: int, device: torch.device) -> bool:
-        """Whether `programs` programs of the kernel `compile_kernel` returns are all
-        resident at once on `device` (registers, shared memory and threads per SM, times the
-        SM count); cached per launch signature `key`. A token merge needs it: each split
-        program waits for the others of its token."""
-        fits = self._wave_fits.get(key)
-        if fits is None:
-            per_sm = _programs_per_sm(compile_kernel(), device)
-            sms = torch.cuda.get_device_properties(device).multi_processor_count
-            fits = self._wave_fits[key] = programs <= per_sm * sms
-        return fits
+        self.last_kernels = (compiled,)
 
     def launch_merge(self, launch: MLALaunch, out: torch.Tensor) -> None:
         """The merge kernel: combine `launch`'s partials into ``out`` ``[T, H, L]``."""
@@ -429,7 +367,7 @@ class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
 
         if launch.part_acc is None or launch.part_ml is None:
             raise ValueError("launch_merge needs a split launch (plan_launch gave 1 split)")
-        if launch.counters is not None and not launch.token_merge:
+        if launch.counters is not None:
             raise ValueError("launch_merge: this launch merges inside the decode kernel "
                              "(kernel_config.fused_fanin); there is nothing left to merge")
         lat_pad = launch.lat_pad

@@ -115,14 +115,6 @@ class MLAKernelConfig:
         Warps of a whole-row merge program (`merge_row_pairs`). With 16-bit partials, 2
         warps give each warp whole columns of a 512-wide row (4 would split the splits'
         rows across warps and sum them through shared memory).
-    token_merge:
-        No merge kernel on split launches that fit in one wave of resident programs: the
-        splits of each (token, head block) wait for each other after storing their
-        partials (a pair of int32 counters, reset by the last one out), then split ``j``
-        merges the ``j``-th ``1 / splits`` of the output columns. Saves the merge kernel's
-        launch and the wait for the whole decode grid. A launch whose grid does not fit
-        (from the compiled kernel's registers and shared memory and the GPU's SM count)
-        runs the merge kernel instead.
     narrow_heads, narrow_min_splits:
         When set (a power of two below ``TritonMLAImpl.block_h``, 16), a launch that would
         split into at least `narrow_min_splits` segments serves only `narrow_heads` query
@@ -153,7 +145,6 @@ class MLAKernelConfig:
     narrow_min_splits: int = 2
     rowsum_2d: bool = False
     merge_row_warps: int = 4
-    token_merge: bool = False
 
     def launch_warps(self, splits: int, split_len: int) -> int:
         """``num_warps``, or `short_split_warps` for a split launch of short segments."""
@@ -175,9 +166,6 @@ class MLAKernelConfig:
         if self.fused_fanin is not None and (self.fused_fanin < 2 or not _pow2(self.fused_fanin)):
             raise ValueError(
                 f"fused_fanin must be None or a power of two >= 2, got {self.fused_fanin}")
-        if self.token_merge and self.fused_fanin is not None:
-            raise ValueError("token_merge and fused_fanin are two ways to merge without the "
-                             "merge kernel: pick one")
         if self.half_partials and self.fused_fanin is not None:
             raise ValueError("half_partials needs the merge kernel (fused_fanin=None): the "
                              "fused merge keeps unnormalised partials, which may overflow "
@@ -231,7 +219,7 @@ def _default_like(name: str, **kw: object) -> MLAKernelConfig:
 #: ``x<max_splits>`` (when not 64), ``f`` (``split_first``), ``r<maxnreg>``, ``t<split
 #: target>`` (when not 264), ``u<fused_fanin>`` (merge fused into the split programs),
 #: ``h`` (``half_partials``), ``g<narrow_heads>``,
-#: ``d`` (``rowsum_2d``), ``rw<merge_row_warps>``, ``tm`` (``token_merge``).
+#: ``d`` (``rowsum_2d``), ``rw<merge_row_warps>``.
 MLA_KERNEL_CONFIGS: dict[str, MLAKernelConfig] = {
     c.name: c
     for c in (
@@ -243,10 +231,6 @@ MLA_KERNEL_CONFIGS: dict[str, MLAKernelConfig] = {
         # bench shapes, 71.5-72.8 % at 4 x 32768 (docs/mla.md).
         _default_like("n32s5c4pm64R256k32mw1dhrw2", merge_row_pairs=256, merge_cols=32,
                       merge_warps=1, rowsum_2d=True, half_partials=True, merge_row_warps=2),
-        # Tenth run: the default with the merge done by the split programs themselves.
-        _default_like("n32s5c4pm64R256k32mw1dhrw2tm", merge_row_pairs=256, merge_cols=32,
-                      merge_warps=1, rowsum_2d=True, half_partials=True, merge_row_warps=2,
-                      token_merge=True),
         # The previous default (sixth to eighth runs): fp32 partials, a row sum per tile.
         _default_like("n32s5c4pm64R256k32mw1", merge_row_pairs=256, merge_cols=32,
                       merge_warps=1),

@@ -46,7 +46,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pagedcore_triton.mla_merge import mla_token_merge
 from pagedcore_triton.mla_tiles import (
     _accumulate,
     _clock,
@@ -102,8 +101,6 @@ def mla_decode_kernel(
     PROBE: tl.constexpr = False,
     HEADS_PER_PROG: tl.constexpr = 0,
     ROWSUM_2D: tl.constexpr = False,
-    TOKEN_MERGE: tl.constexpr = 0,
-    SEQUENTIAL: tl.constexpr = False,
 ):
     """Grid ``(tokens, cdiv(H, BLOCK_H), num_splits)``, or ``(num_splits, cdiv(H, BLOCK_H),
     tokens)`` with `SPLIT_FIRST` (the splits of one token launched next to each other); see
@@ -116,11 +113,7 @@ def mla_decode_kernel(
     ``HEADS_PER_PROG`` (0 = ``BLOCK_H``): query heads per program; fewer than ``BLOCK_H``
     masks the MMA's other rows (``MLAKernelConfig.narrow_heads``). ``ROWSUM_2D``: the row
     sums are kept as a ``[BLOCK_H, BLOCK_N]`` tile and summed once after the loop
-    (``MLAKernelConfig.rowsum_2d``). ``TOKEN_MERGE`` (the split count, 0 = off; with
-    ``WRITE_PARTIAL``): no merge kernel; the splits of each (token, head block) wait for
-    each other after storing their partials and each merges a slice of the output
-    (`pagedcore_triton.mla_merge.mla_token_merge`, ``MLAKernelConfig.token_merge``);
-    ``SEQUENTIAL`` for the interpreter. With ``PROBE`` (a
+    (``MLAKernelConfig.rowsum_2d``). With ``PROBE`` (a
     diagnostic build, never the shipped one) each program writes ``[smid, t_start, t_go,
     t_loop, t_end, tiles, cycles, 0]`` int64 to ``probe_ptr`` row ``(tok * head blocks +
     head_block) * num_splits + split``: ``%globaltimer`` ns at its start, after the PDL wait,
@@ -318,12 +311,6 @@ def mla_decode_kernel(
     if LAT_SPLIT == 4:
         _store_cols(ptrs, acc2 * scale[:, None], 2 * CW, rows_ok, valid, CW)
         _store_cols(ptrs, acc3 * scale[:, None], 3 * CW, rows_ok, valid, CW)
-    if WRITE_PARTIAL and FANIN == 0 and TOKEN_MERGE > 0:
-        # The splits of this (token, head block) merge the output among themselves.
-        ctr = counter_ptr + (tok.to(tl.int64) * tl.num_programs(1) + head_block) * 2
-        mla_token_merge(out_ptr, part_acc_ptr, part_ml_ptr, ctr, tok, heads, head_mask, split,
-                        num_heads, num_splits, stride_ot, stride_oh, LATENT, LATENT_PAD,
-                        TOKEN_MERGE, SEQUENTIAL)
     if PROBE:
         t_end = _now()
         c_end = _clock()
