@@ -316,16 +316,14 @@ def test_narrow_heads_matches_reference(half: bool, monkeypatch: pytest.MonkeyPa
     assert result.passed, result.detail
 
 
-@pytest.mark.parametrize("name", [mla.DEFAULT_MLA_KERNEL.name, "n32s5c4pm64R256k32mw1dhrw2z4"])
+@pytest.mark.parametrize("name", [mla.DEFAULT_MLA_KERNEL.name])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_growing_scores_move_the_maximum(
     name: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Scores that grow by far more than 2^8 along the positions (late keys aligned with the
     query): every tile that must move the running maximum does; several splits, a short
-    prefill, NaN in every unused slot. With the maximum taken every 4 tiles (``...z4``) the
-    scores outgrow the stale maximum by more than the clamp, so the exact re-run must give
-    the result."""
+    prefill, NaN in every unused slot."""
     import attrs
 
     many = MLASplitRule(target_programs=10**6, min_tokens_per_split=96, max_splits=64)
@@ -345,38 +343,5 @@ def test_growing_scores_move_the_maximum(
         if not slot.isnan().any():
             slot += (pos / 0.5) * q_dir
     case = attrs.evolve(case, kv_cache=cache.to(dtype))
-    result = run_mla_case(mla.TritonMLABackend, case, device=DEVICE)
-    assert result.passed, result.detail
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_stale_maximum_reruns_when_weights_were_clamped(
-    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``...z4`` (row maximum every 4 tiles): two positions in tiles between maxima score
-    40 and 50 log2-units above everything before them, so both weights hit the clamp
-    (2^32) and would weigh the same; the segment's exact re-run gives the softmax that
-    puts 2^10 times more weight on the second. Against the reference, NaN in unused slots."""
-    import math
-
-    import attrs
-
-    cfg = attrs.evolve(mla.MLA_KERNEL_CONFIGS["n32s5c4pm64R256k32mw1dhrw2z4"], block_n=16,
-                       split=MLASplitRule(max_splits=1))
-    monkeypatch.setattr(mla.TritonMLAImpl, "kernel_config", cfg)
-    spec = MLABatchSpec(name="spikes", query_lens=(1,), seq_lens=(256,), block_size=16,
-                        num_heads=4, kv_lora_rank=32, rope_head_dim=16)
-    case = build_mla_case(spec, dtype=torch.float32, device=DEVICE, seed=21)
-    u = case.query[0, 0].clone()
-    query = u.expand_as(case.query).contiguous()
-    scale_log2 = case.scale * math.log2(math.e)
-    cache = case.kv_cache.clone()
-    table = case.common.block_table.long()
-    for pos in range(255):  # (the last position is the step's own row: NaN until written)
-        cache[table[0, pos // 16], pos % 16] *= 0.05  # background scores near 0
-    for pos, rise in ((85, 40.0), (100, 50.0)):  # tiles 5 and 6: between maxima (0, 4, 8)
-        cache[table[0, pos // 16], pos % 16] = u * (rise / scale_log2 / float(u @ u))
-    case = attrs.evolve(case, query=query.to(dtype), kv_cache=cache.to(dtype),
-                        key=case.key.to(dtype))
     result = run_mla_case(mla.TritonMLABackend, case, device=DEVICE)
     assert result.passed, result.detail

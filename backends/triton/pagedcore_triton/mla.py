@@ -343,8 +343,6 @@ class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
             options["PROBE"] = True
         if cfg.rowsum_2d:
             options["ROWSUM_2D"] = True
-        if cfg.max_every > 0:
-            options["MAX_EVERY"] = cfg.max_every
         if launch.heads_per_program != self.block_h:
             options["HEADS_PER_PROG"] = launch.heads_per_program
         compiled = mla_decode_kernel[grid](

@@ -115,14 +115,6 @@ class MLAKernelConfig:
         Warps of a whole-row merge program (`merge_row_pairs`). With 16-bit partials, 2
         warps give each warp whole columns of a 512-wide row (4 would split the splits'
         rows across warps and sum them through shared memory).
-    max_every:
-        When > 0, take the softmax row maximum across the warps (a shared-memory reduction,
-        2 of a tile's 6 barriers) only every `max_every` tiles; the tiles between weigh
-        their positions against the maximum as it stood then (weights above 1 are fine in
-        fp32, the sums refer to the same maximum). Weights are clamped at 2^32; a segment
-        where one was (a score more than 32 log2-units above every earlier maximum of the
-        segment) runs again with the maximum taken at every tile, so the result is always
-        the exact softmax. Implies `rowsum_2d`.
     narrow_heads, narrow_min_splits:
         When set (a power of two below ``TritonMLAImpl.block_h``, 16), a launch that would
         split into at least `narrow_min_splits` segments serves only `narrow_heads` query
@@ -153,7 +145,6 @@ class MLAKernelConfig:
     narrow_min_splits: int = 2
     rowsum_2d: bool = False
     merge_row_warps: int = 4
-    max_every: int = 0
 
     def launch_warps(self, splits: int, split_len: int) -> int:
         """``num_warps``, or `short_split_warps` for a split launch of short segments."""
@@ -166,8 +157,6 @@ class MLAKernelConfig:
     def __attrs_post_init__(self) -> None:
         if self.lat_split not in (1, 2, 4):
             raise ValueError(f"lat_split must be 1, 2 or 4, got {self.lat_split}")
-        if self.max_every < 0:
-            raise ValueError(f"max_every must be >= 0 (0 = every tile), got {self.max_every}")
         if self.merge_chunk < 2 or not _pow2(self.merge_chunk):
             raise ValueError(f"merge_chunk must be a power of two >= 2, got {self.merge_chunk}")
         if self.merge_cols < 16 or not _pow2(self.merge_cols):
@@ -230,7 +219,7 @@ def _default_like(name: str, **kw: object) -> MLAKernelConfig:
 #: ``x<max_splits>`` (when not 64), ``f`` (``split_first``), ``r<maxnreg>``, ``t<split
 #: target>`` (when not 264), ``u<fused_fanin>`` (merge fused into the split programs),
 #: ``h`` (``half_partials``), ``g<narrow_heads>``,
-#: ``d`` (``rowsum_2d``), ``rw<merge_row_warps>``, ``z<max_every>``.
+#: ``d`` (``rowsum_2d``), ``rw<merge_row_warps>``.
 MLA_KERNEL_CONFIGS: dict[str, MLAKernelConfig] = {
     c.name: c
     for c in (
@@ -242,16 +231,6 @@ MLA_KERNEL_CONFIGS: dict[str, MLAKernelConfig] = {
         # bench shapes, 71.5-72.8 % at 4 x 32768 (docs/mla.md).
         _default_like("n32s5c4pm64R256k32mw1dhrw2", merge_row_pairs=256, merge_cols=32,
                       merge_warps=1, rowsum_2d=True, half_partials=True, merge_row_warps=2),
-        # Tenth run: the row maximum across warps only every 2 / 4 / 8 tiles.
-        _default_like("n32s5c4pm64R256k32mw1dhrw2z2", merge_row_pairs=256, merge_cols=32,
-                      merge_warps=1, rowsum_2d=True, half_partials=True, merge_row_warps=2,
-                      max_every=2),
-        _default_like("n32s5c4pm64R256k32mw1dhrw2z4", merge_row_pairs=256, merge_cols=32,
-                      merge_warps=1, rowsum_2d=True, half_partials=True, merge_row_warps=2,
-                      max_every=4),
-        _default_like("n32s5c4pm64R256k32mw1dhrw2z8", merge_row_pairs=256, merge_cols=32,
-                      merge_warps=1, rowsum_2d=True, half_partials=True, merge_row_warps=2,
-                      max_every=8),
         # The previous default (sixth to eighth runs): fp32 partials, a row sum per tile.
         _default_like("n32s5c4pm64R256k32mw1", merge_row_pairs=256, merge_cols=32,
                       merge_warps=1),

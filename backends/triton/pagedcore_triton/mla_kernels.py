@@ -62,106 +62,6 @@ from pagedcore_triton.mla_tiles import (
 __all__ = ["mla_cache_write_kernel", "mla_decode_kernel"]
 
 
-#: Stale-maximum tiles (``MAX_EVERY``) clamp ``s - m`` here (log2 units): weights stay at or
-#: below 2^32, so a segment of up to 2^31 positions cannot overflow fp32 unless its latent
-#: values pass 2^64; a clamp makes the segment run again with the exact maximum.
-CLAMP_LOG2 = tl.constexpr(32.0)
-
-
-@triton.jit
-def _attend_segment(q_pe, q0, q1, q2, q3, cache_ptr, table_row, start, end, scale_log2,
-                    stride_cb, stride_cs, LATENT: tl.constexpr, CW: tl.constexpr,
-                    LAT_SPLIT: tl.constexpr, ROPE: tl.constexpr, ROPE_PAD: tl.constexpr,
-                    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                    DOT_FP32: tl.constexpr, ROWSUM_2D: tl.constexpr,
-                    MAX_EVERY: tl.constexpr):
-    """Online softmax over positions ``[start, end)`` of one token: ``(m, l, acc0..acc3,
-    clamped)``, ``acc`` unnormalised (``[BLOCK_H, CW]`` per latent chunk; chunks past
-    `LAT_SPLIT` are zeros) against the running maximum ``m``, ``l`` the row sums.
-
-    With `MAX_EVERY` > 0 the row maximum is taken across the warps (a shared-memory
-    reduction) only every `MAX_EVERY` tiles, over that tile and the raw scores of the tiles
-    since the last such one; the tiles between use the maximum as it stood then, so their
-    weights ``exp2(s - m)`` may exceed 1 (the sums and accumulators refer to the same
-    ``m``, so the softmax is the same). Weights are clamped at ``2^CLAMP_LOG2``; `clamped`
-    is true when a row's maximum rose by more than that across a stale tile (or a
-    maximum tile; a clamp is possible only then), and the caller then runs the segment
-    again with `MAX_EVERY` 0. Needs `ROWSUM_2D`.
-    """
-    LP: tl.constexpr = CW * LAT_SPLIT != LATENT
-    RP: tl.constexpr = ROPE_PAD != ROPE
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    l_2d = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
-    seen = tl.full([BLOCK_H, BLOCK_N], float("-inf"), dtype=tl.float32)
-    flagged = tl.zeros([BLOCK_H], dtype=tl.int32)
-    acc0 = tl.zeros([BLOCK_H, CW], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_H, CW], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_H, CW], dtype=tl.float32)
-    acc3 = tl.zeros([BLOCK_H, CW], dtype=tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        row, n_mask = _rows_of_tile(table_row, n0, end, stride_cb, stride_cs, BLOCK_SIZE,
-                                    BLOCK_N)
-        k_pe = _load_cols(cache_ptr + LATENT, row, n_mask, 0, ROPE, ROPE_PAD, RP)
-        c0 = _load_cols(cache_ptr, row, n_mask, 0, LATENT, CW, LP)
-        s = _scores(q_pe, k_pe, scale_log2, DOT_FP32)
-        s += _scores(q0, c0, scale_log2, DOT_FP32)
-        if LAT_SPLIT >= 2:
-            c1 = _load_cols(cache_ptr, row, n_mask, CW, LATENT, CW, LP)
-            s += _scores(q1, c1, scale_log2, DOT_FP32)
-        if LAT_SPLIT == 4:
-            c2 = _load_cols(cache_ptr, row, n_mask, 2 * CW, LATENT, CW, LP)
-            c3 = _load_cols(cache_ptr, row, n_mask, 3 * CW, LATENT, CW, LP)
-            s += _scores(q2, c2, scale_log2, DOT_FP32)
-            s += _scores(q3, c3, scale_log2, DOT_FP32)
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        if MAX_EVERY > 0:
-            if ((n0 - start) // BLOCK_N) % MAX_EVERY == 0:  # (always on the first tile)
-                # One cross-warp reduction covers this tile and the stale ones since the
-                # last (their raw scores' running maximum `seen`). A rise of more than the
-                # clamp means a stale tile may have been clamped (or this tile jumped):
-                # flag the rows.
-                m_new = tl.maximum(m_i, tl.max(tl.maximum(s, seen), axis=1))
-                rose = (m_new - m_i > CLAMP_LOG2) & (m_i > float("-inf"))
-                flagged = tl.maximum(flagged, rose.to(tl.int32))
-                alpha = tl.exp2(m_i - m_new)
-                l_2d = l_2d * alpha[:, None]
-                acc0 = acc0 * alpha[:, None]
-                if LAT_SPLIT >= 2:
-                    acc1 = acc1 * alpha[:, None]
-                if LAT_SPLIT == 4:
-                    acc2 = acc2 * alpha[:, None]
-                    acc3 = acc3 * alpha[:, None]
-                m_i = m_new
-                seen = tl.full([BLOCK_H, BLOCK_N], float("-inf"), dtype=tl.float32)
-            else:
-                seen = tl.maximum(seen, s)
-            p = tl.exp2(tl.minimum(s - m_i[:, None], CLAMP_LOG2))
-            alpha = tl.full([BLOCK_H], 1.0, dtype=tl.float32)
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            m_i = m_new
-        if ROWSUM_2D:  # no cross-warp sum per tile: one after the loop
-            l_2d = l_2d * alpha[:, None] + p
-        else:
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc0 = _accumulate(p, c0, acc0, alpha, DOT_FP32)
-        if LAT_SPLIT >= 2:
-            acc1 = _accumulate(p, c1, acc1, alpha, DOT_FP32)
-        if LAT_SPLIT == 4:
-            acc2 = _accumulate(p, c2, acc2, alpha, DOT_FP32)
-            acc3 = _accumulate(p, c3, acc3, alpha, DOT_FP32)
-    if ROWSUM_2D:
-        l_i = tl.sum(l_2d, axis=1)
-    clamped = False
-    if MAX_EVERY > 0:  # (the stale tiles after the last exact one)
-        rose = tl.max(seen, axis=1) - m_i > CLAMP_LOG2
-        clamped = tl.max(tl.maximum(flagged, rose.to(tl.int32)), axis=0) > 0
-    return m_i, l_i, acc0, acc1, acc2, acc3, clamped
-
-
 @triton.jit(do_not_specialize=["num_splits"])
 def mla_decode_kernel(
     out_ptr,
@@ -201,7 +101,6 @@ def mla_decode_kernel(
     PROBE: tl.constexpr = False,
     HEADS_PER_PROG: tl.constexpr = 0,
     ROWSUM_2D: tl.constexpr = False,
-    MAX_EVERY: tl.constexpr = 0,
 ):
     """Grid ``(tokens, cdiv(H, BLOCK_H), num_splits)``, or ``(num_splits, cdiv(H, BLOCK_H),
     tokens)`` with `SPLIT_FIRST` (the splits of one token launched next to each other); see
@@ -214,9 +113,7 @@ def mla_decode_kernel(
     ``HEADS_PER_PROG`` (0 = ``BLOCK_H``): query heads per program; fewer than ``BLOCK_H``
     masks the MMA's other rows (``MLAKernelConfig.narrow_heads``). ``ROWSUM_2D``: the row
     sums are kept as a ``[BLOCK_H, BLOCK_N]`` tile and summed once after the loop
-    (``MLAKernelConfig.rowsum_2d``). ``MAX_EVERY`` > 0: the row maximum across warps only
-    every that many tiles, with an exact re-run of the segment when a weight was clamped
-    (`_attend_segment`, ``MLAKernelConfig.max_every``). With ``PROBE`` (a
+    (``MLAKernelConfig.rowsum_2d``). With ``PROBE`` (a
     diagnostic build, never the shipped one) each program writes ``[smid, t_start, t_go,
     t_loop, t_end, tiles, cycles, 0]`` int64 to ``probe_ptr`` row ``(tok * head blocks +
     head_block) * num_splits + split``: ``%globaltimer`` ns at its start, after the PDL wait,
@@ -271,22 +168,50 @@ def mla_decode_kernel(
             q2 = q2.to(tl.float32)
             q3 = q3.to(tl.float32)
 
-    if LAT_SPLIT < 2:  # (placeholders: the helper takes four chunks)
-        q1 = q0
-    if LAT_SPLIT < 4:
-        q2 = q0
-        q3 = q0
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    if ROWSUM_2D:
+        l_2d = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+    acc0 = tl.zeros([BLOCK_H, CW], dtype=tl.float32)
+    if LAT_SPLIT >= 2:
+        acc1 = tl.zeros([BLOCK_H, CW], dtype=tl.float32)
+    if LAT_SPLIT == 4:
+        acc2 = tl.zeros([BLOCK_H, CW], dtype=tl.float32)
+        acc3 = tl.zeros([BLOCK_H, CW], dtype=tl.float32)
     table_row = block_table_ptr + req.to(tl.int64) * stride_bt
-    m_i, l_i, acc0, acc1, acc2, acc3, clamped = _attend_segment(
-        q_pe, q0, q1, q2, q3, cache_ptr, table_row, start, end, scale_log2, stride_cb,
-        stride_cs, LATENT, CW, LAT_SPLIT, ROPE, ROPE_PAD, BLOCK_SIZE, BLOCK_H, BLOCK_N,
-        DOT_FP32, ROWSUM_2D or MAX_EVERY > 0, MAX_EVERY)
-    if MAX_EVERY > 0:
-        if clamped:  # a score rose past the stale maximum by more than CLAMP_LOG2: redo
-            m_i, l_i, acc0, acc1, acc2, acc3, clamped = _attend_segment(
-                q_pe, q0, q1, q2, q3, cache_ptr, table_row, start, end, scale_log2,
-                stride_cb, stride_cs, LATENT, CW, LAT_SPLIT, ROPE, ROPE_PAD, BLOCK_SIZE,
-                BLOCK_H, BLOCK_N, DOT_FP32, True, 0)
+
+    for n0 in range(start, end, BLOCK_N):
+        row, n_mask = _rows_of_tile(table_row, n0, end, stride_cb, stride_cs, BLOCK_SIZE,
+                                    BLOCK_N)
+        k_pe = _load_cols(cache_ptr + LATENT, row, n_mask, 0, ROPE, ROPE_PAD, RP)
+        c0 = _load_cols(cache_ptr, row, n_mask, 0, LATENT, CW, LP)
+        s = _scores(q_pe, k_pe, scale_log2, DOT_FP32)
+        s += _scores(q0, c0, scale_log2, DOT_FP32)
+        if LAT_SPLIT >= 2:
+            c1 = _load_cols(cache_ptr, row, n_mask, CW, LATENT, CW, LP)
+            s += _scores(q1, c1, scale_log2, DOT_FP32)
+        if LAT_SPLIT == 4:
+            c2 = _load_cols(cache_ptr, row, n_mask, 2 * CW, LATENT, CW, LP)
+            c3 = _load_cols(cache_ptr, row, n_mask, 3 * CW, LATENT, CW, LP)
+            s += _scores(q2, c2, scale_log2, DOT_FP32)
+            s += _scores(q3, c3, scale_log2, DOT_FP32)
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        if ROWSUM_2D:  # no cross-warp sum per tile: one after the loop
+            l_2d = l_2d * alpha[:, None] + p
+        else:
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc0 = _accumulate(p, c0, acc0, alpha, DOT_FP32)
+        if LAT_SPLIT >= 2:
+            acc1 = _accumulate(p, c1, acc1, alpha, DOT_FP32)
+        if LAT_SPLIT == 4:
+            acc2 = _accumulate(p, c2, acc2, alpha, DOT_FP32)
+            acc3 = _accumulate(p, c3, acc3, alpha, DOT_FP32)
+        m_i = m_new
+    if ROWSUM_2D:
+        l_i = tl.sum(l_2d, axis=1)
     if PROBE:
         t_loop = _now()
 
