@@ -343,8 +343,6 @@ class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
             options["PROBE"] = True
         if cfg.rowsum_2d:
             options["ROWSUM_2D"] = True
-        if cfg.prefetch_tiles and launch.pdl and kv_cache.element_size() == 2:
-            options["PREFETCH"] = cfg.prefetch_tiles
         if launch.heads_per_program != self.block_h:
             options["HEADS_PER_PROG"] = launch.heads_per_program
         compiled = mla_decode_kernel[grid](
@@ -354,7 +352,7 @@ class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
             self.num_heads, launch.splits, self.scale * 1.4426950408889634, launch.split_len,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             kv_cache.stride(0), kv_cache.stride(1), metadata.block_table.stride(0),
-            kv_cache.shape[0], LATENT=lat, LATENT_PAD=launch.lat_pad,
+            LATENT=lat, LATENT_PAD=launch.lat_pad,
             LAT_SPLIT=min(cfg.lat_split, launch.lat_pad // 16), ROPE=rope,
             ROPE_PAD=max(16, _next_pow2(rope)), BLOCK_SIZE=kv_cache.shape[1],
             BLOCK_H=self.block_h, BLOCK_N=cfg.block_n, WRITE_PARTIAL=launch.splits > 1,

@@ -115,11 +115,6 @@ class MLAKernelConfig:
         Warps of a whole-row merge program (`merge_row_pairs`). With 16-bit partials, 2
         warps give each warp whole columns of a 512-wide row (4 would split the splits'
         rows across warps and sum them through shared memory).
-    prefetch_tiles:
-        With PDL and a 16-bit cache: before waiting for the previous kernel (the programs
-        are placed while it drains), each program hints its first `prefetch_tiles` tiles of
-        cache rows into L2 (``prefetch.global.L2``), so that the pipeline's first loads
-        overlap the previous kernel's tail instead of following it.
     narrow_heads, narrow_min_splits:
         When set (a power of two below ``TritonMLAImpl.block_h``, 16), a launch that would
         split into at least `narrow_min_splits` segments serves only `narrow_heads` query
@@ -150,7 +145,6 @@ class MLAKernelConfig:
     narrow_min_splits: int = 2
     rowsum_2d: bool = False
     merge_row_warps: int = 4
-    prefetch_tiles: int = 0
 
     def launch_warps(self, splits: int, split_len: int) -> int:
         """``num_warps``, or `short_split_warps` for a split launch of short segments."""
@@ -163,9 +157,6 @@ class MLAKernelConfig:
     def __attrs_post_init__(self) -> None:
         if self.lat_split not in (1, 2, 4):
             raise ValueError(f"lat_split must be 1, 2 or 4, got {self.lat_split}")
-        if self.prefetch_tiles < 0 or self.prefetch_tiles & (self.prefetch_tiles - 1):
-            raise ValueError(f"prefetch_tiles must be 0 or a power of two, got "
-                             f"{self.prefetch_tiles}")
         if self.merge_chunk < 2 or not _pow2(self.merge_chunk):
             raise ValueError(f"merge_chunk must be a power of two >= 2, got {self.merge_chunk}")
         if self.merge_cols < 16 or not _pow2(self.merge_cols):
@@ -228,7 +219,7 @@ def _default_like(name: str, **kw: object) -> MLAKernelConfig:
 #: ``x<max_splits>`` (when not 64), ``f`` (``split_first``), ``r<maxnreg>``, ``t<split
 #: target>`` (when not 264), ``u<fused_fanin>`` (merge fused into the split programs),
 #: ``h`` (``half_partials``), ``g<narrow_heads>``,
-#: ``d`` (``rowsum_2d``), ``rw<merge_row_warps>``, ``pf<prefetch_tiles>``.
+#: ``d`` (``rowsum_2d``), ``rw<merge_row_warps>``.
 MLA_KERNEL_CONFIGS: dict[str, MLAKernelConfig] = {
     c.name: c
     for c in (
@@ -240,13 +231,6 @@ MLA_KERNEL_CONFIGS: dict[str, MLAKernelConfig] = {
         # bench shapes, 71.5-72.8 % at 4 x 32768 (docs/mla.md).
         _default_like("n32s5c4pm64R256k32mw1dhrw2", merge_row_pairs=256, merge_cols=32,
                       merge_warps=1, rowsum_2d=True, half_partials=True, merge_row_warps=2),
-        # Tenth run: the first 2 / 4 tiles hinted into L2 before the PDL wait.
-        _default_like("n32s5c4pm64R256k32mw1dhrw2pf2", merge_row_pairs=256, merge_cols=32,
-                      merge_warps=1, rowsum_2d=True, half_partials=True, merge_row_warps=2,
-                      prefetch_tiles=2),
-        _default_like("n32s5c4pm64R256k32mw1dhrw2pf4", merge_row_pairs=256, merge_cols=32,
-                      merge_warps=1, rowsum_2d=True, half_partials=True, merge_row_warps=2,
-                      prefetch_tiles=4),
         # The previous default (sixth to eighth runs): fp32 partials, a row sum per tile.
         _default_like("n32s5c4pm64R256k32mw1", merge_row_pairs=256, merge_cols=32,
                       merge_warps=1),

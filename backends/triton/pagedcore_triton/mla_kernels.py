@@ -52,7 +52,6 @@ from pagedcore_triton.mla_tiles import (
     _load_cols,
     _now,
     _peer_cols,
-    _prefetch_rows,
     _rows_of_tile,
     _scores,
     _smid,
@@ -86,7 +85,6 @@ def mla_decode_kernel(
     stride_cb,
     stride_cs,
     stride_bt,
-    num_blocks,
     LATENT: tl.constexpr,
     LATENT_PAD: tl.constexpr,
     LAT_SPLIT: tl.constexpr,
@@ -103,7 +101,6 @@ def mla_decode_kernel(
     PROBE: tl.constexpr = False,
     HEADS_PER_PROG: tl.constexpr = 0,
     ROWSUM_2D: tl.constexpr = False,
-    PREFETCH: tl.constexpr = 0,
 ):
     """Grid ``(tokens, cdiv(H, BLOCK_H), num_splits)``, or ``(num_splits, cdiv(H, BLOCK_H),
     tokens)`` with `SPLIT_FIRST` (the splits of one token launched next to each other); see
@@ -129,6 +126,9 @@ def mla_decode_kernel(
     if PROBE:
         t_start = _now()
         c_start = _clock()
+    if USE_PDL:  # launched with programmatic dependent launch: inputs of the prior kernel
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     if SPLIT_FIRST:
         split = tl.program_id(0)
         tok = tl.program_id(2)
@@ -136,19 +136,6 @@ def mla_decode_kernel(
         tok = tl.program_id(0)
         split = tl.program_id(2)
     head_block = tl.program_id(1)
-    if USE_PDL and PREFETCH > 0:
-        # Placed early (PDL) while the previous kernel drains: hint this program's first
-        # PREFETCH tiles into L2 before waiting for it. The block table and lengths are
-        # host-uploaded before that kernel ran; the rows are only hinted, never read here.
-        req_pf = tl.load(token_req_ptr + tok)
-        start_pf = split * split_len
-        end_pf = tl.minimum(start_pf + split_len, tl.load(token_kv_len_ptr + tok))
-        _prefetch_rows(cache_ptr, block_table_ptr + req_pf.to(tl.int64) * stride_bt, start_pf,
-                       end_pf, num_blocks, stride_cb, stride_cs, LATENT + ROPE, BLOCK_SIZE,
-                       PREFETCH * BLOCK_N)
-    if USE_PDL:  # launched with programmatic dependent launch: inputs of the prior kernel
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     if PROBE:
         t_go = _now()
 

@@ -18,7 +18,6 @@ __all__ = [
     "_load_cols",
     "_now",
     "_peer_cols",
-    "_prefetch_rows",
     "_rows_of_tile",
     "_scores",
     "_smid",
@@ -51,26 +50,6 @@ def _load_cols(base_ptr, row, n_mask, col0, valid, WIDTH: tl.constexpr, PADDED: 
     else:
         out = tl.load(ptrs, mask=n_mask[:, None], other=0.0)
     return out
-
-
-@triton.jit
-def _prefetch_rows(cache_ptr, table_row, start, end, num_blocks, stride_cb, stride_cs,
-                   ROW_LEN: tl.constexpr, BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr):
-    """Hint the cache rows of positions ``[start, min(end, start + ROWS))`` into L2
-    (``prefetch.global.L2`` on every 128-byte line of their first `ROW_LEN` elements; 16-bit
-    elements). Block ids are clamped to the cache, so a stale table entry hints a wrong line
-    but never an address outside the cache; a hint changes no value."""
-    LINE: tl.constexpr = 64  # 16-bit elements per 128-byte line
-    LINES: tl.constexpr = triton.next_power_of_2((ROW_LEN + LINE - 1) // LINE)
-    offs_n = start + tl.arange(0, ROWS)
-    ok = offs_n < end
-    blk = tl.load(table_row + offs_n // BLOCK_SIZE, mask=ok, other=0)
-    blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1)
-    row = blk.to(tl.int64) * stride_cb + (offs_n % BLOCK_SIZE).to(tl.int64) * stride_cs
-    col = tl.minimum(tl.arange(0, LINES) * LINE, ROW_LEN - 1)
-    ptrs = cache_ptr + row[:, None] + col[None, :]
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
