@@ -227,7 +227,7 @@ MLA_KERNEL_CONFIGS: dict[str, MLAKernelConfig] = {
         # whole-row merge programs from 256 (token, head) pairs on, below that one-warp
         # programs of 32 columns (neither sums across warps); the row sums kept as a tile
         # (one cross-warp reduction less per tile); 16-bit split partials, merged on 2-warp
-        # whole-row programs (each warp owns whole columns). 83-87 % of copy at 4 of the 5
+        # whole-row programs (each warp owns whole columns). 81-88 % of copy at 4 of the 5
         # bench shapes, 71.5-72.8 % at 4 x 32768 (docs/mla.md).
         _default_like("n32s5c4pm64R256k32mw1dhrw2", merge_row_pairs=256, merge_cols=32,
                       merge_warps=1, rowsum_2d=True, half_partials=True, merge_row_warps=2),
