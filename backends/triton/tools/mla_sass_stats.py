@@ -20,32 +20,11 @@ separate environment to see what the GPU compiles. Used for the ninth run in doc
 from __future__ import annotations
 
 import json
-import re
-import subprocess
 import sys
-import tempfile
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
-
-def _loops(sass: str) -> list[Counter[str]]:
-    """Opcode counts (without modifiers) of each loop body: a backward branch's target up to
-    the branch."""
-    ins: list[tuple[int, str]] = []
-    for line in sass.splitlines():
-        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
-        if m:
-            words = m.group(2).split()
-            op = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
-            ins.append((int(m.group(1), 16), m.group(2) if op == "BRA" else op.split(".")[0]))
-    loops = []
-    for addr, text in ins:
-        target = re.search(r"BRA\b.*?0x([0-9a-f]+)", text)
-        if target and int(target.group(1), 16) < addr:
-            lo = int(target.group(1), 16)
-            loops.append(Counter(op.split()[0] for a, op in ins if lo <= a <= addr))
-    return loops
+from sass_stats import cubin_facts, sass_loops  # (this folder)
 
 
 def stats(spec: str) -> dict[str, Any]:
@@ -95,22 +74,13 @@ def stats(spec: str) -> dict[str, Any]:
         options["maxnreg"] = int(maxnreg)
     compiled = triton.compile(ASTSource(kernel, sig, constexprs=consts, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options=options)
-    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp) / "k.cubin"
-        cubin.write_bytes(compiled.asm["cubin"])
-        usage = subprocess.run([str(tools / "cuobjdump"), "--dump-resource-usage", str(cubin)],
-                               capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([str(tools / "cuobjdump"), "-sass", str(cubin)],
-                              capture_output=True, text=True, check=True).stdout
-    regs = re.search(r"REG:(\d+)", usage)
-    stack = re.search(r"STACK:(\d+)", usage)
-    loops = [c for c in _loops(sass) if c["HMMA"]]
+    regs, stack, sass = cubin_facts(compiled.asm["cubin"])
+    loops = [c for c in sass_loops(sass) if c["HMMA"]]
     body = max(loops, key=lambda c: sum(c.values())) if loops else Counter()
     return {
         "variant": spec, "triton": triton.__version__,
-        "registers": int(regs.group(1)) if regs else None,
-        "stack_bytes": int(stack.group(1)) if stack else None,
+        "registers": regs,
+        "stack_bytes": stack,
         "shared_bytes": compiled.metadata.shared, "loop_instr": sum(body.values()),
         **{f"loop_{op.lower()}": body[op] for op in
            ("BAR", "HMMA", "LDSM", "LDS", "STS", "SHFL", "LDGSTS")},

@@ -7,10 +7,11 @@ size 16, causal), and reads the SASS with the ``ptxas`` / ``cuobjdump`` that Tri
     python backends/triton/tools/sass_stats.py default 128,128,8,2,i32 ...
 
 A variant is a ``PAGEDCORE_TRITON_PREFILL_TILES`` value (``default`` = the shipped prefill
-tiles), see `pagedcore_triton.plan.parse_tiles`. Per variant it prints one JSON line: registers
-per thread, spill bytes, static shared memory, and for the unmasked interior loop (the first
-loop with tensor-core instructions and no ``FSEL``) the instructions per iteration and per
-thread, the local-memory accesses (spills inside the loop) and ``warp_instr_per_score``:
+tiles), see `pagedcore_triton.plan.parse_tiles`. Per variant it prints one JSON line:
+registers per thread, stack (spill) bytes, static shared memory, and for the unmasked interior
+loop (the first loop with tensor-core instructions and no ``FSEL``) the instructions per
+iteration and per thread, the local-memory accesses (spills inside the loop) and
+``warp_instr_per_score``:
 issued warp instructions per score element of the tile, the issue cost that the MMAs must hide
 (an H200 SM issues 4 warp instructions per clock and does ~4,000 bf16 MMA FLOPs per clock,
 i.e. ~16 per score of a 128-dim head). Used to pick the variants measured in
@@ -42,7 +43,7 @@ def _load(path: Path, name: str) -> Any:
     return module
 
 
-def _sass_loops(sass: str) -> list[Counter[str]]:
+def sass_loops(sass: str) -> list[Counter[str]]:
     """Opcode counts of each loop body (a backward branch's target .. the branch)."""
     ins: list[tuple[int, str]] = []
     for line in sass.splitlines():
@@ -58,6 +59,25 @@ def _sass_loops(sass: str) -> list[Counter[str]]:
             lo = int(target.group(1), 16)
             loops.append(Counter(op.split()[0] for a, op in ins if lo <= a <= addr))
     return loops
+
+
+def cubin_facts(cubin: bytes) -> tuple[int | None, int | None, str]:
+    """Registers per thread, stack (spill) bytes and the SASS of a compiled kernel's cubin,
+    from the ``cuobjdump`` Triton bundles (its ``ptxas`` may be older than the PTX Triton
+    writes, so the cubin is read, not recompiled)."""
+    import triton
+
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(cubin)
+        usage = subprocess.run([str(tools / "cuobjdump"), "--dump-resource-usage", str(path)],
+                               capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([str(tools / "cuobjdump"), "-sass", str(path)],
+                              capture_output=True, text=True, check=True).stdout
+    regs = re.search(r"REG:(\d+)", usage)
+    stack = re.search(r"STACK:(\d+)", usage)
+    return (int(regs.group(1)) if regs else None, int(stack.group(1)) if stack else None, sass)
 
 
 def stats(variant: str) -> dict[str, Any]:
@@ -105,24 +125,14 @@ def stats(variant: str) -> dict[str, Any]:
         target=GPUTarget("cuda", 90, 32),
         options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
     )
-    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
-        ptx.write_text(compiled.asm["ptx"])
-        cubin.write_bytes(compiled.asm["cubin"])
-        info = subprocess.run([str(bin_dir / "ptxas"), "-arch=sm_90a", "-v", str(ptx), "-o",
-                               str(Path(tmp) / "v.cubin")], capture_output=True, text=True).stderr
-        sass = subprocess.run([str(bin_dir / "cuobjdump"), "-sass", str(cubin)],
-                              capture_output=True, text=True, check=True).stdout
-    regs = re.search(r"Used (\d+) registers", info)
-    spill = re.search(r"(\d+) bytes spill stores", info)
+    regs, stack, sass = cubin_facts(compiled.asm["cubin"])
     row: dict[str, Any] = {
         "variant": variant, "triton": triton.__version__, "warps": cfg.num_warps,
-        "registers": int(regs.group(1)) if regs else None,
-        "spill_store_bytes": int(spill.group(1)) if spill else None,
+        "registers": regs,
+        "stack_bytes": stack,
         "shared_bytes": compiled.metadata.shared,
     }
-    interior = [c for c in _sass_loops(sass) if c["HGMMA"] and not c["FSEL"]]
+    interior = [c for c in sass_loops(sass) if c["HGMMA"] and not c["FSEL"]]
     if interior:
         body = interior[0]
         n = sum(body.values())
