@@ -111,6 +111,9 @@ class MLAKernelConfig:
         elementwise) and sum it across the tile's columns once after the loop, instead of a
         row sum per tile: one cross-warp reduction less per tile (9 -> 6 barriers per tile
         in Triton 3.6's sm_90 SASS).
+    merge_values:
+        Most partial values a merge thread holds per round trip (``chunk * cols`` over the
+        program's threads); the merge accumulates them in fp32 registers.
     merge_row_warps:
         Warps of a whole-row merge program (`merge_row_pairs`). With 16-bit partials, 2
         warps give each warp whole columns of a 512-wide row (4 would split the splits'
@@ -145,6 +148,7 @@ class MLAKernelConfig:
     narrow_min_splits: int = 2
     rowsum_2d: bool = False
     merge_row_warps: int = 4
+    merge_values: int = 64
 
     def launch_warps(self, splits: int, split_len: int) -> int:
         """``num_warps``, or `short_split_warps` for a split launch of short segments."""
@@ -159,6 +163,8 @@ class MLAKernelConfig:
             raise ValueError(f"lat_split must be 1, 2 or 4, got {self.lat_split}")
         if self.merge_chunk < 2 or not _pow2(self.merge_chunk):
             raise ValueError(f"merge_chunk must be a power of two >= 2, got {self.merge_chunk}")
+        if self.merge_values < 2 or not _pow2(self.merge_values):
+            raise ValueError(f"merge_values must be a power of two >= 2, got {self.merge_values}")
         if self.merge_cols < 16 or not _pow2(self.merge_cols):
             raise ValueError(f"merge_cols must be a power of two >= 16, got {self.merge_cols}")
         if self.block_n < 16 or not _pow2(self.block_n):
@@ -193,14 +199,14 @@ def merge_layout(
     About one wave of merge programs: whole rows when there are at least `merge_row_pairs`
     (else `whole_row_pairs`) (token, head) pairs, `merge_cols`-column slices when there are
     few (few long requests; `merge_warps` warps). A program holds ``[chunk, cols]`` fp32
-    partials in registers, at most 64 per thread.
+    partials in registers, at most `MLAKernelConfig.merge_values` per thread.
     """
     threshold = cfg.merge_row_pairs or whole_row_pairs
     many = num_tokens * num_heads >= threshold
     cols = lat_pad if many else min(cfg.merge_cols, lat_pad)
     warps = cfg.merge_row_warps if many else cfg.merge_warps
     chunk = max(2, min(cfg.merge_chunk, 1 << max(0, splits - 1).bit_length(),
-                       64 * 32 * warps // cols))
+                       cfg.merge_values * 32 * warps // cols))
     return cols, chunk, warps
 
 
@@ -212,6 +218,11 @@ def _default_like(name: str, **kw: object) -> MLAKernelConfig:
     return MLAKernelConfig(name=name, **base)  # type: ignore[arg-type]
 
 
+#: The shipped default's merge and row-sum settings (the ninth run's changes).
+_SHIPPED_MERGE: dict[str, object] = dict(merge_row_pairs=256, merge_cols=32, merge_warps=1,
+                                         rowsum_2d=True, half_partials=True,
+                                         merge_row_warps=2)
+
 #: Names: ``n<BLOCK_N>``, ``s<stages>``, ``c<lat_split>``,
 #: ``w<warps>`` (when not 4), ``p`` (``pdl``), ``m<merge_chunk>`` (when not 16), ``w2s``
 #: (``short_split_warps`` 2), ``k<merge_cols>`` (when not 128), ``R<merge_row_pairs>``,
@@ -219,7 +230,7 @@ def _default_like(name: str, **kw: object) -> MLAKernelConfig:
 #: ``x<max_splits>`` (when not 64), ``f`` (``split_first``), ``r<maxnreg>``, ``t<split
 #: target>`` (when not 264), ``u<fused_fanin>`` (merge fused into the split programs),
 #: ``h`` (``half_partials``), ``g<narrow_heads>``,
-#: ``d`` (``rowsum_2d``), ``rw<merge_row_warps>``.
+#: ``d`` (``rowsum_2d``), ``rw<merge_row_warps>``, ``v<merge_values>`` (when not 64).
 MLA_KERNEL_CONFIGS: dict[str, MLAKernelConfig] = {
     c.name: c
     for c in (
@@ -272,6 +283,16 @@ MLA_KERNEL_CONFIGS: dict[str, MLAKernelConfig] = {
                       merge_warps=1, rowsum_2d=True),
         _default_like("n32s5c4pm64R256k32mw1hrw2", merge_row_pairs=256, merge_cols=32,
                       merge_warps=1, half_partials=True, merge_row_warps=2),
+        # Tenth run: one program per SM (split target 132) with 3-5 row tiles in flight
+        # (stages 7 / 9 / 11), 64-row double-buffered tiles, and 8 warps.
+        *(_default_like(f"n{n}s{s}c4{w}pm64R256k32mw1dhrw2t132", block_n=n, num_stages=s,
+                        num_warps=int(w[1:] or 4), split=MLASplitRule(target_programs=132),
+                        **_SHIPPED_MERGE)
+          for n, s, w in ((32, 7, ""), (32, 9, ""), (32, 11, ""), (64, 5, ""), (64, 5, "w8"),
+                          (32, 9, "w8"))),
+        # The default with 128 partial values per merge thread (16 splits per round trip
+        # on 2-warp whole-row merges of 16-bit partials instead of 8):
+        _default_like("n32s5c4pm64R256k32mw1dhrw2v128", merge_values=128, **_SHIPPED_MERGE),
         MLAKernelConfig(name="n32s5c4p", block_n=32, num_stages=5, lat_split=4, pdl=True),
         # No PDL, 16 splits per merge round trip:
         MLAKernelConfig(name="n32s5c4", block_n=32, num_stages=5, lat_split=4),
