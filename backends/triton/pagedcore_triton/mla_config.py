@@ -293,8 +293,11 @@ MLA_KERNEL_CONFIGS: dict[str, MLAKernelConfig] = {
         # The default with 128 partial values per merge thread (16 splits per round trip
         # on 2-warp whole-row merges of 16-bit partials instead of 8):
         _default_like("n32s5c4pm64R256k32mw1dhrw2v128", merge_values=128, **_SHIPPED_MERGE),
-        _default_like("n32s5c4pm64R256k64mw1dhrw2v128", merge_values=128,
-                      **{**_SHIPPED_MERGE, "merge_cols": 64}),
+        # Tenth run: wider merge slices where the (token, head) pairs are few (4 x 32768):
+        *(_default_like(f"n32s5c4pm64R256k{k}mw{w}dhrw2v{v}", merge_values=v,
+                        **{**_SHIPPED_MERGE, "merge_cols": k, "merge_warps": w})
+          for k, w, v in ((64, 1, 128), (128, 1, 128), (128, 1, 256), (128, 2, 128),
+                          (128, 4, 64), (64, 2, 64))),
         MLAKernelConfig(name="n32s5c4p", block_n=32, num_stages=5, lat_split=4, pdl=True),
         # No PDL, 16 splits per merge round trip:
         MLAKernelConfig(name="n32s5c4", block_n=32, num_stages=5, lat_split=4),
