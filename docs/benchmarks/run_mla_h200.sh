@@ -22,8 +22,8 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/mla_triton_cache}
 T0=$(date +%s)
 el() { echo "[mla +$(( $(date +%s) - T0 ))s] $*"; }
 # The shipped default first, then the one before it.
-VARIANTS=${MLA_VARIANTS:-"n32s5c4pm64R256k32mw1dhrw2 n32s5c4pm64R256k32mw1"}
-BREAKDOWN=${MLA_BREAKDOWN-"n32s5c4pm64R256k32mw1dhrw2"}
+VARIANTS=${MLA_VARIANTS:-"n32s5c4pm64R256k64mw1dhrw2v128 n32s5c4pm64R256k32mw1dhrw2"}
+BREAKDOWN=${MLA_BREAKDOWN-"n32s5c4pm64R256k64mw1dhrw2v128"}
 CAP=${MLA_CAP:-76}
 QUICK=""; P1=${MLA_P1:-30}
 if [ -n "$MLA_SMALL" ]; then

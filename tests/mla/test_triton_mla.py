@@ -154,32 +154,37 @@ def test_kernel_config_rejects_bad_values() -> None:
         MLAKernelConfig(name="x", merge_cols=48)
     with pytest.raises(ValueError, match="merge_warps must be a power of two"):
         MLAKernelConfig(name="x", merge_warps=3)
+    with pytest.raises(ValueError, match="merge_values must be a power of two >= 2"):
+        MLAKernelConfig(name="x", merge_values=96)
 
 
 def test_merge_layout_per_shape() -> None:
     """The default merges whole rows on 2 warps from 256 (token, head) pairs on (16-bit
-    partials: each warp owns 256 columns; 16 x 16384: 16 splits in 2 round trips of 8),
-    one-warp 32-column slices below (4 x 32768: all 64 splits at once); the previous default
-    (fp32 partials) took 4-warp whole rows, and `n32s5c4pm64R256` 4-warp 128-column slices
-    below 256 pairs."""
+    partials: each warp owns 256 columns; 16 x 16384: all 16 splits in one round trip, 128
+    values per thread), one-warp 64-column slices below (4 x 32768: all 64 splits at once);
+    the ninth run's default read 8 splits per round trip on whole rows and took 32-column
+    slices; the one before (fp32 partials) 4-warp whole rows, and `n32s5c4pm64R256` 4-warp
+    128-column slices below 256 pairs."""
     from pagedcore_triton.mla_config import merge_layout
 
     def layout(name: str, tokens: int, splits: int) -> tuple[int, int, int]:
         cfg = mla.MLA_KERNEL_CONFIGS[name] if name else mla.DEFAULT_MLA_KERNEL
         return merge_layout(cfg, num_tokens=tokens, num_heads=16, lat_pad=512, splits=splits)
 
-    assert layout("", 16, 16) == (512, 8, 2)
+    assert layout("", 16, 16) == (512, 16, 2)
     assert layout("", 64, 4) == (512, 4, 2)
-    assert layout("", 4, 64) == (32, 64, 1)
-    assert layout("", 1, 3) == (32, 4, 1)
-    assert layout("n32s5c4pm64R256k32mw1", 16, 16) == (512, 16, 4)  # the previous default
+    assert layout("", 4, 64) == (64, 64, 1)
+    assert layout("", 1, 3) == (64, 4, 1)
+    assert layout("n32s5c4pm64R256k32mw1dhrw2", 16, 16) == (512, 8, 2)  # ninth run's
+    assert layout("n32s5c4pm64R256k32mw1dhrw2", 4, 64) == (32, 64, 1)
+    assert layout("n32s5c4pm64R256k32mw1", 16, 16) == (512, 16, 4)  # eighth run's
     assert layout("n32s5c4pm64R256k32mw1", 4, 64) == (32, 64, 1)
     assert layout("n32s5c4pm64", 16, 16) == (128, 16, 4)
     assert layout("n32s5c4pm64R256", 4, 64) == (128, 64, 4)
     assert layout("n32s5c4pm64R256", 16, 16) == (512, 16, 4)
-    # Whole rows of a wide latent: the chunk shrinks to keep 64 values per thread.
+    # Whole rows of a wide latent: the chunk shrinks to keep 128 values per thread.
     assert merge_layout(mla.DEFAULT_MLA_KERNEL, num_tokens=64, num_heads=16, lat_pad=1024,
-                        splits=64) == (1024, 4, 2)
+                        splits=64) == (1024, 8, 2)
 
 
 def test_launch_parts_equal_forward() -> None:

@@ -218,7 +218,7 @@ def _default_like(name: str, **kw: object) -> MLAKernelConfig:
     return MLAKernelConfig(name=name, **base)  # type: ignore[arg-type]
 
 
-#: The shipped default's merge and row-sum settings (the ninth run's changes).
+#: The ninth run's default's merge and row-sum settings (the tenth run widens its merge).
 _SHIPPED_MERGE: dict[str, object] = dict(merge_row_pairs=256, merge_cols=32, merge_warps=1,
                                          rowsum_2d=True, half_partials=True,
                                          merge_row_warps=2)
@@ -234,14 +234,17 @@ _SHIPPED_MERGE: dict[str, object] = dict(merge_row_pairs=256, merge_cols=32, mer
 MLA_KERNEL_CONFIGS: dict[str, MLAKernelConfig] = {
     c.name: c
     for c in (
-        # The shipped one (ninth run): PDL, up to 64 splits merged in one round trip;
-        # whole-row merge programs from 256 (token, head) pairs on, below that one-warp
-        # programs of 32 columns (neither sums across warps); the row sums kept as a tile
-        # (one cross-warp reduction less per tile); 16-bit split partials, merged on 2-warp
-        # whole-row programs (each warp owns whole columns). 81-88 % of copy at 4 of the 5
-        # bench shapes, 71.5-72.8 % at 4 x 32768 (docs/mla.md).
-        _default_like("n32s5c4pm64R256k32mw1dhrw2", merge_row_pairs=256, merge_cols=32,
-                      merge_warps=1, rowsum_2d=True, half_partials=True, merge_row_warps=2),
+        # The shipped one (tenth run): the ninth run's kernel and merge, with 64-column
+        # one-warp merge slices where the (token, head) pairs are few and up to 128 partial
+        # values per merge thread (16 splits in one round trip on whole rows): PDL, up to
+        # 64 splits merged in one round trip, whole-row 2-warp merge programs from 256
+        # pairs on, the row sums kept as a tile, 16-bit split partials. 83.3-85.1 % of copy
+        # at 4 of the 5 bench shapes, 75.2-75.6 % at 4 x 32768 (docs/mla.md).
+        _default_like("n32s5c4pm64R256k64mw1dhrw2v128", merge_values=128,
+                      **{**_SHIPPED_MERGE, "merge_cols": 64}),
+        # The ninth run's default: 32-column merge slices, at most 64 values per merge
+        # thread (72-73 % at 4 x 32768, the merge 2.7 us there instead of 2.1).
+        _default_like("n32s5c4pm64R256k32mw1dhrw2", **_SHIPPED_MERGE),
         # The previous default (sixth to eighth runs): fp32 partials, a row sum per tile.
         _default_like("n32s5c4pm64R256k32mw1", merge_row_pairs=256, merge_cols=32,
                       merge_warps=1),
@@ -283,21 +286,6 @@ MLA_KERNEL_CONFIGS: dict[str, MLAKernelConfig] = {
                       merge_warps=1, rowsum_2d=True),
         _default_like("n32s5c4pm64R256k32mw1hrw2", merge_row_pairs=256, merge_cols=32,
                       merge_warps=1, half_partials=True, merge_row_warps=2),
-        # Tenth run: one program per SM (split target 132) with 3-5 row tiles in flight
-        # (stages 7 / 9 / 11), 64-row double-buffered tiles, and 8 warps.
-        *(_default_like(f"n{n}s{s}c4{w}pm64R256k32mw1dhrw2t132", block_n=n, num_stages=s,
-                        num_warps=int(w[1:] or 4), split=MLASplitRule(target_programs=132),
-                        **_SHIPPED_MERGE)
-          for n, s, w in ((32, 7, ""), (32, 9, ""), (32, 11, ""), (64, 5, ""), (64, 5, "w8"),
-                          (32, 9, "w8"))),
-        # The default with 128 partial values per merge thread (16 splits per round trip
-        # on 2-warp whole-row merges of 16-bit partials instead of 8):
-        _default_like("n32s5c4pm64R256k32mw1dhrw2v128", merge_values=128, **_SHIPPED_MERGE),
-        # Tenth run: wider merge slices where the (token, head) pairs are few (4 x 32768):
-        *(_default_like(f"n32s5c4pm64R256k{k}mw{w}dhrw2v{v}", merge_values=v,
-                        **{**_SHIPPED_MERGE, "merge_cols": k, "merge_warps": w})
-          for k, w, v in ((64, 1, 128), (128, 1, 128), (128, 1, 256), (128, 2, 128),
-                          (128, 4, 64), (64, 2, 64))),
         MLAKernelConfig(name="n32s5c4p", block_n=32, num_stages=5, lat_split=4, pdl=True),
         # No PDL, 16 splits per merge round trip:
         MLAKernelConfig(name="n32s5c4", block_n=32, num_stages=5, lat_split=4),
@@ -306,4 +294,4 @@ MLA_KERNEL_CONFIGS: dict[str, MLAKernelConfig] = {
                         split=MLASplitRule(target_programs=528)),
     )
 }
-DEFAULT_MLA_KERNEL = MLA_KERNEL_CONFIGS["n32s5c4pm64R256k32mw1dhrw2"]
+DEFAULT_MLA_KERNEL = MLA_KERNEL_CONFIGS["n32s5c4pm64R256k64mw1dhrw2v128"]

@@ -88,7 +88,7 @@ def stats(spec: str) -> dict[str, Any]:
 
 
 def main() -> None:
-    for spec in sys.argv[1:] or ["n32s5c4pm64R256k32mw1dhrw2"]:
+    for spec in sys.argv[1:] or ["n32s5c4pm64R256k64mw1dhrw2v128"]:
         try:
             print(json.dumps(stats(spec)), flush=True)
         except Exception as exc:
