@@ -47,28 +47,28 @@ import triton
 import triton.language as tl
 
 from pagedcore_triton.mla_tiles import (
-    _accumulate,
+    _attend,
     _clock,
-    _load_cols,
     _now,
     _peer_cols,
-    _rows_of_tile,
-    _scores,
+    _queries,
     _smid,
     _store_cols,
+    _store_partial,
     _weight,
 )
 
 __all__ = ["mla_cache_write_kernel", "mla_decode_kernel"]
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "steal_base", "steal_chunks"])
 def mla_decode_kernel(
     out_ptr,
     part_acc_ptr,
     part_ml_ptr,
     counter_ptr,
     probe_ptr,
+    steal_ptr,
     q_ptr,
     cache_ptr,
     block_table_ptr,
@@ -85,6 +85,8 @@ def mla_decode_kernel(
     stride_cb,
     stride_cs,
     stride_bt,
+    steal_base,
+    steal_chunks,
     LATENT: tl.constexpr,
     LATENT_PAD: tl.constexpr,
     LAT_SPLIT: tl.constexpr,
@@ -101,6 +103,7 @@ def mla_decode_kernel(
     PROBE: tl.constexpr = False,
     HEADS_PER_PROG: tl.constexpr = 0,
     ROWSUM_2D: tl.constexpr = False,
+    STEAL: tl.constexpr = 0,
 ):
     """Grid ``(tokens, cdiv(H, BLOCK_H), num_splits)``, or ``(num_splits, cdiv(H, BLOCK_H),
     tokens)`` with `SPLIT_FIRST` (the splits of one token launched next to each other); see
@@ -121,8 +124,6 @@ def mla_decode_kernel(
     to end.
     """
     CW: tl.constexpr = LATENT_PAD // LAT_SPLIT
-    LP: tl.constexpr = LATENT_PAD != LATENT
-    RP: tl.constexpr = ROPE_PAD != ROPE
     if PROBE:
         t_start = _now()
         c_start = _clock()
@@ -150,68 +151,13 @@ def mla_decode_kernel(
     else:
         heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
         head_mask = heads < num_heads
-    q_row = (tok.to(tl.int64) * stride_qt + heads * stride_qh).to(tl.int64)
-    # Queries: [BLOCK_H, CW] per latent chunk and [BLOCK_H, ROPE_PAD] rope (heads as rows).
-    q_pe = _load_cols(q_ptr + LATENT, q_row, head_mask, 0, ROPE, ROPE_PAD, RP)
-    q0 = _load_cols(q_ptr, q_row, head_mask, 0, LATENT, CW, LP)
-    if LAT_SPLIT >= 2:
-        q1 = _load_cols(q_ptr, q_row, head_mask, CW, LATENT, CW, LP)
-    if LAT_SPLIT == 4:
-        q2 = _load_cols(q_ptr, q_row, head_mask, 2 * CW, LATENT, CW, LP)
-        q3 = _load_cols(q_ptr, q_row, head_mask, 3 * CW, LATENT, CW, LP)
-    if DOT_FP32:
-        q_pe = q_pe.to(tl.float32)
-        q0 = q0.to(tl.float32)
-        if LAT_SPLIT >= 2:
-            q1 = q1.to(tl.float32)
-        if LAT_SPLIT == 4:
-            q2 = q2.to(tl.float32)
-            q3 = q3.to(tl.float32)
-
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    if ROWSUM_2D:
-        l_2d = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
-    acc0 = tl.zeros([BLOCK_H, CW], dtype=tl.float32)
-    if LAT_SPLIT >= 2:
-        acc1 = tl.zeros([BLOCK_H, CW], dtype=tl.float32)
-    if LAT_SPLIT == 4:
-        acc2 = tl.zeros([BLOCK_H, CW], dtype=tl.float32)
-        acc3 = tl.zeros([BLOCK_H, CW], dtype=tl.float32)
+    q_pe, q0, q1, q2, q3 = _queries(q_ptr, tok, heads, head_mask, stride_qt, stride_qh,
+                                    LATENT, LATENT_PAD, LAT_SPLIT, ROPE, ROPE_PAD, DOT_FP32)
     table_row = block_table_ptr + req.to(tl.int64) * stride_bt
-
-    for n0 in range(start, end, BLOCK_N):
-        row, n_mask = _rows_of_tile(table_row, n0, end, stride_cb, stride_cs, BLOCK_SIZE,
-                                    BLOCK_N)
-        k_pe = _load_cols(cache_ptr + LATENT, row, n_mask, 0, ROPE, ROPE_PAD, RP)
-        c0 = _load_cols(cache_ptr, row, n_mask, 0, LATENT, CW, LP)
-        s = _scores(q_pe, k_pe, scale_log2, DOT_FP32)
-        s += _scores(q0, c0, scale_log2, DOT_FP32)
-        if LAT_SPLIT >= 2:
-            c1 = _load_cols(cache_ptr, row, n_mask, CW, LATENT, CW, LP)
-            s += _scores(q1, c1, scale_log2, DOT_FP32)
-        if LAT_SPLIT == 4:
-            c2 = _load_cols(cache_ptr, row, n_mask, 2 * CW, LATENT, CW, LP)
-            c3 = _load_cols(cache_ptr, row, n_mask, 3 * CW, LATENT, CW, LP)
-            s += _scores(q2, c2, scale_log2, DOT_FP32)
-            s += _scores(q3, c3, scale_log2, DOT_FP32)
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        if ROWSUM_2D:  # no cross-warp sum per tile: one after the loop
-            l_2d = l_2d * alpha[:, None] + p
-        else:
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc0 = _accumulate(p, c0, acc0, alpha, DOT_FP32)
-        if LAT_SPLIT >= 2:
-            acc1 = _accumulate(p, c1, acc1, alpha, DOT_FP32)
-        if LAT_SPLIT == 4:
-            acc2 = _accumulate(p, c2, acc2, alpha, DOT_FP32)
-            acc3 = _accumulate(p, c3, acc3, alpha, DOT_FP32)
-        m_i = m_new
-    if ROWSUM_2D:
-        l_i = tl.sum(l_2d, axis=1)
+    m_i, l_i, acc0, acc1, acc2, acc3 = _attend(
+        q_pe, q0, q1, q2, q3, cache_ptr, table_row, start, end, stride_cb, stride_cs,
+        scale_log2, LATENT, LATENT_PAD, LAT_SPLIT, ROPE, ROPE_PAD, BLOCK_SIZE, BLOCK_H,
+        BLOCK_N, DOT_FP32, ROWSUM_2D)
     if PROBE:
         t_loop = _now()
 
@@ -288,29 +234,60 @@ def mla_decode_kernel(
         # interpreter turns ``bool[BLOCK_H] & bool`` into int32.)
         rows_ok = head_mask & ((heads * 0 + alive.to(tl.int32)) != 0)
     if WRITE_PARTIAL and FANIN == 0:
-        # Partials acc / sum laid out [T, H, num_splits, LATENT_PAD] and (max, sum) as
-        # [T, H, num_splits, 2].
         part = (tok.to(tl.int64) * num_heads + heads) * num_splits + split
-        ptrs = part_acc_ptr + part[:, None] * LATENT_PAD
-        # Normalised (acc / sum; the merge weighs each split by its sum). A non-empty split
-        # has a sum >= 1; an empty one has acc = 0.
-        scale = 1.0 / tl.maximum(l_i, 1.0)
-        tl.store(part_ml_ptr + part * 2, m_i, mask=head_mask)
-        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=head_mask)
-        valid = LATENT_PAD
+        _store_partial(part_acc_ptr, part_ml_ptr, part, head_mask, m_i, l_i, acc0, acc1, acc2,
+                       acc3, LATENT_PAD, LAT_SPLIT)
     else:
         ptrs = out_ptr + (tok.to(tl.int64) * stride_ot + heads * stride_oh)[:, None]
         if FANIN > 0:  # (the programs that write nothing may hold a sum of 0)
             scale = 1.0 / tl.where(rows_ok, l_i, 1.0)
         else:
             scale = 1.0 / l_i
-        valid = LATENT
-    _store_cols(ptrs, acc0 * scale[:, None], 0, rows_ok, valid, CW)
-    if LAT_SPLIT >= 2:
-        _store_cols(ptrs, acc1 * scale[:, None], CW, rows_ok, valid, CW)
-    if LAT_SPLIT == 4:
-        _store_cols(ptrs, acc2 * scale[:, None], 2 * CW, rows_ok, valid, CW)
-        _store_cols(ptrs, acc3 * scale[:, None], 3 * CW, rows_ok, valid, CW)
+        _store_cols(ptrs, acc0 * scale[:, None], 0, rows_ok, LATENT, CW)
+        if LAT_SPLIT >= 2:
+            _store_cols(ptrs, acc1 * scale[:, None], CW, rows_ok, LATENT, CW)
+        if LAT_SPLIT == 4:
+            _store_cols(ptrs, acc2 * scale[:, None], 2 * CW, rows_ok, LATENT, CW)
+            _store_cols(ptrs, acc3 * scale[:, None], 3 * CW, rows_ok, LATENT, CW)
+    if WRITE_PARTIAL and STEAL > 0:
+        # The positions from steal_base on, in chunks of STEAL tiles handed out by a counter
+        # to whichever program asks first once its own segment is done (programs whose
+        # segment streamed slowly take fewer); chunk e of a (token, head block) is partial
+        # slot grid splits + e. Every program's last request fails; the very last one (the
+        # counter then reads total + programs - 1, every other request is done) resets
+        # the counter to 0 for the next launch.
+        if SPLIT_FIRST:
+            n_tok = tl.num_programs(2)
+            n_split = tl.num_programs(0)
+        else:
+            n_tok = tl.num_programs(0)
+            n_split = tl.num_programs(2)
+        n_hb = tl.num_programs(1)
+        per_tok = n_hb * steal_chunks
+        total = n_tok * per_tok
+        j = tl.atomic_add(steal_ptr, 1, sem="relaxed")
+        while j < total:
+            tok2 = j // per_tok
+            e = j % steal_chunks
+            heads2 = ((j // steal_chunks) % n_hb) * BLOCK_H + tl.arange(0, BLOCK_H)
+            mask2 = heads2 < num_heads
+            kv_len2 = tl.load(token_kv_len_ptr + tok2)
+            start2 = steal_base + e * (STEAL * BLOCK_N)
+            end2 = tl.minimum(start2 + STEAL * BLOCK_N, kv_len2)
+            table2 = block_table_ptr + tl.load(token_req_ptr + tok2).to(tl.int64) * stride_bt
+            p_pe, p0, p1, p2, p3 = _queries(q_ptr, tok2, heads2, mask2, stride_qt, stride_qh,
+                                            LATENT, LATENT_PAD, LAT_SPLIT, ROPE, ROPE_PAD,
+                                            DOT_FP32)
+            m2, l2, b0, b1, b2, b3 = _attend(
+                p_pe, p0, p1, p2, p3, cache_ptr, table2, start2, end2, stride_cb, stride_cs,
+                scale_log2, LATENT, LATENT_PAD, LAT_SPLIT, ROPE, ROPE_PAD, BLOCK_SIZE,
+                BLOCK_H, BLOCK_N, DOT_FP32, ROWSUM_2D)
+            part2 = (tok2.to(tl.int64) * num_heads + heads2) * num_splits + n_split + e
+            _store_partial(part_acc_ptr, part_ml_ptr, part2, mask2, m2, l2, b0, b1, b2, b3,
+                           LATENT_PAD, LAT_SPLIT)
+            j = tl.atomic_add(steal_ptr, 1, sem="relaxed")
+        if j == total + n_tok * n_hb * n_split - 1:
+            tl.atomic_xchg(steal_ptr, 0, sem="relaxed")
     if PROBE:
         t_end = _now()
         c_end = _clock()

@@ -14,14 +14,17 @@ import triton.language as tl
 
 __all__ = [
     "_accumulate",
+    "_attend",
     "_clock",
     "_load_cols",
     "_now",
     "_peer_cols",
+    "_queries",
     "_rows_of_tile",
     "_scores",
     "_smid",
     "_store_cols",
+    "_store_partial",
     "_weight",
 ]
 
@@ -103,6 +106,26 @@ def _store_cols(ptrs, acc, col0, mask_rows, valid, WIDTH: tl.constexpr):
 
 
 @triton.jit
+def _store_partial(part_acc_ptr, part_ml_ptr, part, head_mask, m_i, l_i, acc0, acc1, acc2,
+                   acc3, LATENT_PAD: tl.constexpr, LAT_SPLIT: tl.constexpr):
+    """One split's partial at rows `part` (``[BLOCK_H]`` indices into ``[T, H, slots]``):
+    ``acc / sum`` into `part_acc_ptr` ``[..., LATENT_PAD]`` (the merge weighs each split by
+    its sum; a non-empty split has a sum >= 1, an empty one ``acc = 0``) and ``(max, sum)``
+    into `part_ml_ptr` ``[..., 2]``."""
+    CW: tl.constexpr = LATENT_PAD // LAT_SPLIT
+    ptrs = part_acc_ptr + part[:, None] * LATENT_PAD
+    scale = 1.0 / tl.maximum(l_i, 1.0)
+    tl.store(part_ml_ptr + part * 2, m_i, mask=head_mask)
+    tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=head_mask)
+    _store_cols(ptrs, acc0 * scale[:, None], 0, head_mask, LATENT_PAD, CW)
+    if LAT_SPLIT >= 2:
+        _store_cols(ptrs, acc1 * scale[:, None], CW, head_mask, LATENT_PAD, CW)
+    if LAT_SPLIT == 4:
+        _store_cols(ptrs, acc2 * scale[:, None], 2 * CW, head_mask, LATENT_PAD, CW)
+        _store_cols(ptrs, acc3 * scale[:, None], 3 * CW, head_mask, LATENT_PAD, CW)
+
+
+@triton.jit
 def _weight(m, m_new):
     """``exp2(m - m_new)``, and 0 for an empty partial (``m = -inf``, also when all are)."""
     return tl.exp2(tl.where(m > float("-inf"), m - m_new, float("-inf")))
@@ -118,3 +141,95 @@ def _peer_cols(part_acc_ptr, part_ml_ptr, rows, ok, m_new, col0, LATENT_PAD: tl.
     acc = tl.load(part_acc_ptr + rows[:, None] * LATENT_PAD + offs[None, :],
                   mask=ok[:, None], other=0.0, cache_modifier=".cg")
     return _weight(m, m_new)[:, None] * acc
+
+
+@triton.jit
+def _queries(q_ptr, tok, heads, head_mask, stride_qt, stride_qh, LATENT: tl.constexpr,
+             LATENT_PAD: tl.constexpr, LAT_SPLIT: tl.constexpr, ROPE: tl.constexpr,
+             ROPE_PAD: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Token `tok`'s queries for `heads` (rows): ``[BLOCK_H, ROPE_PAD]`` rope and
+    ``LAT_SPLIT`` latent chunks ``[BLOCK_H, LATENT_PAD // LAT_SPLIT]`` (unused chunks repeat
+    the first); fp32 with `DOT_FP32`."""
+    CW: tl.constexpr = LATENT_PAD // LAT_SPLIT
+    q_row = (tok.to(tl.int64) * stride_qt + heads * stride_qh).to(tl.int64)
+    q_pe = _load_cols(q_ptr + LATENT, q_row, head_mask, 0, ROPE, ROPE_PAD, ROPE_PAD != ROPE)
+    q0 = _load_cols(q_ptr, q_row, head_mask, 0, LATENT, CW, LATENT_PAD != LATENT)
+    q1 = q0
+    q2 = q0
+    q3 = q0
+    if LAT_SPLIT >= 2:
+        q1 = _load_cols(q_ptr, q_row, head_mask, CW, LATENT, CW, LATENT_PAD != LATENT)
+    if LAT_SPLIT == 4:
+        q2 = _load_cols(q_ptr, q_row, head_mask, 2 * CW, LATENT, CW, LATENT_PAD != LATENT)
+        q3 = _load_cols(q_ptr, q_row, head_mask, 3 * CW, LATENT, CW, LATENT_PAD != LATENT)
+    if DOT_FP32:
+        q_pe = q_pe.to(tl.float32)
+        q0 = q0.to(tl.float32)
+        q1 = q1.to(tl.float32)
+        q2 = q2.to(tl.float32)
+        q3 = q3.to(tl.float32)
+    return q_pe, q0, q1, q2, q3
+
+
+@triton.jit
+def _attend(q_pe, q0, q1, q2, q3, cache_ptr, table_row, start, end, stride_cb, stride_cs,
+            scale_log2, LATENT: tl.constexpr, LATENT_PAD: tl.constexpr,
+            LAT_SPLIT: tl.constexpr, ROPE: tl.constexpr, ROPE_PAD: tl.constexpr,
+            BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+            DOT_FP32: tl.constexpr, ROWSUM_2D: tl.constexpr):
+    """Online softmax over cache positions ``[start, end)`` (tiles of ``BLOCK_N``) of the
+    request whose block-table row is `table_row`: ``(m, l, acc0..acc3)``, the base-2 row
+    maxima and sums ``[BLOCK_H]`` and the unnormalised latent accumulators ``[BLOCK_H,
+    LATENT_PAD // LAT_SPLIT]`` (unused chunks repeat the first). An empty range gives
+    ``m = -inf``, ``l = 0`` and zero accumulators."""
+    CW: tl.constexpr = LATENT_PAD // LAT_SPLIT
+    LP: tl.constexpr = LATENT_PAD != LATENT
+    RP: tl.constexpr = ROPE_PAD != ROPE
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    if ROWSUM_2D:
+        l_2d = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+    acc0 = tl.zeros([BLOCK_H, CW], dtype=tl.float32)
+    if LAT_SPLIT >= 2:
+        acc1 = tl.zeros([BLOCK_H, CW], dtype=tl.float32)
+    if LAT_SPLIT == 4:
+        acc2 = tl.zeros([BLOCK_H, CW], dtype=tl.float32)
+        acc3 = tl.zeros([BLOCK_H, CW], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        row, n_mask = _rows_of_tile(table_row, n0, end, stride_cb, stride_cs, BLOCK_SIZE,
+                                    BLOCK_N)
+        k_pe = _load_cols(cache_ptr + LATENT, row, n_mask, 0, ROPE, ROPE_PAD, RP)
+        c0 = _load_cols(cache_ptr, row, n_mask, 0, LATENT, CW, LP)
+        s = _scores(q_pe, k_pe, scale_log2, DOT_FP32)
+        s += _scores(q0, c0, scale_log2, DOT_FP32)
+        if LAT_SPLIT >= 2:
+            c1 = _load_cols(cache_ptr, row, n_mask, CW, LATENT, CW, LP)
+            s += _scores(q1, c1, scale_log2, DOT_FP32)
+        if LAT_SPLIT == 4:
+            c2 = _load_cols(cache_ptr, row, n_mask, 2 * CW, LATENT, CW, LP)
+            c3 = _load_cols(cache_ptr, row, n_mask, 3 * CW, LATENT, CW, LP)
+            s += _scores(q2, c2, scale_log2, DOT_FP32)
+            s += _scores(q3, c3, scale_log2, DOT_FP32)
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        if ROWSUM_2D:  # no cross-warp sum per tile: one after the loop
+            l_2d = l_2d * alpha[:, None] + p
+        else:
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc0 = _accumulate(p, c0, acc0, alpha, DOT_FP32)
+        if LAT_SPLIT >= 2:
+            acc1 = _accumulate(p, c1, acc1, alpha, DOT_FP32)
+        if LAT_SPLIT == 4:
+            acc2 = _accumulate(p, c2, acc2, alpha, DOT_FP32)
+            acc3 = _accumulate(p, c3, acc3, alpha, DOT_FP32)
+        m_i = m_new
+    if ROWSUM_2D:
+        l_i = tl.sum(l_2d, axis=1)
+    if LAT_SPLIT < 2:
+        acc1 = acc0
+    if LAT_SPLIT < 4:
+        acc2 = acc0
+        acc3 = acc0
+    return m_i, l_i, acc0, acc1, acc2, acc3
