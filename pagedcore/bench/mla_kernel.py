@@ -190,7 +190,6 @@ def kernel_rows(
                     "merge_chunk": cfg.merge_chunk, "fused_fanin": cfg.fused_fanin,
                     "num_warps": cfg.launch_warps(splits, split_len),
                     "target_programs": cfg.split.target_programs, "num_splits": splits,
-                    "steal_chunks": plan.steal_chunks,
                     "heads_per_program": plan.heads_per_program,
                     "half_partials": cfg.half_partials,
                     "kv_bytes": kv_bytes,
@@ -245,15 +244,13 @@ def breakdown_rows(
             out = query.new_empty(batch, NUM_HEADS, LATENT)
             row: dict[str, Any] = {"variant": config.name, "batch": batch, "context": context,
                                    "num_splits": launch.splits,
-                                   "steal_chunks": launch.steal_chunks,
                                    "heads_per_program": launch.heads_per_program,
                                    "kv_bytes": kv_bytes}
             row["decode_ms"] = time_ms(
                 functools.partial(impl.launch_decode, launch, query, cache, meta, out), device)
             # The decode's fixed cost: the same grid with empty segments (queries loaded,
             # no cache rows, partials or output written).
-            # (No chunks handed out either: `MLAKernelConfig.steal_tiles`.)
-            empty = attrs.evolve(launch, split_len=0, steal_chunks=0, steal_counter=None)
+            empty = attrs.evolve(launch, split_len=0)
             row["empty_decode_ms"] = time_ms(
                 functools.partial(impl.launch_decode, empty, query, cache, meta, out), device)
             if launch.splits > 1 and launch.counters is None:  # else merged in the decode

@@ -31,7 +31,6 @@ from pagedcore_triton.mla_config import (
     MLASplitRule,
     choose_mla_splits,
     merge_layout,
-    plan_steal,
 )
 
 __all__ = [
@@ -86,14 +85,6 @@ class MLALaunch:
     counters:
         With a fused merge (`MLAKernelConfig.fused_fanin`) on a split launch: the impl's
         persistent int32 group counters (zero between launches), else None.
-    steal_base, steal_chunks:
-        With `MLAKernelConfig.steal_tiles` on a split launch: the first position after the
-        static segments (``splits * split_len``) and the chunks per (token, head block)
-        handed out from there (0: none); the partials then have ``splits + steal_chunks``
-        slots per (token, head).
-    steal_counter:
-        The impl's persistent int32 hand-out counter (zero between launches) when
-        ``steal_chunks > 0``, else None.
     """
 
     num_tokens: int
@@ -106,14 +97,6 @@ class MLALaunch:
     part_ml: torch.Tensor | None
     counters: torch.Tensor | None = None
     heads_per_program: int = 16
-    steal_base: int = 0
-    steal_chunks: int = 0
-    steal_counter: torch.Tensor | None = None
-
-    @property
-    def slots(self) -> int:
-        """Partials per (token, head): the static segments and the handed-out chunks."""
-        return self.splits + self.steal_chunks
 
 
 @attrs.frozen(kw_only=True)
@@ -186,8 +169,6 @@ class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
     last_kernels: tuple[Any, ...] = ()
     #: The fused merge's group counters (`_counters`), per instance once allocated.
     _fused_counters: torch.Tensor | None = None
-    #: The hand-out counter of `MLAKernelConfig.steal_tiles` (`_steal_counter`).
-    _steal: torch.Tensor | None = None
 
     def do_kv_cache_update(
         self,
@@ -275,15 +256,6 @@ class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
             self._fused_counters = have
         return have
 
-    def _steal_counter(self, device: torch.device) -> torch.Tensor:
-        """The persistent zeroed int32 hand-out counter of `MLAKernelConfig.steal_tiles`
-        (each launch leaves it zero). One impl serves one stream at a time."""
-        have = self._steal
-        if have is None or have.device != device:
-            have = torch.zeros(1, dtype=torch.int32, device=device)
-            self._steal = have
-        return have
-
     def plan_launch(self, query: torch.Tensor, metadata: TritonMLAMetadata) -> MLALaunch:
         """Split count, segment length and partial buffers of one `forward` (no launch).
 
@@ -307,14 +279,6 @@ class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
         # Segments start on tile boundaries (whole blocks when BLOCK_N is a multiple of them).
         seg = -(-metadata.max_seq_len // splits)
         split_len = -(-seg // cfg.block_n) * cfg.block_n
-        steal_base = steal_chunks = 0
-        steal_counter = None
-        if splits > 1 and cfg.steal_tiles is not None:
-            splits, split_len, steal_base, steal_chunks = plan_steal(
-                cfg, pairs=actual * head_blocks, max_seq_len=metadata.max_seq_len)
-            if steal_chunks:
-                steal_counter = self._steal_counter(query.device)
-        slots = splits + steal_chunks
         part_acc = part_ml = counters = None
         if splits > 1 and cfg.fused_fanin is not None:
             slots = (actual, head_blocks, 2 * splits, self.block_h)
@@ -323,17 +287,15 @@ class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
             counters = self._counters(query.device, actual * head_blocks * splits)
         elif splits > 1:
             half = cfg.half_partials and query.dtype in (torch.bfloat16, torch.float16)
-            part_acc = torch.empty(actual, self.num_heads, slots, lat_pad,
+            part_acc = torch.empty(actual, self.num_heads, splits, lat_pad,
                                    dtype=query.dtype if half else torch.float32,
                                    device=query.device)
-            part_ml = torch.empty(actual, self.num_heads, slots, 2, dtype=torch.float32,
+            part_ml = torch.empty(actual, self.num_heads, splits, 2, dtype=torch.float32,
                                   device=query.device)
         pdl = cfg.pdl and not interpreting() and _has_pdl(query.device)
         return MLALaunch(num_tokens=actual, head_blocks=head_blocks, splits=splits,
                          split_len=split_len, lat_pad=lat_pad, pdl=pdl, part_acc=part_acc,
-                         part_ml=part_ml, counters=counters, heads_per_program=per_prog,
-                         steal_base=steal_base, steal_chunks=steal_chunks,
-                         steal_counter=steal_counter)
+                         part_ml=part_ml, counters=counters, heads_per_program=per_prog)
 
     def launch_decode(
         self,
@@ -383,17 +345,13 @@ class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
             options["ROWSUM_2D"] = True
         if launch.heads_per_program != self.block_h:
             options["HEADS_PER_PROG"] = launch.heads_per_program
-        steal = launch.steal_counter if launch.steal_counter is not None else counters
-        if launch.steal_chunks:
-            options["STEAL"] = cfg.steal_tiles
         compiled = mla_decode_kernel[grid](
-            out, part_acc, part_ml, counters, probe if probe is not None else counters, steal,
+            out, part_acc, part_ml, counters, probe if probe is not None else counters,
             query, kv_cache, metadata.block_table,
             metadata.token_req, metadata.token_kv_len,
-            self.num_heads, launch.slots, self.scale * 1.4426950408889634, launch.split_len,
+            self.num_heads, launch.splits, self.scale * 1.4426950408889634, launch.split_len,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             kv_cache.stride(0), kv_cache.stride(1), metadata.block_table.stride(0),
-            launch.steal_base, launch.steal_chunks,
             LATENT=lat, LATENT_PAD=launch.lat_pad,
             LAT_SPLIT=min(cfg.lat_split, launch.lat_pad // 16), ROPE=rope,
             ROPE_PAD=max(16, _next_pow2(rope)), BLOCK_SIZE=kv_cache.shape[1],
@@ -415,12 +373,12 @@ class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
         lat_pad = launch.lat_pad
         cols, chunk, warps = merge_layout(
             self.kernel_config, num_tokens=launch.num_tokens, num_heads=self.num_heads,
-            lat_pad=lat_pad, splits=launch.slots, whole_row_pairs=self.merge_whole_row_pairs)
+            lat_pad=lat_pad, splits=launch.splits, whole_row_pairs=self.merge_whole_row_pairs)
         options: dict[str, Any] = {"num_warps": warps}
         if launch.pdl:
             options["launch_pdl"] = True
         merged = mla_merge_kernel[(launch.num_tokens, self.num_heads, lat_pad // cols)](
-            out, launch.part_acc, launch.part_ml, self.num_heads, launch.slots,
+            out, launch.part_acc, launch.part_ml, self.num_heads, launch.splits,
             out.stride(0), out.stride(1), LATENT=self.kv_lora_rank, LATENT_PAD=lat_pad,
             COLS=cols, CHUNK=chunk, USE_PDL=launch.pdl, **options,
         )

@@ -18,7 +18,6 @@ __all__ = [
     "MLASplitRule",
     "choose_mla_splits",
     "merge_layout",
-    "plan_steal",
 ]
 
 #: Default of `MLAKernelConfig.merge_row_pairs` (``TritonMLAImpl.merge_whole_row_pairs``).
@@ -44,27 +43,6 @@ def choose_mla_splits(
     return pow2_splits(max(1, num_tokens * head_blocks), max_splits=rule.max_splits,
                        target_programs=rule.target_programs, max_seq_len=max_seq_len,
                        min_tokens=rule.min_tokens_per_split)
-
-
-def plan_steal(cfg: MLAKernelConfig, *, pairs: int, max_seq_len: int
-               ) -> tuple[int, int, int, int]:
-    """``(splits, split_len, steal_base, steal_chunks)`` of a split launch with
-    `MLAKernelConfig.steal_tiles`: static segments for `pairs` (token, head block) pairs that
-    fill ``split.target_programs`` (at most ``split.max_splits`` and one per
-    ``split.min_tokens_per_split`` positions, at least 2), each of
-    ``tiles // splits - steal_reserve`` tiles (at least 1), and the chunks of ``steal_tiles``
-    tiles that cover the positions after them, ``[splits * split_len, max_seq_len)``.
-    """
-    if cfg.steal_tiles is None:
-        raise ValueError(f"plan_steal: {cfg.name} does not hand out chunks (steal_tiles=None)")
-    tiles = -(-max_seq_len // cfg.block_n)
-    splits = max(2, min(cfg.split.max_splits, cfg.split.target_programs // max(1, pairs),
-                        tiles, max_seq_len // cfg.split.min_tokens_per_split))
-    per_split = max(1, tiles // splits - cfg.steal_reserve)
-    split_len = per_split * cfg.block_n
-    base = splits * split_len
-    chunk = cfg.steal_tiles * cfg.block_n
-    return splits, split_len, base, max(0, -(-(max_seq_len - base) // chunk))
 
 
 def _pow2(x: int) -> bool:
@@ -133,14 +111,6 @@ class MLAKernelConfig:
         elementwise) and sum it across the tile's columns once after the loop, instead of a
         row sum per tile: one cross-warp reduction less per tile (9 -> 6 barriers per tile
         in Triton 3.6's sm_90 SASS).
-    steal_tiles, steal_reserve:
-        When `steal_tiles` is set, a split launch fills the split target with programs
-        (``target_programs // (tokens x head blocks)`` static segments, not a power of two,
-        at most ``split.max_splits``), gives each static segment ``tiles // segments -
-        steal_reserve`` tiles, and hands the positions left over out at run time in chunks of
-        `steal_tiles` tiles: a program that has finished its own segment takes the next
-        chunk from a counter (one partial per chunk), so programs that streamed slowly take
-        fewer and the grid finishes more evenly.
     merge_values:
         Most partial values a merge thread holds per round trip (``chunk * cols`` over the
         program's threads); the merge accumulates them in fp32 registers.
@@ -179,8 +149,6 @@ class MLAKernelConfig:
     rowsum_2d: bool = False
     merge_row_warps: int = 4
     merge_values: int = 64
-    steal_tiles: int | None = None
-    steal_reserve: int = 0
 
     def launch_warps(self, splits: int, split_len: int) -> int:
         """``num_warps``, or `short_split_warps` for a split launch of short segments."""
@@ -195,11 +163,6 @@ class MLAKernelConfig:
             raise ValueError(f"lat_split must be 1, 2 or 4, got {self.lat_split}")
         if self.merge_chunk < 2 or not _pow2(self.merge_chunk):
             raise ValueError(f"merge_chunk must be a power of two >= 2, got {self.merge_chunk}")
-        if self.steal_tiles is not None and (
-            self.steal_tiles < 1 or self.fused_fanin is not None or self.narrow_heads
-        ):
-            raise ValueError(f"steal_tiles must be None or >= 1, without fused_fanin or "
-                             f"narrow_heads (got {self.steal_tiles})")
         if self.merge_values < 2 or not _pow2(self.merge_values):
             raise ValueError(f"merge_values must be a power of two >= 2, got {self.merge_values}")
         if self.merge_cols < 16 or not _pow2(self.merge_cols):
@@ -279,12 +242,6 @@ MLA_KERNEL_CONFIGS: dict[str, MLAKernelConfig] = {
         # at 4 of the 5 bench shapes, 75.2-75.6 % at 4 x 32768 (docs/mla.md).
         _default_like("n32s5c4pm64R256k64mw1dhrw2v128", merge_values=128,
                       **{**_SHIPPED_MERGE, "merge_cols": 64}),
-        # Chunks of the positions handed out at run time (static segments fill the split
-        # target, e.g. 66 per token at 4 x 32768; 0 or 1 tile per segment held back):
-        *(_default_like(f"n32s5c4pm64R256k64mw1dhrw2v128-steal{t}r{r}", merge_values=128,
-                        steal_tiles=t, steal_reserve=r, split=MLASplitRule(max_splits=128),
-                        **{**_SHIPPED_MERGE, "merge_cols": 64})
-          for t, r in ((1, 0), (1, 1), (2, 0))),
         # The ninth run's default: 32-column merge slices, at most 64 values per merge
         # thread (72-73 % at 4 x 32768, the merge 2.7 us there instead of 2.1).
         _default_like("n32s5c4pm64R256k32mw1dhrw2", **_SHIPPED_MERGE),

@@ -61,14 +61,13 @@ from pagedcore_triton.mla_tiles import (
 __all__ = ["mla_cache_write_kernel", "mla_decode_kernel"]
 
 
-@triton.jit(do_not_specialize=["num_splits", "steal_base", "steal_chunks"])
+@triton.jit(do_not_specialize=["num_splits"])
 def mla_decode_kernel(
     out_ptr,
     part_acc_ptr,
     part_ml_ptr,
     counter_ptr,
     probe_ptr,
-    steal_ptr,
     q_ptr,
     cache_ptr,
     block_table_ptr,
@@ -85,8 +84,6 @@ def mla_decode_kernel(
     stride_cb,
     stride_cs,
     stride_bt,
-    steal_base,
-    steal_chunks,
     LATENT: tl.constexpr,
     LATENT_PAD: tl.constexpr,
     LAT_SPLIT: tl.constexpr,
@@ -103,7 +100,6 @@ def mla_decode_kernel(
     PROBE: tl.constexpr = False,
     HEADS_PER_PROG: tl.constexpr = 0,
     ROWSUM_2D: tl.constexpr = False,
-    STEAL: tl.constexpr = 0,
 ):
     """Grid ``(tokens, cdiv(H, BLOCK_H), num_splits)``, or ``(num_splits, cdiv(H, BLOCK_H),
     tokens)`` with `SPLIT_FIRST` (the splits of one token launched next to each other); see
@@ -249,45 +245,6 @@ def mla_decode_kernel(
         if LAT_SPLIT == 4:
             _store_cols(ptrs, acc2 * scale[:, None], 2 * CW, rows_ok, LATENT, CW)
             _store_cols(ptrs, acc3 * scale[:, None], 3 * CW, rows_ok, LATENT, CW)
-    if WRITE_PARTIAL and STEAL > 0:
-        # The positions from steal_base on, in chunks of STEAL tiles handed out by a counter
-        # to whichever program asks first once its own segment is done (programs whose
-        # segment streamed slowly take fewer); chunk e of a (token, head block) is partial
-        # slot grid splits + e. Every program's last request fails; the very last one (the
-        # counter then reads total + programs - 1, every other request is done) resets
-        # the counter to 0 for the next launch.
-        if SPLIT_FIRST:
-            n_tok = tl.num_programs(2)
-            n_split = tl.num_programs(0)
-        else:
-            n_tok = tl.num_programs(0)
-            n_split = tl.num_programs(2)
-        n_hb = tl.num_programs(1)
-        per_tok = n_hb * steal_chunks
-        total = n_tok * per_tok
-        j = tl.atomic_add(steal_ptr, 1, sem="relaxed")
-        while j < total:
-            tok2 = j // per_tok
-            e = j % steal_chunks
-            heads2 = ((j // steal_chunks) % n_hb) * BLOCK_H + tl.arange(0, BLOCK_H)
-            mask2 = heads2 < num_heads
-            kv_len2 = tl.load(token_kv_len_ptr + tok2)
-            start2 = steal_base + e * (STEAL * BLOCK_N)
-            end2 = tl.minimum(start2 + STEAL * BLOCK_N, kv_len2)
-            table2 = block_table_ptr + tl.load(token_req_ptr + tok2).to(tl.int64) * stride_bt
-            p_pe, p0, p1, p2, p3 = _queries(q_ptr, tok2, heads2, mask2, stride_qt, stride_qh,
-                                            LATENT, LATENT_PAD, LAT_SPLIT, ROPE, ROPE_PAD,
-                                            DOT_FP32)
-            m2, l2, b0, b1, b2, b3 = _attend(
-                p_pe, p0, p1, p2, p3, cache_ptr, table2, start2, end2, stride_cb, stride_cs,
-                scale_log2, LATENT, LATENT_PAD, LAT_SPLIT, ROPE, ROPE_PAD, BLOCK_SIZE,
-                BLOCK_H, BLOCK_N, DOT_FP32, ROWSUM_2D)
-            part2 = (tok2.to(tl.int64) * num_heads + heads2) * num_splits + n_split + e
-            _store_partial(part_acc_ptr, part_ml_ptr, part2, mask2, m2, l2, b0, b1, b2, b3,
-                           LATENT_PAD, LAT_SPLIT)
-            j = tl.atomic_add(steal_ptr, 1, sem="relaxed")
-        if j == total + n_tok * n_hb * n_split - 1:
-            tl.atomic_xchg(steal_ptr, 0, sem="relaxed")
     if PROBE:
         t_end = _now()
         c_end = _clock()

@@ -108,7 +108,7 @@ def _store_cols(ptrs, acc, col0, mask_rows, valid, WIDTH: tl.constexpr):
 @triton.jit
 def _store_partial(part_acc_ptr, part_ml_ptr, part, head_mask, m_i, l_i, acc0, acc1, acc2,
                    acc3, LATENT_PAD: tl.constexpr, LAT_SPLIT: tl.constexpr):
-    """One split's partial at rows `part` (``[BLOCK_H]`` indices into ``[T, H, slots]``):
+    """One split's partial at rows `part` (``[BLOCK_H]`` indices into ``[T, H, splits]``):
     ``acc / sum`` into `part_acc_ptr` ``[..., LATENT_PAD]`` (the merge weighs each split by
     its sum; a non-empty split has a sum >= 1, an empty one ``acc = 0``) and ``(max, sum)``
     into `part_ml_ptr` ``[..., 2]``."""
