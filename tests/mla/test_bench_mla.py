@@ -118,3 +118,22 @@ def test_probe_summary_of_synthetic_timelines() -> None:
     assert s["sm_clock_GHz"]["med"] == 2.0
     assert s["busy_fraction"] == round((9 + 11 + 7 + 20) / (4 * 20), 3)
     assert s["kv_GBps_over_span"] == 100.0
+
+
+def test_mla_plot_draws_the_committed_h200_report(tmp_path: Path) -> None:
+    """`pagedcore.bench.mla_plot` draws the committed H200 report (three panels) and a report
+    without timing (capacity only); a wrong argument count is refused with its usage."""
+    pytest.importorskip("matplotlib")
+    from pagedcore.bench.mla_plot import main, plot_mla
+
+    report_path = Path(__file__).parents[2] / "docs" / "benchmarks" / "mla_h200.json"
+    out = tmp_path / "mla.png"
+    main([str(report_path), str(out)])
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+    report = json.loads(report_path.read_text())
+    bare = {"capacity": report["capacity"], "summary": None, "breakdown": []}
+    plot_mla(bare, str(tmp_path / "bare.png"))
+    assert (tmp_path / "bare.png").stat().st_size > 5_000
+    with pytest.raises(SystemExit, match="usage"):
+        main([str(report_path)])
