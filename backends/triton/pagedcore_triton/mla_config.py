@@ -238,8 +238,8 @@ MLA_KERNEL_CONFIGS: dict[str, MLAKernelConfig] = {
         # one-warp merge slices where the (token, head) pairs are few and up to 128 partial
         # values per merge thread (16 splits in one round trip on whole rows): PDL, up to
         # 64 splits merged in one round trip, whole-row 2-warp merge programs from 256
-        # pairs on, the row sums kept as a tile, 16-bit split partials. 83.3-85.1 % of copy
-        # at 4 of the 5 bench shapes, 75.2-75.6 % at 4 x 32768 (docs/mla.md).
+        # pairs on, the row sums kept as a tile, 16-bit split partials. 82.2-88.0 % of copy
+        # at 4 of the 5 bench shapes, 73.9-75.8 % at 4 x 32768 (docs/mla.md, tenth run).
         _default_like("n32s5c4pm64R256k64mw1dhrw2v128", merge_values=128,
                       **{**_SHIPPED_MERGE, "merge_cols": 64}),
         # The ninth run's default: 32-column merge slices, at most 64 values per merge
