@@ -350,3 +350,28 @@ def test_growing_scores_move_the_maximum(
     case = attrs.evolve(case, kv_cache=cache.to(dtype))
     result = run_mla_case(mla.TritonMLABackend, case, device=DEVICE)
     assert result.passed, result.detail
+
+
+def test_default_whole_row_merge_reads_16_splits_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default's whole-row merge of a 512-wide latent on 2 warps takes all 16 splits in
+    one round trip (128 partial values per thread; the ninth run's default took 8) and
+    matches the reference with 16-bit partials and NaN in every unused slot."""
+    import attrs
+
+    many = MLASplitRule(target_programs=10**6, min_tokens_per_split=16, max_splits=16)
+    cfg = attrs.evolve(mla.DEFAULT_MLA_KERNEL, block_n=16, split=many, merge_row_pairs=1)
+    assert mla.merge_layout(cfg, num_tokens=2, num_heads=2, lat_pad=512, splits=16) == (
+        512, 16, 2)
+    ninth = attrs.evolve(cfg, merge_values=64)
+    assert mla.merge_layout(ninth, num_tokens=2, num_heads=2, lat_pad=512, splits=16)[1] == 8
+    spec = MLABatchSpec(name="rows16", query_lens=(1, 1), seq_lens=(300, 70), block_size=16,
+                        num_heads=2, kv_lora_rank=512, rope_head_dim=64)
+    case = build_mla_case(spec, dtype=torch.bfloat16, device=DEVICE, seed=12)
+    monkeypatch.setattr(mla.TritonMLAImpl, "kernel_config", cfg)
+    impl = mla.TritonMLAImpl(2, 576, 0.1, kv_lora_rank=512)
+    meta = mla.TritonMLAMetadataBuilder(None, [], torch.device(DEVICE)).build(case.common)
+    launch = impl.plan_launch(case.query, meta)
+    assert launch.splits == 16 and launch.part_acc is not None
+    assert launch.part_acc.dtype == torch.bfloat16
+    result = run_mla_case(mla.TritonMLABackend, case, device=DEVICE)
+    assert result.passed, result.detail
