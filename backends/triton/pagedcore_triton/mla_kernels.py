@@ -55,6 +55,7 @@ from pagedcore_triton.mla_tiles import (
     _smid,
     _store_cols,
     _store_partial,
+    _store_scaled,
     _weight,
 )
 
@@ -239,12 +240,8 @@ def mla_decode_kernel(
             scale = 1.0 / tl.where(rows_ok, l_i, 1.0)
         else:
             scale = 1.0 / l_i
-        _store_cols(ptrs, acc0 * scale[:, None], 0, rows_ok, LATENT, CW)
-        if LAT_SPLIT >= 2:
-            _store_cols(ptrs, acc1 * scale[:, None], CW, rows_ok, LATENT, CW)
-        if LAT_SPLIT == 4:
-            _store_cols(ptrs, acc2 * scale[:, None], 2 * CW, rows_ok, LATENT, CW)
-            _store_cols(ptrs, acc3 * scale[:, None], 3 * CW, rows_ok, LATENT, CW)
+        _store_scaled(ptrs, scale, rows_ok, LATENT, acc0, acc1, acc2, acc3, LATENT_PAD,
+                      LAT_SPLIT)
     if PROBE:
         t_end = _now()
         c_end = _clock()

@@ -25,6 +25,7 @@ __all__ = [
     "_smid",
     "_store_cols",
     "_store_partial",
+    "_store_scaled",
     "_weight",
 ]
 
@@ -106,23 +107,32 @@ def _store_cols(ptrs, acc, col0, mask_rows, valid, WIDTH: tl.constexpr):
 
 
 @triton.jit
+def _store_scaled(ptrs, scale, rows_ok, valid, acc0, acc1, acc2, acc3,
+                  LATENT_PAD: tl.constexpr, LAT_SPLIT: tl.constexpr):
+    """``acc * scale`` (rows) at ``ptrs + column`` for the ``LAT_SPLIT`` latent chunks of
+    ``LATENT_PAD // LAT_SPLIT`` columns, rows `rows_ok` and columns below `valid`."""
+    CW: tl.constexpr = LATENT_PAD // LAT_SPLIT
+    _store_cols(ptrs, acc0 * scale[:, None], 0, rows_ok, valid, CW)
+    if LAT_SPLIT >= 2:
+        _store_cols(ptrs, acc1 * scale[:, None], CW, rows_ok, valid, CW)
+    if LAT_SPLIT == 4:
+        _store_cols(ptrs, acc2 * scale[:, None], 2 * CW, rows_ok, valid, CW)
+        _store_cols(ptrs, acc3 * scale[:, None], 3 * CW, rows_ok, valid, CW)
+
+
+@triton.jit
 def _store_partial(part_acc_ptr, part_ml_ptr, part, head_mask, m_i, l_i, acc0, acc1, acc2,
                    acc3, LATENT_PAD: tl.constexpr, LAT_SPLIT: tl.constexpr):
     """One split's partial at rows `part` (``[BLOCK_H]`` indices into ``[T, H, splits]``):
     ``acc / sum`` into `part_acc_ptr` ``[..., LATENT_PAD]`` (the merge weighs each split by
     its sum; a non-empty split has a sum >= 1, an empty one ``acc = 0``) and ``(max, sum)``
     into `part_ml_ptr` ``[..., 2]``."""
-    CW: tl.constexpr = LATENT_PAD // LAT_SPLIT
     ptrs = part_acc_ptr + part[:, None] * LATENT_PAD
     scale = 1.0 / tl.maximum(l_i, 1.0)
     tl.store(part_ml_ptr + part * 2, m_i, mask=head_mask)
     tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=head_mask)
-    _store_cols(ptrs, acc0 * scale[:, None], 0, head_mask, LATENT_PAD, CW)
-    if LAT_SPLIT >= 2:
-        _store_cols(ptrs, acc1 * scale[:, None], CW, head_mask, LATENT_PAD, CW)
-    if LAT_SPLIT == 4:
-        _store_cols(ptrs, acc2 * scale[:, None], 2 * CW, head_mask, LATENT_PAD, CW)
-        _store_cols(ptrs, acc3 * scale[:, None], 3 * CW, head_mask, LATENT_PAD, CW)
+    _store_scaled(ptrs, scale, head_mask, LATENT_PAD, acc0, acc1, acc2, acc3, LATENT_PAD,
+                  LAT_SPLIT)
 
 
 @triton.jit
