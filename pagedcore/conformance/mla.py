@@ -6,6 +6,13 @@ are a random permutation (block 0, the null block, never used), fills every slot
 block that holds no token with NaN, writes history rows directly and this step's rows through
 the backend's own ``do_kv_cache_update`` (with ``-1`` padding tokens at the end of the batch),
 and compares ``forward`` with the reference on the real tokens (relative error).
+
+A spec with `MLABatchSpec.needles` also plants "needle" rows: cache positions whose key every
+query of the batch scores about 5 (natural-log units) above a typical row (through the rope
+dims), so that each needle, whose value stays its own random latent, carries a large share of
+the softmax. A kernel that skips, repeats or misplaces one of those
+positions (a tile or split boundary, a block edge) then misses by far more than the 16-bit
+tolerances, which a single dropped position among hundreds of random rows does not.
 """
 
 from __future__ import annotations
@@ -52,6 +59,9 @@ class MLABatchSpec:
     extra_blocks: int = 5
     #: At least this many blocks in the cache (to push offsets past 32 bits); 0 = just enough.
     min_num_blocks: int = 0
+    #: History positions that hold a needle row (see the module docstring), in every request
+    #: whose history covers them.
+    needles: tuple[int, ...] = ()
 
     def __attrs_post_init__(self) -> None:
         if len(self.query_lens) != len(self.seq_lens):
@@ -72,6 +82,9 @@ MLA_SPECS: tuple[MLABatchSpec, ...] = (
                  num_heads=16),
     MLABatchSpec(name="block1_odd_dims", query_lens=(1, 4), seq_lens=(6, 9), block_size=1,
                  kv_lora_rank=48, rope_head_dim=8, num_heads=3),
+    # Needles on block, tile and split edges (16-, 32-, 64-row tiles; 128-position splits).
+    MLABatchSpec(name="needles", query_lens=(1, 1, 4), seq_lens=(300, 129, 40), block_size=16,
+                 num_heads=16, needles=(0, 15, 16, 31, 32, 63, 64, 127, 128, 255, 256, 298)),
 )
 
 #: DeepSeek-V2-Lite shapes over a cache whose element offsets pass 2**31 (GPU only: ~4 GiB in
@@ -122,6 +135,8 @@ def build_mla_case(
     num_tokens = num_real + spec.num_pad_tokens
     query = torch.randn(num_tokens, spec.num_heads, dim, generator=gen)
     key = torch.randn(num_tokens, 1, dim, generator=gen)
+    if spec.needles:
+        _plant_needles(spec, cache, table, query, gen)
     slots: list[int] = []
     positions: list[int] = []
     for r, (q, s) in enumerate(zip(spec.query_lens, spec.seq_lens, strict=True)):
@@ -153,6 +168,29 @@ def build_mla_case(
         common=common,
         scale=dim**-0.5,
     )
+
+
+#: How far (natural-log units, after the softmax scale) a needle's score stands above a
+#: typical row's.
+NEEDLE_LIFT = 5.0
+
+
+def _plant_needles(spec: MLABatchSpec, cache: torch.Tensor, table: torch.Tensor,
+                   query: torch.Tensor, gen: torch.Generator) -> None:
+    """Make `spec.needles` of every request's history needles: their rope part becomes
+    ``sqrt(dim) * u`` (``u`` a random unit vector of the rope dims) and every query row gets
+    ``NEEDLE_LIFT * u`` added in place, so that with the ``dim ** -0.5`` scale each needle
+    scores ``NEEDLE_LIFT`` plus noise above a typical row. Their latent parts (the values)
+    stay random and distinct, so the output depends on each needle by itself."""
+    lat, dim = spec.kv_lora_rank, spec.kv_lora_rank + spec.rope_head_dim
+    u = torch.randn(spec.rope_head_dim, generator=gen)
+    u = u / u.norm()
+    query[..., lat:] += NEEDLE_LIFT * u
+    rope = (dim**0.5 * u).to(cache.device, cache.dtype)
+    for r, (q, s) in enumerate(zip(spec.query_lens, spec.seq_lens, strict=True)):
+        for pos in spec.needles:
+            if pos < s - q:
+                cache[int(table[r, pos // spec.block_size]), pos % spec.block_size, lat:] = rope
 
 
 @attrs.frozen(kw_only=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import pytest
 import torch
 
@@ -137,3 +138,31 @@ def test_bad_inputs_have_clear_errors() -> None:
         MLAImpl(4, 80, 0.1, kv_lora_rank=64).do_kv_cache_update(
             torch.zeros(3, 2, 80), torch.zeros(3, 2, 80), torch.zeros(4, 16, 80),
             torch.zeros(3, dtype=torch.int64))
+
+
+def test_needles_catch_one_misread_position_in_16_bit_tolerances() -> None:
+    """An off-by-one read of one position (the row of position p + 1 taken for p) moves the
+    output of the `needles` spec far past the bf16 tolerance when p is a needle, and stays
+    within it when p is an ordinary row of the same spec (what the random specs alone could
+    not catch in 16-bit dtypes)."""
+    from pagedcore.conformance.mla import TOLERANCE, _run
+
+    spec = next(s for s in MLA_SPECS if s.name == "needles")
+    assert {0, 31, 128, 256} <= set(spec.needles) and not {5, 200} & set(spec.needles)
+    case = build_mla_case(spec, dtype=torch.float32)
+    dev = torch.device("cpu")
+    want = _run(ReferenceMLABackend, case, dev)
+    table = case.common.block_table
+
+    def misread(pos: int) -> float:
+        cache = case.kv_cache.clone()
+        bs = spec.block_size
+        slot = lambda p: (int(table[0, p // bs]), p % bs)  # noqa: E731
+        cache[slot(pos)] = cache[slot(pos + 1)]
+        got = _run(ReferenceMLABackend, attrs.evolve(case, kv_cache=cache), dev)
+        return float((got - want).norm() / want.norm())
+
+    for needle in (0, 31, 128, 256):  # a block edge, tile edges, split edges
+        assert misread(needle) > 1.5 * TOLERANCE["bfloat16"], needle
+    for ordinary in (5, 200):
+        assert misread(ordinary) < 0.1 * TOLERANCE["bfloat16"], ordinary
