@@ -51,6 +51,10 @@ class BatchSpec:
     pad: int
     doc: str
     stretch: bool = True
+    #: Context positions whose keys every query scores far above the rest ("needles", see
+    #: `pagedcore.conformance.harness.make_batch`), in every request whose context holds them;
+    #: a negative position counts from the end of the context (-1: its last position).
+    needles: tuple[int, ...] = ()
 
     def scaled(self, block_size: int) -> tuple[tuple[int, int], ...]:
         """Contexts stretched with the block size (when `stretch`), so large blocks still
@@ -85,6 +89,16 @@ BATCHES: dict[str, BatchSpec] = {
             1,
             "long contexts (split-KV decode paths), a chunk continuing a long prefix",
             stretch=False,
+        ),
+        BatchSpec(
+            "needles",
+            ((1531, 1), (700, 1), (2100, 1), (64, 1), (900, 37)),
+            1,
+            "the long batch with needle keys on block, tile and split edges, so that reading "
+            "one wrong position fails in 16-bit tolerances too",
+            stretch=False,
+            needles=(0, 15, 16, 31, 32, 63, 64, 127, 128, 255, 256, 511, 512, 1023, 1024, 2047,
+                     -2, -1),
         ),
     )
 }

@@ -130,17 +130,51 @@ def make_batch(case: CaseSpec, reorder_threshold: int) -> Batch:
         return torch.randn(*shape, generator=gen, dtype=torch.float32).to(dtype).to(torch.float32)
 
     hkv, hq, d = case.num_kv_heads, case.num_heads, case.head_size
+    keys = [rnd(c + q, hkv, d) for c, q in reqs]
+    values = [rnd(c + q, hkv, d) for c, q in reqs]
+    queries = [rnd(q, hq, d) for _, q in reqs]
+    if spec.needles:
+        _plant_needles(spec.needles, [c for c, _ in reqs], keys, queries, gen, dtype)
     return Batch(
         contexts=[c for c, _ in reqs],
         query_lens=[q for _, q in reqs],
-        keys=[rnd(c + q, hkv, d) for c, q in reqs],
-        values=[rnd(c + q, hkv, d) for c, q in reqs],
-        queries=[rnd(q, hq, d) for _, q in reqs],
+        keys=keys,
+        values=values,
+        queries=queries,
         block_ids=block_ids,
         num_blocks=num_blocks,
         block_size=bsz,
         pad=spec.pad,
     )
+
+
+#: How far (natural-log units, after the softmax scale) a needle key's score stands above a
+#: typical key's.
+NEEDLE_LIFT = 5.0
+
+
+def _plant_needles(needles: tuple[int, ...], contexts: list[int], keys: list[torch.Tensor],
+                   queries: list[torch.Tensor], gen: torch.Generator,
+                   dtype: torch.dtype) -> None:
+    """Make the `needles` positions of every context needles, in place: per KV head a random
+    unit vector ``u``; a needle's key becomes ``sqrt(D) * u`` and every query of the heads
+    that read that KV head gets ``NEEDLE_LIFT / 1.25 * u`` added, so that with the suite's
+    scale (`softmax_scale`) each needle scores ``NEEDLE_LIFT`` plus noise above a typical
+    key. Values stay random and distinct: the output depends on each needle by itself, and a
+    read of the wrong row for one needle moves it by tens of percent (a flat random context
+    of 2,000 keys hides such a read under the 16-bit tolerances)."""
+    hkv, d = keys[0].shape[1], keys[0].shape[2]
+    hq = queries[0].shape[1]
+    u = torch.randn(hkv, d, generator=gen)
+    u = u / u.norm(dim=-1, keepdim=True)
+    per_head = u.repeat_interleave(hq // hkv, dim=0)  # query head h reads KV head h // group
+    lift = NEEDLE_LIFT / (softmax_scale(d) * math.sqrt(d))
+    needle_key = (math.sqrt(d) * u).to(dtype).to(torch.float32)
+    for context, k, q in zip(contexts, keys, queries, strict=True):
+        for pos in needles:
+            if -context <= pos < context:
+                k[pos % context] = needle_key
+        q.copy_((q + lift * per_head).to(dtype).to(torch.float32))
 
 
 def _common(batch: Batch, block_ids: list[list[int]], device: torch.device,

@@ -183,7 +183,32 @@ class _ClaimsMoreBackend(ReferenceBackend):
         return reasons
 
 
+class _SplitEdgeMisreadBuilder(ReferenceMetadataBuilder):
+    """Reads the row of position p + 1 for every history position p = 2047 (mod 2048), as a
+    split-KV kernel with an off-by-one at the edges of its 2,048-row segments would. Only the
+    full suite's 2,100-token contexts reach position 2047."""
+
+    def _group(
+        self,
+        common: CommonAttentionMetadata,
+        reqs: list[int],
+        query_len: int,
+        starts: list[int],
+        seq_lens: list[int],
+    ) -> RequestGroup:
+        group = super()._group(common, reqs, query_len, starts, seq_lens)
+        slots = group.slots.clone()
+        for i, r in enumerate(reqs):
+            for p in range(2047, seq_lens[r] - query_len - 1, 2048):
+                slots[i, p] = group.slots[i, p + 1]
+        return attrs.evolve(group, slots=slots)
+
+
 IgnoresBlockTable = _backend("ignores_block_table", builder=_LogicalBlocksBuilder)
+
+#: Passes the quick suite, and the `long` batch in 16-bit dtypes; the `needles` batch rejects
+#: it (tests/conformance/test_conformance_suite.py).
+SplitEdgeMisread = _backend("split_edge_misread", builder=_SplitEdgeMisreadBuilder)
 
 BROKEN: dict[str, type[AttentionBackend]] = {
     "ignores_block_table": IgnoresBlockTable,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from broken_backends import BROKEN
+from broken_backends import BROKEN, SplitEdgeMisread
 
 from pagedcore.conformance import run_suite
 from pagedcore.reference import ReferenceBackend
@@ -21,6 +21,48 @@ def test_broken_backend_is_rejected(name: str) -> None:
     report = run_suite(BROKEN[name], quick=True, device="cpu", exitfirst=True)
     assert not report.passed, f"{name} slipped through:\n{report.summary()}"
     assert report.failures and all(r.message for r in report.failures)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_needles_batch_catches_a_misread_that_a_long_random_context_hides(dtype: str) -> None:
+    """A backend that reads position 2048 for 2047 (a split-edge off-by-one) passes the `long`
+    batch in 16-bit dtypes: one row of 2,100 near-uniform ones moves the output by less than
+    the tolerance. The `needles` batch (the same requests, with needle keys on the edges)
+    rejects it by a wide margin and still passes the reference."""
+    import attrs
+
+    from pagedcore.conformance.cases import TOLERANCES, build_cases
+    from pagedcore.conformance.harness import run_case
+
+    cases = {c.batch: attrs.evolve(c, dtype=dtype) for c in build_cases(ReferenceBackend)
+             if c.batch in ("long", "needles")}
+    assert run_case(ReferenceBackend, cases["needles"], device="cpu").passed
+    hidden = run_case(SplitEdgeMisread, cases["long"], device="cpu")
+    assert hidden.passed and hidden.max_rel_error is not None
+    assert hidden.max_rel_error > 0  # it does read the wrong row
+    caught = run_case(SplitEdgeMisread, cases["needles"], device="cpu")
+    assert not caught.passed and caught.max_rel_error is not None
+    assert caught.max_rel_error > 2 * TOLERANCES[dtype], caught.message
+
+
+def test_needle_keys_sit_where_the_spec_says() -> None:
+    """Every needle position (negative ones from the end) of every context holds the same
+    key per KV head, and no other history position does."""
+    from pagedcore.conformance.cases import BATCHES, build_cases
+    from pagedcore.conformance.harness import make_batch
+
+    spec = BATCHES["needles"]
+    case = next(c for c in build_cases(ReferenceBackend) if c.batch == "needles")
+    batch = make_batch(case, 1)
+    needle = None
+    for context, keys in zip(batch.contexts, batch.keys, strict=True):
+        want = {p % context for p in spec.needles if -context <= p < context}
+        same = [p for p in range(context)
+                if needle is not None and torch.equal(keys[p], needle)]
+        if needle is None:
+            needle = keys[min(want)].clone()
+            same = [p for p in range(context) if torch.equal(keys[p], needle)]
+        assert set(same) == want, (context, sorted(set(same) ^ want))
 
 
 def test_batches_poison_unused_slots_and_guard_the_last_block() -> None:
