@@ -1,0 +1,125 @@
+"""Stream vs CUDA-graph timing of the shipped MLA forward (decode + merge) at the bench shapes.
+
+Session 8 (issue 8), on the H200 with pagedcore and pagedcore-triton installed:
+
+    python3 docs/benchmarks/h200_s8/graph_check.py OUT.json
+
+Per shape: `time_ms` (back-to-back launches, the MLA bench's method) and the median per call
+of a captured CUDA graph of 20 forwards (or 20 decode kernels) replayed after an L2 flush; the
+graph's output is checked against the eager one. Also an empty Triton kernel of 256 programs
+timed both ways (the launch cost each way).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from pagedcore_triton.mla import DEFAULT_MLA_KERNEL
+
+from pagedcore.bench.kernel_primitives import copy_bandwidth_gbps, time_ms
+from pagedcore.bench.mla_kernel import (
+    FULL_CASES,
+    LATENT,
+    NUM_HEADS,
+    ROPE,
+    _decode_batch,
+    _impl,
+    _plans,
+)
+
+
+@triton.jit
+def _noop(x_ptr):  # type: ignore[no-untyped-def]
+    pid = tl.program_id(0)
+    tl.store(x_ptr + pid, pid)
+
+
+def _capture(fn: Callable[[], Any], device: torch.device, n: int) -> tuple[Any, Any]:
+    """A CUDA graph of `n` calls of `fn` (warmed up on a side stream first), and the last
+    call's result."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(n):
+            result = fn()
+    return graph, result
+
+
+def graph_ms(fn: Callable[[], Any], device: torch.device, n: int = 20, reps: int = 15) -> float:
+    """Median milliseconds per call of `fn` inside a replayed CUDA graph of `n` calls."""
+    graph, _ = _capture(fn, device, n)
+    graph.replay()
+    torch.cuda.synchronize(device)
+    flush = torch.empty(256 << 20, dtype=torch.int8, device=device)
+    times = []
+    for _ in range(reps):
+        flush.zero_()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / n)
+    return sorted(times)[len(times) // 2]
+
+
+def main(path: str) -> None:
+    dev = torch.device("cuda")
+    copy = copy_bandwidth_gbps(dev, quick=False)
+    x = torch.zeros(4096, dtype=torch.int32, device=dev)
+    out: dict[str, Any] = {
+        "copy_bandwidth_GBps": copy,
+        "noop256_stream_ms": time_ms(lambda: _noop[(256,)](x), dev),
+        "noop256_graph_ms": graph_ms(lambda: _noop[(256,)](x), dev),
+        "rows": [],
+    }
+    for batch, context in FULL_CASES:
+        cache, query, common = _decode_batch(batch, context, dev, torch.bfloat16)
+        meta, _ = _plans(common, dev, torch.bfloat16)
+        impl = _impl(DEFAULT_MLA_KERNEL)
+        launch = impl.plan_launch(query, meta)
+        o = query.new_empty(batch, NUM_HEADS, LATENT)
+
+        def fwd(impl: Any = impl, query: torch.Tensor = query, cache: torch.Tensor = cache,
+                meta: Any = meta) -> torch.Tensor:
+            return impl.forward(query, query, query, cache, meta)  # type: ignore[no-any-return]
+
+        dec = functools.partial(impl.launch_decode, launch, query, cache, meta, o)
+        want = fwd().float().clone()
+        kv = batch * context * (LATENT + ROPE) * 2
+        part = 0 if launch.splits == 1 else batch * NUM_HEADS * launch.splits * (LATENT * 2 + 8) * 2
+        row: dict[str, Any] = {
+            "batch": batch, "context": context, "splits": launch.splits, "kv_bytes": kv,
+            "partial_bytes_written_and_read": part,
+            "forward_stream_ms": time_ms(fwd, dev), "decode_stream_ms": time_ms(dec, dev),
+            "forward_graph_ms": graph_ms(fwd, dev), "decode_graph_ms": graph_ms(dec, dev),
+        }
+        graph, got = _capture(fwd, dev, 1)
+        graph.replay()
+        torch.cuda.synchronize(dev)
+        row["graph_rel_err_vs_eager"] = float((got.float() - want).norm() / want.norm())
+        for key in [k for k in row if k.endswith("_ms")]:
+            row[key[:-3] + "_pct_copy"] = 100 * kv / row[key] / 1e6 / copy
+        print(json.dumps(row), flush=True)
+        out["rows"].append(row)
+        del cache, query
+    with open(path, "w") as fh:
+        json.dump(out, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
