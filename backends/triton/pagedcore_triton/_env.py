@@ -35,3 +35,10 @@ def triton_unavailable_reason() -> str | None:
     if major < 8:
         return f"needs compute capability >= 8.0 (found {major}.{minor})"
     return None
+
+
+if interpreting() and importlib.util.find_spec("triton") is not None:
+    # Triton 3.6's interpreter with NumPy >= 2.4 cannot loop over a loaded scalar.
+    from pagedcore_triton._interpreter_compat import patch_scalar_index
+
+    patch_scalar_index()
