@@ -2,7 +2,10 @@
 
 Session 8 (issue 8), on the H200 with pagedcore and pagedcore-triton installed:
 
-    python3 docs/benchmarks/h200_s8/graph_check.py OUT.json
+    python3 docs/benchmarks/h200_s8/graph_check.py OUT.json [VARIANT ...]
+
+(variants: keys of `pagedcore_triton.mla_config.MLA_KERNEL_CONFIGS`; the shipped default
+when none are named).
 
 Per shape: `time_ms` (back-to-back launches, the MLA bench's method) and the median per call
 of a captured CUDA graph of 20 forwards (or 20 decode kernels) replayed after an L2 flush; the
@@ -22,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 from pagedcore_triton.mla import DEFAULT_MLA_KERNEL
+from pagedcore_triton.mla_config import MLA_KERNEL_CONFIGS
 
 from pagedcore.bench.kernel_primitives import copy_bandwidth_gbps, time_ms
 from pagedcore.bench.mla_kernel import (
@@ -77,7 +81,7 @@ def graph_ms(fn: Callable[[], Any], device: torch.device, n: int = 20, reps: int
     return sorted(times)[len(times) // 2]
 
 
-def main(path: str) -> None:
+def main(path: str, variants: list[str]) -> None:
     dev = torch.device("cuda")
     copy = copy_bandwidth_gbps(dev, quick=False)
     x = torch.zeros(4096, dtype=torch.int32, device=dev)
@@ -87,10 +91,11 @@ def main(path: str) -> None:
         "noop256_graph_ms": graph_ms(lambda: _noop[(256,)](x), dev),
         "rows": [],
     }
-    for batch, context in FULL_CASES:
+    configs = [MLA_KERNEL_CONFIGS[v] for v in variants] or [DEFAULT_MLA_KERNEL]
+    for (batch, context), config in ((shape, c) for shape in FULL_CASES for c in configs):
         cache, query, common = _decode_batch(batch, context, dev, torch.bfloat16)
         meta, _ = _plans(common, dev, torch.bfloat16)
-        impl = _impl(DEFAULT_MLA_KERNEL)
+        impl = _impl(config)
         launch = impl.plan_launch(query, meta)
         o = query.new_empty(batch, NUM_HEADS, LATENT)
 
@@ -103,7 +108,8 @@ def main(path: str) -> None:
         kv = batch * context * (LATENT + ROPE) * 2
         part = 0 if launch.splits == 1 else batch * NUM_HEADS * launch.splits * (LATENT * 2 + 8) * 2
         row: dict[str, Any] = {
-            "batch": batch, "context": context, "splits": launch.splits, "kv_bytes": kv,
+            "variant": config.name, "batch": batch, "context": context,
+            "splits": launch.splits, "kv_bytes": kv,
             "partial_bytes_written_and_read": part,
             "forward_stream_ms": time_ms(fwd, dev), "decode_stream_ms": time_ms(dec, dev),
             "forward_graph_ms": graph_ms(fwd, dev), "decode_graph_ms": graph_ms(dec, dev),
@@ -122,4 +128,4 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2:])
