@@ -345,10 +345,6 @@ class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
             options["ROWSUM_2D"] = True
         if launch.heads_per_program != self.block_h:
             options["HEADS_PER_PROG"] = launch.heads_per_program
-        if not interp and (cfg.l2_prefetch_ahead or cfg.l2_prefetch_first):  # inline PTX
-            line = max(1, 128 // kv_cache.element_size())
-            options.update(PF_AHEAD=cfg.l2_prefetch_ahead, PF_FIRST=cfg.l2_prefetch_first,
-                           LINE_ELEMS=line, LINES_PAD=_next_pow2(-(-kv_cache.shape[-1] // line)))
         compiled = mla_decode_kernel[grid](
             out, part_acc, part_ml, counters, probe if probe is not None else counters,
             query, kv_cache, metadata.block_table,
@@ -356,7 +352,6 @@ class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
             self.num_heads, launch.splits, self.scale * 1.4426950408889634, launch.split_len,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             kv_cache.stride(0), kv_cache.stride(1), metadata.block_table.stride(0),
-            metadata.block_table.shape[0], metadata.block_table.shape[1], kv_cache.shape[0],
             LATENT=lat, LATENT_PAD=launch.lat_pad,
             LAT_SPLIT=min(cfg.lat_split, launch.lat_pad // 16), ROPE=rope,
             ROPE_PAD=max(16, _next_pow2(rope)), BLOCK_SIZE=kv_cache.shape[1],

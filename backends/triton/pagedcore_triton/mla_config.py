@@ -149,8 +149,6 @@ class MLAKernelConfig:
     rowsum_2d: bool = False
     merge_row_warps: int = 4
     merge_values: int = 64
-    l2_prefetch_ahead: int = 0
-    l2_prefetch_first: int = 0
 
     def launch_warps(self, splits: int, split_len: int) -> int:
         """``num_warps``, or `short_split_warps` for a split launch of short segments."""
@@ -184,9 +182,6 @@ class MLAKernelConfig:
             raise ValueError(f"narrow_heads must be None or a power of two, without "
                              f"fused_fanin (got {self.narrow_heads}, fused_fanin="
                              f"{self.fused_fanin})")
-        if self.l2_prefetch_ahead < 0 or self.l2_prefetch_first < 0:
-            raise ValueError(f"l2_prefetch_ahead and l2_prefetch_first count tiles (>= 0), got "
-                             f"{self.l2_prefetch_ahead} and {self.l2_prefetch_first}")
         for what, warps in (("num_warps", self.num_warps), ("merge_warps", self.merge_warps),
                             ("short_split_warps", self.short_split_warps or 1),
                             ("merge_row_warps", self.merge_row_warps)):
@@ -235,8 +230,7 @@ _SHIPPED_MERGE: dict[str, object] = dict(merge_row_pairs=256, merge_cols=32, mer
 #: ``x<max_splits>`` (when not 64), ``f`` (``split_first``), ``r<maxnreg>``, ``t<split
 #: target>`` (when not 264), ``u<fused_fanin>`` (merge fused into the split programs),
 #: ``h`` (``half_partials``), ``g<narrow_heads>``,
-#: ``d`` (``rowsum_2d``), ``rw<merge_row_warps>``, ``v<merge_values>`` (when not 64),
-#: ``y<l2_prefetch_ahead>``, ``z<l2_prefetch_first>``.
+#: ``d`` (``rowsum_2d``), ``rw<merge_row_warps>``, ``v<merge_values>`` (when not 64).
 MLA_KERNEL_CONFIGS: dict[str, MLAKernelConfig] = {
     c.name: c
     for c in (
@@ -248,13 +242,9 @@ MLA_KERNEL_CONFIGS: dict[str, MLAKernelConfig] = {
         # at 4 of the 5 bench shapes, 73.9-75.8 % at 4 x 32768 (docs/mla.md, tenth run).
         _default_like("n32s5c4pm64R256k64mw1dhrw2v128", merge_values=128,
                       **{**_SHIPPED_MERGE, "merge_cols": 64}),
-        # Eleventh run: L2 prefetch hints, every tile for the tile `y` ahead, and before the
-        # PDL wait for the first `z` tiles.
-        *(_default_like(f"n32s5c4pm64R256k64mw1dhrw2v128{suffix}", merge_values=128,
-                        l2_prefetch_ahead=ahead, l2_prefetch_first=first,
-                        **{**_SHIPPED_MERGE, "merge_cols": 64})
-          for suffix, ahead, first in (("y2", 2, 0), ("y4", 4, 0), ("y8", 8, 0), ("z2", 0, 2),
-                                       ("z4", 0, 4), ("y4z4", 4, 4))),
+        # Eleventh run (removed): L2 prefetch hints, every tile for a tile 2-8 ahead (12-28
+        # points slower) or for the first 2-4 tiles before the PDL wait (the decode alone up
+        # to +1.5 points, the whole forward 0.3-3 points slower).
         # The ninth run's default: 32-column merge slices, at most 64 values per merge
         # thread (72-73 % at 4 x 32768, the merge 2.7 us there instead of 2.1).
         _default_like("n32s5c4pm64R256k32mw1dhrw2", **_SHIPPED_MERGE),

@@ -51,7 +51,6 @@ from pagedcore_triton.mla_tiles import (
     _clock,
     _now,
     _peer_cols,
-    _prefetch_l2,
     _queries,
     _smid,
     _store_cols,
@@ -61,35 +60,6 @@ from pagedcore_triton.mla_tiles import (
 )
 
 __all__ = ["mla_cache_write_kernel", "mla_decode_kernel"]
-
-
-@triton.jit
-def _prefetch_first(cache_ptr, block_table_ptr, token_req_ptr, token_kv_len_ptr, split_len,
-                    stride_cb, stride_cs, stride_bt, num_table_rows, table_width,
-                    num_cache_blocks, ROW_ELEMS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    BLOCK_N: tl.constexpr, SPLIT_FIRST: tl.constexpr, TILES: tl.constexpr,
-                    LINE_ELEMS: tl.constexpr, LINES_PAD: tl.constexpr):
-    """L2 hints for this program's first `TILES` tiles, issued before the PDL wait. The
-    request, length and block ids may be stale there, so every index is clamped into its
-    tensor: a stale value only wastes a hint."""
-    if SPLIT_FIRST:
-        split = tl.program_id(0)
-        tok = tl.program_id(2)
-    else:
-        tok = tl.program_id(0)
-        split = tl.program_id(2)
-    req = tl.minimum(tl.maximum(tl.load(token_req_ptr + tok), 0), num_table_rows - 1)
-    start = split * split_len
-    end = tl.minimum(start + split_len, tl.load(token_kv_len_ptr + tok))
-    end = tl.minimum(end, table_width * BLOCK_SIZE)
-    table_row = block_table_ptr + req.to(tl.int64) * stride_bt
-    for j in tl.static_range(TILES):
-        offs_n = start + j * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = (offs_n < end) & (offs_n >= 0)
-        blk = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
-        blk = tl.minimum(tl.maximum(blk, 0), num_cache_blocks - 1)
-        row = blk.to(tl.int64) * stride_cb + (offs_n % BLOCK_SIZE).to(tl.int64) * stride_cs
-        _prefetch_l2(cache_ptr, row, n_mask, ROW_ELEMS, LINE_ELEMS, LINES_PAD)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -115,9 +85,6 @@ def mla_decode_kernel(
     stride_cb,
     stride_cs,
     stride_bt,
-    num_table_rows,
-    table_width,
-    num_cache_blocks,
     LATENT: tl.constexpr,
     LATENT_PAD: tl.constexpr,
     LAT_SPLIT: tl.constexpr,
@@ -134,10 +101,6 @@ def mla_decode_kernel(
     PROBE: tl.constexpr = False,
     HEADS_PER_PROG: tl.constexpr = 0,
     ROWSUM_2D: tl.constexpr = False,
-    PF_FIRST: tl.constexpr = 0,
-    PF_AHEAD: tl.constexpr = 0,
-    LINE_ELEMS: tl.constexpr = 64,
-    LINES_PAD: tl.constexpr = 16,
 ):
     """Grid ``(tokens, cdiv(H, BLOCK_H), num_splits)``, or ``(num_splits, cdiv(H, BLOCK_H),
     tokens)`` with `SPLIT_FIRST` (the splits of one token launched next to each other); see
@@ -161,12 +124,6 @@ def mla_decode_kernel(
     if PROBE:
         t_start = _now()
         c_start = _clock()
-    if PF_FIRST > 0:  # before the PDL wait: L2 hints for the first tiles (clamped addresses,
-        # since the metadata may still be changing; a hint never affects what is read after)
-        _prefetch_first(cache_ptr, block_table_ptr, token_req_ptr, token_kv_len_ptr, split_len,
-                        stride_cb, stride_cs, stride_bt, num_table_rows, table_width,
-                        num_cache_blocks, LATENT + ROPE, BLOCK_SIZE, BLOCK_N, SPLIT_FIRST,
-                        PF_FIRST, LINE_ELEMS, LINES_PAD)
     if USE_PDL:  # launched with programmatic dependent launch: inputs of the prior kernel
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -197,7 +154,7 @@ def mla_decode_kernel(
     m_i, l_i, acc0, acc1, acc2, acc3 = _attend(
         q_pe, q0, q1, q2, q3, cache_ptr, table_row, start, end, stride_cb, stride_cs,
         scale_log2, LATENT, LATENT_PAD, LAT_SPLIT, ROPE, ROPE_PAD, BLOCK_SIZE, BLOCK_H,
-        BLOCK_N, DOT_FP32, ROWSUM_2D, PF_AHEAD, LINE_ELEMS, LINES_PAD)
+        BLOCK_N, DOT_FP32, ROWSUM_2D)
     if PROBE:
         t_loop = _now()
 

@@ -19,7 +19,6 @@ __all__ = [
     "_load_cols",
     "_now",
     "_peer_cols",
-    "_prefetch_l2",
     "_queries",
     "_rows_of_tile",
     "_scores",
@@ -42,21 +41,6 @@ def _rows_of_tile(table_row, n0, end, stride_cb, stride_cs, BLOCK_SIZE: tl.const
     blk = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
     row = blk.to(tl.int64) * stride_cb + (offs_n % BLOCK_SIZE).to(tl.int64) * stride_cs
     return row, n_mask
-
-
-@triton.jit
-def _prefetch_l2(cache_ptr, row, n_mask, ROW_ELEMS: tl.constexpr, LINE_ELEMS: tl.constexpr,
-                 LINES_PAD: tl.constexpr):
-    """Ask L2 for the cache rows at element offsets `row` (where `n_mask`), one
-    ``prefetch.global.L2`` per 128-byte line (``LINE_ELEMS`` elements; ``ROW_ELEMS`` per row,
-    ``LINES_PAD`` a power of two >= the lines per row). A hint: no registers or shared memory
-    hold the data, and the loads that follow read whatever L2 then has. CUDA only."""
-    offs = tl.arange(0, LINES_PAD) * LINE_ELEMS
-    ptrs = cache_ptr + row[:, None] + offs[None, :]
-    on = (n_mask[:, None] & (offs < ROW_ELEMS)[None, :]).to(tl.int32)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-        "=r,l,r", [ptrs, on], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -202,15 +186,12 @@ def _attend(q_pe, q0, q1, q2, q3, cache_ptr, table_row, start, end, stride_cb, s
             scale_log2, LATENT: tl.constexpr, LATENT_PAD: tl.constexpr,
             LAT_SPLIT: tl.constexpr, ROPE: tl.constexpr, ROPE_PAD: tl.constexpr,
             BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-            DOT_FP32: tl.constexpr, ROWSUM_2D: tl.constexpr, PF_AHEAD: tl.constexpr = 0,
-            LINE_ELEMS: tl.constexpr = 64, LINES_PAD: tl.constexpr = 16):
+            DOT_FP32: tl.constexpr, ROWSUM_2D: tl.constexpr):
     """Online softmax over cache positions ``[start, end)`` (tiles of ``BLOCK_N``) of the
     request whose block-table row is `table_row`: ``(m, l, acc0..acc3)``, the base-2 row
     maxima and sums ``[BLOCK_H]`` and the unnormalised latent accumulators ``[BLOCK_H,
     LATENT_PAD // LAT_SPLIT]`` (unused chunks repeat the first). An empty range gives
-    ``m = -inf``, ``l = 0`` and zero accumulators. With ``PF_AHEAD > 0`` (CUDA only) the tile
-    ``PF_AHEAD`` tiles ahead is prefetched into L2 every tile (its block-table entries are
-    loaded a tile earlier, so the hint never waits on them)."""
+    ``m = -inf``, ``l = 0`` and zero accumulators."""
     CW: tl.constexpr = LATENT_PAD // LAT_SPLIT
     LP: tl.constexpr = LATENT_PAD != LATENT
     RP: tl.constexpr = ROPE_PAD != ROPE
@@ -224,14 +205,7 @@ def _attend(q_pe, q0, q1, q2, q3, cache_ptr, table_row, start, end, stride_cb, s
     if LAT_SPLIT == 4:
         acc2 = tl.zeros([BLOCK_H, CW], dtype=tl.float32)
         acc3 = tl.zeros([BLOCK_H, CW], dtype=tl.float32)
-    if PF_AHEAD > 0:
-        pf_row, pf_mask = _rows_of_tile(table_row, start + PF_AHEAD * BLOCK_N, end, stride_cb,
-                                        stride_cs, BLOCK_SIZE, BLOCK_N)
     for n0 in range(start, end, BLOCK_N):
-        if PF_AHEAD > 0:
-            _prefetch_l2(cache_ptr, pf_row, pf_mask, LATENT + ROPE, LINE_ELEMS, LINES_PAD)
-            pf_row, pf_mask = _rows_of_tile(table_row, n0 + (PF_AHEAD + 1) * BLOCK_N, end,
-                                            stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N)
         row, n_mask = _rows_of_tile(table_row, n0, end, stride_cb, stride_cs, BLOCK_SIZE,
                                     BLOCK_N)
         k_pe = _load_cols(cache_ptr + LATENT, row, n_mask, 0, ROPE, ROPE_PAD, RP)

@@ -43,8 +43,6 @@ def stats(spec: str) -> dict[str, Any]:
         "ROPE_PAD": 64, "BLOCK_SIZE": 16, "BLOCK_H": 16, "BLOCK_N": cfg.block_n,
         "WRITE_PARTIAL": True, "DOT_FP32": False, "USE_PDL": cfg.pdl, "SPLIT_FIRST": False,
         "FANIN": 0, "PROBE": False, "HEADS_PER_PROG": 0, "ROWSUM_2D": cfg.rowsum_2d,
-        "PF_FIRST": cfg.l2_prefetch_first, "PF_AHEAD": cfg.l2_prefetch_ahead,
-        "LINE_ELEMS": 64, "LINES_PAD": 16,
     }
     consts.update({k: int(v) for k, v in over.items() if k.isupper()})
     consts = {k: v for k, v in consts.items() if k in kernel.arg_names}
