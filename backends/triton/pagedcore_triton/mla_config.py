@@ -243,8 +243,8 @@ MLA_KERNEL_CONFIGS: dict[str, MLAKernelConfig] = {
         _default_like("n32s5c4pm64R256k64mw1dhrw2v128", merge_values=128,
                       **{**_SHIPPED_MERGE, "merge_cols": 64}),
         # Eleventh run (removed): L2 prefetch hints, every tile for a tile 2-8 ahead (12-28
-        # points slower) or for the first 2-4 tiles before the PDL wait (the decode alone up
-        # to +1.5 points, the whole forward 0.3-3 points slower).
+        # points slower), or for the first 2-4 tiles before the PDL wait (the forward +1.2-1.6
+        # points at the unsplit 256 x 1024, 0.5-3 slower where a merge kernel precedes it).
         # The ninth run's default: 32-column merge slices, at most 64 values per merge
         # thread (72-73 % at 4 x 32768, the merge 2.7 us there instead of 2.1).
         _default_like("n32s5c4pm64R256k32mw1dhrw2", **_SHIPPED_MERGE),
