@@ -176,7 +176,7 @@ def _kernel_part(
 
 
 def _echo_breakdown(row: dict[str, Any]) -> None:
-    keys = ("decode", "empty_decode", "merge", "forward")
+    keys = ("decode", "empty_decode", "merge", "forward", "forward_graph")
     parts = [f"{k} {row[f'{k}_ms'] * 1e3:.1f} us" for k in keys if f"{k}_ms" in row]
     pct = row.get("forward_pct_copy")
     click.echo(f"  breakdown {row['variant']:>10} {row['batch']}x{row['context']} "

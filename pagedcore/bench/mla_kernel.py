@@ -226,11 +226,13 @@ def breakdown_rows(
 ) -> list[dict[str, Any]]:
     """Per variant and shape (at the variant's own split target): device time of the decode
     kernel alone, of the merge kernel alone (split shapes) and of the whole ``forward``, so
-    that a shape's gap to the copy bandwidth can be put on one kernel or the other."""
+    that a shape's gap to the copy bandwidth can be put on one kernel or the other; on CUDA
+    also the ``forward`` replayed from a captured CUDA graph (``forward_graph_ms``), the way
+    the engine runs decode steps (back-to-back launches are the bench's headline figure)."""
     import attrs
     import torch
 
-    from pagedcore.bench.kernel_primitives import time_ms
+    from pagedcore.bench.kernel_primitives import graph_time_ms, time_ms
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows: list[dict[str, Any]] = []
@@ -257,10 +259,17 @@ def breakdown_rows(
                 row["merge_ms"] = time_ms(functools.partial(impl.launch_merge, launch, out),
                                           device)
             row["forward_ms"] = time_ms(_forward_fn(impl, query, cache, meta), device)
+            if device.type == "cuda":  # as the engine runs decode steps: a captured graph
+                try:
+                    row["forward_graph_ms"] = graph_time_ms(
+                        _forward_fn(impl, query, cache, meta), device)
+                except RuntimeError as exc:  # a variant that cannot be captured: say so
+                    row["forward_graph_error"] = f"{type(exc).__name__}: {exc}"
             if copy_gbps is not None:
-                for key in ("decode", "forward"):
-                    gbps = kv_bytes / row[f"{key}_ms"] / 1e6
-                    row[f"{key}_pct_copy"] = 100 * gbps / copy_gbps
+                for key in ("decode", "forward", "forward_graph"):
+                    if f"{key}_ms" in row:
+                        gbps = kv_bytes / row[f"{key}_ms"] / 1e6
+                        row[f"{key}_pct_copy"] = 100 * gbps / copy_gbps
             rows.append(row)
             if on_row is not None:
                 on_row(row)
