@@ -188,20 +188,20 @@ class _SplitEdgeMisreadBuilder(ReferenceMetadataBuilder):
     split-KV kernel with an off-by-one at the edges of its 2,048-row segments would. Only the
     full suite's 2,100-token contexts reach position 2047."""
 
-    def _group(
-        self,
-        common: CommonAttentionMetadata,
-        reqs: list[int],
-        query_len: int,
-        starts: list[int],
-        seq_lens: list[int],
-    ) -> RequestGroup:
-        group = super()._group(common, reqs, query_len, starts, seq_lens)
-        slots = group.slots.clone()
-        for i, r in enumerate(reqs):
-            for p in range(2047, seq_lens[r] - query_len - 1, 2048):
-                slots[i, p] = group.slots[i, p + 1]
-        return attrs.evolve(group, slots=slots)
+    def build(
+        self, common: CommonAttentionMetadata, *, common_prefix_len: int = 0
+    ) -> ReferenceMetadata:
+        plan = super().build(common, common_prefix_len=common_prefix_len)
+        return attrs.evolve(plan, groups=tuple(_misread_edges(g) for g in plan.groups))
+
+
+def _misread_edges(group: RequestGroup) -> RequestGroup:
+    """`group` with the slot of history position p + 1 read for p = 2047 (mod 2048)."""
+    slots = group.slots.clone()
+    for i, seq_len in enumerate(group.seq_lens.tolist()):
+        for p in range(2047, seq_len - group.query_len - 1, 2048):
+            slots[i, p] = group.slots[i, p + 1]
+    return attrs.evolve(group, slots=slots)
 
 
 IgnoresBlockTable = _backend("ignores_block_table", builder=_LogicalBlocksBuilder)
