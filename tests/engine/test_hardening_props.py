@@ -77,7 +77,9 @@ def sampling_kwargs(draw: st.DrawFn) -> tuple[dict[str, Any], set[str]]:
 
 @settings(max_examples=300, deadline=None)
 @given(sampling_kwargs())
-def test_sampling_params_reject_exactly_the_bad_fields(case: tuple[dict[str, Any], set[str]]) -> None:
+def test_sampling_params_reject_exactly_the_bad_fields(
+    case: tuple[dict[str, Any], set[str]],
+) -> None:
     kwargs, bad = case
     if not bad:
         params = SamplingParams(**kwargs)
