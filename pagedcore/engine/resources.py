@@ -34,7 +34,11 @@ def resolve_dtype(dtype: Any, device: torch.device) -> torch.dtype:
     name = aliases.get(str(dtype), str(dtype))
     resolved = getattr(torch, name, None)
     if name not in ("bfloat16", "float16", "float32") or not isinstance(resolved, torch.dtype):
-        raise ValueError(f"dtype {dtype!r} is not one of 'bfloat16', 'float16', 'float32'")
+        raise ValueError(
+            f"invalid LLM argument: dtype={dtype!r} is not one of 'bfloat16', 'float16', "
+            "'float32' (or a torch dtype of those); pass one of them, or None / 'auto' for the "
+            "device's default"
+        )
     return resolved
 
 

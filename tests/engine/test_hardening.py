@@ -181,6 +181,7 @@ BAD_ARGS = [
     ({"device": "foo"}, "device='foo' is not a device name"),
     ({"device": "meta"}, "'cpu' or 'cuda'"),
     ({"device": 1.5}, "device must be None"),
+    ({"dtype": "int8"}, "dtype='int8' is not one of"),
 ]
 
 
@@ -353,6 +354,16 @@ def test_failure_while_updating_outputs_leaves_no_orphan(
         llm.step()
     assert [o.outputs[0].finish_reason for o in info.value.outputs] == ["error"]
     assert not llm.has_unfinished_requests()
+    assert_no_leak(llm)
+
+
+def test_a_request_lost_by_the_scheduler_is_no_orphan(llm: LLM) -> None:
+    llm.add_request("lost", [5, 6, 7], GREEDY)
+    request = llm.scheduler.requests.pop("lost")  # what an internal bug could leave behind
+    llm.scheduler.waiting.remove(request)
+    assert not llm.has_unfinished_requests()  # a serving loop stops instead of spinning
+    with pytest.raises(KeyError):
+        llm.abort("lost")
     assert_no_leak(llm)
 
 
