@@ -29,6 +29,7 @@ from pagedcore.engine.request_checks import check_request, check_unique_ids
 from pagedcore.engine.sampler import Sampler
 from pagedcore.engine.sampling_params import SamplingParams
 from pagedcore.engine.scheduler import DecodeBatch, SchedulerOutput
+from pagedcore.engine.validation import InvalidArgumentTypeError, describe
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -278,7 +279,7 @@ class LLM(FailureIsolation, OfflineGeneration):
         """
         params = check_request(params, max_logprobs=self.max_logprobs, max_n=self.max_n)
         if not isinstance(request_id, str):
-            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+            raise InvalidArgumentTypeError(f"request_id must be a str, got {describe(request_id)}")
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         text, ids = self._tokenize(prompt)

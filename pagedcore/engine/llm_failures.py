@@ -67,8 +67,11 @@ class FailureIsolation:
         parents = (self._child_parent[r.request_id] for r in requests)
         return {p.request_id: p for p in parents}
 
-    def _fail_parents(self, parents: Iterable[ParentRequest], reason: str) -> list[Request]:
-        """Finish every sample of `parents` with an error (blocks freed); the failed ones."""
+    def _fail_parents(
+        self, parents: Iterable[ParentRequest], reason: str, *, finished_too: bool = False
+    ) -> list[Request]:
+        """Finish the unfinished samples of `parents` with an error (blocks freed), and with
+        `finished_too` the finished ones as well (their output is lost); the failed ones."""
         now = time.perf_counter()
         failed: list[Request] = []
         errors = self.scheduler.errors
@@ -77,11 +80,15 @@ class FailureIsolation:
             in_scheduler = [c for c in children if c.request_id in self.scheduler.requests]
             self.scheduler.fail(in_scheduler, reason, now=now)
             for child in children:
-                if child.status is not RequestStatus.FINISHED_ERROR:
+                if child.status is RequestStatus.FINISHED_ERROR:
+                    pass
+                elif finished_too or not child.status.finished:
                     child.status = RequestStatus.FINISHED_ERROR
+                else:
+                    continue
                 errors.setdefault(child.request_id, reason)
                 self.sampler.forget(child.request_id)
-            failed += children
+                failed.append(child)
         return failed
 
     def _fail_rows(self, row_errors: dict[str, str], *, now: float) -> list[Request]:
@@ -114,7 +121,7 @@ class FailureIsolation:
             out = build_output(parent, tokenizer=self.tokenizer, errors=self.scheduler.errors)
         except Exception as exc:
             reason = f"building the output failed: {type(exc).__name__}: {exc}"
-            self._fail_parents([parent], reason)
+            self._fail_parents([parent], reason, finished_too=True)
             out = build_output(parent, tokenizer=None, errors=self.scheduler.errors)
         if out.finished:
             self._parents.pop(parent.request_id, None)
