@@ -5,8 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "AuthenticationError",
     "BadRequestError",
     "EngineDeadError",
+    "NotFoundError",
+    "PayloadTooLargeError",
     "QueueFullError",
     "RequestFailedError",
     "ServeError",
@@ -51,6 +54,27 @@ class BadRequestError(ServeError):
     """The request cannot be served as given (HTTP 400)."""
 
     status = 400
+    type = "invalid_request_error"
+
+
+class NotFoundError(ServeError):
+    """An unknown model or route (HTTP 404)."""
+
+    status = 404
+    type = "not_found_error"
+
+
+class AuthenticationError(ServeError):
+    """A missing or wrong API key (HTTP 401)."""
+
+    status = 401
+    type = "authentication_error"
+
+
+class PayloadTooLargeError(ServeError):
+    """The request body is larger than the server accepts (HTTP 413)."""
+
+    status = 413
     type = "invalid_request_error"
 
 
