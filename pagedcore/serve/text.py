@@ -74,8 +74,11 @@ class IncrementalDetokenizer:
                 if chunk:
                     parts.append(chunk)
             return "".join(parts)
-        self._ids.extend(int(t) for t in token_ids)
-        return self._advance(final=False)
+        parts = []
+        for token_id in token_ids:  # one at a time: a partial character ends only the last
+            self._ids.append(int(token_id))
+            parts.append(self._advance(final=False))
+        return "".join(parts)
 
     def flush(self) -> str:
         """The text still held back (an incomplete character at the very end), at the finish."""
