@@ -66,6 +66,7 @@ class LiveServer:
     def __init__(self, model: str, *, max_waiting: int = 1024, api_key: str | None = None,
                  **llm_kwargs: Any) -> None:
         llm_kwargs.setdefault("device", "cpu")
+        self.model = model
         self.llm = LLM(model, **llm_kwargs)
         self.tokenizer = self.llm.tokenizer
         self.engine = AsyncEngine(self.llm, max_waiting=max_waiting)
