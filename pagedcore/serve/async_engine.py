@@ -341,8 +341,10 @@ class AsyncEngine:
                 if done:
                     return
         finally:
-            if not done:
+            if not done:  # the consumer went away (client disconnect, task cancelled)
                 self._commands.put(("abort", rid))
+                if self.metrics is not None:
+                    self.metrics.finished("abort")
             self.release(1)
 
     def _record(self, start: float, first_token: float | None, num_prompt: int,
