@@ -76,7 +76,7 @@ class ServeMetrics:
         from prometheus_client import CollectorRegistry, Counter, Histogram
 
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(snapshot, model_name))  # type: ignore[arg-type]
+        self.registry.register(_EngineCollector(snapshot, model_name))
         self._label = model_name
         kw: dict[str, Any] = {"labelnames": ["model_name"], "registry": self.registry}
         self.ttft = Histogram("pagedcore:time_to_first_token_seconds",

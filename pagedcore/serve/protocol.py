@@ -94,8 +94,8 @@ class CompletionRequest(_SamplingFields):
             raise BadRequestError("prompt is empty; give a string, token ids or a list of them",
                                   param="prompt")
         if isinstance(p[0], int):
-            return [list(p)]  # type: ignore[arg-type]
-        return list(p)  # type: ignore[arg-type]
+            return [list(p)]
+        return list(p)
 
 
 class _TextPart(_Body):
