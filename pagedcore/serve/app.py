@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -70,6 +70,7 @@ def build_app(
     max_n: int | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     shutdown_timeout: float = 30.0,
+    on_shutdown: Callable[[str], None] | None = None,
 ) -> FastAPI:
     """The server's FastAPI application over a (not yet started) `AsyncEngine`.
 
@@ -89,6 +90,8 @@ def build_app(
         Most samples per prompt (None: the engine's ``max_num_seqs``).
     max_body_bytes:
         Larger bodies get 413.
+    on_shutdown:
+        Called with a one-line summary once the engine has stopped.
     """
     if not model_names:
         raise ValueError("model_names must name at least one model")
@@ -101,7 +104,11 @@ def build_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
         yield
+        in_flight = engine.num_in_flight
         await engine.shutdown(timeout=shutdown_timeout)
+        if on_shutdown is not None:
+            on_shutdown(f"engine stopped ({in_flight} request(s) in flight at shutdown, "
+                        f"{engine.num_in_flight} aborted)")
 
     app = FastAPI(title="pagedcore", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.engine = engine

@@ -118,7 +118,8 @@ def serve(model: str, host: str, port: int, served_model_names: tuple[str, ...],
     engine = AsyncEngine(llm, max_waiting=max_waiting, metrics=metrics)
     engine_ref.append(engine)
     app = build_app(engine, model_names=names, api_key=api_key, metrics=metrics,
-                    max_body_bytes=max_request_bytes, shutdown_timeout=shutdown_timeout)
+                    max_body_bytes=max_request_bytes, shutdown_timeout=shutdown_timeout,
+                    on_shutdown=lambda line: click.echo(f"pagedcore serve: {line}", err=True))
     click.echo(f"pagedcore serve: {names[0]} ({llm.model_name}, backend "
                f"{', '.join(sorted(set(llm.backend_names)))}, device {llm.device}, "
                f"max_model_len {llm.max_model_len}) on http://{host}:{port}", err=True)
