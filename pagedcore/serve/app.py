@@ -8,9 +8,10 @@ keeps serving after any of them.
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,9 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "build_app"]
 
+#: Seconds between checks that the client of a non-streaming request is still there.
+_DISCONNECT_POLL_S = 0.25
+
 #: Largest request body accepted (a model-length prompt of token ids is far smaller).
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 
@@ -59,6 +63,23 @@ async def _read_body(request: Request, limit: int) -> bytes:
             "send a shorter prompt (or start the server with a larger --max-request-bytes)",
             code="request_too_large")
     return b"".join(chunks)
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[dict[str, Any]]) -> Response:
+    """Await a non-streaming response; if the client goes away first, cancel it (which
+    aborts its engine requests) instead of generating for nobody."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+            if done:
+                return JSONResponse(task.result())
+            if await request.is_disconnected():
+                task.cancel()
+                return Response(status_code=499)  # nobody reads it (nginx's "client closed")
+    finally:
+        if not task.done():
+            task.cancel()
 
 
 def build_app(
@@ -147,7 +168,8 @@ def build_app(
         if body.stream:
             return StreamingResponse(serving.completion_stream(body, fan, prompts),
                                      media_type="text/event-stream")
-        return JSONResponse(await serving.completion_response(body, fan, prompts))
+        return await _unless_disconnected(request,
+                                          serving.completion_response(body, fan, prompts))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -157,7 +179,7 @@ def build_app(
         if body.stream:
             return StreamingResponse(serving.chat_stream(body, fan, prompts),
                                      media_type="text/event-stream")
-        return JSONResponse(await serving.chat_response(body, fan, prompts))
+        return await _unless_disconnected(request, serving.chat_response(body, fan, prompts))
 
     created = int(time.time())
 

@@ -140,3 +140,20 @@ def test_queue_full_answers_503_and_loses_nothing() -> None:
         assert f'pagedcore:request_refused_total{{model_name="m"}} {len(refused)}.0' in metrics
     finally:
         server.stop()
+
+
+def test_non_streaming_client_that_leaves_is_aborted(demo_server: LiveServer) -> None:
+    aborted = _count(demo_server, "abort")
+
+    async def run() -> None:
+        async with httpx.AsyncClient(timeout=0.3) as client:
+            body = {"model": "m", "prompt": "leave", "max_tokens": 240, "ignore_eos": True}
+            try:
+                await client.post(demo_server.url + "/v1/completions", json=body)
+            except httpx.TimeoutException:
+                pass  # the client gives up and closes the connection
+
+    asyncio.run(run())
+    _wait_idle(demo_server, timeout=5.0)
+    assert _count(demo_server, "abort") == aborted + 1
+    assert demo_server.llm.kv_cache_manager.usage == 0.0
