@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -30,6 +31,7 @@ from pagedcore.serve.errors import (
     EngineDeadError,
     QueueFullError,
     RequestFailedError,
+    ServeError,
     ShuttingDownError,
 )
 from pagedcore.serve.text import IncrementalDetokenizer, StopStringMatcher
@@ -146,6 +148,7 @@ class AsyncEngine:
         self._in_flight = 0
         self._accepting = True
         self._dead: str | None = None
+        self._loop_done = False
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stats: dict[str, Any] = {"running": 0, "waiting": 0}
@@ -295,6 +298,12 @@ class AsyncEngine:
         done = False
         try:
             self._commands.put(("add", rid, list(prompt_token_ids), params, stream))
+            if self._loop_done:
+                # The loop ended before or while we queued: it may never read the command
+                # (it sets the flag before its final drain, so one of the two answers).
+                done = True
+                raise EngineDeadError(f"the engine stopped after a failure: {self._dead}") \
+                    if self._dead else ShuttingDownError("the server shut down")
             while True:
                 item = await stream.queue.get()
                 while not stream.queue.empty():  # outputs are cumulative: the latest is enough
@@ -376,6 +385,7 @@ class AsyncEngine:
                 while command is not None:
                     if command[0] == "stop":
                         self._abort_all()
+                        self._finish_loop(ShuttingDownError("the server shut down"))
                         return
                     self._handle(command)
                     try:
@@ -391,7 +401,19 @@ class AsyncEngine:
             for stream in self._streams.values():
                 stream.put(error)
             self._streams.clear()
-            raise
+            self._finish_loop(error)
+            logging.getLogger(__name__).exception("the engine loop stopped")
+
+    def _finish_loop(self, error: ServeError) -> None:
+        """Answer the commands still queued (requests nobody will run) as the loop ends."""
+        self._loop_done = True  # set before draining: see `generate`
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                command[4].put(error)
 
     def _handle(self, command: tuple[Any, ...]) -> None:
         llm = self.llm
