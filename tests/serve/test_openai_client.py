@@ -134,3 +134,24 @@ def test_chat_sync_async_streaming_equal_generate(chat_server: LiveServer) -> No
         return text, chunks[-1].choices[0].finish_reason
 
     assert asyncio.run(stream()) == (ref_text, ref.outputs[0].finish_reason)
+
+
+def test_chat_logprobs_and_stop(chat_server: LiveServer) -> None:
+    client = _client(chat_server)
+    messages = [{"role": "user", "content": "café"}]
+    full = client.chat.completions.create(model="m", messages=messages,  # type: ignore[arg-type]
+                                          max_tokens=10, temperature=0, logprobs=True,
+                                          top_logprobs=3, extra_body={"ignore_eos": True})
+    content = full.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == full.usage.completion_tokens  # type: ignore[union-attr]
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.logprob == pytest.approx(max(t.logprob for t in entry.top_logprobs))
+    text = full.choices[0].message.content or ""
+    if len(text) >= 4:  # random weights: cut at a piece of what greedy decoding produced
+        stop = text[2:4]
+        cut = client.chat.completions.create(model="m", messages=messages,  # type: ignore[arg-type]
+                                             max_tokens=10, temperature=0, stop=stop,
+                                             extra_body={"ignore_eos": True})
+        assert cut.choices[0].message.content == text[: text.find(stop)]
+        assert cut.choices[0].finish_reason == "stop"
