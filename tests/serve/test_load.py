@@ -46,9 +46,13 @@ async def _stream(client: httpx.AsyncClient, url: str, prompt: str, *,
 
 
 def _wait_idle(server: LiveServer, timeout: float = 30.0) -> None:
+    """Wait until the engine thread has processed every finish and abort (the engine state is
+    read from this thread only to poll)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if server.engine.num_in_flight == 0 and server.engine.stats()["running"] == 0:
+        if (server.engine.num_in_flight == 0 and not server.llm.has_unfinished_requests()
+                and server.engine.stats()["running"] == 0):
+            time.sleep(0.1)  # the engine thread may still be inside its last call
             return
         time.sleep(0.05)
     raise AssertionError(f"still in flight: {server.engine.num_in_flight}")
