@@ -21,7 +21,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -99,6 +99,12 @@ class _Stream:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
+
+
+def _deliver(batch: list[tuple[_Stream, Any]]) -> None:
+    """On the event loop: put each output on its request's queue."""
+    for stream, item in batch:
+        stream.queue.put_nowait(item)
 
 
 class AsyncEngine:
@@ -256,7 +262,7 @@ class AsyncEngine:
         include_stop_str_in_output: bool = False,
         skip_special_tokens: bool = True,
         reserved: bool = False,
-    ) -> AsyncIterator[StreamDelta]:
+    ) -> AsyncGenerator[StreamDelta, None]:
         """Run one sequence (``params.n == 1``); yield a `StreamDelta` whenever it advances.
 
         Parameters
@@ -440,13 +446,21 @@ class AsyncEngine:
             outputs = self.llm.step()
         except EngineStepError as exc:
             outputs = exc.outputs
+        # One hand-over per event loop per step (not one per request): each costs a wake-up
+        # of the loop, and a step may advance hundreds of requests.
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, Any]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            stream.put(out)
+            batches.setdefault(stream.loop, []).append((stream, out))
             if out.finished:
                 del self._streams[out.request_id]
+        for loop, batch in batches.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:  # that event loop is closed: nobody is listening any more
+                pass
 
     def _abort_all(self) -> None:
         for rid, stream in list(self._streams.items()):

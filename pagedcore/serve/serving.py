@@ -68,6 +68,13 @@ class FanIn:
         engine.reserve(len(self.seqs))
         self._unstarted = len(self.seqs)
 
+    def __del__(self) -> None:
+        # Admitted but never iterated (e.g. the client left before its response started):
+        # give the slots back, or they would be lost for good.
+        if getattr(self, "_unstarted", 0):
+            self.engine.release(self._unstarted)
+            self._unstarted = 0
+
     async def _pump(self, seq: Sequence_, out: asyncio.Queue[Any], rid: str) -> None:
         self._unstarted -= 1  # generate releases this slot from here on
         try:
@@ -78,8 +85,19 @@ class FanIn:
             out.put_nowait((seq.index, exc))
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, StreamDelta]]:
-        out: asyncio.Queue[Any] = asyncio.Queue()
         base = uuid.uuid4().hex[:16]
+        if len(self.seqs) == 1:  # the common case: no task, no second queue
+            seq = self.seqs[0]
+            self._unstarted = 0  # generate releases the slot from here on
+            deltas = self.engine.generate(seq.prompt_token_ids, seq.params,
+                                          request_id=f"{base}-0", reserved=True, **self._kw)
+            try:
+                async for delta in deltas:
+                    yield seq.index, delta
+            finally:
+                await deltas.aclose()
+            return
+        out: asyncio.Queue[Any] = asyncio.Queue()
         tasks = [asyncio.ensure_future(self._pump(s, out, f"{base}-{s.index}"))
                  for s in self.seqs]
         remaining = len(tasks)

@@ -161,3 +161,17 @@ def test_non_streaming_client_that_leaves_is_aborted(demo_server: LiveServer) ->
     _wait_idle(demo_server, timeout=5.0)
     assert _count(demo_server, "abort") == aborted + 1
     assert demo_server.llm.kv_cache_manager.usage == 0.0
+
+
+def test_admitted_but_never_started_gives_its_slots_back(demo_server: LiveServer) -> None:
+    from pagedcore.serve.serving import FanIn
+
+    engine = demo_server.engine
+    before = engine.num_in_flight
+    fan = FanIn(engine, [], stop=[], include_stop_str_in_output=False,
+                skip_special_tokens=True)
+    fan._unstarted = 3  # as if three sequences were admitted
+    engine.reserve(3)
+    assert engine.num_in_flight == before + 3
+    del fan
+    assert engine.num_in_flight == before
