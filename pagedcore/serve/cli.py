@@ -110,8 +110,8 @@ def serve(model: str, host: str, port: int, served_model_names: tuple[str, ...],
                   kv_cache_memory_bytes=_parse_memory(kv_cache_memory),
                   gpu_memory_utilization=gpu_memory_utilization,
                   tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager)
-    except ValueError as exc:
-        raise click.ClickException(str(exc)) from exc
+    except ValueError as exc:  # a user mistake (model, lengths, KV budget): exit status 2
+        raise click.UsageError(str(exc)) from exc
     names = list(served_model_names) or [model]
     engine_ref: list[AsyncEngine] = []
     metrics = ServeMetrics(names[0], lambda: engine_ref[0].stats())
