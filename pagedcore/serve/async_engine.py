@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 import queue
 import threading
 import time
@@ -26,12 +25,12 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from pagedcore.serve.engine_thread import EngineThread, RequestStream
 from pagedcore.serve.errors import (
     BadRequestError,
     EngineDeadError,
     QueueFullError,
     RequestFailedError,
-    ServeError,
     ShuttingDownError,
 )
 from pagedcore.serve.text import IncrementalDetokenizer, StopStringMatcher
@@ -43,9 +42,6 @@ if TYPE_CHECKING:
     from pagedcore.serve.metrics import ServeMetrics
 
 __all__ = ["AsyncEngine", "StreamDelta"]
-
-#: Seconds between two stats snapshots of the engine thread (for /metrics).
-_STATS_INTERVAL = 0.05
 
 
 @attrs.frozen(kw_only=True)
@@ -84,30 +80,7 @@ class StreamDelta:
     num_generated_tokens: int
 
 
-class _Stream:
-    """The asyncio side of one request: the queue its outputs arrive on."""
-
-    __slots__ = ("loop", "queue")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.queue: asyncio.Queue[Any] = asyncio.Queue()
-
-    def put(self, item: Any) -> None:
-        """Hand `item` over from the engine thread (safe from any thread)."""
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
-
-
-def _deliver(batch: list[tuple[_Stream, Any]]) -> None:
-    """On the event loop: put each output on its request's queue."""
-    for stream, item in batch:
-        stream.queue.put_nowait(item)
-
-
-class AsyncEngine:
+class AsyncEngine(EngineThread):
     """An `LLM` driven by a background thread, for asyncio servers.
 
     Parameters
@@ -149,7 +122,7 @@ class AsyncEngine:
         self.metrics = metrics
         self.retry_after = retry_after
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._lock = threading.Lock()
         self._in_flight = 0
         self._accepting = True
@@ -295,7 +268,7 @@ class AsyncEngine:
         if not reserved:
             self.reserve(1)
         rid = request_id if request_id is not None else f"serve-{next(self._ids)}"
-        stream = _Stream(asyncio.get_running_loop())
+        stream = RequestStream(asyncio.get_running_loop())
         detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=skip_special_tokens)
         matcher = StopStringMatcher(stop, include_stop_str_in_output=include_stop_str_in_output)
         start = time.perf_counter()
@@ -376,105 +349,3 @@ class AsyncEngine:
             if num_generated > 1:
                 metrics.tpot.observe((end - first_token) / (num_generated - 1))
         metrics.finished(reason or "abort")
-
-    # ---- the engine thread -----------------------------------------------------------------
-
-    def _run(self) -> None:
-        llm = self.llm
-        try:
-            while True:
-                block = not llm.has_unfinished_requests()
-                try:
-                    command = self._commands.get(block=block)
-                except queue.Empty:
-                    command = None
-                while command is not None:
-                    if command[0] == "stop":
-                        self._abort_all()
-                        self._finish_loop(ShuttingDownError("the server shut down"))
-                        return
-                    self._handle(command)
-                    try:
-                        command = self._commands.get_nowait()
-                    except queue.Empty:
-                        command = None
-                if llm.has_unfinished_requests():
-                    self._step()
-                self._snapshot(force=not llm.has_unfinished_requests())
-        except BaseException as exc:
-            self._dead = f"{type(exc).__name__}: {exc}"
-            error = EngineDeadError(f"the engine stopped after a failure: {self._dead}")
-            for stream in self._streams.values():
-                stream.put(error)
-            self._streams.clear()
-            self._finish_loop(error)
-            logging.getLogger(__name__).exception("the engine loop stopped")
-
-    def _finish_loop(self, error: ServeError) -> None:
-        """Answer the commands still queued (requests nobody will run) as the loop ends."""
-        self._loop_done = True  # set before draining: see `generate`
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if command[0] == "add":
-                command[4].put(error)
-
-    def _handle(self, command: tuple[Any, ...]) -> None:
-        llm = self.llm
-        if command[0] == "add":
-            _, rid, ids, params, stream = command
-            try:
-                llm.add_request(rid, ids, params)
-            except (ValueError, TypeError) as exc:
-                stream.put(BadRequestError(str(exc), param="prompt"))
-                return
-            self._streams[rid] = stream
-        elif command[0] == "abort":
-            rid = command[1]
-            if self._streams.pop(rid, None) is not None:
-                try:
-                    llm.abort(rid)
-                except KeyError:  # it finished in the meantime
-                    pass
-
-    def _step(self) -> None:
-        from pagedcore.engine.errors import EngineStepError
-
-        try:
-            outputs = self.llm.step()
-        except EngineStepError as exc:
-            outputs = exc.outputs
-        # One hand-over per event loop per step (not one per request): each costs a wake-up
-        # of the loop, and a step may advance hundreds of requests.
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, Any]]] = {}
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue
-            batches.setdefault(stream.loop, []).append((stream, out))
-            if out.finished:
-                del self._streams[out.request_id]
-        for loop, batch in batches.items():
-            try:
-                loop.call_soon_threadsafe(_deliver, batch)
-            except RuntimeError:  # that event loop is closed: nobody is listening any more
-                pass
-
-    def _abort_all(self) -> None:
-        for rid, stream in list(self._streams.items()):
-            try:
-                stream.put(self.llm.abort(rid))
-            except KeyError:
-                pass
-        self._streams.clear()
-        self._snapshot(force=True)
-
-    def _snapshot(self, *, force: bool = False) -> None:
-        now = time.monotonic()
-        if force or now - self._stats_time >= _STATS_INTERVAL:
-            self._stats_time = now
-            stats = self.llm.stats()
-            stats.pop("cudagraph", None)
-            self._stats = stats
