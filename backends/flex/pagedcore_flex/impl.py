@@ -1,0 +1,168 @@
+"""`FlexImpl`: one layer's attention through ``flex_attention`` over the packed keys."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from pagedcore.attention.backend import AttentionImpl
+from pagedcore.reference.impl import check_kv_cache
+from pagedcore.reference.ops import write_slots
+from pagedcore_flex.metadata import FlexMetadata
+
+__all__ = ["FlexImpl"]
+
+
+def _eager_flex(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """``flex_attention`` without compilation, minus its "not compiled" warning (eager is the
+    documented choice on CPU, where one compile takes ~30 s)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        out: torch.Tensor = flex_attention(*args, **kwargs)
+    return out
+
+
+class FlexImpl(AttentionImpl[FlexMetadata]):
+    """Gathers the step's keys once per layer and runs one ``flex_attention`` call.
+
+    See `AttentionImpl` for the parameters; only ``kv_cache_dtype="auto"`` is accepted. On
+    CUDA ``flex_attention`` runs compiled (one ``torch.compile`` per padded shape bucket, the
+    compiled callable kept by this impl); on CPU it runs eagerly in float32.
+    """
+
+    def check_supported(self) -> None:
+        if self.kv_cache_dtype != "auto":
+            raise ValueError(
+                f"the flex backend stores the KV cache in the model dtype only "
+                f"(kv_cache_dtype='auto'), got {self.kv_cache_dtype!r}"
+            )
+
+    def setup(self) -> None:
+        self._compiled: Callable[..., torch.Tensor] | None = None
+
+    def _flex_for(self, device: torch.device) -> Callable[..., torch.Tensor]:
+        if device.type != "cuda":
+            return _eager_flex
+        if self._compiled is None:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            # dynamic=False: one graph per padded bucket (few: powers of two), no symbolic
+            # shapes; torch.compile keeps them keyed by shape.
+            self._compiled = torch.compile(flex_attention, dynamic=False)
+        return self._compiled
+
+    def score_mod(self, metadata: FlexMetadata, device: torch.device) -> Any:
+        """The flex ``score_mod`` for soft-cap then ALiBi (None when neither is set)."""
+        cap = self.logits_soft_cap
+        slopes = self.alibi_slopes_on(device)
+        if cap is None and slopes is None:
+            return None
+        q_pos, kv_pos = metadata.q_pos, metadata.kv_pos
+
+        def mod(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+            if cap is not None:
+                score = cap * torch.tanh(score / cap)
+            if slopes is not None:
+                score = score + slopes[h] * (kv_pos[kv_idx] - q_pos[q_idx]).to(score.dtype)
+            return score
+
+        return mod
+
+    def do_kv_cache_update(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Write ``key``/``value`` ``[T, Hkv, D]`` to their slots; ``-1`` slots are skipped.
+
+        `kv_cache` is ``[2, num_blocks, block_size, Hkv, D]``; index 0 holds K, 1 holds V.
+        """
+        check_kv_cache(kv_cache, self.num_kv_heads, self.head_size)
+        if key.shape != value.shape or key.shape[0] != slot_mapping.shape[0]:
+            raise ValueError(
+                f"key {tuple(key.shape)}, value {tuple(value.shape)} and slot_mapping "
+                f"{tuple(slot_mapping.shape)} must agree on [T, Hkv, D] / [T]"
+            )
+        write_slots(kv_cache[0], key, slot_mapping)
+        write_slots(kv_cache[1], value, slot_mapping)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: FlexMetadata,
+        *,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention for the flattened batch; see `AttentionImpl.forward`.
+
+        Parameters
+        ----------
+        query:
+            ``[T, Hq, D]`` in the model dtype.
+        key, value:
+            ``[T, Hkv, D]``; unused (this step's K/V is read back from the cache).
+        kv_cache:
+            ``[2, num_blocks, block_size, Hkv, D]``.
+        metadata:
+            From `FlexMetadataBuilder.build`.
+        output:
+            Optional ``[T, Hq, D]`` buffer; padding rows are left untouched.
+
+        Returns
+        -------
+        torch.Tensor
+            ``[T, Hq, D]`` in ``query.dtype`` (`output` when given); padding rows are zero
+            when `output` is None.
+        """
+        check_kv_cache(kv_cache, self.num_kv_heads, self.head_size)
+        if query.dim() != 3 or query.shape[1:] != (self.num_heads, self.head_size):
+            raise ValueError(
+                f"query has shape {tuple(query.shape)}, expected [T, {self.num_heads}, "
+                f"{self.head_size}]"
+            )
+        device = query.device
+        # Eager flex on CPU runs in float32 (the half-precision CPU path loses too much);
+        # compiled CUDA flex keeps the model dtype and accumulates in float32 itself.
+        work_dtype = query.dtype if device.type == "cuda" else torch.float32
+        n = metadata.num_actual_tokens
+        t_pad = metadata.padded_query_len
+        live = metadata.kv_live(self.sliding_window)[:, None, None]
+        flat_shape = (-1, self.num_kv_heads, self.head_size)
+        zero = torch.zeros((), dtype=work_dtype, device=device)
+        # Rows no query can see are zeroed: eager flex computes 0 * V there, and the null
+        # block or an out-of-window block may hold NaN.
+        k = torch.where(
+            live, kv_cache[0].view(flat_shape).index_select(0, metadata.kv_slots).to(work_dtype),
+            zero,
+        )
+        v = torch.where(
+            live, kv_cache[1].view(flat_shape).index_select(0, metadata.kv_slots).to(work_dtype),
+            zero,
+        )
+        q = torch.zeros(t_pad, self.num_heads, self.head_size, dtype=work_dtype, device=device)
+        q[:n] = query[:n]
+        flex = self._flex_for(device)
+        out = flex(
+            q.transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
+            score_mod=self.score_mod(metadata, device),
+            block_mask=metadata.block_mask(self.sliding_window),
+            scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        rows = out[0].transpose(0, 1)[:n]
+        if output is None:
+            output = torch.zeros_like(query)
+        output[:n] = rows.to(output.dtype)
+        return output
