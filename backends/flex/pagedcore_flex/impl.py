@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +28,26 @@ def _eager_flex(*args: Any, **kwargs: Any) -> torch.Tensor:
     return out
 
 
+#: Compiled graphs allowed for flex_attention: one per (bucket pair, dtype, head layout,
+#: score_mod variant); dynamo's default (8) would silently fall back to eager past it.
+RECOMPILE_LIMIT = 64
+
+
+def _recompile_room(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """Raise dynamo's recompile limit for the duration of a compiled flex call (CUDA only)."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    if not hasattr(config, name):
+        return contextlib.nullcontext()
+    limits: dict[str, Any] = {name: RECOMPILE_LIMIT}
+    patch: contextlib.AbstractContextManager[object] = config.patch(**limits)
+    return patch
+
+
 class FlexImpl(AttentionImpl[FlexMetadata]):
     """Gathers the step's keys once per layer and runs one ``flex_attention`` call.
 
@@ -36,6 +57,14 @@ class FlexImpl(AttentionImpl[FlexMetadata]):
     """
 
     def check_supported(self) -> None:
+        from pagedcore_flex.backend import FlexBackend
+
+        heads = FlexBackend.supported_head_sizes or ()
+        if self.head_size not in heads:
+            raise ValueError(
+                f"head size {self.head_size} is not supported by the flex backend (supports "
+                f"{', '.join(map(str, heads))}); choose another backend"
+            )
         if self.kv_cache_dtype != "auto":
             raise ValueError(
                 f"the flex backend stores the KV cache in the model dtype only "
@@ -152,15 +181,16 @@ class FlexImpl(AttentionImpl[FlexMetadata]):
         q = torch.zeros(t_pad, self.num_heads, self.head_size, dtype=work_dtype, device=device)
         q[:n] = query[:n]
         flex = self._flex_for(device)
-        out = flex(
-            q.transpose(0, 1).unsqueeze(0),
-            k.transpose(0, 1).unsqueeze(0),
-            v.transpose(0, 1).unsqueeze(0),
-            score_mod=self.score_mod(metadata, device),
-            block_mask=metadata.block_mask(self.sliding_window),
-            scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )
+        with _recompile_room(device):
+            out = flex(
+                q.transpose(0, 1).unsqueeze(0),
+                k.transpose(0, 1).unsqueeze(0),
+                v.transpose(0, 1).unsqueeze(0),
+                score_mod=self.score_mod(metadata, device),
+                block_mask=metadata.block_mask(self.sliding_window),
+                scale=self.scale,
+                enable_gqa=self.num_heads != self.num_kv_heads,
+            )
         rows = out[0].transpose(0, 1)[:n]
         if output is None:
             output = torch.zeros_like(query)

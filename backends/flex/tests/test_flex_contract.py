@@ -71,6 +71,8 @@ def test_declarations_match_selection() -> None:
         FlexBackend.get_kv_cache_shape(5, 16, 2, 64, "fp8_e4m3")
     with pytest.raises(ValueError, match="kv_cache_dtype='auto'"):
         FlexImpl(4, HEAD, 0.25, num_kv_heads=2, kv_cache_dtype="fp8_e5m2")
+    with pytest.raises(ValueError, match="head size 80 is not supported by the flex backend"):
+        FlexImpl(4, 80, 0.25, num_kv_heads=2)
 
 
 def test_bucket_lengths() -> None:
@@ -161,3 +163,19 @@ def test_masked_nan_rows_would_leak_without_zeroing(monkeypatch: pytest.MonkeyPa
     flex, _ = run_both([(9, 3)], [[1, 2, 3, 0]], sliding_window=3)
     assert torch.isnan(flex).any()
 
+
+
+def test_compiled_calls_get_room_for_every_bucket() -> None:
+    """Dynamo's default recompile limit (8) would drop compiled flex to eager silently after
+    a few buckets; compiled (CUDA) calls run with a higher one, eager calls untouched."""
+    import torch._dynamo
+    from pagedcore_flex.impl import RECOMPILE_LIMIT, _recompile_room
+
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    before = getattr(config, name)
+    with _recompile_room(torch.device("cuda")):
+        assert getattr(config, name) == RECOMPILE_LIMIT
+    with _recompile_room(torch.device("cpu")):
+        assert getattr(config, name) == before
+    assert getattr(config, name) == before
