@@ -7,7 +7,7 @@ OUT=${OUT:?set OUT to a writable directory}
 mkdir -p "$OUT"
 python -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
 pagedcore backends | grep -E "flex|triton" || true
-echo "== recompiles within one bucket (expect compiles == number of distinct buckets)"
+echo "== recompiles within one bucket, and the gather's share of a forward"
 python backends/flex/tools/recompile_check.py 2>&1 | tee "$OUT/recompiles_flex.txt"
 echo "== full conformance"
 time pagedcore conformance flex --json "$OUT/conformance_flex_h200.json"

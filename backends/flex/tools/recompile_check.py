@@ -1,4 +1,5 @@
-"""Count torch.compile graphs over steps of changing lengths (GPU check, not a CI test).
+"""Count torch.compile graphs over steps of changing lengths, and time the K/V gather's share
+of a forward (GPU check, not a CI test).
 
 Steps whose padded query / key lengths fall into the same buckets must reuse the compiled
 flex kernel: prints the buckets seen and dynamo's compile counters, and exits 1 when more
@@ -60,6 +61,22 @@ def main() -> int:
         impl.forward(q, q[:, :HKV], q[:, :HKV], cache, md)
         torch.cuda.synchronize()
         print(f"step {i}: buckets {sorted(buckets)} {1e3 * (time.perf_counter() - t0):.1f} ms")
+    # The gather's share of a warm forward (the design's one copy: sum(seq_lens) rows of K, V).
+    flat = cache[0].view(-1, HKV, D)
+    reps = 20
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        flat.index_select(0, md.kv_slots)
+        cache[1].view(-1, HKV, D).index_select(0, md.kv_slots)
+    torch.cuda.synchronize()
+    gather_ms = 1e3 * (time.perf_counter() - t0) / reps
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        impl.forward(q, q[:, :HKV], q[:, :HKV], cache, md)
+    torch.cuda.synchronize()
+    forward_ms = 1e3 * (time.perf_counter() - t0) / reps
+    print(f"32 decodes x ~950 keys: gather {gather_ms:.3f} ms of forward {forward_ms:.3f} ms")
     unique = counters["stats"]["unique_graphs"]
     print(f"buckets {sorted(buckets)}; dynamo unique_graphs {unique}; "
           f"frames {dict(counters['frames'])}")
