@@ -97,7 +97,8 @@ class FlexImpl(AttentionImpl[FlexMetadata]):
             if cap is not None:
                 score = cap * torch.tanh(score / cap)
             if slopes is not None:
-                score = score + slopes[h] * (kv_pos[kv_idx] - q_pos[q_idx]).to(score.dtype)
+                rel = kv_pos[b, kv_idx] - q_pos[b, q_idx]
+                score = score + slopes[h] * rel.to(score.dtype)
             return score
 
         return mod
@@ -164,35 +165,39 @@ class FlexImpl(AttentionImpl[FlexMetadata]):
         # compiled CUDA flex keeps the model dtype and accumulates in float32 itself.
         work_dtype = query.dtype if device.type == "cuda" else torch.float32
         n = metadata.num_actual_tokens
-        t_pad = metadata.padded_query_len
-        live = metadata.kv_live(self.sliding_window)[:, None, None]
+        f, t_pad, s_pad = metadata.flex_batch, metadata.padded_query_len, metadata.padded_kv_len
+        live = metadata.kv_live(self.sliding_window).view(f * s_pad, 1, 1)
         flat_shape = (-1, self.num_kv_heads, self.head_size)
+        slots = metadata.kv_slots.view(-1)
         zero = torch.zeros((), dtype=work_dtype, device=device)
         # Rows no query can see are zeroed: eager flex computes 0 * V there, and the null
         # block or an out-of-window block may hold NaN.
         k = torch.where(
-            live, kv_cache[0].view(flat_shape).index_select(0, metadata.kv_slots).to(work_dtype),
-            zero,
-        )
+            live, kv_cache[0].view(flat_shape).index_select(0, slots).to(work_dtype), zero
+        ).view(f, s_pad, self.num_kv_heads, self.head_size)
         v = torch.where(
-            live, kv_cache[1].view(flat_shape).index_select(0, metadata.kv_slots).to(work_dtype),
-            zero,
-        )
-        q = torch.zeros(t_pad, self.num_heads, self.head_size, dtype=work_dtype, device=device)
-        q[:n] = query[:n]
+            live, kv_cache[1].view(flat_shape).index_select(0, slots).to(work_dtype), zero
+        ).view(f, s_pad, self.num_kv_heads, self.head_size)
+        # Query rows: the step's tokens, with padding rows reading an appended zero row.
+        source = torch.cat([query[:n].to(work_dtype), query.new_zeros(1, *query.shape[1:],
+                                                                      dtype=work_dtype)])
+        q_rows = metadata.q_rows.view(-1)
+        q = source.index_select(0, torch.where(q_rows >= 0, q_rows, n))
+        q = q.view(f, t_pad, self.num_heads, self.head_size)
         flex = self._flex_for(device)
         with _recompile_room(device):
             out = flex(
-                q.transpose(0, 1).unsqueeze(0),
-                k.transpose(0, 1).unsqueeze(0),
-                v.transpose(0, 1).unsqueeze(0),
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
                 score_mod=self.score_mod(metadata, device),
                 block_mask=metadata.block_mask(self.sliding_window),
                 scale=self.scale,
                 enable_gqa=self.num_heads != self.num_kv_heads,
             )
-        rows = out[0].transpose(0, 1)[:n]
+        rows = out.transpose(1, 2).reshape(f * t_pad, self.num_heads, self.head_size)
+        real = q_rows >= 0
         if output is None:
             output = torch.zeros_like(query)
-        output[:n] = rows.to(output.dtype)
+        output.index_copy_(0, q_rows[real], rows[real].to(output.dtype))
         return output

@@ -17,6 +17,11 @@ mode fast enough to start on CPU) materializes the whole ``[T, KV_LEN]`` score m
 ``sum(seq_lens)`` rows of K and of V per layer (what the reference copies too), never the
 whole cache.
 
+All-decode steps use a second layout, one flex batch row per request: queries ``[B_pad, Hq,
+1, D]`` and each request's keys ``[B_pad, Hkv, S_pad, D]`` (``S_pad`` from ``max_seq_len``),
+so flex's decode kernel runs and no query tile of 128 rows is padded from a handful of
+decodes. Both layouts are the same plan with a leading batch dimension (1 for packed).
+
 Shapes are padded to buckets so that compiled flex (CUDA) sees few distinct shapes: powers
 of two from 128 on CUDA, multiples of 128 on CPU (eager: padding is pure cost there).
 """
@@ -33,7 +38,7 @@ from pagedcore.attention.backend import MetadataBuilder
 if TYPE_CHECKING:
     from pagedcore.attention.metadata import CommonAttentionMetadata
 
-__all__ = ["FlexMetadata", "FlexMetadataBuilder", "bucket_length"]
+__all__ = ["FlexMetadata", "FlexMetadataBuilder", "batch_bucket", "bucket_length"]
 
 #: FlexAttention's block-mask tile (rows and columns).
 FLEX_BLOCK = 128
@@ -51,28 +56,46 @@ def bucket_length(n: int, *, device_type: str) -> int:
     return -(-n // FLEX_BLOCK) * FLEX_BLOCK
 
 
+def batch_bucket(n: int, *, device_type: str) -> int:
+    """The padded flex batch of the decode layout: next power of two on CUDA, else `n`."""
+    n = max(n, 1)
+    return 1 << (n - 1).bit_length() if device_type == "cuda" else n
+
+
+def _pad_to(values: torch.Tensor, n: int) -> torch.Tensor:
+    out = torch.full((n,), -1, dtype=values.dtype)
+    out[: values.shape[0]] = values
+    return out
+
+
 @attrs.define(kw_only=True)
 class FlexMetadata:
     """Everything `FlexImpl.forward` needs for one step, shared by every layer of a group.
 
     ``T_pad`` and ``S_pad`` are the bucketed query and packed-key lengths.
 
+    ``F`` is the flex batch: 1 for the packed layout, ``B_pad`` for the decode layout.
+
     Attributes
     ----------
+    q_rows:
+        ``[F, T_pad]`` int64: the flattened-batch token row of each query row, ``-1`` for
+        padding.
     q_req, q_pos:
-        ``[T_pad]`` int64: each query row's request (``-1`` for padding) and position.
+        ``[F, T_pad]`` int64: each query row's request (``-1`` for padding) and position.
     kv_req, kv_pos:
-        ``[S_pad]`` int64: each packed key row's request (``-2`` for padding) and position.
+        ``[F, S_pad]`` int64: each key row's request (``-2`` for padding) and position.
     kv_slots:
-        ``[S_pad]`` int64 flat cache slots to gather (0, the null block, for padding rows).
+        ``[F, S_pad]`` int64 flat cache slots to gather (0, the null block, for padding rows).
     kv_first_q:
-        ``[S_pad]`` int64: position of the first query of the key's request (for the window).
+        ``[F, S_pad]`` int64: position of the first query of the key's request (window).
     num_actual_tokens:
         Real query tokens; rows past it are padding.
     causal:
         Decoder self-attention.
     """
 
+    q_rows: torch.Tensor
     q_req: torch.Tensor
     q_pos: torch.Tensor
     kv_req: torch.Tensor
@@ -84,15 +107,19 @@ class FlexMetadata:
     _block_masks: dict[int | None, Any] = attrs.field(factory=dict, repr=False)
 
     @property
-    def padded_query_len(self) -> int:
+    def flex_batch(self) -> int:
         return int(self.q_req.shape[0])
 
     @property
+    def padded_query_len(self) -> int:
+        return int(self.q_req.shape[1])
+
+    @property
     def padded_kv_len(self) -> int:
-        return int(self.kv_req.shape[0])
+        return int(self.kv_req.shape[1])
 
     def kv_live(self, sliding_window: int | None) -> torch.Tensor:
-        """``[S_pad]`` bool: key rows some query of their request can see."""
+        """``[F, S_pad]`` bool: key rows some query of their request can see."""
         live = self.kv_req >= 0
         if sliding_window is not None:
             live = live & (self.kv_pos > self.kv_first_q - sliding_window)
@@ -104,8 +131,8 @@ class FlexMetadata:
         causal = self.causal
 
         def mask(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-            keep = q_req[q_idx] == kv_req[kv_idx]
-            rel = q_pos[q_idx] - kv_pos[kv_idx]
+            keep = q_req[b, q_idx] == kv_req[b, kv_idx]
+            rel = q_pos[b, q_idx] - kv_pos[b, kv_idx]
             if causal:
                 keep = keep & (rel >= 0)
             if sliding_window is not None:
@@ -123,7 +150,7 @@ class FlexMetadata:
             device = self.q_req.device
             cached = create_block_mask(
                 self.mask_mod(sliding_window),
-                1,
+                self.flex_batch,
                 None,
                 self.padded_query_len,
                 self.padded_kv_len,
@@ -162,11 +189,63 @@ class FlexMetadataBuilder(MetadataBuilder[FlexMetadata]):
                 f"({capacity} tokens) but max_seq_len is {common.max_seq_len}; the engine "
                 "must give every request enough block-table columns for its whole sequence"
             )
-        device = block_table.device
         seq_lens = common.seq_lens_cpu[:num_reqs].to(torch.int64)
         query_lens = (common.query_start_loc_cpu[1:] - common.query_start_loc_cpu[:-1])[
             :num_reqs
         ].to(torch.int64)
+        # Every request exactly one query token: the decode layout.
+        if num_reqs > 0 and bool((query_lens == 1).all()):
+            return self._build_decodes(common, seq_lens)
+        return self._build_packed(common, seq_lens, query_lens)
+
+    def _build_decodes(
+        self, common: CommonAttentionMetadata, seq_lens: torch.Tensor
+    ) -> FlexMetadata:
+        """One flex batch row per request, one query row each (an all-decode step)."""
+        block_size = self.kv_cache_spec.block_size
+        block_table = common.block_table
+        device = block_table.device
+        num_reqs = common.num_reqs
+        b_pad = batch_bucket(num_reqs, device_type=device.type)
+        s_pad = bucket_length(int(seq_lens.max()), device_type=device.type)
+        lens = torch.zeros(b_pad, dtype=torch.int64)
+        lens[:num_reqs] = seq_lens
+        reqs = torch.arange(b_pad, dtype=torch.int64)
+        real = reqs < num_reqs
+        q_rows = _pad_to(common.query_start_loc_cpu[:num_reqs].to(torch.int64), b_pad)[:, None]
+        q_req = torch.where(real, reqs, torch.full_like(reqs, PAD_QUERY_REQ))[:, None]
+        q_pos = (lens - 1).clamp(min=0)[:, None]
+        pos = torch.arange(s_pad, dtype=torch.int64)[None, :]
+        valid = pos < lens[:, None]
+        kv_req = torch.where(valid, reqs[:, None], torch.full_like(valid, PAD_KEY_REQ,
+                                                                     dtype=torch.int64))
+        kv_pos = pos.expand(b_pad, s_pad)
+        kv_first_q = q_pos.expand(b_pad, s_pad)
+        valid_d = valid.to(device)
+        cols = (kv_pos.to(device) // block_size).clamp(max=block_table.shape[1] - 1)
+        rows = reqs.clamp(max=max(num_reqs - 1, 0)).to(device)[:, None].expand(b_pad, s_pad)
+        blocks = block_table[rows, cols].to(torch.int64)
+        kv_slots = torch.where(valid_d, blocks * block_size + kv_pos.to(device) % block_size, 0)
+        return FlexMetadata(
+            q_rows=q_rows.to(device),
+            q_req=q_req.to(device),
+            q_pos=q_pos.to(device),
+            kv_req=kv_req.to(device),
+            kv_pos=kv_pos.contiguous().to(device),
+            kv_slots=kv_slots,
+            kv_first_q=kv_first_q.contiguous().to(device),
+            num_actual_tokens=common.num_actual_tokens,
+            causal=common.causal,
+        )
+
+    def _build_packed(
+        self, common: CommonAttentionMetadata, seq_lens: torch.Tensor, query_lens: torch.Tensor
+    ) -> FlexMetadata:
+        """All query tokens in one flex row, all requests' keys in one packed key row."""
+        block_size = self.kv_cache_spec.block_size
+        block_table = common.block_table
+        device = block_table.device
+        num_reqs = common.num_reqs
         reqs = torch.arange(num_reqs, dtype=torch.int64)
         first_q = seq_lens - query_lens
         num_tokens = int(query_lens.sum())
@@ -196,13 +275,16 @@ class FlexMetadataBuilder(MetadataBuilder[FlexMetadata]):
         rows = kv_req_d[:num_keys]
         blocks = block_table[rows, kv_pos_d[:num_keys] // block_size].to(torch.int64)
         kv_slots[:num_keys] = blocks * block_size + kv_pos_d[:num_keys] % block_size
+        q_rows = torch.full((t_pad,), -1, dtype=torch.int64)
+        q_rows[:num_tokens] = torch.arange(num_tokens)
         return FlexMetadata(
-            q_req=q_req.to(device),
-            q_pos=q_pos.to(device),
-            kv_req=kv_req_d,
-            kv_pos=kv_pos_d,
-            kv_slots=kv_slots,
-            kv_first_q=kv_first_q.to(device),
+            q_rows=q_rows[None].to(device),
+            q_req=q_req[None].to(device),
+            q_pos=q_pos[None].to(device),
+            kv_req=kv_req_d[None],
+            kv_pos=kv_pos_d[None],
+            kv_slots=kv_slots[None],
+            kv_first_q=kv_first_q[None].to(device),
             num_actual_tokens=common.num_actual_tokens,
             causal=common.causal,
         )

@@ -87,18 +87,36 @@ def test_plan_arithmetic_follows_the_block_table() -> None:
     # (seq 7) in blocks 5, 9.
     common = common_for([(3, 2), (6, 1)], [[7, 2, 0], [5, 9, 0]])
     md = build(common)
-    assert md.padded_query_len == 128 and md.padded_kv_len == 128
-    assert md.q_req[:3].tolist() == [0, 0, 1] and set(md.q_req[3:].tolist()) == {-1}
-    assert md.q_pos[:3].tolist() == [3, 4, 6]
-    assert md.kv_req[:12].tolist() == [0] * 5 + [1] * 7
-    assert set(md.kv_req[12:].tolist()) == {-2}
-    assert md.kv_pos[:12].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]
+    assert (md.flex_batch, md.padded_query_len, md.padded_kv_len) == (1, 128, 128)
+    q_req, q_pos, q_rows = md.q_req[0], md.q_pos[0], md.q_rows[0]
+    assert q_req[:3].tolist() == [0, 0, 1] and set(q_req[3:].tolist()) == {-1}
+    assert q_pos[:3].tolist() == [3, 4, 6]
+    assert q_rows[:3].tolist() == [0, 1, 2] and set(q_rows[3:].tolist()) == {-1}
+    kv_req, kv_pos = md.kv_req[0], md.kv_pos[0]
+    assert kv_req[:12].tolist() == [0] * 5 + [1] * 7
+    assert set(kv_req[12:].tolist()) == {-2}
+    assert kv_pos[:12].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]
     expected = [28, 29, 30, 31, 8, 20, 21, 22, 23, 36, 37, 38]  # req 0: blocks 7, 2; req 1: 5, 9
-    assert md.kv_slots[:12].tolist() == expected
-    assert md.kv_live(None)[:12].all() and not md.kv_live(None)[12:].any()
+    assert md.kv_slots[0, :12].tolist() == expected
+    live = md.kv_live(None)[0]
+    assert live[:12].all() and not live[12:].any()
     # Window 2: request 0's queries start at 3, so keys >= 2 are live; request 1's at 6: >= 5.
-    assert md.kv_live(2)[:12].tolist() == [False, False, True, True, True] + [False] * 5 + [
+    assert md.kv_live(2)[0, :12].tolist() == [False, False, True, True, True] + [False] * 5 + [
         True, True]
+
+
+def test_decode_plan_has_one_flex_row_per_request() -> None:
+    # Decodes at positions 4 (blocks 3, 6) and 1 (block 8); the second row's keys past its
+    # length are padding that gathers slot 0 and is dead.
+    common = common_for([(4, 1), (1, 1)], [[3, 6], [8, 0]])
+    md = build(common)
+    assert (md.flex_batch, md.padded_query_len, md.padded_kv_len) == (2, 1, 128)
+    assert md.q_rows.tolist() == [[0], [1]] and md.q_pos.tolist() == [[4], [1]]
+    assert md.kv_slots[0, :5].tolist() == [12, 13, 14, 15, 24]
+    assert md.kv_slots[1, :2].tolist() == [32, 33] and set(md.kv_slots[1, 2:].tolist()) == {0}
+    assert md.kv_req[1, :3].tolist() == [1, 1, -2]
+    assert md.kv_live(None).sum(dim=1).tolist() == [5, 2]
+    assert md.kv_live(2)[0, :5].tolist() == [False, False, False, True, True]
 
 
 def test_builder_rejects_a_too_narrow_block_table() -> None:
@@ -145,12 +163,13 @@ def run_both(
     return outs[0], outs[1]
 
 
-@pytest.mark.parametrize("alibi", [False, True])
-def test_window_over_nan_blocks_matches_reference(alibi: bool) -> None:
+@pytest.mark.parametrize(("alibi", "decode"), [(False, False), (True, False), (True, True)])
+def test_window_over_nan_blocks_matches_reference(alibi: bool, decode: bool) -> None:
     # Blocks that fell out of the window point at NaN-filled blocks (here: never written),
     # unused slots of the last blocks are NaN, and padding key rows read the null block 0.
-    flex, ref = run_both([(9, 3), (13, 1)], [[1, 2, 3, 0], [4, 5, 6, 8]], sliding_window=3,
-                         alibi=alibi, soft_cap=2.0)
+    flex, ref = run_both([(11 if decode else 9, 1 if decode else 3), (13, 1)],
+                         [[1, 2, 3, 0], [4, 5, 6, 8]], sliding_window=3, alibi=alibi,
+                         soft_cap=2.0)
     assert torch.isfinite(flex).all()
     torch.testing.assert_close(flex, ref, rtol=1e-4, atol=1e-5)
 
@@ -162,6 +181,8 @@ def test_masked_nan_rows_would_leak_without_zeroing(monkeypatch: pytest.MonkeyPa
                                                                                   dtype=torch.bool))
     flex, _ = run_both([(9, 3)], [[1, 2, 3, 0]], sliding_window=3)
     assert torch.isnan(flex).any()
+    decode, _ = run_both([(9, 1), (2, 1)], [[1, 2, 3, 0], [4, 0, 0, 0]], sliding_window=3)
+    assert torch.isnan(decode).any()
 
 
 
