@@ -200,3 +200,28 @@ def test_compiled_calls_get_room_for_every_bucket() -> None:
     with _recompile_room(torch.device("cpu")):
         assert getattr(config, name) == before
     assert getattr(config, name) == before
+
+
+def test_unavailable_reasons_name_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+
+    from pagedcore_flex import availability
+
+    monkeypatch.setattr(torch, "__version__", "2.4.1+cu121")
+    assert availability.availability_problem() == (
+        "torch 2.4.1+cu121 is too old: FlexAttention needs torch>=2.5; upgrade torch or "
+        "choose another backend"
+    )
+    monkeypatch.setattr(torch, "__version__", "2.13.0")
+    real_import = importlib.import_module
+
+    def no_flex(name: str) -> object:
+        if name == "torch.nn.attention.flex_attention":
+            raise ImportError("no module named flex_attention")
+        return real_import(name)
+
+    monkeypatch.setattr(importlib, "import_module", no_flex)
+    why = FlexBackend.is_available()
+    assert why is not None and why.startswith("torch.nn.attention.flex_attention cannot be")
+    cfg = AttentionConfig(head_size=64, dtype="float32", block_size=16, device="cpu")
+    assert FlexBackend.validate_configuration(cfg) == [f"not available: {why}"]
