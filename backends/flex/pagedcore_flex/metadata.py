@@ -17,10 +17,12 @@ mode fast enough to start on CPU) materializes the whole ``[T, KV_LEN]`` score m
 ``sum(seq_lens)`` rows of K and of V per layer (what the reference copies too), never the
 whole cache.
 
-All-decode steps use a second layout, one flex batch row per request: queries ``[B_pad, Hq,
-1, D]`` and each request's keys ``[B_pad, Hkv, S_pad, D]`` (``S_pad`` from ``max_seq_len``),
-so flex's decode kernel runs and no query tile of 128 rows is padded from a handful of
-decodes. Both layouts are the same plan with a leading batch dimension (1 for packed).
+A second, "batched" layout has one flex batch row per request: queries ``[B_pad, Hq, Lq,
+D]`` and each request's keys ``[B_pad, Hkv, S_pad, D]`` (``S_pad`` from ``max_seq_len``).
+All-decode steps always use it (``Lq = 1``: flex's decode kernel runs, and no 128-row query
+tile is padded from a handful of decodes); on CPU, where eager flex computes every score,
+any step uses whichever layout has fewer scores. Both layouts are the same plan with a
+leading batch dimension (1 for packed).
 
 Shapes are padded to buckets so that compiled flex (CUDA) sees few distinct shapes: powers
 of two from 128 on CUDA, multiples of 128 on CPU (eager: padding is pure cost there).
@@ -162,6 +164,25 @@ class FlexMetadata:
         return cached
 
 
+def _batched_is_cheaper(
+    seq_lens: torch.Tensor, query_lens: torch.Tensor, device_type: str
+) -> bool:
+    """Layout choice. All decodes: batched on every device (flex's decode kernel). Else,
+    on CUDA packed (the block mask skips cross-request tiles, and fewer shapes compile);
+    on CPU, where eager flex computes every score, whichever has fewer scores."""
+    if bool((query_lens == 1).all()):
+        return True
+    if device_type == "cuda":
+        return False
+    n = int(seq_lens.shape[0])
+    longest = bucket_length(int(seq_lens.max()), device_type="cpu")
+    batched = n * int(query_lens.max()) * longest
+    packed = bucket_length(int(query_lens.sum()), device_type="cpu") * bucket_length(
+        int(seq_lens.sum()), device_type="cpu"
+    )
+    return batched < packed
+
+
 class FlexMetadataBuilder(MetadataBuilder[FlexMetadata]):
     """Turns the step's common metadata into `FlexMetadata` (one plan for all layers).
 
@@ -189,49 +210,59 @@ class FlexMetadataBuilder(MetadataBuilder[FlexMetadata]):
                 f"({capacity} tokens) but max_seq_len is {common.max_seq_len}; the engine "
                 "must give every request enough block-table columns for its whole sequence"
             )
+        device = block_table.device
         seq_lens = common.seq_lens_cpu[:num_reqs].to(torch.int64)
         query_lens = (common.query_start_loc_cpu[1:] - common.query_start_loc_cpu[:-1])[
             :num_reqs
         ].to(torch.int64)
-        # Every request exactly one query token: the decode layout.
-        if num_reqs > 0 and bool((query_lens == 1).all()):
-            return self._build_decodes(common, seq_lens)
+        if num_reqs > 0 and _batched_is_cheaper(seq_lens, query_lens, device.type):
+            return self._build_batched(common, seq_lens, query_lens)
         return self._build_packed(common, seq_lens, query_lens)
 
-    def _build_decodes(
-        self, common: CommonAttentionMetadata, seq_lens: torch.Tensor
+    def _build_batched(
+        self, common: CommonAttentionMetadata, seq_lens: torch.Tensor, query_lens: torch.Tensor
     ) -> FlexMetadata:
-        """One flex batch row per request, one query row each (an all-decode step)."""
+        """One flex batch row per request: its query tokens, its keys (the decode layout)."""
         block_size = self.kv_cache_spec.block_size
         block_table = common.block_table
         device = block_table.device
         num_reqs = common.num_reqs
         b_pad = batch_bucket(num_reqs, device_type=device.type)
+        max_q = int(query_lens.max())
+        # CPU (eager) runs any query length; CUDA pads it to a bucket to bound the compiles.
+        t_pad = max_q if max_q == 1 or device.type != "cuda" else bucket_length(
+            max_q, device_type=device.type)
         s_pad = bucket_length(int(seq_lens.max()), device_type=device.type)
         lens = torch.zeros(b_pad, dtype=torch.int64)
         lens[:num_reqs] = seq_lens
+        qlens = torch.zeros(b_pad, dtype=torch.int64)
+        qlens[:num_reqs] = query_lens
+        starts = torch.zeros(b_pad, dtype=torch.int64)
+        starts[:num_reqs] = common.query_start_loc_cpu[:num_reqs].to(torch.int64)
         reqs = torch.arange(b_pad, dtype=torch.int64)
-        real = reqs < num_reqs
-        q_rows = _pad_to(common.query_start_loc_cpu[:num_reqs].to(torch.int64), b_pad)[:, None]
-        q_req = torch.where(real, reqs, torch.full_like(reqs, PAD_QUERY_REQ))[:, None]
-        q_pos = (lens - 1).clamp(min=0)[:, None]
+        i = torch.arange(t_pad, dtype=torch.int64)[None, :]
+        has_q = i < qlens[:, None]
+        q_rows = torch.where(has_q, starts[:, None] + i, -1)
+        q_req = torch.where(has_q, reqs[:, None], PAD_QUERY_REQ)
+        first_q = lens - qlens
+        q_pos = torch.where(has_q, first_q[:, None] + i, 0)
         pos = torch.arange(s_pad, dtype=torch.int64)[None, :]
         valid = pos < lens[:, None]
-        kv_req = torch.where(valid, reqs[:, None], torch.full_like(valid, PAD_KEY_REQ,
-                                                                     dtype=torch.int64))
+        kv_req = torch.where(valid, reqs[:, None], PAD_KEY_REQ)
         kv_pos = pos.expand(b_pad, s_pad)
-        kv_first_q = q_pos.expand(b_pad, s_pad)
+        kv_first_q = first_q[:, None].expand(b_pad, s_pad)
         valid_d = valid.to(device)
-        cols = (kv_pos.to(device) // block_size).clamp(max=block_table.shape[1] - 1)
+        kv_pos_d = kv_pos.contiguous().to(device)
+        cols = (kv_pos_d // block_size).clamp(max=block_table.shape[1] - 1)
         rows = reqs.clamp(max=max(num_reqs - 1, 0)).to(device)[:, None].expand(b_pad, s_pad)
         blocks = block_table[rows, cols].to(torch.int64)
-        kv_slots = torch.where(valid_d, blocks * block_size + kv_pos.to(device) % block_size, 0)
+        kv_slots = torch.where(valid_d, blocks * block_size + kv_pos_d % block_size, 0)
         return FlexMetadata(
             q_rows=q_rows.to(device),
             q_req=q_req.to(device),
             q_pos=q_pos.to(device),
             kv_req=kv_req.to(device),
-            kv_pos=kv_pos.contiguous().to(device),
+            kv_pos=kv_pos_d,
             kv_slots=kv_slots,
             kv_first_q=kv_first_q.contiguous().to(device),
             num_actual_tokens=common.num_actual_tokens,

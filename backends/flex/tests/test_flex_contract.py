@@ -7,7 +7,7 @@ import pytest
 import torch
 from pagedcore_flex import FlexBackend
 from pagedcore_flex.impl import FlexImpl
-from pagedcore_flex.metadata import FlexMetadata, bucket_length
+from pagedcore_flex.metadata import FlexMetadata, FlexMetadataBuilder, bucket_length
 
 import pagedcore
 from pagedcore import AttentionConfig
@@ -86,7 +86,10 @@ def test_plan_arithmetic_follows_the_block_table() -> None:
     # Request 0: 3 cached + 2 new tokens (seq 5) in blocks 7, 2; request 1: decode at pos 6
     # (seq 7) in blocks 5, 9.
     common = common_for([(3, 2), (6, 1)], [[7, 2, 0], [5, 9, 0]])
-    md = build(common)
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=HEAD, dtype="float32")
+    builder = FlexMetadataBuilder(spec, ["layer.0"], torch.device("cpu"))
+    # The packed layout directly (on CPU the batched one has fewer scores for this step).
+    md = builder._build_packed(common, torch.tensor([5, 7]), torch.tensor([2, 1]))
     assert (md.flex_batch, md.padded_query_len, md.padded_kv_len) == (1, 128, 128)
     q_req, q_pos, q_rows = md.q_req[0], md.q_pos[0], md.q_rows[0]
     assert q_req[:3].tolist() == [0, 0, 1] and set(q_req[3:].tolist()) == {-1}
@@ -117,6 +120,24 @@ def test_decode_plan_has_one_flex_row_per_request() -> None:
     assert md.kv_req[1, :3].tolist() == [1, 1, -2]
     assert md.kv_live(None).sum(dim=1).tolist() == [5, 2]
     assert md.kv_live(2)[0, :5].tolist() == [False, False, False, True, True]
+
+
+def test_cpu_picks_the_batched_layout_when_it_has_fewer_scores() -> None:
+    # Two short chunks over short histories: 2 x 3 x 128 scores batched vs 128 x 128 packed.
+    common = common_for([(20, 3), (30, 2)], [[1, 2, 3, 4, 5, 6, 0, 0, 0], [7, 8, 9, 10, 11,
+                                                                          6, 5, 4, 3]])
+    md = build(common)
+    assert (md.flex_batch, md.padded_query_len) == (2, 3)
+    assert md.q_rows.tolist() == [[0, 1, 2], [3, 4, -1]]
+    assert md.q_pos.tolist() == [[20, 21, 22], [30, 31, 0]]
+    assert md.q_req.tolist() == [[0, 0, 0], [1, 1, -1]]
+    assert md.kv_first_q[:, 0].tolist() == [20, 30]
+    assert md.kv_slots[1, 27:30].tolist() == [5 * BLOCK + 3, 4 * BLOCK, 4 * BLOCK + 1]
+    flex, ref = run_both([(20, 3), (30, 2)], [[1, 2, 3, 4, 5, 6, 0, 0, 0], [7, 8, 9, 10, 11,
+                                                                            6, 5, 4, 3]],
+                         sliding_window=5, alibi=True)
+    assert torch.isfinite(flex).all()
+    torch.testing.assert_close(flex, ref, rtol=1e-4, atol=1e-5)
 
 
 def test_builder_rejects_a_too_narrow_block_table() -> None:
