@@ -67,8 +67,8 @@ def main() -> int:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(reps):
-        flat.index_select(0, md.kv_slots)
-        cache[1].view(-1, HKV, D).index_select(0, md.kv_slots)
+        flat.index_select(0, md.kv_slots.view(-1))
+        cache[1].view(-1, HKV, D).index_select(0, md.kv_slots.view(-1))
     torch.cuda.synchronize()
     gather_ms = 1e3 * (time.perf_counter() - t0) / reps
     t0 = time.perf_counter()
@@ -76,7 +76,8 @@ def main() -> int:
         impl.forward(q, q[:, :HKV], q[:, :HKV], cache, md)
     torch.cuda.synchronize()
     forward_ms = 1e3 * (time.perf_counter() - t0) / reps
-    print(f"32 decodes x ~950 keys: gather {gather_ms:.3f} ms of forward {forward_ms:.3f} ms")
+    print(f"32 decodes x ~950 keys (layout {md.flex_batch} x {md.padded_kv_len}): "
+          f"gather {gather_ms:.3f} ms of forward {forward_ms:.3f} ms")
     unique = counters["stats"]["unique_graphs"]
     print(f"buckets {sorted(buckets)}; dynamo unique_graphs {unique}; "
           f"frames {dict(counters['frames'])}")
