@@ -32,11 +32,13 @@ def test_backends_table(populated: BackendRegistry) -> None:
     result = CliRunner().invoke(main, ["backends"])
     assert result.exit_code == 0, result.output
     out = result.output
-    for needle in ("gpu_only", "cpu_one", "pagedcore-fakes 0.9", "sliding_window",
-                   "cudagraph:uniform_batch", "64, 128", "any",
+    for needle in ("gpu_only", "cpu_one", "sw", "graph:uniform", "64, 128", "any",
                    "failed to load", "broken_plugin", "broken-dist 6.6"):
         assert needle in out, needle
     assert out.index("gpu_only") < out.index("cpu_one")  # priority order
+    verbose = CliRunner().invoke(main, ["backends", "--verbose"]).output
+    for needle in ("pagedcore-fakes 0.9", "sliding_window", "cudagraph:uniform_batch"):
+        assert needle in verbose, needle
 
 
 def test_backends_json(populated: BackendRegistry) -> None:
