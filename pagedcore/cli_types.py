@@ -4,9 +4,15 @@ usage errors (exit code 2) before any work starts, never tracebacks or silent de
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
+
+if TYPE_CHECKING:  # click >= 8.2 types ParamType as a generic; 8.1 does not subscript it
+    _IntListType = click.ParamType[list[int]]
+    _StrType = click.ParamType[str]
+else:
+    _IntListType = _StrType = click.ParamType
 
 __all__ = [
     "BACKEND",
@@ -24,7 +30,7 @@ def positive_int(minimum: int = 1) -> click.IntRange:
     return click.IntRange(min=minimum)
 
 
-class IntList(click.ParamType):
+class IntList(_IntListType):
     """A comma list of integers, each at least `min_value`: ``"512,1024"`` -> ``[512, 1024]``.
 
     The one list type of every bench (``--sizes``, ``--lengths``, ``--budgets``, ...).
@@ -58,7 +64,7 @@ class IntList(click.ParamType):
         return numbers
 
 
-class Device(click.ParamType):
+class Device(_StrType):
     """``cpu``, ``cuda`` or ``cuda:N``; CUDA is refused here when torch sees no CUDA device."""
 
     name = "cpu|cuda[:N]"
@@ -81,7 +87,7 @@ class Device(click.ParamType):
         return text
 
 
-class BackendName(click.ParamType):
+class BackendName(_StrType):
     """The name of a registered attention backend (unknown names list the known ones)."""
 
     name = "BACKEND"

@@ -249,7 +249,7 @@ def _plot(report: dict[str, Any], path: str) -> None:
               help="With --phases: also profile one cold and one warm request per length "
                    "(torch.profiler tables written here).")
 def prefix(small: bool, device: str | None, backend: str | None, model_name: str,
-           lengths: str | None,
+           lengths: list[int] | None,
            reps: int | None, json_path: str | None, plot_path: str | None,
            phases: bool, profile_dir: str | None) -> None:
     """Prefix caching: cold vs warm TTFT at shared system prompts, and a multi-turn chat."""

@@ -10,6 +10,7 @@ raises when read is a problem of that plugin, never a crash of the whole process
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 from collections.abc import Callable
@@ -157,11 +158,16 @@ def _checks() -> dict[str, Callable[[Any], str | None]]:
         ),
         "cudagraph_support": cudagraph,
     }
-    for flag in _FLAGS:
-        checks[flag] = (
-            lambda v, f=flag: None if isinstance(v, bool)
-            else f"`{f}` must be True or False, got {_kind(v)}"
-        )
+    def flag(field: str) -> Callable[[Any], str | None]:
+        def check(v: Any) -> str | None:
+            return None if isinstance(v, bool) else (
+                f"`{field}` must be True or False, got {_kind(v)}"
+            )
+
+        return check
+
+    for name in _FLAGS:
+        checks[name] = flag(name)
     return checks
 
 
@@ -173,7 +179,7 @@ def declaration_problems(cls: type[AttentionBackend]) -> list[str]:
     problems: list[str] = []
     for field, check in _CHECKS.items():
         try:
-            value = call_plugin_code(f"reading `{field}`", lambda f=field: getattr(cls, f))
+            value = call_plugin_code(f"reading `{field}`", functools.partial(getattr, cls, field))
         except PluginCodeError as err:
             problems.append(f"{err}; make `{field}` a plain class attribute")
             continue
