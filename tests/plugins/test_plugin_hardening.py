@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 from plugin_fakes import (
-    FakeBackendBase,
     FakeDistribution,
     FakeEntryPoint,
     make_backend,
@@ -97,12 +96,16 @@ def test_good_declarations_still_pass(registry: BackendRegistry) -> None:
 @pytest.mark.parametrize(
     "where", ["import", "hook", "is_available", "validate", "builder", "name"])
 def test_system_exit_from_plugin_code_is_contained(
-        registry: BackendRegistry, where: str) -> None:
+        registry: BackendRegistry, where: str, monkeypatch: pytest.MonkeyPatch) -> None:
     good = make_backend("good")
     if where == "import":
-        with pytest.warns(PluginLoadWarning, match="SystemExit"):
-            reg = BackendRegistry()
-            reg._add_plugin(SystemExit(2), "x", None, None)  # not a plugin object at all
+        eps = [FakeEntryPoint("exits", SystemExit(2), FakeDistribution("exit-dist")),
+               FakeEntryPoint("good", make_plugin(good), FakeDistribution("good-dist"))]
+        monkeypatch.setattr("importlib.metadata.entry_points",
+                            lambda **kw: [ep for ep in eps if kw.get("group") == ep.group])
+        with pytest.warns(PluginLoadWarning, match="failed with SystemExit: 2"):
+            reg = BackendRegistry.from_entry_points(allowlist=None)
+        assert list(reg.backends) == ["good"] and reg.failures[0].plugin == "exits"
         return
     if where == "hook":
         @pagedcore.hookimpl
@@ -234,6 +237,3 @@ def test_backends_table_fits_100_columns(registry: BackendRegistry) -> None:
     verbose = CliRunner().invoke(main, ["backends", "--verbose"]).stdout
     assert "x" * 40 in verbose and "pagedcore-fancy" in verbose
 
-
-def test_fake_base_unchanged() -> None:
-    assert FakeBackendBase.supported_devices == ("cpu",)
