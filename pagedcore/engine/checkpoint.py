@@ -68,8 +68,8 @@ def check_checkpoint_dir(path: str | os.PathLike[str]) -> Path:
     root = Path(path)
     if not root.exists():
         raise CheckpointError(
-            f"checkpoint directory {str(root)!r} does not exist; check the path (or use "
-            "'demo' / 'random:<type>' for a built-in model)"
+            f"cannot load model {str(root)!r}: that checkpoint directory does not exist; "
+            "check the path (or use 'demo' / 'random:<type>' for a built-in model)"
         )
     if not root.is_dir():
         raise CheckpointError(
