@@ -166,6 +166,10 @@ def demo(num_requests: int, device: str | None, backend: str | None, kv_cache_mb
             json.dump(figures, fh, indent=2)
 
 
+_DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "half",
+                  "float")
+
+
 def _check_model_option(ctx: click.Context, param: click.Parameter, value: str) -> str:
     """A checkpoint path is checked (exists, config.json, weights) before anything loads."""
     if value == "demo" or value.startswith("random:"):
@@ -193,7 +197,8 @@ def _check_model_option(ctx: click.Context, param: click.Parameter, value: str) 
 @click.option("--seed", default=0, show_default=True, type=positive_int(0))
 @click.option("--device", default=None, type=DEVICE,
               help="cpu or cuda (default: cuda when available).")
-@click.option("--dtype", default=None)
+@click.option("--dtype", default=None, type=click.Choice(_DTYPE_CHOICES),
+              help="Model dtype (default: bfloat16 on CUDA, float32 on the CPU).")
 @click.option("--backend", default=None, type=BACKEND, help="Force an attention backend by name.")
 @click.option("--max-model-len", default=None, type=positive_int())
 @click.option("--stream/--no-stream", default=False, help="Print tokens as they arrive.")

@@ -245,7 +245,8 @@ def select(
 ) -> None:
     """Explain which attention backend serves a configuration, and why the others do not.
 
-    Exits with status 1 and the reasons when no backend can serve it.
+    Exits with status 1 and the reasons when no backend can serve it; with status 2 for a bad
+    value or an unknown forced backend.
     """
     try:
         report = explain_selection(
@@ -253,10 +254,10 @@ def select(
             kv_cache_dtype=kv_cache_dtype, use_mla=mla, sliding_window=sliding_window,
             use_alibi=alibi, logits_soft_cap=soft_cap, device=device, backend=backend,
         )
-    except ValueError as err:
+    except ValueError as err:  # a bad value, or an unknown / failed forced backend
         cause = err.__cause__
-        detail = f"\ncaused by {type(cause).__name__}: {cause}" if cause is not None else ""
-        raise click.ClickException(f"{err}{detail}") from err
+        detail = f"; caused by {type(cause).__name__}: {cause}" if cause is not None else ""
+        raise click.UsageError(f"{err}{detail}") from err
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     else:

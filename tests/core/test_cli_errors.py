@@ -38,6 +38,7 @@ def _usage_error(args: list[str], needle: str) -> Result:
     (["demo", "--num-requests", "0"], "--num-requests"),
     (["demo", "--threads", "0"], "--threads"),
     (["demo", "--device", "cdua"], "'cdua' is not a device"),
+    (["generate", "--prompt", "x", "--dtype", "float64"], "--dtype"),
     (["bench", "engine", "--num-prompts", "-1"], "--num-prompts"),
     (["bench", "engine", "--max-new", "0"], "--max-new"),
     (["bench", "memory", "--budget-mib", "0"], "--budget-mib"),

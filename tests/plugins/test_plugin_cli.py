@@ -82,11 +82,13 @@ def test_select_failure_exits_1_with_reasons(populated: BackendRegistry) -> None
     assert "use_alibi=False: cpu_one" in result.output
 
 
-def test_select_bad_input_exits_1(populated: BackendRegistry) -> None:
+def test_select_bad_input_is_a_usage_error(populated: BackendRegistry) -> None:
     runner = CliRunner()
     result = runner.invoke(main, ["select", "--head-size", "64", "--dtype", "float64"])
-    assert result.exit_code == 1 and "dtype 'float64' is not one of" in result.output
+    assert result.exit_code == 2 and "dtype 'float64' is not one of" in result.output
+    result = runner.invoke(main, ["select", "--head-size", "0"])
+    assert result.exit_code == 2 and "head_size must be a positive integer" in result.output
     result = runner.invoke(main, ["select", "--head-size", "64", "--backend", "cpu_on"])
-    assert result.exit_code == 1 and "Did you mean 'cpu_one'" in result.output
+    assert result.exit_code == 2 and "Did you mean 'cpu_one'" in result.output
     result = runner.invoke(main, ["select", "--head-size", "64", "--backend", "broken_plugin"])
-    assert result.exit_code == 1 and "caused by BackendValidationError" in result.output
+    assert result.exit_code == 2 and "caused by BackendValidationError" in result.output
