@@ -16,6 +16,7 @@ COMMANDS: dict[str, str] = {
     "demo": "pagedcore.engine.cli:demo",
     "generate": "pagedcore.engine.cli:generate",
     "bench": "pagedcore.bench.cli:bench",
+    "serve": "pagedcore.serve.cli:serve",
 }
 
 

@@ -17,6 +17,7 @@ BENCHES: dict[str, str] = {
     "memory": "pagedcore.bench.memory:memory",
     "backends": "pagedcore.bench.backends:backends",
     "tp": "pagedcore.bench.tp:tp",
+    "serve": "pagedcore.bench.serve:serve",
 }
 
 @click.group(cls=LazyGroup, lazy=BENCHES)

@@ -84,6 +84,8 @@ def build_engine(
     enforce_eager: bool = False,
     cudagraph_capture_sizes: Sequence[int] | None = None,
     align_chunks_to_buckets: bool | Sequence[int] = True,
+    hash_algo: str = "sha256",
+    hash_seed: bytes | int | None = None,
 ) -> EngineParts:
     """Load the model and build its KV cache, scheduler and runner (see `LLM` for the args).
 
@@ -148,7 +150,8 @@ def build_engine(
             max_num_batched_tokens=max_num_batched_tokens,
         )
         kv_cache_manager = KVCacheManager(
-            kv_cache_config, max_model_len, enable_caching=enable_prefix_caching
+            kv_cache_config, max_model_len, enable_caching=enable_prefix_caching,
+            hash_algo=hash_algo, hash_seed=hash_seed,
         )
         scheduler = Scheduler(scheduler_config, kv_cache_manager, kv_cache_config)
         local = ModelRunner(

@@ -8,25 +8,28 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from operator import attrgetter
-from typing import TYPE_CHECKING, Any, Literal, NoReturn
+from typing import TYPE_CHECKING, Any, Literal
 
+from pagedcore.engine.arguments import DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_N, check_engine_args
 from pagedcore.engine.engine_builder import build_engine
-from pagedcore.engine.errors import EngineStepError, step_failure_message
+from pagedcore.engine.errors import EngineStepError
+from pagedcore.engine.llm_failures import FailureIsolation
 from pagedcore.engine.llm_offline import OfflineGeneration
 from pagedcore.engine.output_builder import (
     ParentRequest,
     PromptType,
-    build_output,
     make_children,
     tokenize,
 )
 from pagedcore.engine.outputs import RequestOutput
-from pagedcore.engine.request import Request, get_request_id
+from pagedcore.engine.request import Request, RequestStatus, get_request_id
+from pagedcore.engine.request_checks import check_request, check_unique_ids
 from pagedcore.engine.sampler import Sampler
 from pagedcore.engine.sampling_params import SamplingParams
 from pagedcore.engine.scheduler import DecodeBatch, SchedulerOutput
+from pagedcore.engine.validation import InvalidArgumentTypeError, describe
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -39,7 +42,7 @@ __all__ = ["LLM", "EngineStepError", "PromptType"]
 _get_params = attrgetter("params")
 
 
-class LLM(OfflineGeneration):
+class LLM(FailureIsolation, OfflineGeneration):
     """A continuous-batching engine over a transformers causal LM and pagedcore backends.
 
     Parameters
@@ -94,6 +97,19 @@ class LLM(OfflineGeneration):
         to the next one (``SchedulerConfig.token_buckets``; never the final chunk of a
         prompt, never below half the chunk). False: never. A sequence of token counts:
         align to those, with or without graphs (tests).
+    max_logprobs:
+        Largest `SamplingParams.logprobs` a request may ask for (20, as in vLLM).
+    max_n:
+        Largest `SamplingParams.n` (samples per prompt) a request may ask for (256).
+    hash_algo, hash_seed:
+        Prefix-cache block hashing: ``"sha256"`` (default) or ``"xxhash"``, and the seed of
+        the hash chain (an int or bytes; None: random per process).
+
+    Raises
+    ------
+    InvalidArgumentError
+        (a ValueError; also a TypeError for a wrong type) An argument of the wrong type or out
+        of range, before anything is loaded; the message names every bad argument.
 
     Examples
     --------
@@ -125,7 +141,25 @@ class LLM(OfflineGeneration):
         enforce_eager: bool = False,
         cudagraph_capture_sizes: Sequence[int] | None = None,
         align_chunks_to_buckets: bool | Sequence[int] = True,
+        max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+        max_n: int = DEFAULT_MAX_N,
+        hash_algo: str = "sha256",
+        hash_seed: bytes | int | None = None,
     ) -> None:
+        check_engine_args(
+            block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching,
+            enable_chunked_prefill=enable_chunked_prefill,
+            long_prefill_token_threshold=long_prefill_token_threshold,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            gpu_memory_utilization=gpu_memory_utilization, backend=backend, seed=seed,
+            scheduling_policy=scheduling_policy, tokenizer=tokenizer,
+            tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
+            cudagraph_capture_sizes=cudagraph_capture_sizes,
+            align_chunks_to_buckets=align_chunks_to_buckets, max_logprobs=max_logprobs,
+            max_n=max_n, hash_algo=hash_algo, hash_seed=hash_seed,
+        )
         parts = build_engine(
             model, dtype=dtype, device=device, block_size=block_size,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -139,7 +173,11 @@ class LLM(OfflineGeneration):
             tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
             cudagraph_capture_sizes=cudagraph_capture_sizes,
             align_chunks_to_buckets=align_chunks_to_buckets,
+            hash_algo=hash_algo, hash_seed=hash_seed,
         )
+        #: Engine-level bounds on one request (see `check_request`).
+        self.max_logprobs = max_logprobs
+        self.max_n = max_n
         self.device = parts.device
         self.dtype = parts.dtype
         self.model = parts.model
@@ -170,6 +208,8 @@ class LLM(OfflineGeneration):
         # The requests the last step sampled and their tokens (see `_run`).
         self._prev_rows: list[Request] | None = None
         self._prev_tokens: list[int] | None = None
+        # Requests whose own sampling setup failed in the last `_run` (id -> reason).
+        self._row_failures: dict[str, str] = {}
 
     # ---- properties ------------------------------------------------------------------------
 
@@ -228,8 +268,18 @@ class LLM(OfflineGeneration):
         prompt: PromptType,
         params: SamplingParams | None = None,
     ) -> None:
-        """Queue a request for `step()`; ValueError (nothing queued) when it cannot be served."""
-        params = params if params is not None else SamplingParams()
+        """Queue a request for `step()`.
+
+        Raises
+        ------
+        ValueError
+            (nothing queued) A bad id, prompt or params, a request over the engine's bounds
+            (``max_logprobs``, ``max_n``, ``max_model_len``, the KV cache), or an id already
+            in use by this request or one of its samples.
+        """
+        params = check_request(params, max_logprobs=self.max_logprobs, max_n=self.max_n)
+        if not isinstance(request_id, str):
+            raise InvalidArgumentTypeError(f"request_id must be a str, got {describe(request_id)}")
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         text, ids = self._tokenize(prompt)
@@ -239,27 +289,49 @@ class LLM(OfflineGeneration):
             parent, params, arrivals=self._arrivals, eos_token_id=self.eos_token_id,
             now=time.perf_counter(),
         )
+        # All samples or none: check every id before queueing the first.
+        check_unique_ids(children, self.scheduler.requests, self._child_parent)
+        added: list[Request] = []
+        try:
+            for child in children:
+                self.scheduler.add_request(child)
+                added.append(child)
+        except BaseException:
+            if added:
+                self.scheduler.abort([c.request_id for c in added], now=time.perf_counter())
+            raise
         for child in children:
-            self.scheduler.add_request(child)
             self._child_parent[child.request_id] = parent
         self._parents[request_id] = parent
 
     def abort(self, request_id: str) -> RequestOutput:
-        """Stop a request (all its samples) and free its blocks; KeyError for an unknown id."""
+        """Stop a request (all its samples) and free its blocks; KeyError for an unknown id.
+
+        Never raises otherwise: the final output is built even when the tokenizer fails.
+        """
         parent = self._parents.get(request_id)
         if parent is None:
             raise KeyError(
                 f"cannot abort unknown or already finished request {request_id!r}; "
                 f"{len(self._parents)} request(s) are in the engine"
             )
-        alive = [c.request_id for c in parent.children if not c.status.finished]
-        if alive:
-            self.scheduler.abort(alive, now=time.perf_counter())
-        for child_id in alive:
-            self.sampler.forget(child_id)
+        alive = [c for c in parent.children if not c.status.finished]
+        queued = [c.request_id for c in alive if c.request_id in self.scheduler.requests]
+        if queued:
+            self.scheduler.abort(queued, now=time.perf_counter())
+        for child in alive:
+            if not child.status.finished:  # not in the scheduler any more: nothing to free
+                child.status = RequestStatus.FINISHED_ABORTED
+            self.sampler.forget(child.request_id)
         return self._output(parent)
 
     def has_unfinished_requests(self) -> bool:
+        """True while a request can still run. Requests left with nothing that can run
+        (only possible after an internal failure) are finished with an error here."""
+        if self.scheduler.has_unfinished_requests():
+            return True
+        if self._parents:
+            self._reap_orphans()
         return bool(self._parents)
 
     def step(self, *, finished_only: bool = False) -> list[RequestOutput]:
@@ -290,7 +362,13 @@ class LLM(OfflineGeneration):
         except BaseException as exc:
             self._fail_step(scheduled, exc)
         t_update = time.perf_counter()
-        changed = self.scheduler.update_from_output(scheduled, sampled, now=t_update)
+        try:
+            changed = self.scheduler.update_from_output(scheduled, sampled, now=t_update)
+        except BaseException as exc:
+            self._fail_step(scheduled, exc)
+        if self._row_failures:
+            changed += self._fail_rows(self._row_failures, now=t_update)
+            self._row_failures = {}
         for request in changed:
             if request.status.finished:
                 self.sampler.forget(request.request_id)
@@ -339,48 +417,14 @@ class LLM(OfflineGeneration):
                 logits, list(map(_get_params, requests)), ids
             )
             sampled = dict(zip(ids, zip(tokens, logprobs, strict=True), strict=True))
-            # update_from_output appends these: the next step's input ids if it decodes
-            # exactly these requests.
-            self._prev_rows, self._prev_tokens = list(requests), tokens
+            if self.sampler.row_errors:
+                # These requests alone fail (in `step`); their rows' tokens are not kept.
+                self._row_failures = dict(self.sampler.row_errors)
+                for failed_id in self._row_failures:
+                    sampled.pop(failed_id, None)
+            else:
+                # update_from_output appends these: the next step's input ids if it decodes
+                # exactly these requests.
+                self._prev_rows, self._prev_tokens = list(requests), tokens
         phases["execute"] += time.perf_counter() - t_execute
         return sampled
-
-    def _fail_step(self, scheduled: SchedulerOutput, exc: BaseException) -> NoReturn:
-        """Finish the requests of a step that raised `exc` with an error, then raise."""
-        from pagedcore.engine.distributed.group import TensorParallelError
-
-        now = time.perf_counter()
-        reason = f"{type(exc).__name__}: {exc}"
-        self.num_steps += 1
-        failed = self.scheduler.fail_step(scheduled, reason, now=now)
-        if isinstance(exc, TensorParallelError):
-            # A rank failed and the engine is stopped: nothing queued can ever run.
-            failed += [c for p in self._parents.values() for c in p.children]
-        parents = self._parents_of(failed)
-        # Sibling samples of a failed request fail with it (the request is one unit).
-        self.scheduler.fail([c for p in parents.values() for c in p.children], reason, now=now)
-        parents.update(self._parents_of(scheduled.rejected))
-        for parent in parents.values():
-            for child in parent.children:
-                self.sampler.forget(child.request_id)
-        outputs = [self._output(p) for p in parents.values()]
-        if not isinstance(exc, Exception) or isinstance(exc, TensorParallelError):
-            raise exc
-        ids = [r.request_id for r in failed]
-        raise EngineStepError(
-            step_failure_message(exc, self.num_steps - 1, ids), outputs=outputs
-        ) from exc
-
-    def _parents_of(self, requests: Iterable[Request]) -> dict[str, ParentRequest]:
-        """The user requests (by id, in first-seen order) that `requests` are samples of."""
-        parents = (self._child_parent[r.request_id] for r in requests)
-        return {p.request_id: p for p in parents}
-
-    def _output(self, parent: ParentRequest) -> RequestOutput:
-        """`parent`'s output now; a finished parent leaves the engine's bookkeeping."""
-        out = build_output(parent, tokenizer=self.tokenizer, errors=self.scheduler.errors)
-        if out.finished:
-            self._parents.pop(parent.request_id, None)
-            for child in parent.children:
-                self._child_parent.pop(child.request_id, None)
-        return out

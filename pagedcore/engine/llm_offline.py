@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from pagedcore.engine.errors import EngineStepError
 from pagedcore.engine.output_builder import ParentRequest, PromptType, normalize_prompts
 from pagedcore.engine.outputs import RequestOutput
+from pagedcore.engine.request_checks import check_request
 from pagedcore.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -29,6 +30,8 @@ class OfflineGeneration:
     scheduler: Scheduler
     _parents: dict[str, ParentRequest]
     _ids: Iterator[int]  # an itertools.count
+    max_logprobs: int
+    max_n: int
 
     if TYPE_CHECKING:
 
@@ -50,6 +53,7 @@ class OfflineGeneration:
         prompt_list, params_list = normalize_prompts(prompts, sampling_params)
         # Validate everything first so a bad prompt queues nothing.
         for prompt, params in zip(prompt_list, params_list, strict=True):
+            check_request(params, max_logprobs=self.max_logprobs, max_n=self.max_n)
             _, ids = self._tokenize(prompt)
             self.scheduler.check_fits(len(ids), params.max_tokens)
         ids_out = []
@@ -148,4 +152,6 @@ class OfflineGeneration:
         finally:
             if progress is not None:
                 progress.stop()
+        # A request lost to an internal failure still gets its (final) output.
+        done.update(self._abort_quietly(i for i in ids if i not in done))
         return [done[i] for i in ids]

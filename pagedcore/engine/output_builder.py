@@ -13,6 +13,13 @@ from typing import Any
 from pagedcore.engine.outputs import CompletionOutput, RequestOutput
 from pagedcore.engine.request import Request
 from pagedcore.engine.sampling_params import SamplingParams
+from pagedcore.engine.validation import (
+    MAX_SEED,
+    InvalidArgumentError,
+    InvalidArgumentTypeError,
+    as_index,
+    describe,
+)
 
 __all__ = [
     "ParentRequest", "PromptType", "build_output", "make_children", "normalize_prompts", "tokenize",
@@ -35,6 +42,57 @@ class ParentRequest:
         self.children: list[Request] = []
 
 
+_PROMPT_FORMS = "a str, a list of token ids, or a dict with 'prompt' or 'prompt_token_ids'"
+
+
+def _prompt_error(message: str, *, type_error: bool = True) -> InvalidArgumentError:
+    cls = InvalidArgumentTypeError if type_error else InvalidArgumentError
+    return cls(f"invalid prompt: {message}")
+
+
+def _token_ids(prompt: Any, vocab_size: int, *, name: str = "prompt") -> list[int]:
+    """The ids of a token-id prompt, checked by type (true ints only) and range."""
+    if isinstance(prompt, (bytes, bytearray, memoryview)):
+        raise _prompt_error(
+            f"{name} is raw {type(prompt).__name__}; pass text (decode the bytes) or a list "
+            "of token ids"
+        )
+    array_like = getattr(prompt, "ndim", None) == 1  # a 1-D numpy array or torch tensor
+    if isinstance(prompt, (str, Mapping)) or not (isinstance(prompt, Sequence) or array_like):
+        raise _prompt_error(f"{name} must be {_PROMPT_FORMS}, got {describe(prompt)}")
+    ids: list[int]
+    if set(map(type, prompt)) <= {int}:
+        # At C speed (a prompt's ids are checked inside its time to first token).
+        try:
+            packed = array("q", prompt)
+        except OverflowError:
+            ids = list(prompt)
+        else:
+            import numpy as np
+
+            view = np.frombuffer(packed, dtype=np.int64)
+            ids = packed.tolist()
+            if ids and 0 <= int(view.min()) and int(view.max()) < vocab_size:
+                return ids
+    else:
+        ids = []
+        for t in prompt:
+            as_int = as_index(t)
+            if as_int is None:
+                raise _prompt_error(
+                    f"token ids must be ints, got an element {describe(t)} in {name}"
+                )
+            ids.append(as_int)
+    if not ids:
+        raise _prompt_error(f"{name} is empty; give at least one token", type_error=False)
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise _prompt_error(
+            f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})", type_error=False
+        )
+    return ids
+
+
 def tokenize(
     prompt: PromptType, *, tokenizer: Any, model_name: str, vocab_size: int
 ) -> tuple[str | None, list[int]]:
@@ -42,38 +100,36 @@ def tokenize(
 
     Raises
     ------
-    ValueError
-        Text without a tokenizer, a dict with neither key, or ids outside ``[0, vocab_size)``.
+    InvalidArgumentError
+        (a ValueError; also a TypeError for a wrong type) Text without a tokenizer, a dict
+        with neither key or a non-str ``"prompt"``, raw bytes, ids that are not ints (floats,
+        bools) or outside ``[0, vocab_size)``, or an empty prompt.
     """
     if isinstance(prompt, Mapping):
         if "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
-        if "prompt" in prompt:
-            prompt = str(prompt["prompt"])
-        else:
-            raise ValueError("a prompt dict needs 'prompt_token_ids' or 'prompt'")
+            text = prompt.get("prompt")
+            if text is not None and not isinstance(text, str):
+                raise _prompt_error(f"'prompt' must be a str or absent, got {describe(text)}")
+            ids = _token_ids(prompt["prompt_token_ids"], vocab_size, name="'prompt_token_ids'")
+            return text, ids
+        if "prompt" not in prompt:
+            raise _prompt_error(
+                f"a prompt dict needs 'prompt_token_ids' or 'prompt', got keys {sorted(prompt)}",
+                type_error=False,
+            )
+        prompt = prompt["prompt"]
+        if not isinstance(prompt, str):
+            raise _prompt_error(f"'prompt' must be a str, got {describe(prompt)}")
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError(
                 f"model {model_name!r} has no tokenizer; pass token ids instead of text"
             )
-        return prompt, [int(t) for t in tokenizer.encode(prompt)]
-    try:
-        # At C speed (a prompt's ids are checked inside its time to first token).
-        packed = array("q", prompt)
-    except (TypeError, OverflowError):  # floats, huge ints, ...: the general conversion
-        ids = [int(t) for t in prompt]
-    else:
-        import numpy as np
-
-        view = np.frombuffer(packed, dtype=np.int64)
-        ids = packed.tolist()
-        if not ids or (0 <= int(view.min()) and int(view.max()) < vocab_size):
-            return None, ids
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
-    return None, ids
+        if not prompt:
+            raise _prompt_error("the prompt text is empty", type_error=False)
+        return prompt, _token_ids(list(tokenizer.encode(prompt)), vocab_size,
+                                  name="the tokenizer's output")
+    return None, _token_ids(prompt, vocab_size)
 
 
 def make_children(
@@ -92,7 +148,8 @@ def make_children(
     for i in range(params.n):
         child_params = params
         if params.n > 1 and params.seed is not None:
-            child_params = params.replace(seed=params.seed + i)
+            # Wrapped into the seed range (seed 2**64 - 1 with n > 1 stays valid).
+            child_params = params.replace(seed=(params.seed + i) % (MAX_SEED + 1))
         child_id = parent.request_id if params.n == 1 else f"{parent.request_id}#{i}"
         parent.children.append(Request(
             child_id,
@@ -112,8 +169,15 @@ def normalize_prompts(
 ) -> tuple[list[PromptType], list[SamplingParams]]:
     """One prompt or a list, with one `SamplingParams` for all or one each -> paired lists."""
     prompt_list: list[PromptType]
+    if prompts is None or isinstance(prompts, (bytes, bytearray)) or not isinstance(
+        prompts, (str, Mapping, Sequence)
+    ):
+        raise _prompt_error(
+            f"prompts must be one prompt ({_PROMPT_FORMS}) or a list of them, got "
+            f"{describe(prompts)}"
+        )
     if isinstance(prompts, (str, Mapping)) or (
-        isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        isinstance(prompts, Sequence) and prompts and as_index(prompts[0]) is not None
     ):
         prompt_list = [prompts]  # type: ignore[list-item]
     else:
@@ -121,6 +185,11 @@ def normalize_prompts(
     if sampling_params is None or isinstance(sampling_params, SamplingParams):
         params_list = [sampling_params or SamplingParams()] * len(prompt_list)
     else:
+        if not isinstance(sampling_params, Sequence) or isinstance(sampling_params, str):
+            raise InvalidArgumentTypeError(
+                "sampling_params must be a SamplingParams, a list of them (one per prompt) or "
+                f"None, got {describe(sampling_params)}"
+            )
         params_list = list(sampling_params)
         if len(params_list) != len(prompt_list):
             raise ValueError(

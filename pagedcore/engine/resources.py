@@ -13,12 +13,11 @@ _CPU_KV_BYTES = 64 * 2**20
 
 
 def resolve_device(device: Any) -> torch.device:
-    """`device` as a torch.device; None means CUDA when available, else the CPU."""
-    import torch
+    """`device` as a torch.device; None means CUDA when available, else the CPU (see
+    `pagedcore.engine.arguments.check_device` for the errors)."""
+    from pagedcore.engine.arguments import check_device
 
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    return check_device(device)
 
 
 def resolve_dtype(dtype: Any, device: torch.device) -> torch.dtype:
@@ -35,7 +34,11 @@ def resolve_dtype(dtype: Any, device: torch.device) -> torch.dtype:
     name = aliases.get(str(dtype), str(dtype))
     resolved = getattr(torch, name, None)
     if name not in ("bfloat16", "float16", "float32") or not isinstance(resolved, torch.dtype):
-        raise ValueError(f"dtype {dtype!r} is not one of 'bfloat16', 'float16', 'float32'")
+        raise ValueError(
+            f"invalid LLM argument: dtype={dtype!r} is not one of 'bfloat16', 'float16', "
+            "'float32' (or a torch dtype of those); pass one of them, or None / 'auto' for the "
+            "device's default"
+        )
     return resolved
 
 

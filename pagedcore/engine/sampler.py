@@ -75,6 +75,9 @@ class Sampler:
         self._seed = seed
         self._shared: dict[str, torch.Generator] = {}
         self._own: dict[str, torch.Generator] = {}
+        #: Rows of the last `sample` call whose own setup raised (request id -> reason); their
+        #: tokens are meaningless and the caller fails those requests alone.
+        self.row_errors: dict[str, str] = {}
 
     def _generator(
         self, device: torch.device, request_id: str, seed: int | None
@@ -118,10 +121,14 @@ class Sampler:
         -------
         tuple
             The token ids, and per row ``{token: logprob}`` (top ``logprobs`` tokens plus the
-            sampled one, log-softmax of the raw logits) or None when not requested.
+            sampled one, log-softmax of the raw logits) or None when not requested. A row
+            whose own setup raised (its seeded generator) is listed in `row_errors` instead
+            of failing the call.
         """
         import torch
 
+        row_errors: dict[str, str] = {}
+        self.row_errors = row_errors
         logits = logits.float()
         num_rows = logits.shape[0]
         tokens = logits.argmax(dim=-1)
@@ -140,7 +147,12 @@ class Sampler:
             )
             probs = sub.softmax(dim=-1)
             for row, i in enumerate(random_rows):
-                gen = self._generator(logits.device, request_ids[i], params[i].seed)
+                try:
+                    gen = self._generator(logits.device, request_ids[i], params[i].seed)
+                except Exception as exc:  # a bad seed fails its own request, not the step
+                    row_errors[request_ids[i]] = (
+                        f"sampler setup failed: {type(exc).__name__}: {exc}")
+                    continue
                 # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p.
                 noise = torch.empty_like(probs[row]).exponential_(generator=gen)
                 tokens[i] = (probs[row] / noise).argmax()

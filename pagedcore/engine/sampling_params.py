@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import attrs
 
+from pagedcore.engine.validation import (
+    MAX_SEED,
+    Problems,
+    check_bool,
+    check_int,
+    check_int_sequence,
+    check_real,
+    describe,
+    raise_problems,
+)
+
 __all__ = ["SamplingParams"]
-
-
-def _to_int_tuple(value: Sequence[int] | None) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    return tuple(int(v) for v in value)
 
 
 @attrs.frozen(kw_only=True)
@@ -55,7 +59,7 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
-    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_to_int_tuple)
+    stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
     n: int = 1
@@ -63,28 +67,39 @@ class SamplingParams:
     cache_salt: str | None = None
 
     def __attrs_post_init__(self) -> None:
-        problems: list[str] = []
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            problems.append(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0.0:
-            problems.append(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < -1
-                                       or self.top_k == 0):
-            problems.append(
-                f"top_k must be None, -1 (disabled) or a positive integer, got {self.top_k!r}"
-            )
-        if not 0.0 < self.top_p <= 1.0:
-            problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not 0.0 <= self.min_p <= 1.0:
-            problems.append(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            problems.append(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
-        if not isinstance(self.n, int) or self.n < 1:
-            problems.append(f"n must be an integer >= 1, got {self.n!r}")
-        if any(t < 0 for t in self.stop_token_ids):
-            problems.append(f"stop_token_ids must be non-negative, got {self.stop_token_ids}")
-        if problems:
-            raise ValueError("invalid SamplingParams: " + "; ".join(problems))
+        # Every field is checked by type and value (no silent coercion); the checked values
+        # are stored normalised (numpy ints as ints, a stop-token list as a tuple).
+        p = Problems()
+        fixed: dict[str, Any] = {
+            "max_tokens": check_int(p, "max_tokens", self.max_tokens, low=1),
+            "temperature": check_real(p, "temperature", self.temperature, low=0.0,
+                                      expected="a finite float >= 0 (0 = greedy)"),
+            "top_p": check_real(p, "top_p", self.top_p, low=0.0, low_open=True, high=1.0,
+                                expected="a float in (0, 1]"),
+            "min_p": check_real(p, "min_p", self.min_p, low=0.0, high=1.0,
+                                expected="a float in [0, 1]"),
+            "seed": check_int(p, "seed", self.seed, low=0, high=MAX_SEED, allow_none=True,
+                              expected="an int in [0, 2**64 - 1] or None"),
+            "stop_token_ids": check_int_sequence(p, "stop_token_ids", self.stop_token_ids),
+            "ignore_eos": check_bool(p, "ignore_eos", self.ignore_eos),
+            "logprobs": check_int(p, "logprobs", self.logprobs, low=0, allow_none=True),
+            "n": check_int(p, "n", self.n, low=1),
+            "priority": check_int(p, "priority", self.priority),
+        }
+        top_k = check_int(p, "top_k", self.top_k, allow_none=True,
+                          expected="None, -1 (disabled) or an int >= 1")
+        if top_k is not None and (top_k < -1 or top_k == 0):
+            p.value(f"top_k must be None, -1 (disabled) or an int >= 1, got {top_k}")
+        fixed["top_k"] = top_k
+        salt = self.cache_salt
+        if isinstance(salt, (bytes, bytearray)):
+            p.type(f"cache_salt must be a str or None, got {describe(salt)}: decode it first, "
+                   "e.g. cache_salt=salt.decode() (or salt.hex() for binary salts)")
+        elif salt is not None and not isinstance(salt, str):
+            p.type(f"cache_salt must be a str or None, got {describe(salt)}")
+        raise_problems("SamplingParams", p)
+        for name, value in fixed.items():
+            object.__setattr__(self, name, value)
 
     @property
     def greedy(self) -> bool:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import attrs
@@ -13,7 +13,7 @@ from pagedcore.engine.request import Request, RequestStatus
 if TYPE_CHECKING:
     from pagedcore.engine.scheduler_types import KVManagerLike, ScheduledRequest, SchedulerStats
 
-__all__ = ["ScheduleUndo"]
+__all__ = ["RequestFault", "ScheduleUndo", "safe_extreme"]
 
 
 @attrs.define
@@ -79,3 +79,37 @@ class ScheduleUndo:
                 free(request)  # it held nothing before this allocation
         stats.prompt_tokens, stats.prefix_hit_tokens = self.stats
         return list(self.rejected)
+
+
+class RequestFault(Exception):
+    """Scheduling one request raised (the cause is ``__cause__``): that request fails alone.
+
+    Raised inside `Scheduler.schedule` where a failure can only come from the request itself
+    (its priority key, its prefix hashes); `schedule` rolls back, fails it and goes on.
+    """
+
+    def __init__(self, request: Request, what: str) -> None:
+        super().__init__(f"{what} for request {request.request_id!r}")
+        self.request = request
+        self.what = what
+
+
+_ORIGIN = (0, 0)
+
+
+def safe_extreme(pick: Callable[..., Request], requests: Iterable[Request]) -> Request:
+    """``min`` / ``max`` of `requests` by ``priority_key``; a request whose key cannot be
+    compared (a priority that is no int) raises `RequestFault` naming it."""
+    try:
+        return pick(requests, key=_priority_key)
+    except Exception as exc:
+        for request in requests:
+            try:
+                request.priority_key < _ORIGIN  # noqa: B015 - the comparison is the test
+            except Exception as own:
+                raise RequestFault(request, "comparing its priority") from own
+        raise exc
+
+
+def _priority_key(request: Request) -> tuple[int, int]:
+    return request.priority_key

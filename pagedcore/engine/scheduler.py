@@ -33,7 +33,8 @@ from pagedcore.engine.request import (
     get_token_list,
 )
 from pagedcore.engine.request_blocks import LOOKAHEAD_BLOCKS, LOOKAHEAD_MAX_USAGE, RequestBlocks
-from pagedcore.engine.schedule_undo import ScheduleUndo
+from pagedcore.engine.request_checks import check_schedulable
+from pagedcore.engine.schedule_undo import RequestFault, ScheduleUndo, safe_extreme
 from pagedcore.engine.scheduler_results import SchedulerResults
 from pagedcore.engine.scheduler_types import (
     DecodeBatch,
@@ -136,6 +137,7 @@ class Scheduler(SchedulerResults):
         """Queue a request; ValueError (and nothing queued) if it could never be served."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        check_schedulable(request)
         self.check_fits(request.num_prompt_tokens, request.params.max_tokens)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
@@ -155,12 +157,12 @@ class Scheduler(SchedulerResults):
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
-            return max(self.running, key=lambda r: r.priority_key)
+            return safe_extreme(max, self.running)
         return self.running[-1]
 
     def _peek_waiting(self) -> Request:
         if self.config.policy == "priority":
-            return min(self.waiting, key=lambda r: r.priority_key)
+            return safe_extreme(min, self.waiting)
         return self.waiting[0]
 
     def block_ids(self, request_id: str) -> tuple[list[int], ...]:
@@ -208,19 +210,48 @@ class Scheduler(SchedulerResults):
         was about to fill are dropped, and requests rejected so far are reported by the next
         `schedule()`; then the exception propagates. Preemptions already made stand: a
         preempted request is a valid waiting request that loses nothing.
+
+        A failure that belongs to one request (its priority cannot be compared, its prefix
+        hashes cannot be computed, e.g. a bad cache salt) fails that request alone: after the
+        rollback it is finished with ``FINISHED_ERROR`` (reported in ``rejected``, its error in
+        `errors`) and the step is scheduled again without it, so one request can never wedge
+        the engine (each retry removes one request: the loop ends).
         """
-        undo = ScheduleUndo(stats=(self.stats.prompt_tokens, self.stats.prefix_hit_tokens))
-        self._undo = undo
-        try:
-            return self._schedule(undo)
-        except BaseException:
-            self._carried_rejected = undo.rollback(
-                running=self.running, waiting=self.waiting, kv=self.kv, stats=self.stats,
-                free=self._free,
-            )
-            raise
-        finally:
-            self._undo = None
+        while True:
+            undo = ScheduleUndo(stats=(self.stats.prompt_tokens, self.stats.prefix_hit_tokens))
+            self._undo = undo
+            try:
+                return self._schedule(undo)
+            except RequestFault as fault:
+                self._carried_rejected = undo.rollback(
+                    running=self.running, waiting=self.waiting, kv=self.kv, stats=self.stats,
+                    free=self._free,
+                )
+                self._fail_alone(fault)
+            except BaseException:
+                self._carried_rejected = undo.rollback(
+                    running=self.running, waiting=self.waiting, kv=self.kv, stats=self.stats,
+                    free=self._free,
+                )
+                raise
+            finally:
+                self._undo = None
+
+    def _fail_alone(self, fault: RequestFault) -> None:
+        """Finish the request a `RequestFault` names with an error (reported next schedule)."""
+        request = fault.request
+        cause = fault.__cause__
+        reason = f"{fault.what} failed: {type(cause).__name__}: {cause}"
+        if request in self.running:
+            self.running.remove(request)
+        if request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.uncache_unwritten_blocks(request.request_id, request.num_computed_tokens)
+        self._free(request)
+        request.status = RequestStatus.FINISHED_ERROR
+        self.errors[request.request_id] = reason
+        self.requests.pop(request.request_id, None)
+        self._carried_rejected.append(request)
 
     def _schedule(self, undo: ScheduleUndo) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
@@ -365,7 +396,10 @@ class Scheduler(SchedulerResults):
         """Admit waiting requests into the remaining `budget`; returns what is left."""
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self._peek_waiting()
-            computed_blocks, num_cached = self.kv.get_computed_blocks(request)
+            try:
+                computed_blocks, num_cached = self.kv.get_computed_blocks(request)
+            except Exception as exc:  # this request's own hashes (its cache salt, ...)
+                raise RequestFault(request, "looking up its prefix-cache hit") from exc
             if num_cached >= request.num_tokens:
                 raise RuntimeError(
                     f"KV manager reported {num_cached} cached tokens for a request of "

@@ -1,0 +1,92 @@
+"""The flashinfer backend's static descriptor."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pagedcore.attention.backend import AttentionBackend, CudaGraphSupport
+from pagedcore_flashinfer import capabilities
+
+if TYPE_CHECKING:
+    from pagedcore.attention.backend import AttentionImpl, MetadataBuilder, MultipleOf
+
+__all__ = ["FlashInferBackend"]
+
+
+class FlashInferBackend(AttentionBackend):
+    """FlashInfer (``flashinfer-python >= 0.7.2``) over pagedcore's paged KV cache.
+
+    Decodes run through ``BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True)``, prefill
+    chunks through ``BatchPrefillWithPagedKVCacheWrapper`` (FA3 on Hopper); a mixed step runs
+    both, or the prefill wrapper alone with ``PAGEDCORE_FLASHINFER_MIXED=prefill``. The
+    declarations are what those wrappers accept: fp16/bf16, head sizes 64/128/256, sliding
+    window (``window_left``) and soft-cap. ALiBi is not declared: the paged wrappers compute
+    their own slopes from the head count and take none from the model.
+
+    Examples
+    --------
+    >>> from pagedcore import AttentionConfig
+    >>> cfg = AttentionConfig(head_size=96, dtype="bfloat16", block_size=16, device="cuda")
+    >>> [r for r in FlashInferBackend.validate_configuration(cfg) if r.startswith("head")]
+    ['head size 96 not supported (supports 64, 128, 256)']
+    """
+
+    name: ClassVar[str] = "flashinfer"
+    #: Behind the Triton backend (20) until the side-by-side bench says otherwise (issue 21).
+    priority: ClassVar[int] = 25
+    supported_dtypes: ClassVar[tuple[str, ...]] = ("float16", "bfloat16")
+    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
+    supported_head_sizes: ClassVar[tuple[int, ...] | None] = capabilities.HEAD_SIZES
+    supported_block_sizes: ClassVar[tuple[int | MultipleOf, ...]] = capabilities.BLOCK_SIZES
+    supported_devices: ClassVar[tuple[str, ...]] = ("cuda",)
+    supports_sliding_window: ClassVar[bool] = True
+    supports_alibi: ClassVar[bool] = False
+    supports_logits_soft_cap: ClassVar[bool] = True
+    #: FlashInfer's plan() schedules on the host from the step's lengths; pagedcore captures a
+    #: graph once and never re-plans before a replay, so graphs would replay a stale schedule.
+    cudagraph_support: ClassVar[CudaGraphSupport] = CudaGraphSupport.NEVER
+
+    @classmethod
+    def is_available(cls) -> str | None:
+        """None when FlashInfer >= 0.7.2 and a compute capability >= 8.0 GPU are present.
+
+        Otherwise the first missing piece: "FlashInfer is not installed; ...", "FlashInfer
+        0.6.0 is too old: ...", "needs an NVIDIA CUDA device ...", or why its import failed.
+        """
+        return capabilities.availability_problem()
+
+    @classmethod
+    def get_builder_cls(cls) -> type[MetadataBuilder[Any]]:
+        from pagedcore_flashinfer.metadata import FlashInferMetadataBuilder
+
+        return FlashInferMetadataBuilder
+
+    @classmethod
+    def get_impl_cls(cls) -> type[AttentionImpl[Any]]:
+        from pagedcore_flashinfer.impl import FlashInferImpl
+
+        return FlashInferImpl
+
+    @classmethod
+    def get_kv_cache_shape(
+        cls,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        cache_dtype: str = "auto",
+    ) -> tuple[int, ...]:
+        """FlashInfer's NHD paged layout ``(num_blocks, 2, block_size, num_kv_heads, head_size)``;
+        ``[:, 0]`` is K, ``[:, 1]`` is V.
+
+        Raises
+        ------
+        ValueError
+            When `cache_dtype` is not ``"auto"``.
+        """
+        if cache_dtype != "auto":
+            raise ValueError(
+                f"cache_dtype {cache_dtype!r} is not supported by the flashinfer backend; "
+                "use 'auto'"
+            )
+        return (num_blocks, 2, block_size, num_kv_heads, head_size)

@@ -1,0 +1,266 @@
+"""The flashinfer backend's per-step plan: page arrays built once, wrappers planned once.
+
+`FlashInferMetadataBuilder.build` does the step's host work once for every layer of the group:
+it splits the batch into its decode and prefill parts and turns the block table into
+FlashInfer's CSR page arrays. FlashInfer's ``plan()`` also needs per-layer facts the builder
+does not see (query heads, softmax scale, soft-cap, window), so the first layer of a step
+that runs with a given set of them plans the wrappers kept for that set; every later layer
+with the same set runs on that plan (one plan per step in the usual model, where all layers
+agree).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import attrs
+import torch
+
+from pagedcore.attention.backend import MetadataBuilder
+from pagedcore.attention.metadata import split_decodes_and_prefills
+from pagedcore_flashinfer import fi_api
+from pagedcore_flashinfer.planning import PagedKV, paged_kv
+
+if TYPE_CHECKING:
+    from pagedcore.attention.metadata import CommonAttentionMetadata
+    from pagedcore.kv_cache.spec import AttentionSpec
+
+__all__ = [
+    "MIXED_MODE_ENV",
+    "FlashInferMetadata",
+    "FlashInferMetadataBuilder",
+    "LayerParams",
+    "mixed_mode_from_env",
+]
+
+#: ``split`` (default): decodes through the tensor-core decode wrapper, the rest through the
+#: prefill wrapper; ``prefill``: the whole step through the prefill wrapper.
+MIXED_MODE_ENV = "PAGEDCORE_FLASHINFER_MIXED"
+_MIXED_MODES = ("split", "prefill")
+#: FlashInfer's recommended float workspace (split-KV partial results).
+WORKSPACE_BYTES = 128 * 1024 * 1024
+
+
+def mixed_mode_from_env() -> str:
+    """The mixed-step mode named by ``PAGEDCORE_FLASHINFER_MIXED`` (default ``split``).
+
+    Raises
+    ------
+    ValueError
+        When the variable holds anything else, naming the accepted values.
+    """
+    mode = os.environ.get(MIXED_MODE_ENV, "split").strip().lower() or "split"
+    if mode not in _MIXED_MODES:
+        raise ValueError(
+            f"{MIXED_MODE_ENV}={mode!r} is not a mixed-step mode; use one of {_MIXED_MODES} "
+            "('split': decode wrapper + prefill wrapper, 'prefill': prefill wrapper alone)"
+        )
+    return mode
+
+
+@attrs.frozen
+class LayerParams:
+    """The per-layer arguments of FlashInfer's ``plan()``; layers that agree share a plan."""
+
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    window_left: int
+    logits_soft_cap: float | None
+    sm_scale: float
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype
+
+
+@attrs.frozen(kw_only=True)
+class FlashInferMetadata:
+    """One step's plan inputs, shared by every layer of a KV-cache group.
+
+    Attributes
+    ----------
+    num_reqs:
+        ``B``.
+    num_actual_tokens:
+        Real tokens in the step; rows past it are padding and are not computed.
+    num_decodes, num_decode_tokens:
+        The leading requests (one query token each) run by the decode wrapper; ``0`` when the
+        whole step goes through the prefill wrapper.
+    decode:
+        Page arrays of the decode requests, or None.
+    prefill_qo_indptr:
+        ``[B_p + 1]`` int32 on the CPU: query offsets of the prefill part, from ``0``.
+    prefill:
+        Page arrays of the prefill requests, or None.
+    causal:
+        Bottom-right aligned causal mask.
+    generation:
+        Which `build` produced this plan (a wrapper planned for another step is re-planned).
+    planner:
+        The builder owning the wrappers.
+    """
+
+    num_reqs: int
+    num_actual_tokens: int
+    num_decodes: int
+    num_decode_tokens: int
+    decode: PagedKV | None
+    prefill_qo_indptr: torch.Tensor | None
+    prefill: PagedKV | None
+    causal: bool
+    generation: int
+    planner: FlashInferMetadataBuilder = attrs.field(repr=False, eq=False)
+
+
+class _Wrappers:
+    """The decode and prefill wrappers of one `LayerParams`, and which step each is planned for."""
+
+    __slots__ = ("decode", "decode_generation", "prefill", "prefill_generation")
+
+    def __init__(self) -> None:
+        self.decode: Any = None
+        self.prefill: Any = None
+        self.decode_generation = -1
+        self.prefill_generation = -1
+
+
+class FlashInferMetadataBuilder(MetadataBuilder[FlashInferMetadata]):
+    """Splits the step and builds FlashInfer's page arrays; owns the wrappers and workspace.
+
+    The workspace buffer and the wrappers are made once per builder (on the first plan) and
+    re-planned each step; ``common_prefix_len`` (cascade attention) is accepted and ignored.
+    """
+
+    reorder_batch_threshold: ClassVar[int] = 1
+
+    def __init__(
+        self, kv_cache_spec: AttentionSpec, layer_names: Sequence[str], device: torch.device
+    ) -> None:
+        super().__init__(kv_cache_spec, layer_names, device)
+        self.mixed_mode = mixed_mode_from_env()
+        self._generation = 0
+        self._workspace: torch.Tensor | None = None
+        self._wrappers: dict[LayerParams, _Wrappers] = {}
+        self._api: fi_api.FlashInferAPI | None = None
+
+    def build(
+        self, common: CommonAttentionMetadata, *, common_prefix_len: int = 0
+    ) -> FlashInferMetadata:
+        """Plan one step's page arrays.
+
+        Raises
+        ------
+        ValueError
+            When the block table has too few columns for the longest sequence.
+        """
+        block_size = self.kv_cache_spec.block_size
+        block_table = common.block_table
+        capacity = block_table.shape[1] * block_size
+        if common.num_reqs > 0 and common.max_seq_len > capacity:
+            raise ValueError(
+                f"block_table has {block_table.shape[1]} columns of {block_size} tokens "
+                f"({capacity} tokens) but max_seq_len is {common.max_seq_len}; the engine "
+                "must give every request enough block-table columns for its whole sequence"
+            )
+        num_reqs = common.num_reqs
+        query_lens = common.query_lens_cpu[:num_reqs]
+        num_decodes = self._num_decodes(common, query_lens)
+        seq_lens_cpu = common.seq_lens_cpu[:num_reqs]
+        decode = prefill = qo_indptr = None
+        if num_decodes > 0:
+            decode = paged_kv(block_table, seq_lens_cpu, block_size, 0, num_decodes)
+        if num_decodes < num_reqs:
+            prefill = paged_kv(block_table, seq_lens_cpu, block_size, num_decodes, num_reqs)
+            qo_indptr = torch.zeros(num_reqs - num_decodes + 1, dtype=torch.int32)
+            qo_indptr[1:] = torch.cumsum(query_lens[num_decodes:], dim=0)
+        self._generation += 1
+        return FlashInferMetadata(
+            num_reqs=num_reqs,
+            num_actual_tokens=common.num_actual_tokens,
+            num_decodes=num_decodes,
+            num_decode_tokens=num_decodes,
+            decode=decode,
+            prefill_qo_indptr=qo_indptr,
+            prefill=prefill,
+            causal=common.causal,
+            generation=self._generation,
+            planner=self,
+        )
+
+    def _num_decodes(self, common: CommonAttentionMetadata, query_lens: torch.Tensor) -> int:
+        """Leading requests of exactly one query token, when the decode wrapper runs them."""
+        if self.mixed_mode == "prefill" or common.num_reqs == 0:
+            return 0
+        try:
+            num_decodes = split_decodes_and_prefills(common, decode_threshold=1)[0]
+        except ValueError:  # not decode-first: the prefill wrapper takes any order
+            return 0
+        if num_decodes and int(query_lens[:num_decodes].min()) < 1:
+            return 0  # empty requests mixed in: the decode wrapper needs one token each
+        return num_decodes
+
+    def planned_wrappers(
+        self, metadata: FlashInferMetadata, params: LayerParams
+    ) -> tuple[Any, Any]:
+        """The ``(decode, prefill)`` wrappers for `params`, planned for `metadata`'s step.
+
+        A part the step does not have is None. Plans only when the wrapper was last planned
+        for another step (so once per step per distinct `params`).
+        """
+        wrappers = self._wrappers.get(params)
+        if wrappers is None:
+            wrappers = self._wrappers[params] = _Wrappers()
+        api = self._load()
+        common_kwargs: dict[str, Any] = dict(
+            window_left=params.window_left,
+            logits_soft_cap=params.logits_soft_cap,
+            sm_scale=params.sm_scale,
+            q_data_type=params.q_dtype,
+            kv_data_type=params.kv_dtype,
+        )
+        page = self.kv_cache_spec.block_size
+        heads = (params.num_qo_heads, params.num_kv_heads, params.head_dim, page)
+        decode = prefill = None
+        if metadata.decode is not None:
+            if wrappers.decode is None:
+                wrappers.decode = api.BatchDecodeWithPagedKVCacheWrapper(
+                    self._workspace_buffer(), "NHD", use_tensor_cores=True
+                )
+            if wrappers.decode_generation != metadata.generation:
+                d = metadata.decode
+                wrappers.decode.plan(
+                    d.indptr, d.indices, d.last_page_len, *heads, **common_kwargs
+                )
+                wrappers.decode_generation = metadata.generation
+            decode = wrappers.decode
+        if metadata.prefill is not None:
+            if wrappers.prefill is None:
+                wrappers.prefill = api.BatchPrefillWithPagedKVCacheWrapper(
+                    self._workspace_buffer(), "NHD"
+                )
+            if wrappers.prefill_generation != metadata.generation:
+                p = metadata.prefill
+                wrappers.prefill.plan(
+                    metadata.prefill_qo_indptr,
+                    p.indptr,
+                    p.indices,
+                    p.last_page_len,
+                    *heads,
+                    causal=metadata.causal,
+                    **common_kwargs,
+                )
+                wrappers.prefill_generation = metadata.generation
+            prefill = wrappers.prefill
+        return decode, prefill
+
+    def _load(self) -> fi_api.FlashInferAPI:
+        if self._api is None:
+            self._api = fi_api.load_flashinfer()
+        return self._api
+
+    def _workspace_buffer(self) -> torch.Tensor:
+        if self._workspace is None:
+            size = WORKSPACE_BYTES if self.device.type == "cuda" else 1024 * 1024
+            self._workspace = torch.zeros(size, dtype=torch.uint8, device=self.device)
+        return self._workspace

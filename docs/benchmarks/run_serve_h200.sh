@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# `pagedcore bench serve` against `pagedcore serve` on full-size model shapes with random
+# weights (issue 23's H200 part), plus the same workload through `LLM.generate` for the
+# throughput ratio.
+#
+#   pip install -e ".[serve]" -e backends/triton ...   # the web stack must be installed:
+#     on a machine without network, `pip download -d wheels fastapi uvicorn prometheus-client
+#     httpx` elsewhere and `pip install --no-index -f wheels fastapi uvicorn prometheus-client
+#     httpx` here
+#   OUT=/some/dir bash docs/benchmarks/run_serve_h200.sh [qwen2-0.5b] [llama3-8b]
+#
+# Environment: NUM_REQUESTS (1000), RATES (4,8,16,32,64,inf), PORT (8011), INPUT_LEN
+# (128:2048), OUTPUT_LEN (128:512), MAX_MODEL_LEN (4096), SERVE_ARGS (extra `pagedcore serve`
+# flags). A CPU smoke test of the script: NUM_REQUESTS=4 RATES=inf INPUT_LEN=8:16
+# OUTPUT_LEN=4 MAX_MODEL_LEN=256 SERVE_ARGS="--device cpu" OUT=/tmp/s bash ... llama Results in ${OUT:-docs/benchmarks/serve_h200}/:
+#   bench_serve_<model>.json/.png  the sweep (TTFT/TPOT/ITL/e2e percentiles, goodput, errors)
+#   generate_<model>.json          LLM.generate on the same 1,000 requests, and the ratio
+#   metrics_<model>.txt            /metrics after the sweep; serve_<model>.log the server log
+# Workload: input 128-2,048 tokens, output 128-512 (ignore_eos, greedy). Targets (issue 23):
+# throughput at saturation (rate inf) >= 90 % of LLM.generate, TTFT p99 < 1 s below
+# saturation, zero errors.
+set -u
+cd "$(dirname "$0")/../.."
+D="${OUT:-docs/benchmarks/serve_h200}"
+mkdir -p "$D"
+MODELS="${*:-qwen2-0.5b}"
+N="${NUM_REQUESTS:-1000}"
+RATES="${RATES:-4,8,16,32,64,inf}"
+PORT="${PORT:-8011}"
+IN="${INPUT_LEN:-128:2048}"
+OUTLEN="${OUTPUT_LEN:-128:512}"
+MML="${MAX_MODEL_LEN:-4096}"
+ENGINE_ARGS="--max-model-len $MML --max-num-seqs 256 --max-num-batched-tokens 8192"
+rc=0
+for m in $MODELS; do
+  echo "== pagedcore serve random:$m"
+  # shellcheck disable=SC2086
+  pagedcore serve "random:$m" --port "$PORT" $ENGINE_ARGS --max-waiting 4096 \
+    --log-level warning ${SERVE_ARGS:-} > "$D/serve_$m.log" 2>&1 &
+  pid=$!
+  if ! python - "$PORT" "$pid" <<'PY'
+import os, sys, time, httpx
+port, pid = sys.argv[1], int(sys.argv[2])
+deadline = time.monotonic() + 900  # building 8B random weights and CUDA graphs takes a while
+while time.monotonic() < deadline:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        sys.exit("the server exited; see its log")
+    try:
+        if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+            sys.exit(0)
+    except httpx.HTTPError:
+        pass
+    time.sleep(2)
+sys.exit("the server did not come up in 900 s")
+PY
+  then
+    echo "FAILED: pagedcore serve random:$m (log: $D/serve_$m.log)" >&2
+    kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; rc=1; continue
+  fi
+  echo "== pagedcore bench serve ($N requests at $RATES req/s)"
+  if ! pagedcore bench serve --base-url "http://127.0.0.1:$PORT" --num-requests "$N" \
+      --input-len "$IN" --output-len "$OUTLEN" --token-id-range 3:120 --request-rate "$RATES" \
+      --slo-ttft-ms 1000 --json "$D/bench_serve_$m.json" --plot "$D/bench_serve_$m.png" \
+      --no-progress; then
+    echo "FAILED: pagedcore bench serve on $m" >&2; rc=1
+  fi
+  python -c "import httpx, sys; open(sys.argv[2], 'w').write(httpx.get(
+      f'http://127.0.0.1:{sys.argv[1]}/metrics').text)" "$PORT" "$D/metrics_$m.txt"
+  kill -TERM "$pid"; wait "$pid"
+  echo "== LLM.generate on the same workload"
+  # shellcheck disable=SC2086
+  if ! python - "$m" "$N" "$D/generate_$m.json" "$D/bench_serve_$m.json" "$IN" "$OUTLEN" \
+      "$MML" <<'PY'
+import json, sys, time
+from pagedcore import LLM, SamplingParams
+from pagedcore.bench.serve import make_workload
+model, n, out, served = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+rng = lambda t: tuple(int(x) for x in (t.split(":") * 2)[:2])
+device = "cpu" if "--device cpu" in __import__("os").environ.get("SERVE_ARGS", "") else None
+llm = LLM(f"random:{model}", max_model_len=int(sys.argv[7]), max_num_seqs=256,
+          max_num_batched_tokens=8192, device=device)
+# The same requests as the sweep (same seed and token-id range).
+work = make_workload(n, input_len=rng(sys.argv[5]), output_len=rng(sys.argv[6]), seed=0,
+                     token_range=(3, 120))
+llm.generate([w.prompt for w in work[:8]], SamplingParams(max_tokens=16, ignore_eos=True))
+params = [SamplingParams(max_tokens=w.output_len, temperature=0, ignore_eos=True) for w in work]
+t0 = time.perf_counter()
+outs = llm.generate([w.prompt for w in work], params)
+elapsed = time.perf_counter() - t0
+tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+report = {"model": model, "requests": n, "elapsed_s": elapsed, "output_tokens": tokens,
+          "request_throughput": n / elapsed, "output_throughput": tokens / elapsed}
+try:
+    runs = json.load(open(served))["runs"]
+    sat = [r for r in runs if r["request_rate"] == "inf"]
+    if sat:
+        report["serve_over_generate"] = (sat[0]["summary"]["output_throughput"]
+                                         / report["output_throughput"])
+except OSError:
+    pass
+json.dump(report, open(out, "w"), indent=2)
+print(json.dumps(report, indent=2))
+PY
+  then
+    echo "FAILED: LLM.generate baseline on $m" >&2; rc=1
+  fi
+done
+exit $rc

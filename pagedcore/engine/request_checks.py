@@ -1,0 +1,68 @@
+"""Checks of one request at `LLM.add_request`: its params against the engine's bounds, and
+the ids of its samples (all are checked before the first is queued)."""
+
+from __future__ import annotations
+
+from collections.abc import Container, Sequence
+from typing import Any
+
+from pagedcore.engine.request import Request
+from pagedcore.engine.sampling_params import SamplingParams
+from pagedcore.engine.validation import InvalidArgumentError, InvalidArgumentTypeError, describe
+
+__all__ = ["check_request", "check_schedulable", "check_unique_ids"]
+
+
+def check_request(params: Any, *, max_logprobs: int, max_n: int) -> SamplingParams:
+    """`params` (None: the defaults) when it is a `SamplingParams` within the engine's bounds.
+
+    Raises
+    ------
+    InvalidArgumentError
+        Not a `SamplingParams`, or ``logprobs > max_logprobs`` or ``n > max_n``.
+    """
+    if params is None:
+        return SamplingParams()
+    if not isinstance(params, SamplingParams):
+        hint = ": build one with SamplingParams(**...)" if isinstance(params, dict) else ""
+        raise InvalidArgumentTypeError(
+            f"sampling params must be a SamplingParams or None, got {describe(params)}{hint}"
+        )
+    if params.logprobs is not None and params.logprobs > max_logprobs:
+        raise InvalidArgumentError(
+            f"invalid request: logprobs={params.logprobs} exceeds the engine's max_logprobs="
+            f"{max_logprobs}; ask for fewer, or raise it with LLM(max_logprobs=...)"
+        )
+    if params.n > max_n:
+        raise InvalidArgumentError(
+            f"invalid request: n={params.n} exceeds the engine's max_n={max_n}; ask for fewer "
+            "samples, or raise it with LLM(max_n=...)"
+        )
+    return params
+
+
+def check_unique_ids(
+    children: Sequence[Request], *in_use: Container[str]
+) -> None:
+    """ValueError when the id of any sample is already in use (then none is queued)."""
+    for child in children:
+        if any(child.request_id in ids for ids in in_use):
+            raise InvalidArgumentError(
+                f"request id {child.request_id!r} (a sample of this request) is already in the "
+                "engine; nothing of this request was queued: pick another request id"
+            )
+
+
+def check_schedulable(request: Request) -> None:
+    """InvalidArgumentError when the scheduler could not order or hash `request` (its
+    priority is no int, its cache salt no str): checked when the scheduler queues it."""
+    priority, salt = request.params.priority, request.cache_salt
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise InvalidArgumentTypeError(
+            f"request {request.request_id!r}: priority must be an int, got {describe(priority)}"
+        )
+    if salt is not None and not isinstance(salt, str):
+        raise InvalidArgumentTypeError(
+            f"request {request.request_id!r}: cache_salt must be a str or None, got "
+            f"{describe(salt)}"
+        )

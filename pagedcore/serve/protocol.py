@@ -1,0 +1,251 @@
+"""OpenAI request bodies (pydantic, strict types) and their mapping onto `SamplingParams`.
+
+Bodies are validated from the raw JSON in strict mode, so ``"temperature": "0.5"`` is a 400
+naming the field rather than a silent conversion. Unknown fields are ignored (clients send
+many OpenAI options an inference server has no use for); options that would change the result
+and are not implemented (``echo``, penalties, ``logit_bias``, ``best_of``, tools) are refused
+with a 400 naming them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pagedcore.serve.errors import BadRequestError
+
+if TYPE_CHECKING:
+    from pagedcore.engine.sampling_params import SamplingParams
+
+__all__ = [
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "SamplingLimits",
+    "parse_body",
+    "sampling_params",
+]
+
+#: Most top log-probabilities per token a request may ask for (OpenAI's limit).
+MAX_LOGPROBS = 20
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Body):
+    """``stream_options``: ``include_usage`` adds a final chunk with the token counts."""
+
+    include_usage: bool = False
+
+
+class _SamplingFields(_Body):
+    """The sampling fields both endpoints share (OpenAI's plus vLLM's extensions)."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``: one prompt (text or token ids) or a list of them."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list (a list of ints is one prompt of token ids)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise BadRequestError("prompt is empty; give a string, token ids or a list of them",
+                                  param="prompt")
+        if isinstance(p[0], int):
+            return [list(p)]
+        return list(p)
+
+
+class _TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    """One message of a conversation (text content; a list of text parts is joined)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[_TextPart] | None = None
+    name: str | None = None
+
+    def as_template_dict(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(default_factory=list)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    tools: list[Any] | None = None
+
+    @property
+    def num_logprobs(self) -> int | None:
+        if not self.logprobs:
+            return None
+        return self.top_logprobs or 0
+
+
+def parse_body(model: type[_Body], body: bytes) -> Any:
+    """Validate a JSON body; BadRequestError naming the field for malformed JSON or bad types."""
+    import json
+
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequestError(f"the request body is not valid JSON: {exc}",
+                              code="invalid_json") from exc
+    if not isinstance(data, dict):
+        raise BadRequestError(f"the request body must be a JSON object, got "
+                              f"{type(data).__name__}", code="invalid_json")
+    try:
+        return model.model_validate_json(body, strict=True)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"])
+        # Strict unions report one error per member: name the field and what it accepts.
+        got = first.get("input")
+        got_text = "" if isinstance(got, (dict, list)) else f" (got {got!r})"
+        raise BadRequestError(f"invalid field {loc!r}: {first['msg']}{got_text}",
+                              param=loc.split(".")[0] if loc else None,
+                              code="invalid_type") from exc
+
+
+class SamplingLimits:
+    """What the server allows: the longest model length and the most samples per request."""
+
+    def __init__(self, *, max_model_len: int, max_n: int) -> None:
+        self.max_model_len = max_model_len
+        self.max_n = max_n
+
+
+def _unsupported(body: _SamplingFields) -> None:
+    refused: list[str] = []
+    if body.presence_penalty:
+        refused.append("presence_penalty")
+    if body.frequency_penalty:
+        refused.append("frequency_penalty")
+    if body.logit_bias:
+        refused.append("logit_bias")
+    if isinstance(body, CompletionRequest):
+        if body.echo:
+            refused.append("echo")
+        if body.best_of not in (None, 1, body.n):
+            refused.append("best_of")
+        if body.suffix:
+            refused.append("suffix")
+    if isinstance(body, ChatCompletionRequest) and body.tools:
+        refused.append("tools")
+    if refused:
+        raise BadRequestError(f"{', '.join(refused)} {'is' if len(refused) == 1 else 'are'} not "
+                              "supported by this server; leave it out (or at its default)",
+                              param=refused[0], code="unsupported")
+
+
+def sampling_params(
+    body: _SamplingFields,
+    *,
+    num_prompt_tokens: int,
+    limits: SamplingLimits,
+    num_logprobs: int | None,
+) -> SamplingParams:
+    """The `SamplingParams` of one sample of `body` (n = 1; the caller fans samples out).
+
+    Raises
+    ------
+    BadRequestError
+        A field is out of range; the message names it and says what is allowed.
+    """
+    from pagedcore.engine.sampling_params import SamplingParams
+
+    _unsupported(body)
+    max_tokens = body.max_tokens
+    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+        max_tokens = body.max_completion_tokens
+    if max_tokens is None:
+        max_tokens = max(1, limits.max_model_len - num_prompt_tokens)
+    checks: Sequence[tuple[bool, str, str]] = (
+        (max_tokens >= 1, "max_tokens", f"must be >= 1, got {max_tokens}"),
+        (1 <= body.n <= limits.max_n, "n", f"must be in [1, {limits.max_n}], got {body.n}"),
+        (body.temperature is None or 0.0 <= body.temperature, "temperature",
+         f"must be >= 0 (0 = greedy), got {body.temperature}"),
+        (body.top_p is None or 0.0 < body.top_p <= 1.0, "top_p",
+         f"must be in (0, 1], got {body.top_p}"),
+        (body.min_p is None or 0.0 <= body.min_p <= 1.0, "min_p",
+         f"must be in [0, 1], got {body.min_p}"),
+        (body.top_k is None or body.top_k == -1 or body.top_k >= 0, "top_k",
+         f"must be -1 or 0 (all tokens) or a positive integer, got {body.top_k}"),
+        (num_logprobs is None or 0 <= num_logprobs <= MAX_LOGPROBS,
+         "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs",
+         f"must be in [0, {MAX_LOGPROBS}], got {num_logprobs}"),
+        (len(body.stop_strings()) <= 16, "stop", "at most 16 stop strings"),
+    )
+    for ok, field, what in checks:
+        if not ok:
+            raise BadRequestError(f"{field} {what}", param=field, code="invalid_value")
+    top_k = body.top_k if body.top_k not in (0, -1) else None
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=top_k,
+            min_p=0.0 if body.min_p is None else body.min_p,
+            seed=body.seed,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos,
+            logprobs=num_logprobs,
+        )
+    except ValueError as exc:
+        raise BadRequestError(str(exc), code="invalid_value") from exc

@@ -1,0 +1,350 @@
+"""The OpenAI endpoints' logic, independent of the web framework.
+
+`OpenAIServing` turns a validated body into engine sequences (one per prompt and sample),
+runs them through `AsyncEngine.generate` concurrently (`FanIn`), and builds OpenAI's response
+objects or stream chunks from the deltas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from pagedcore.serve.errors import BadRequestError, ServeError, error_body
+from pagedcore.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingLimits,
+    sampling_params,
+)
+from pagedcore.serve.responses import (
+    chat_chunk,
+    chat_logprobs,
+    completion_chunk,
+    completion_logprobs,
+    sse,
+    usage,
+)
+
+if TYPE_CHECKING:
+    from pagedcore.engine.sampling_params import SamplingParams
+    from pagedcore.serve.async_engine import AsyncEngine, StreamDelta
+
+__all__ = ["FanIn", "OpenAIServing", "Sequence_"]
+
+_DONE = b"data: [DONE]\n\n"
+
+
+@attrs.frozen
+class Sequence_:
+    """One engine sequence of a request: which choice, which prompt, its parameters."""
+
+    index: int
+    prompt_index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class FanIn:
+    """Run several sequences at once and merge their deltas, in arrival order.
+
+    Admission happens at construction (all sequences or none: `QueueFullError` otherwise);
+    closing the iterator early (a client disconnect) cancels every sequence, which aborts its
+    engine request.
+    """
+
+    def __init__(self, engine: AsyncEngine, seqs: Sequence[Sequence_], *, stop: list[str],
+                 include_stop_str_in_output: bool, skip_special_tokens: bool) -> None:
+        self.engine = engine
+        self.seqs = list(seqs)
+        self._kw: dict[str, Any] = dict(stop=stop,
+                                        include_stop_str_in_output=include_stop_str_in_output,
+                                        skip_special_tokens=skip_special_tokens)
+        engine.reserve(len(self.seqs))
+        self._unstarted = len(self.seqs)
+
+    def __del__(self) -> None:
+        # Admitted but never iterated (e.g. the client left before its response started):
+        # give the slots back, or they would be lost for good.
+        if getattr(self, "_unstarted", 0):
+            self.engine.release(self._unstarted)
+            self._unstarted = 0
+
+    async def _pump(self, seq: Sequence_, out: asyncio.Queue[Any], rid: str) -> None:
+        self._unstarted -= 1  # generate releases this slot from here on
+        try:
+            async for delta in self.engine.generate(seq.prompt_token_ids, seq.params,
+                                                    request_id=rid, reserved=True, **self._kw):
+                out.put_nowait((seq.index, delta))
+        except Exception as exc:
+            out.put_nowait((seq.index, exc))
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, StreamDelta]]:
+        base = uuid.uuid4().hex[:16]
+        if len(self.seqs) == 1:  # the common case: no task, no second queue
+            seq = self.seqs[0]
+            self._unstarted = 0  # generate releases the slot from here on
+            deltas = self.engine.generate(seq.prompt_token_ids, seq.params,
+                                          request_id=f"{base}-0", reserved=True, **self._kw)
+            try:
+                async for delta in deltas:
+                    yield seq.index, delta
+            finally:
+                await deltas.aclose()
+            return
+        out: asyncio.Queue[Any] = asyncio.Queue()
+        tasks = [asyncio.ensure_future(self._pump(s, out, f"{base}-{s.index}"))
+                 for s in self.seqs]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                index, item = await out.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finish_reason is not None:
+                    remaining -= 1
+                yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if self._unstarted:
+                self.engine.release(self._unstarted)
+                self._unstarted = 0
+
+
+class OpenAIServing:
+    """Completions and chat completions over an `AsyncEngine`.
+
+    Parameters
+    ----------
+    engine:
+        The running engine.
+    model_names:
+        Names the ``model`` field may take (the first is reported back).
+    max_n:
+        Most samples (``n``) per prompt.
+    """
+
+    def __init__(self, engine: AsyncEngine, *, model_names: Sequence[str], max_n: int) -> None:
+        self.engine = engine
+        self.model_names = list(model_names)
+        self.limits = SamplingLimits(max_model_len=engine.max_model_len, max_n=max_n)
+        self.vocab_size = int(engine.llm.model.config.vocab_size)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    # ---- inputs ----------------------------------------------------------------------------
+
+    def check_model(self, name: str) -> None:
+        from pagedcore.serve.errors import NotFoundError
+
+        if name not in self.model_names:
+            raise NotFoundError(f"the model {name!r} does not exist; this server serves "
+                                f"{self.model_names}", param="model", code="model_not_found")
+
+    def _encode(self, prompt: str | list[int], param: str) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise BadRequestError("this model has no tokenizer: send the prompt as token "
+                                      "ids (a list of integers)", param=param)
+            return [int(t) for t in self.tokenizer.encode(prompt)]
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise BadRequestError(f"token ids {bad[:5]} are outside the vocabulary "
+                                  f"[0, {self.vocab_size})", param=param)
+        return list(prompt)
+
+    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        """The token ids of the conversation through the tokenizer's chat template."""
+        if not body.messages:
+            raise BadRequestError("messages is empty; give at least one message",
+                                  param="messages", code="invalid_value")
+        tok = self.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None) or not hasattr(
+                tok, "apply_chat_template"):
+            raise BadRequestError(
+                f"the model {self.model_names[0]!r} has no chat template, so "
+                "/v1/chat/completions cannot format messages; use /v1/completions with a "
+                "prompt, or serve a checkpoint whose tokenizer defines a chat_template",
+                param="messages", code="no_chat_template")
+        try:
+            text = tok.apply_chat_template([m.as_template_dict() for m in body.messages],
+                                           add_generation_prompt=body.add_generation_prompt,
+                                           tokenize=False)
+        except Exception as exc:  # jinja raises its own errors for bad conversations
+            raise BadRequestError(f"the chat template failed on these messages: {exc}",
+                                  param="messages") from exc
+        # The template already wrote the special tokens (BOS): do not add them twice.
+        return [int(t) for t in tok.encode(str(text), add_special_tokens=False)]
+
+    def _sequences(self, body: CompletionRequest | ChatCompletionRequest,
+                   prompts: list[list[int]], num_logprobs: int | None,
+                   param: str) -> list[Sequence_]:
+        if body.stop_strings() and self.tokenizer is None:
+            raise BadRequestError("stop strings need a tokenizer, and this model has none; "
+                                  "use stop_token_ids", param="stop")
+        seqs = []
+        for p_index, ids in enumerate(prompts):
+            params = sampling_params(body, num_prompt_tokens=len(ids), limits=self.limits,
+                                     num_logprobs=num_logprobs)
+            try:
+                self.engine.check_prompt(len(ids), params.max_tokens)
+            except BadRequestError as exc:
+                exc.param = param
+                raise
+            for j in range(body.n):
+                seeded = params if params.seed is None else params.replace(seed=params.seed + j)
+                seqs.append(Sequence_(p_index * body.n + j, p_index, ids, seeded))
+        return seqs
+
+    def _fan_in(self, body: CompletionRequest | ChatCompletionRequest,
+                seqs: list[Sequence_]) -> FanIn:
+        return FanIn(self.engine, seqs, stop=body.stop_strings(),
+                     include_stop_str_in_output=body.include_stop_str_in_output,
+                     skip_special_tokens=body.skip_special_tokens)
+
+    # ---- completions -----------------------------------------------------------------------
+
+    def completion(self, body: CompletionRequest) -> tuple[FanIn, list[list[int]]]:
+        """Validate and admit a completions request; its sequences and prompts."""
+        self.check_model(body.model)
+        prompts = [self._encode(p, "prompt") for p in body.prompts()]
+        seqs = self._sequences(body, prompts, body.logprobs, "prompt")
+        return self._fan_in(body, seqs), prompts
+
+    async def completion_response(self, body: CompletionRequest, fan: FanIn,
+                                  prompts: list[list[int]]) -> dict[str, Any]:
+        """Run to the end; the ``text_completion`` object."""
+        texts, acc = await _collect(fan)
+        choices = []
+        for seq in fan.seqs:
+            a = acc[seq.index]
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = completion_logprobs(self.tokenizer, a["ids"], a["logprobs"],
+                                               k=body.logprobs, text_offset=0)
+            choices.append({"index": seq.index, "text": texts[seq.index], "logprobs": logprobs,
+                            "finish_reason": a["finish"], "stop_reason": a["stop_reason"]})
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+                "created": int(time.time()), "model": self.model_names[0], "choices": choices,
+                "usage": _usage(prompts, acc, fan)}
+
+    async def completion_stream(self, body: CompletionRequest, fan: FanIn,
+                                prompts: list[list[int]]) -> AsyncIterator[bytes]:
+        """The SSE stream of a completions request."""
+        rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model_names[0]
+        acc: dict[int, dict[str, Any]] = {}
+        offsets: dict[int, int] = {}
+        try:
+            async for index, d in fan:
+                _accumulate(acc, index, d)
+                if not (d.text or d.finish_reason or (d.token_ids and self.tokenizer is None)):
+                    continue
+                logprobs = None
+                if body.logprobs is not None and d.logprobs is not None:
+                    logprobs = completion_logprobs(self.tokenizer, d.token_ids, d.logprobs,
+                                                   k=body.logprobs,
+                                                   text_offset=offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + len(d.text)
+                yield sse(completion_chunk(rid, created, model, index, d.text, d.finish_reason,
+                                           logprobs))
+            if body.include_usage:
+                yield sse({"id": rid, "object": "text_completion", "created": created,
+                           "model": model, "choices": [], "usage": _usage(prompts, acc, fan)})
+        except ServeError as exc:
+            yield sse(error_body(exc.message, type=exc.type, param=exc.param, code=exc.code))
+        yield _DONE
+
+    # ---- chat ------------------------------------------------------------------------------
+
+    def chat(self, body: ChatCompletionRequest) -> tuple[FanIn, list[list[int]]]:
+        """Validate and admit a chat request; its sequences and (one) prompt."""
+        self.check_model(body.model)
+        prompts = [self.chat_prompt(body)]
+        seqs = self._sequences(body, prompts, body.num_logprobs, "messages")
+        return self._fan_in(body, seqs), prompts
+
+    async def chat_response(self, body: ChatCompletionRequest, fan: FanIn,
+                            prompts: list[list[int]]) -> dict[str, Any]:
+        """Run to the end; the ``chat.completion`` object."""
+        texts, acc = await _collect(fan)
+        choices = []
+        for seq in fan.seqs:
+            a = acc[seq.index]
+            logprobs = None
+            if body.num_logprobs is not None:
+                logprobs = chat_logprobs(self.tokenizer, a["ids"], a["logprobs"],
+                                         k=body.num_logprobs)
+            choices.append({"index": seq.index,
+                            "message": {"role": "assistant", "content": texts[seq.index]},
+                            "logprobs": logprobs, "finish_reason": a["finish"],
+                            "stop_reason": a["stop_reason"]})
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+                "created": int(time.time()), "model": self.model_names[0], "choices": choices,
+                "usage": _usage(prompts, acc, fan)}
+
+    async def chat_stream(self, body: ChatCompletionRequest, fan: FanIn,
+                          prompts: list[list[int]]) -> AsyncIterator[bytes]:
+        """The SSE stream of a chat request (a first chunk per choice carries the role)."""
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        created, model = int(time.time()), self.model_names[0]
+        acc: dict[int, dict[str, Any]] = {}
+        try:
+            for seq in fan.seqs:
+                yield sse(chat_chunk(rid, created, model, seq.index,
+                                     {"role": "assistant", "content": ""}, None))
+            async for index, d in fan:
+                _accumulate(acc, index, d)
+                if not (d.text or d.finish_reason):
+                    continue
+                logprobs = None
+                if body.num_logprobs is not None and d.logprobs is not None:
+                    logprobs = chat_logprobs(self.tokenizer, d.token_ids, d.logprobs,
+                                             k=body.num_logprobs)
+                delta = {"content": d.text} if d.text else {}
+                yield sse(chat_chunk(rid, created, model, index, delta, d.finish_reason,
+                                     logprobs))
+            if body.include_usage:
+                yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                           "model": model, "choices": [], "usage": _usage(prompts, acc, fan)})
+        except ServeError as exc:
+            yield sse(error_body(exc.message, type=exc.type, param=exc.param, code=exc.code))
+        yield _DONE
+
+
+def _accumulate(acc: dict[int, dict[str, Any]], index: int, d: StreamDelta) -> None:
+    a = acc.setdefault(index, {"text": [], "ids": [], "logprobs": [], "finish": None,
+                               "stop_reason": None, "generated": 0, "cached": 0})
+    a["text"].append(d.text)
+    a["ids"].extend(d.token_ids)
+    if d.logprobs is not None:
+        a["logprobs"].extend(d.logprobs)
+    a["generated"] = d.num_generated_tokens
+    a["cached"] = d.num_cached_tokens
+    if d.finish_reason is not None:
+        a["finish"], a["stop_reason"] = d.finish_reason, d.stop_reason
+
+
+async def _collect(fan: FanIn) -> tuple[dict[int, str], dict[int, dict[str, Any]]]:
+    acc: dict[int, dict[str, Any]] = {}
+    async for index, d in fan:
+        _accumulate(acc, index, d)
+    return {i: "".join(a["text"]) for i, a in acc.items()}, acc
+
+
+def _usage(prompts: list[list[int]], acc: dict[int, dict[str, Any]], fan: FanIn) -> dict[str, Any]:
+    cached: dict[int, int] = {}
+    for seq in fan.seqs:
+        if seq.index in acc:
+            cached[seq.prompt_index] = max(cached.get(seq.prompt_index, 0),
+                                           acc[seq.index]["cached"])
+    return usage(sum(len(p) for p in prompts), sum(a["generated"] for a in acc.values()),
+                 sum(cached.values()))

@@ -1,0 +1,44 @@
+"""Fixtures of the serve tests: live servers over the demo model and a tiny chat checkpoint."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from serve_helpers import LiveServer, make_chat_checkpoint
+
+DEMO_KW = dict(max_model_len=256, max_num_seqs=256, kv_cache_memory_bytes=16 * 2**20)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_thread() -> Iterator[None]:
+    """Tiny models run far faster on one intra-op thread (and do not fight parallel jobs)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def demo_server() -> Iterator[LiveServer]:
+    server = LiveServer("demo", **DEMO_KW)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def chat_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_chat_checkpoint(tmp_path_factory.mktemp("chat-ckpt"))
+
+
+@pytest.fixture(scope="session")
+def chat_server(chat_checkpoint: Path) -> Iterator[LiveServer]:
+    server = LiveServer(str(chat_checkpoint), max_model_len=256)
+    yield server
+    server.stop()

@@ -1,0 +1,107 @@
+"""Bad input gets OpenAI-style error JSON with the right status, and the server keeps serving."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+from serve_helpers import LiveServer
+
+OK = {"model": "m", "prompt": "hi", "max_tokens": 2}
+
+CASES: list[tuple[str, str, Any, int, str | None]] = [
+    # (name, path, body (bytes: sent raw), status, param)
+    ("malformed-json", "/v1/completions", b'{"model": "m", "prompt": ', 400, None),
+    ("not-an-object", "/v1/completions", b"[1, 2]", 400, None),
+    ("wrong-type-temperature", "/v1/completions", {**OK, "temperature": "0.5"}, 400,
+     "temperature"),
+    ("wrong-type-max-tokens", "/v1/completions", {**OK, "max_tokens": "ten"}, 400,
+     "max_tokens"),
+    ("missing-prompt", "/v1/completions", {"model": "m"}, 400, "prompt"),
+    ("unknown-model", "/v1/completions", {**OK, "model": "gpt-17"}, 404, "model"),
+    ("prompt-too-long", "/v1/completions", {**OK, "prompt": "x" * 300}, 400, "prompt"),
+    ("max-tokens-zero", "/v1/completions", {**OK, "max_tokens": 0}, 400, "max_tokens"),
+    ("max-tokens-negative", "/v1/completions", {**OK, "max_tokens": -3}, 400, "max_tokens"),
+    ("n-too-large", "/v1/completions", {**OK, "n": 1000}, 400, "n"),
+    ("negative-temperature", "/v1/completions", {**OK, "temperature": -1}, 400, "temperature"),
+    ("top-p-zero", "/v1/completions", {**OK, "top_p": 0}, 400, "top_p"),
+    ("top-p-above-one", "/v1/completions", {**OK, "top_p": 1.5}, 400, "top_p"),
+    ("token-id-out-of-vocab", "/v1/completions", {**OK, "prompt": [1, 99999]}, 400, "prompt"),
+    ("unsupported-echo", "/v1/completions", {**OK, "echo": True}, 400, "echo"),
+    ("empty-messages", "/v1/chat/completions", {"model": "m", "messages": []}, 400,
+     "messages"),
+    ("no-chat-template", "/v1/chat/completions",
+     {"model": "m", "messages": [{"role": "user", "content": "hi"}]}, 400, "messages"),
+    ("bad-role", "/v1/chat/completions",
+     {"model": "m", "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
+    ("no-route", "/v1/embeddings", OK, 404, None),
+]
+
+
+def _post(server: LiveServer, path: str, body: Any, **kw: Any) -> httpx.Response:
+    if isinstance(body, bytes):
+        return httpx.post(server.url + path, content=body,
+                          headers={"content-type": "application/json"}, **kw)
+    return httpx.post(server.url + path, json=body, **kw)
+
+
+def _assert_openai_error(resp: httpx.Response, status: int, param: str | None) -> None:
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"] and error["type"]
+    assert error["param"] == param
+
+
+@pytest.mark.parametrize("name,path,body,status,param", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_an_openai_error(demo_server: LiveServer, name: str, path: str, body: Any,
+                                      status: int, param: str | None) -> None:
+    _assert_openai_error(_post(demo_server, path, body), status, param)
+    # The server still serves.
+    ok = _post(demo_server, "/v1/completions", OK)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("stop",
+                                                                                  "length")
+
+
+def test_prompt_too_long_names_both_lengths(demo_server: LiveServer) -> None:
+    message = _post(demo_server, "/v1/completions", {**OK, "prompt": "x" * 300}).json()
+    assert "301" in message["error"]["message"] and "256" in message["error"]["message"]
+
+
+def test_ten_megabyte_body_is_413(demo_server: LiveServer) -> None:
+    body = b'{"model": "m", "prompt": "' + b"a" * (10 * 2**20) + b'"}'
+    _assert_openai_error(_post(demo_server, "/v1/completions", body), 413, None)
+    assert _post(demo_server, "/v1/completions", OK).status_code == 200
+
+
+def test_api_key() -> None:
+    server = LiveServer("demo", api_key="sekret", max_model_len=64)
+    try:
+        _assert_openai_error(_post(server, "/v1/completions", OK), 401, None)
+        wrong = _post(server, "/v1/completions", OK, headers={"authorization": "Bearer no"})
+        _assert_openai_error(wrong, 401, None)
+        good = _post(server, "/v1/completions", OK, headers={"authorization": "Bearer sekret"})
+        assert good.status_code == 200
+        assert httpx.get(server.url + "/health").status_code == 200  # open to probes
+    finally:
+        server.stop()
+
+
+def test_models_health_metrics(demo_server: LiveServer) -> None:
+    models = httpx.get(demo_server.url + "/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["m"]
+    assert models["data"][0]["max_model_len"] == 256
+    assert httpx.get(demo_server.url + "/health").json() == {"status": "ok"}
+    _post(demo_server, "/v1/completions", OK)
+    metrics = httpx.get(demo_server.url + "/metrics").text
+    for name in ("pagedcore:num_requests_running", "pagedcore:num_requests_waiting",
+                 "pagedcore:kv_cache_usage_perc", "pagedcore:prefix_cache_hit_rate",
+                 "pagedcore:num_preemptions_total", "pagedcore:time_to_first_token_seconds_bucket",
+                 "pagedcore:time_per_output_token_seconds_bucket",
+                 "pagedcore:e2e_request_latency_seconds_bucket",
+                 "pagedcore:prompt_tokens_total", "pagedcore:generation_tokens_total"):
+        assert name in metrics, name
+    generated = [line for line in metrics.splitlines()
+                 if line.startswith("pagedcore:generation_tokens_total")]
+    assert float(generated[0].split()[-1]) >= 2

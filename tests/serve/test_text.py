@@ -1,0 +1,124 @@
+"""Incremental detokenization and stop strings, on a BPE tokenizer trained in the test."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from serve_helpers import train_tokenizer
+
+from pagedcore.engine.models import ByteTokenizer
+from pagedcore.serve.text import IncrementalDetokenizer, StopStringMatcher
+
+TEXTS = ["Le café: crème brûlée, déjà vu.", "日本の首都は東京です。", "mixed é日本x é",
+         "plain ascii"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return train_tokenizer()
+
+
+class _DecodeOnly:
+    """A tokenizer without a `tokenizers` backend: only decode (the fallback path)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def decode(self, ids: list[int]) -> str:
+        text: str = self.inner.decode(ids)
+        return text
+
+
+def _stream(detok: IncrementalDetokenizer, ids: list[int], step: int) -> list[str]:
+    deltas = [detok.add(ids[i : i + step]) for i in range(0, len(ids), step)]
+    return [*deltas, detok.flush()]
+
+
+@pytest.mark.parametrize("wrap", [False, True], ids=["decode-stream", "window-fallback"])
+@pytest.mark.parametrize("step", [1, 3])
+def test_bpe_deltas_concatenate_and_never_split_a_character(tokenizer: Any, wrap: bool,
+                                                            step: int) -> None:
+    eos = tokenizer.eos_token_id
+    for text in TEXTS:
+        ids = [*tokenizer.encode(text), eos]
+        # Byte-level BPE learned merges, yet some multi-byte characters still span tokens.
+        tok = _DecodeOnly(tokenizer) if wrap else tokenizer
+        deltas = _stream(IncrementalDetokenizer(tok), ids, step)
+        assert "\ufffd" not in "".join(deltas)
+        expected = tokenizer.decode(ids, skip_special_tokens=not wrap)
+        assert "".join(deltas) == expected
+
+
+def test_bpe_splits_some_character_across_tokens(tokenizer: Any) -> None:
+    """The case the detokenizer exists for really occurs with this tokenizer."""
+    split = [t for text in TEXTS for t in tokenizer.encode(text)
+             if "\ufffd" in tokenizer.decode([t])]
+    assert split
+
+
+def test_byte_tokenizer_holds_partial_characters() -> None:
+    tok = ByteTokenizer()
+    ids = tok.encode("é日本!", add_bos=False)  # 2 + 3 + 3 + 1 bytes
+    detok = IncrementalDetokenizer(tok)
+    deltas = [detok.add([t]) for t in ids]
+    assert deltas == ["", "é", "", "", "日", "", "", "本", "!"]
+    assert detok.flush() == ""
+    # A truncated character at the very end comes out (as the replacement char) at the finish.
+    detok = IncrementalDetokenizer(tok)
+    assert detok.add(ids[:3]) == "é"
+    assert detok.flush() == "\ufffd"
+
+
+def test_no_tokenizer_gives_no_text() -> None:
+    detok = IncrementalDetokenizer(None)
+    assert detok.add([1, 2, 3]) == "" and detok.flush() == ""
+
+
+def _feed(matcher: StopStringMatcher, parts: list[str]) -> list[str]:
+    out = []
+    for p in parts:
+        out.append(matcher.add(p))
+        if matcher.stopped:
+            break
+    else:
+        out.append(matcher.flush())
+    return out
+
+
+def test_stop_string_across_deltas_is_held_back_and_cut() -> None:
+    m = StopStringMatcher(["STOP"])
+    assert _feed(m, ["abc S", "T", "O", "Pxyz"]) == ["abc ", "", "", ""]
+    assert m.stopped and m.matched == "STOP" and m.text == "abc "
+
+
+def test_false_start_is_released() -> None:
+    m = StopStringMatcher(["STOP"])
+    assert _feed(m, ["ab ST", "x", "y"]) == ["ab ", "STx", "y", ""]
+    assert not m.stopped and m.text == "ab STxy"
+
+
+def test_earliest_of_several_stops_and_include_option() -> None:
+    m = StopStringMatcher(["world", "lo w"], include_stop_str_in_output=True)
+    assert "".join(_feed(m, ["hel", "lo wor", "ld"])) == "hello w"
+    assert m.matched == "lo w"
+
+
+def test_text_held_at_the_end_is_flushed() -> None:
+    m = StopStringMatcher(["</answer>"])
+    assert _feed(m, ["42 </ans"]) == ["42 ", "</ans"]
+
+
+def test_stop_strings_over_real_tokens(tokenizer: Any) -> None:
+    """Detokenizer + matcher on a real token stream: the stop string spans several tokens and
+    the released text is exactly the prefix before it."""
+    text = "Le café: crème brûlée, déjà vu."
+    ids = tokenizer.encode(text)
+    detok, m = IncrementalDetokenizer(tokenizer), StopStringMatcher(["brûlée"])
+    released = ""
+    for t in ids:
+        released += m.add(detok.add([t]))
+        assert "br" not in released  # never a piece of the stop string
+        if m.stopped:
+            break
+    assert m.stopped and released == "Le café: crème "
