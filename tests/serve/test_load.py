@@ -8,8 +8,7 @@ import time
 from typing import Any
 
 import httpx
-from conftest import DEMO_KW
-from serve_helpers import LiveServer
+from serve_helpers import DEMO_KW, LiveServer
 
 from pagedcore.engine.llm import LLM
 from pagedcore.engine.sampling_params import SamplingParams
