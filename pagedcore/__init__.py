@@ -24,6 +24,25 @@ from pagedcore.plugins.hookspecs import hookimpl
 __version__ = "0.1.0"
 
 _LAZY = {
+    # the plugin author's API: errors and warnings a backend or its user meets
+    "PluginError": "pagedcore.plugins.errors",
+    "BackendLoadError": "pagedcore.plugins.errors",
+    "BackendValidationError": "pagedcore.plugins.errors",
+    "DuplicateBackendError": "pagedcore.plugins.errors",
+    "UnknownBackendError": "pagedcore.plugins.errors",
+    "PluginLoadWarning": "pagedcore.plugins.records",
+    "ENTRY_POINT_GROUP": "pagedcore.plugins.hookspecs",
+    # what a builder and an impl receive
+    "AttentionImplOptions": "pagedcore.attention.backend",
+    "KV_CACHE_DTYPES": "pagedcore.attention.backend",
+    "split_decodes_and_prefills": "pagedcore.attention.metadata",
+    "decode_first_order": "pagedcore.attention.metadata",
+    "KVCacheSpec": "pagedcore.kv_cache.spec",
+    "AttentionSpec": "pagedcore.kv_cache.spec",
+    "FullAttentionSpec": "pagedcore.kv_cache.spec",
+    "SlidingWindowSpec": "pagedcore.kv_cache.spec",
+    "ChunkedLocalAttentionSpec": "pagedcore.kv_cache.spec",
+    "MLAAttentionSpec": "pagedcore.kv_cache.spec",
     "select_backend": "pagedcore.plugins.selector",
     "explain_selection": "pagedcore.plugins.selector",
     "BackendSelectionError": "pagedcore.plugins.selector",
@@ -34,9 +53,28 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
+    from pagedcore.attention.backend import KV_CACHE_DTYPES, AttentionImplOptions
+    from pagedcore.attention.metadata import decode_first_order, split_decodes_and_prefills
     from pagedcore.engine.llm import LLM
     from pagedcore.engine.outputs import RequestOutput
     from pagedcore.engine.sampling_params import SamplingParams
+    from pagedcore.kv_cache.spec import (
+        AttentionSpec,
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        KVCacheSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
+    from pagedcore.plugins.errors import (
+        BackendLoadError,
+        BackendValidationError,
+        DuplicateBackendError,
+        PluginError,
+        UnknownBackendError,
+    )
+    from pagedcore.plugins.hookspecs import ENTRY_POINT_GROUP
+    from pagedcore.plugins.records import PluginLoadWarning
     from pagedcore.plugins.registry import get_registry
     from pagedcore.plugins.selector import (
         BackendSelectionError,
@@ -53,21 +91,38 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "ENTRY_POINT_GROUP",
+    "KV_CACHE_DTYPES",
     "LLM",
     "AttentionBackend",
     "AttentionConfig",
     "AttentionImpl",
+    "AttentionImplOptions",
+    "AttentionSpec",
+    "BackendLoadError",
     "BackendSelectionError",
+    "BackendValidationError",
+    "ChunkedLocalAttentionSpec",
     "CommonAttentionMetadata",
     "CudaGraphSupport",
+    "DuplicateBackendError",
+    "FullAttentionSpec",
+    "KVCacheSpec",
     "MLAAttentionBackend",
+    "MLAAttentionSpec",
     "MetadataBuilder",
     "MultipleOf",
+    "PluginError",
+    "PluginLoadWarning",
     "RequestOutput",
     "SamplingParams",
+    "SlidingWindowSpec",
+    "UnknownBackendError",
     "__version__",
+    "decode_first_order",
     "explain_selection",
     "get_registry",
     "hookimpl",
     "select_backend",
+    "split_decodes_and_prefills",
 ]

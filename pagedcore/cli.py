@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import Any
 
 import click
@@ -44,6 +45,11 @@ class LazyGroup(click.Group):
 @click.version_option(package_name="pagedcore")
 def main() -> None:
     """pagedcore: pluggable paged attention, a KV-cache manager and a batching engine."""
+    from pagedcore.plugins.records import PluginLoadWarning
+
+    # A broken plugin is listed by `pagedcore backends` (and logged once through `logging`),
+    # not repeated as a warning on the stderr of every command.
+    warnings.filterwarnings("ignore", category=PluginLoadWarning)
 
 
 if __name__ == "__main__":

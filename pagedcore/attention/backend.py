@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import abc
 import enum
+import math
+import numbers
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypedDict, TypeVar
 
@@ -74,6 +76,19 @@ class CudaGraphSupport(enum.IntEnum):
     ALWAYS = 3
 
 
+def _positive_int(field: str, value: Any, *, optional: bool) -> int:
+    """`value` as an int when it is a positive integer (not a bool), else a ValueError."""
+    expected = "a positive integer" + (" or None" if optional else "")
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        hint = ""
+        if isinstance(value, float) and value.is_integer() and value > 0:
+            hint = f"; did you mean {int(value)}?"
+        raise ValueError(f"{field} must be {expected}, got {type(value).__name__} {value!r}{hint}")
+    if value <= 0:
+        raise ValueError(f"{field} must be {expected}, got {value}")
+    return int(value)
+
+
 def _torch_dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -107,10 +122,34 @@ class AttentionConfig:
     device: str = "cpu"
 
     def __attrs_post_init__(self) -> None:
-        if self.head_size <= 0:
-            raise ValueError(f"head_size must be a positive integer, got {self.head_size}")
-        if self.block_size <= 0:
-            raise ValueError(f"block_size must be a positive integer, got {self.block_size}")
+        # Checked by type first: NaN, 64.5, True or "no" must never reach a backend's
+        # validate_configuration (NaN compares False with everything; "no" is truthy).
+        for field, optional in (("head_size", False), ("block_size", False),
+                                ("sliding_window", True)):
+            value = getattr(self, field)
+            if value is None and optional:
+                continue
+            object.__setattr__(self, field, _positive_int(field, value, optional=optional))
+        for field in ("use_mla", "use_alibi"):
+            value = getattr(self, field)
+            if not isinstance(value, bool):
+                raise ValueError(
+                    f"{field} must be True or False, got {type(value).__name__} {value!r}"
+                    + ("; a non-empty string is not a boolean" if isinstance(value, str) else "")
+                )
+        cap = self.logits_soft_cap
+        if cap is not None:
+            if isinstance(cap, bool) or not isinstance(cap, (int, float)):
+                raise ValueError(
+                    f"logits_soft_cap must be a positive finite number or None, got "
+                    f"{type(cap).__name__} {cap!r}"
+                )
+            if not math.isfinite(cap) or cap <= 0:
+                raise ValueError(
+                    f"logits_soft_cap must be a positive finite number or None, got {cap!r}; "
+                    "pass None for no soft-cap"
+                )
+            object.__setattr__(self, "logits_soft_cap", float(cap))
         if self.dtype not in ("float16", "bfloat16", "float32"):
             raise ValueError(
                 f"dtype {self.dtype!r} is not one of 'float16', 'bfloat16', 'float32'"
@@ -118,14 +157,6 @@ class AttentionConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}"
-            )
-        if self.sliding_window is not None and self.sliding_window <= 0:
-            raise ValueError(
-                f"sliding_window must be a positive integer or None, got {self.sliding_window}"
-            )
-        if self.logits_soft_cap is not None and self.logits_soft_cap <= 0:
-            raise ValueError(
-                f"logits_soft_cap must be positive or None, got {self.logits_soft_cap}"
             )
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device {self.device!r} is not one of 'cpu', 'cuda'")

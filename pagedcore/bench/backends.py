@@ -21,6 +21,8 @@ from typing import Any
 
 import click
 
+from pagedcore.cli_types import BACKEND, OutputPath
+
 __all__ = ["backends", "normalize_report"]
 
 _SDPA = "torch SDPA (contiguous)"
@@ -157,12 +159,13 @@ def _plot(report: dict[str, Any], path: str) -> None:
 
 @click.command()
 @click.option("--small", is_flag=True, help="Quick shapes (live measurement also on CPU).")
-@click.option("--backend", "names", multiple=True, help="Backend to time (live; default: all).")
+@click.option("--backend", "names", multiple=True, type=BACKEND,
+              help="Backend to time (live; default: all).")
 @click.option("--from-json", "sources", multiple=True,
               type=click.Path(exists=True, dir_okay=False),
               help="Plot committed kernel reports instead of measuring (repeatable).")
-@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
-@click.option("--plot", "plot_path", default=None, type=click.Path(dir_okay=False))
+@click.option("--json", "json_path", default=None, type=OutputPath())
+@click.option("--plot", "plot_path", default=None, type=OutputPath())
 def backends(small: bool, names: tuple[str, ...], sources: tuple[str, ...],
              json_path: str | None, plot_path: str | None) -> None:
     """Every backend's decode GB/s and prefill TFLOP/s on the same shapes, one plot."""

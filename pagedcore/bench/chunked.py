@@ -27,6 +27,8 @@ from typing import Any
 
 import click
 
+from pagedcore.cli_types import BACKEND, DEVICE, IntList, OutputPath, positive_int
+
 __all__ = ["apply_config", "chunked", "make_timeline", "parse_pairs", "run_config", "summarize"]
 
 
@@ -205,29 +207,32 @@ def _plot(report: dict[str, Any], path: str) -> None:
 
 @click.command()
 @click.option("--small", is_flag=True, help="Tiny model, 8K-token long prompt (CPU-friendly).")
-@click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
-@click.option("--backend", default=None, help="Force an attention backend.")
+@click.option("--device", default=None, type=DEVICE,
+              help="cpu or cuda (default: cuda when available).")
+@click.option("--backend", default=None, type=BACKEND, help="Force an attention backend.")
 @click.option("--model", "model_name", default="qwen2-0.5b", show_default=True,
               type=click.Choice(["qwen2-0.5b", "llama3-8b"]),
               help="Model shape (seeded random weights); with --small a tiny model of the "
                    "same architecture.")
-@click.option("--long-len", default=None, type=int, help="Long prompt tokens.")
-@click.option("--reps", default=None, type=int, help="Timed repetitions per configuration.")
-@click.option("--budgets", default=None, help="Comma list of max_num_batched_tokens to sweep.")
-@click.option("--thresholds", default=None,
+@click.option("--long-len", default=None, type=positive_int(), help="Long prompt tokens.")
+@click.option("--reps", default=None, type=positive_int(),
+              help="Timed repetitions per configuration.")
+@click.option("--budgets", default=None, type=IntList(1),
+              help="Comma list of max_num_batched_tokens to sweep.")
+@click.option("--thresholds", default=None, type=IntList(1),
               help="Comma list of long_prefill_token_threshold to sweep.")
-@click.option("--pairs", default=None,
+@click.option("--pairs", default=None, callback=lambda _ctx, _p, v: (parse_pairs(v), v)[1],
               help="Comma list of THRESHOLD:BUDGET pairs run as well, after the thresholds "
                    "(e.g. 768:1024: 768-token chunks, steps capped at 1,024 tokens).")
-@click.option("--unaligned", default=None,
+@click.option("--unaligned", default=None, type=IntList(1),
               help="Comma list of long_prefill_token_threshold run again with bucket-aware "
                    "chunk alignment off (SchedulerConfig.token_buckets=None), after the pairs.")
-@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
-@click.option("--plot", "plot_path", default=None, type=click.Path(dir_okay=False))
+@click.option("--json", "json_path", default=None, type=OutputPath())
+@click.option("--plot", "plot_path", default=None, type=OutputPath())
 def chunked(small: bool, device: str | None, backend: str | None, model_name: str,
-            long_len: int | None, reps: int | None, budgets: str | None,
-            thresholds: str | None, pairs: str | None, json_path: str | None,
-            plot_path: str | None, unaligned: str | None = None) -> None:
+            long_len: int | None, reps: int | None, budgets: list[int] | None,
+            thresholds: list[int] | None, pairs: str | None, json_path: str | None,
+            plot_path: str | None, unaligned: list[int] | None = None) -> None:
     """Chunked prefill: short-request TTFT/ITL and long completion vs no chunking."""
     import torch
 
@@ -257,9 +262,9 @@ def chunked(small: bool, device: str | None, backend: str | None, model_name: st
         threshold_list = [512, 1024, 1536, 2048, 3072, 4096, 8192]
         short_max = 32
     if budgets:
-        budget_list = [int(x) for x in budgets.split(",")]
+        budget_list = list(budgets)
     if thresholds:
-        threshold_list = [int(x) for x in thresholds.split(",")]
+        threshold_list = list(thresholds)
     pair_list = parse_pairs(pairs)
     reps = reps or (1 if small else 3)
     vocab = int(config.vocab_size)
@@ -288,7 +293,7 @@ def chunked(small: bool, device: str | None, backend: str | None, model_name: st
     configs += [(f"thr={int(t)} unaligned (mnbt={max_model_len})",
                  dict(enable_chunked_prefill=True, max_num_batched_tokens=max_model_len,
                       long_prefill_token_threshold=int(t), token_buckets=None))
-                for t in (unaligned.split(",") if unaligned else [])]
+                for t in (unaligned or [])]
     configs += [(f"mnbt={b}", dict(enable_chunked_prefill=True, max_num_batched_tokens=b,
                                    long_prefill_token_threshold=None)) for b in budget_list]
     # One engine, built with the largest budget; `apply_config` switches the limits.

@@ -25,6 +25,7 @@ from pagedcore.bench.engine_runs import (
     run_hf_static,
     run_pagedcore,
 )
+from pagedcore.cli_types import BACKEND, DEVICE, OutputPath, positive_int
 
 __all__ = ["STAGES", "engine"]
 
@@ -66,18 +67,20 @@ def _tok_s(value: Any) -> str:
 
 @click.command()
 @click.option("--small", is_flag=True, help="Tiny Qwen2 on CPU-friendly sizes (CI / laptops).")
-@click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
-@click.option("--backend", default=None, help="Force an attention backend.")
-@click.option("--num-prompts", default=None, type=int, help="Prompts of the main workload.")
-@click.option("--max-new", default=None, type=int, help="New tokens per prompt.")
-@click.option("--big-num-prompts", default=None, type=int,
+@click.option("--device", default=None, type=DEVICE,
+              help="cpu or cuda (default: cuda when available).")
+@click.option("--backend", default=None, type=BACKEND, help="Force an attention backend.")
+@click.option("--num-prompts", default=None, type=positive_int(),
+              help="Prompts of the main workload.")
+@click.option("--max-new", default=None, type=positive_int(), help="New tokens per prompt.")
+@click.option("--big-num-prompts", default=None, type=positive_int(0),
               help="Second, larger workload (pagedcore, and generate_batch unless capped to 0).")
-@click.option("--hf-big-num-prompts", default=None, type=int,
+@click.option("--hf-big-num-prompts", default=None, type=positive_int(0),
               help="Cap generate_batch() on the larger workload to this many prompts (it takes "
                    "minutes on 1,024); 0 skips it. Default: no cap.")
-@click.option("--stress-requests", default=None, type=int,
+@click.option("--stress-requests", default=None, type=positive_int(0),
               help="Preemption stress size; 0 skips the stage.")
-@click.option("--parity-prompts", default=None, type=int,
+@click.option("--parity-prompts", default=None, type=positive_int(0),
               help="Prompts of the CUDA graphs vs eager parity check; 0 skips it.")
 @click.option("--skip-hf", is_flag=True, help="Measure pagedcore only.")
 @click.option("--skip-eager", is_flag=True,
@@ -85,11 +88,11 @@ def _tok_s(value: Any) -> str:
 @click.option("--enforce-eager", is_flag=True, help="Never use CUDA graphs.")
 @click.option("--only", default=None,
               help="Run only these stages (comma-separated): " + ", ".join(STAGES) + ".")
-@click.option("--parity-new", default=None, type=int,
+@click.option("--parity-new", default=None, type=positive_int(),
               help="New tokens per prompt of the parity check (default: min(max-new, 32)).")
 @click.option("--host-profile", default=None, type=click.Path(dir_okay=False),
               help="Write a cProfile (top 30) of 16 more steps at 256 running (graphs) here.")
-@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
+@click.option("--json", "json_path", default=None, type=OutputPath())
 def engine(small: bool, device: str | None, backend: str | None, num_prompts: int | None,
            max_new: int | None, big_num_prompts: int | None, hf_big_num_prompts: int | None,
            stress_requests: int | None, parity_prompts: int | None, skip_hf: bool,
@@ -137,13 +140,16 @@ def _run_engine_bench(
     dev, dtype, config = engine_bench_model(small, device)
     if small:
         lo, hi = 16, 96
-        num_prompts, max_new = num_prompts or 32, max_new or 32
+        # None (not given) takes the default; 0 is refused by the option types.
+        num_prompts = 32 if num_prompts is None else num_prompts
+        max_new = 32 if max_new is None else max_new
         big = 0 if big_num_prompts is None else big_num_prompts
         stress_n = 100 if stress_requests is None else stress_requests
         parity_n = 8 if parity_prompts is None else parity_prompts
     else:
         lo, hi = 64, 512
-        num_prompts, max_new = num_prompts or 64, max_new or 128
+        num_prompts = 64 if num_prompts is None else num_prompts
+        max_new = 128 if max_new is None else max_new
         big = 1024 if big_num_prompts is None else big_num_prompts
         stress_n = 2000 if stress_requests is None else stress_requests
         parity_n = 32 if parity_prompts is None else parity_prompts

@@ -39,6 +39,7 @@ from pagedcore.bench.kernel_primitives import (
     time_ms,
 )
 from pagedcore.bench.report import git_commit
+from pagedcore.cli_types import BACKEND, OutputPath
 
 if TYPE_CHECKING:
     import torch
@@ -268,9 +269,10 @@ def _print_table(rows: list[dict[str, Any]], copy_gbps: float) -> None:
 
 @click.command()
 @click.option(
-    "--backend", "names", multiple=True, help="Backend to time (repeatable; default: all)."
+    "--backend", "names", multiple=True, type=BACKEND,
+    help="Backend to time (repeatable; default: all).",
 )
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write figures here.")
+@click.option("--json", "json_path", type=OutputPath(), help="Write figures here.")
 @click.option("--quick", is_flag=True, help="Tiny shapes (a smoke test, also on CPU).")
 def kernels(names: tuple[str, ...], json_path: str | None, quick: bool) -> None:
     """Time attention kernels (decode, prefill, mixed) against copy bandwidth and torch SDPA."""

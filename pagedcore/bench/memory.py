@@ -23,6 +23,8 @@ from typing import Any
 
 import click
 
+from pagedcore.cli_types import DEVICE, OutputPath, positive_int
+
 __all__ = ["contiguous_admission", "memory", "paged_admission", "workload_lengths"]
 
 
@@ -196,16 +198,17 @@ def _plot(report: dict[str, Any], path: str) -> None:
 
 @click.command()
 @click.option("--small", is_flag=True, help="CPU kernel timing at a small decode shape.")
-@click.option("--device", default=None, help="Device of the kernel timing.")
+@click.option("--device", default=None, type=DEVICE, help="Device of the kernel timing.")
 @click.option("--model", "model_name", default="qwen2-0.5b", show_default=True,
               type=click.Choice(["qwen2-0.5b", "llama3-8b"]),
               help="Model shape whose KV cache is counted (bytes per token).")
-@click.option("--budget-mib", default=1024, show_default=True, help="KV budget in MiB.")
-@click.option("--max-model-len", default=4096, show_default=True)
+@click.option("--budget-mib", default=1024, show_default=True, type=positive_int(),
+              help="KV budget in MiB.")
+@click.option("--max-model-len", default=4096, show_default=True, type=positive_int())
 @click.option("--kernel-json", default=None, type=click.Path(exists=True, dir_okay=False),
               help="Kernel speed per block size from this JSON (rows with block_size).")
-@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
-@click.option("--plot", "plot_path", default=None, type=click.Path(dir_okay=False))
+@click.option("--json", "json_path", default=None, type=OutputPath())
+@click.option("--plot", "plot_path", default=None, type=OutputPath())
 def memory(small: bool, device: str | None, model_name: str, budget_mib: int, max_model_len: int,
            kernel_json: str | None, json_path: str | None, plot_path: str | None) -> None:
     """Paged vs contiguous KV preallocation (slot use, concurrency) and a block-size sweep."""

@@ -26,6 +26,8 @@ from typing import Any
 
 import click
 
+from pagedcore.cli_types import BACKEND, DEVICE, IntList, OutputPath, positive_int
+
 __all__ = ["chat_trace", "measure_phases", "measure_prefix", "prefix", "profile_phases"]
 
 
@@ -228,23 +230,26 @@ def _plot(report: dict[str, Any], path: str) -> None:
 
 @click.command()
 @click.option("--small", is_flag=True, help="Tiny model, CPU-friendly lengths (1K/4K/8K).")
-@click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
-@click.option("--backend", default=None, help="Force an attention backend.")
+@click.option("--device", default=None, type=DEVICE,
+              help="cpu or cuda (default: cuda when available).")
+@click.option("--backend", default=None, type=BACKEND, help="Force an attention backend.")
 @click.option("--model", "model_name", default="qwen2-0.5b", show_default=True,
               type=click.Choice(["qwen2-0.5b", "llama3-8b"]),
               help="Model shape (seeded random weights); with --small a tiny model of the "
                    "same architecture.")
-@click.option("--lengths", default=None, help="Comma list of system-prompt lengths.")
-@click.option("--reps", default=None, type=int, help="Cold and warm requests per length.")
-@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
-@click.option("--plot", "plot_path", default=None, type=click.Path(dir_okay=False))
+@click.option("--lengths", default=None, type=IntList(1),
+              help="Comma list of system-prompt lengths.")
+@click.option("--reps", default=None, type=positive_int(),
+              help="Cold and warm requests per length.")
+@click.option("--json", "json_path", default=None, type=OutputPath())
+@click.option("--plot", "plot_path", default=None, type=OutputPath())
 @click.option("--phases/--no-phases", default=True, show_default=True,
               help="Also break cold and warm requests down by engine phase (synced).")
 @click.option("--profile-dir", default=None, type=click.Path(file_okay=False),
               help="With --phases: also profile one cold and one warm request per length "
                    "(torch.profiler tables written here).")
 def prefix(small: bool, device: str | None, backend: str | None, model_name: str,
-           lengths: str | None,
+           lengths: list[int] | None,
            reps: int | None, json_path: str | None, plot_path: str | None,
            phases: bool, profile_dir: str | None) -> None:
     """Prefix caching: cold vs warm TTFT at shared system prompts, and a multi-turn chat."""
@@ -266,7 +271,7 @@ def prefix(small: bool, device: str | None, backend: str | None, model_name: str
     else:
         lens = [1024, 4096, 16384]
     if lengths:
-        lens = [int(x) for x in lengths.split(",")]
+        lens = list(lengths)
     dev, dtype, config = engine_bench_model(small, device, model_name)
     if int(config.max_position_embeddings) < max(lens) + 1024:
         dev, dtype, config = engine_bench_model(small, device, model_name,

@@ -16,6 +16,7 @@ from typing import Any
 import click
 
 from pagedcore.bench.report import git_commit
+from pagedcore.cli_types import BACKEND, DEVICE, IntList, OutputPath, positive_int
 
 __all__ = ["tp"]
 
@@ -79,22 +80,24 @@ def run_size(model: str, size: int, prompts: list[list[int]], max_new: int, *,
 @click.command()
 @click.option("--model", default="random:qwen2-0.5b", show_default=True,
               help="Checkpoint directory, 'demo' or 'random:<type>' (every rank loads it).")
-@click.option("--sizes", default="1,2", show_default=True, help="Comma list of N.")
-@click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
+@click.option("--sizes", default="1,2", show_default=True, type=IntList(1),
+              help="Comma list of N.")
+@click.option("--device", default=None, type=DEVICE,
+              help="cpu or cuda (default: cuda when available).")
 @click.option("--dtype", default=None, help="float32, bfloat16, ... (default: bf16 on CUDA).")
-@click.option("--backend", default=None, help="Force an attention backend.")
-@click.option("--num-prompts", default=64, show_default=True, type=int)
-@click.option("--min-len", default=64, show_default=True, type=int)
-@click.option("--max-len", default=512, show_default=True, type=int)
-@click.option("--max-new", default=128, show_default=True, type=int)
+@click.option("--backend", default=None, type=BACKEND, help="Force an attention backend.")
+@click.option("--num-prompts", default=64, show_default=True, type=positive_int())
+@click.option("--min-len", default=64, show_default=True, type=positive_int())
+@click.option("--max-len", default=512, show_default=True, type=positive_int())
+@click.option("--max-new", default=128, show_default=True, type=positive_int())
 @click.option("--kv-cache-memory-bytes", default=None, type=int,
               help="Per-rank KV budget (default: as LLM).")
 @click.option("--threads", default=None, type=int,
               help="torch intra-op threads per rank (default: 1 on CPU, unchanged on CUDA).")
 @click.option("--enforce-eager", is_flag=True,
               help="No CUDA graphs at any size (compare like with like when N>1 runs eager).")
-@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
-def tp(model: str, sizes: str, device: str | None, dtype: str | None, backend: str | None,
+@click.option("--json", "json_path", default=None, type=OutputPath())
+def tp(model: str, sizes: list[int], device: str | None, dtype: str | None, backend: str | None,
        num_prompts: int, min_len: int, max_len: int, max_new: int,
        kv_cache_memory_bytes: int | None, threads: int | None, enforce_eager: bool,
        json_path: str | None) -> None:
@@ -104,12 +107,7 @@ def tp(model: str, sizes: str, device: str | None, dtype: str | None, backend: s
     from pagedcore.engine.distributed.executor import peek_config
     from pagedcore.engine.resources import resolve_device
 
-    try:
-        size_list = [int(s) for s in sizes.split(",") if s.strip()]
-    except ValueError:
-        raise click.BadParameter(
-            f"--sizes must be a comma list of integers, got {sizes!r}"
-        ) from None
+    size_list = list(sizes)
     if threads is None and resolve_device(device).type == "cpu":
         threads = 1
     if threads is not None:

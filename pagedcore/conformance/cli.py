@@ -6,6 +6,8 @@ from pathlib import Path
 
 import click
 
+from pagedcore.cli_types import OutputPath
+
 
 @click.command()
 @click.argument("name")
@@ -14,8 +16,8 @@ import click
     "--device", type=click.Choice(["cpu", "cuda"]), default=None,
     help="Where to run (default: CUDA when declared and present, else CPU).",
 )
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
-              default=None, help="Also write the report as JSON to PATH.")
+@click.option("--json", "json_path", type=OutputPath(), default=None,
+              help="Also write the report as JSON to PATH (its directory must exist).")
 @click.option("-k", "case_filter", default=None,
               help="Run only cases whose name contains this substring.")
 @click.option("--list", "list_only", is_flag=True, help="Only list the cases.")
@@ -26,7 +28,7 @@ def conformance(
     name: str,
     quick: bool,
     device: str | None,
-    json_path: Path | None,
+    json_path: str | None,
     case_filter: str | None,
     list_only: bool,
     exitfirst: bool,
@@ -35,15 +37,26 @@ def conformance(
     """Check backend NAME against the reference on every case its declarations call for."""
     from pagedcore.conformance.runner import list_cases, resolve_backend, resolve_device, run_suite
 
+    # Every user mistake is a usage error (exit 2) before the suite starts.
+    try:
+        cls = resolve_backend(name)
+    except (KeyError, LookupError, ValueError, ImportError) as exc:
+        raise click.BadParameter(str(exc), param_hint="NAME") from exc
+    dev, _ = resolve_device(cls, device)
+    cases = list_cases(cls, quick=quick, device=dev)
+    if case_filter is not None:
+        matching = [case for case in cases if case_filter in case.name]
+        if not matching and not (cls.supports_mla and "mla" in case_filter):
+            examples = ", ".join(case.name for case in cases[:3])
+            raise click.BadParameter(
+                f"{case_filter!r} matches none of the {len(cases)} cases of {cls.name!r} "
+                f"(e.g. {examples}); `pagedcore conformance {cls.name} --list` shows them all",
+                param_hint="-k",
+            )
+        cases = matching
     if list_only:
-        try:
-            cls = resolve_backend(name)
-        except (KeyError, LookupError, ValueError, ImportError) as exc:
-            raise click.ClickException(str(exc)) from exc
-        dev, _ = resolve_device(cls, device)
-        for case in list_cases(cls, quick=quick, device=dev):
-            if case_filter is None or case_filter in case.name:
-                click.echo(case.name + (f"  (skipped: {case.skip})" if case.skip else ""))
+        for case in cases:
+            click.echo(case.name + (f"  (skipped: {case.skip})" if case.skip else ""))
         return
 
     try:
@@ -54,7 +67,7 @@ def conformance(
         raise click.ClickException(str(exc)) from exc
     click.echo(report.summary())
     if json_path is not None:
-        json_path.write_text(report.to_json() + "\n")
+        Path(json_path).write_text(report.to_json() + "\n")
         click.echo(f"wrote {json_path}")
     if report.skipped is not None and allow_unavailable:
         return

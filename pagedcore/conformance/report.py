@@ -7,7 +7,11 @@ from typing import Any
 
 import attrs
 
-__all__ = ["CaseResult", "ConformanceReport"]
+__all__ = ["SCHEMA_VERSION", "CaseResult", "ConformanceReport"]
+
+#: Version of the ``conformance --json`` record (docs/conformance.md); bumped on a breaking
+#: change (a renamed or removed field), not when a field is added.
+SCHEMA_VERSION = 1
 
 
 @attrs.frozen(kw_only=True)
@@ -114,7 +118,9 @@ class ConformanceReport:
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
+        """The JSON record documented in docs/conformance.md (``schema_version`` 1)."""
         return {
+            "schema_version": SCHEMA_VERSION,
             "backend": self.backend,
             "device": self.device,
             "quick": self.quick,

@@ -9,6 +9,8 @@ from typing import Any
 
 import click
 
+from pagedcore.cli_types import BACKEND, DEVICE, OutputPath, positive_int
+
 __all__ = ["demo", "generate", "synthetic_workload"]
 
 _SYSTEM_PROMPTS = (
@@ -52,16 +54,19 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 @click.command()
-@click.option("--num-requests", default=64, show_default=True, help="Requests in the workload.")
-@click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
-@click.option("--backend", default=None, help="Force an attention backend by name.")
-@click.option("--kv-cache-mb", default=4.0, show_default=True, type=float,
+@click.option("--num-requests", default=64, show_default=True, type=positive_int(),
+              help="Requests in the workload.")
+@click.option("--device", default=None, type=DEVICE,
+              help="cpu or cuda (default: cuda when available).")
+@click.option("--backend", default=None, type=BACKEND, help="Force an attention backend by name.")
+@click.option("--kv-cache-mb", default=4.0, show_default=True,
+              type=click.FloatRange(min=0, min_open=True),
               help="KV-cache budget in MiB (small on purpose: shows preemption).")
-@click.option("--max-num-batched-tokens", default=512, show_default=True)
-@click.option("--seed", default=0, show_default=True)
-@click.option("--threads", default=1, show_default=True,
+@click.option("--max-num-batched-tokens", default=512, show_default=True, type=positive_int())
+@click.option("--seed", default=0, show_default=True, type=positive_int(0))
+@click.option("--threads", default=1, show_default=True, type=positive_int(),
               help="torch CPU threads (the demo model is tiny: one is fastest).")
-@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
+@click.option("--json", "json_path", default=None, type=OutputPath(),
               help="Write the summary figures to this JSON file.")
 @click.option("--enforce-eager", is_flag=True,
               help="Never use CUDA graphs for decode steps (default: on where supported).")
@@ -161,21 +166,41 @@ def demo(num_requests: int, device: str | None, backend: str | None, kv_cache_mb
             json.dump(figures, fh, indent=2)
 
 
+_DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "half",
+                  "float")
+
+
+def _check_model_option(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """A checkpoint path is checked (exists, config.json, weights) before anything loads."""
+    if value == "demo" or value.startswith("random:"):
+        return value
+    from pagedcore.engine.checkpoint import CheckpointError, check_checkpoint_dir
+
+    try:
+        check_checkpoint_dir(value)
+    except CheckpointError as exc:
+        raise click.BadParameter(str(exc), ctx=ctx, param=param) from exc
+    return value
+
+
 @click.command()
 @click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeatable).")
 @click.option("--token-ids", "token_ids", multiple=True,
               help="A prompt as comma-separated token ids (repeatable).")
-@click.option("--model", default="demo", show_default=True,
+@click.option("--model", default="demo", show_default=True, callback=_check_model_option,
               help="Local checkpoint directory, 'demo' or 'random:<type>'.")
-@click.option("--max-tokens", default=32, show_default=True)
-@click.option("--temperature", default=0.0, show_default=True)
-@click.option("--top-p", default=1.0, show_default=True)
-@click.option("--top-k", default=None, type=int)
-@click.option("--seed", default=0, show_default=True)
-@click.option("--device", default=None)
-@click.option("--dtype", default=None)
-@click.option("--backend", default=None)
-@click.option("--max-model-len", default=None, type=int)
+@click.option("--max-tokens", default=32, show_default=True, type=positive_int())
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0))
+@click.option("--top-p", default=1.0, show_default=True,
+              type=click.FloatRange(min=0, max=1, min_open=True))
+@click.option("--top-k", default=None, type=positive_int(0))
+@click.option("--seed", default=0, show_default=True, type=positive_int(0))
+@click.option("--device", default=None, type=DEVICE,
+              help="cpu or cuda (default: cuda when available).")
+@click.option("--dtype", default=None, type=click.Choice(_DTYPE_CHOICES),
+              help="Model dtype (default: bfloat16 on CUDA, float32 on the CPU).")
+@click.option("--backend", default=None, type=BACKEND, help="Force an attention backend by name.")
+@click.option("--max-model-len", default=None, type=positive_int())
 @click.option("--stream/--no-stream", default=False, help="Print tokens as they arrive.")
 @click.option("--enforce-eager", is_flag=True,
               help="Never use CUDA graphs for decode steps (default: on where supported).")
@@ -184,6 +209,7 @@ def generate(prompts: tuple[str, ...], token_ids: tuple[str, ...], model: str, m
              device: str | None, dtype: str | None, backend: str | None,
              max_model_len: int | None, stream: bool, enforce_eager: bool) -> None:
     """Generate continuations of prompts with a model."""
+    from pagedcore.engine.checkpoint import CheckpointError
     from pagedcore.engine.llm import LLM
     from pagedcore.engine.sampling_params import SamplingParams
 
@@ -199,8 +225,11 @@ def generate(prompts: tuple[str, ...], token_ids: tuple[str, ...], model: str, m
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                 top_k=top_k, seed=seed)
-        llm = LLM(model, device=device, dtype=dtype, backend=backend, seed=seed,
-                  max_model_len=max_model_len, enforce_eager=enforce_eager)
+        try:
+            llm = LLM(model, device=device, dtype=dtype, backend=backend, seed=seed,
+                      max_model_len=max_model_len, enforce_eager=enforce_eager)
+        except CheckpointError as exc:  # found while loading (shapes, NaN): still the user's
+            raise click.BadParameter(str(exc), param_hint="--model") from exc
         if stream:
             for out in llm.stream(inputs, params):
                 if out.finished:

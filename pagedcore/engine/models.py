@@ -227,12 +227,18 @@ def _check_model_type(config: PretrainedConfig) -> None:
         )
 
 
+def _looks_like_path(model: str) -> bool:
+    """A string the user meant as a path (so a typo says "does not exist")."""
+    return os.sep in model or model.startswith(".") or os.path.exists(model)
+
+
 def load_model(
     model: str | PretrainedConfig | PreTrainedModel,
     *,
     dtype: torch.dtype,
     device: torch.device,
     seed: int = 0,
+    strict: bool | None = None,
 ) -> LoadedModel:
     """Resolve what the user passed as `model`.
 
@@ -263,19 +269,28 @@ def load_model(
         config = random_config(kind)
         return LoadedModel(random_model(config, dtype=dtype, device=device, seed=seed), None,
                            model)
-    if os.path.isdir(model):
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    if os.path.isdir(model) or _looks_like_path(model):
+        from transformers import AutoConfig
 
-        _check_model_type(AutoConfig.from_pretrained(model, local_files_only=True))
-        loaded: Any = AutoModelForCausalLM.from_pretrained(
-            model, dtype=dtype, local_files_only=True
+        from pagedcore.engine.checkpoint import (
+            CheckpointError,
+            check_checkpoint_dir,
+            load_checkpoint,
+            load_tokenizer,
         )
-        tokenizer: Any = None
+
+        root = check_checkpoint_dir(model)
         try:
-            tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
-        except (OSError, ValueError):
-            tokenizer = None
-        return LoadedModel(loaded.to(device).eval(), tokenizer, os.path.basename(model))
+            config = AutoConfig.from_pretrained(str(root), local_files_only=True)
+        except (OSError, ValueError, KeyError) as err:
+            raise CheckpointError(
+                f"{root / 'config.json'} is not a usable transformers config "
+                f"({type(err).__name__}: {err}); save it again with config.save_pretrained()"
+            ) from err
+        _check_model_type(config)
+        tokenizer = load_tokenizer(root)
+        loaded = load_checkpoint(root, dtype=dtype, device=device, strict=strict)
+        return LoadedModel(loaded, tokenizer, os.path.basename(os.path.normpath(model)))
     raise ValueError(
         f"cannot load model {model!r}: give a local checkpoint directory, 'demo', "
         f"'random:<{'|'.join(SUPPORTED_MODEL_TYPES)}>', 'random:qwen2-0.5b', "

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 import click
+from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -16,20 +17,28 @@ from pagedcore.attention.backend import AttentionBackend
 from pagedcore.plugins.records import RegisteredBackend
 from pagedcore.plugins.registry import PLUGINS_ENV, BackendRegistry, get_registry
 from pagedcore.plugins.selector import SelectionReport, describe_config, explain_selection
+from pagedcore.plugins.validation import PluginCodeError, call_plugin_code, describe_error
 
-__all__ = ["backends", "select"]
+__all__ = ["SCHEMA_VERSION", "backends", "select", "short_reason"]
 
 
-def _console() -> Console:
-    # Wide when piped, so tables stay one row per backend in logs and CI output.
-    return Console(width=None if sys.stdout.isatty() else 200)
+#: Version of the ``backends --json`` record (docs/plugin-guide.md); bumped on a breaking change.
+SCHEMA_VERSION = 1
+_SHORT_REASON = 36
+_SHORT_FAILURE = 60
+_SHORT_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+
+
+def _console(wide: bool = False) -> Console:
+    # Piped output: 100 columns (what the short table is made for), 200 for the long form.
+    return Console(width=None if sys.stdout.isatty() else (200 if wide else 100))
 
 
 def _availability(cls: type[AttentionBackend]) -> str | None:
     try:
-        return cls.is_available()
-    except Exception as err:
-        return f"is_available() raised {type(err).__name__}: {err}"
+        return call_plugin_code("is_available()", cls.is_available)
+    except PluginCodeError as err:
+        return str(err)
 
 
 def _features(cls: type[AttentionBackend]) -> list[str]:
@@ -77,6 +86,7 @@ def _backend_record(entry: RegisteredBackend) -> dict[str, Any]:
 def _registry_record(registry: BackendRegistry) -> dict[str, Any]:
     entries = sorted(registry.backends.values(), key=lambda e: (e.cls.priority, e.name))
     return {
+        "schema_version": SCHEMA_VERSION,
         "backends": [_backend_record(e) for e in entries],
         "failed_plugins": [
             {
@@ -84,7 +94,7 @@ def _registry_record(registry: BackendRegistry) -> dict[str, Any]:
                 "distribution": f.distribution,
                 "version": f.version,
                 "backend": f.backend,
-                "error": f"{type(f.error).__name__}: {f.error}",
+                "error": describe_error(f.error),
                 "message": f.message,
             }
             for f in registry.failures
@@ -93,31 +103,80 @@ def _registry_record(registry: BackendRegistry) -> dict[str, Any]:
     }
 
 
+def short_reason(text: str, limit: int = _SHORT_REASON) -> str:
+    """The first clause of a reason (up to ``;``), cut to `limit` characters."""
+    first = text.split(";")[0].strip()
+    return first if len(first) <= limit else first[: limit - 1].rstrip() + "\u2026"
+
+
+def _dtype_short(names: list[str]) -> str:
+    return ",".join(_SHORT_DTYPES.get(n, n) for n in names)
+
+
+_SHORT_COLUMNS = ("name", "prio", "devices", "dtypes", "head sizes", "blocks", "features",
+                  "available")
+_LONG_COLUMNS = ("name", "distribution", "priority", "devices", "dtypes", "kv dtypes",
+                 "head sizes", "block sizes", "features", "available")
+_SHORT_FEATURES = {"sliding_window": "sw", "soft_cap": "cap"}
+
+
+def _available_cell(why: str | None) -> str:
+    return "[green]yes[/green]" if why is None else f"[yellow]no: {escape(why)}[/yellow]"
+
+
+def _short_row(b: dict[str, Any]) -> list[str]:
+    heads = b["head_sizes"]
+    head_text = _compact_sizes(heads)
+    if heads is not None and len(head_text) > 12:
+        head_text = f"{heads[0]}..{heads[-1]} ({len(heads)})"
+    features = [
+        _SHORT_FEATURES.get(f, f.replace("cudagraph:", "graph:").replace(
+            "uniform_single_token_decode", "decode").replace("uniform_batch", "uniform"))
+        for f in b["features"]
+    ]
+    why = b["unavailable_reason"]
+    return [
+        b["name"], str(b["priority"]), ",".join(b["devices"]), _dtype_short(b["dtypes"]),
+        head_text, ",".join(b["block_sizes"]).replace("multiple of ", "k*"),
+        ", ".join(features) or "-", _available_cell(None if why is None else short_reason(why)),
+    ]
+
+
+def _long_row(b: dict[str, Any]) -> list[str]:
+    source = b["distribution"] or "<no distribution>"
+    if b["version"]:
+        source += f" {b['version']}"
+    return [
+        b["name"], source, str(b["priority"]), ", ".join(b["devices"]), ", ".join(b["dtypes"]),
+        ", ".join(b["kv_cache_dtypes"]), _compact_sizes(b["head_sizes"]),
+        ", ".join(b["block_sizes"]), ", ".join(b["features"]) or "-",
+        _available_cell(b["unavailable_reason"]),
+    ]
+
+
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead.")
-def backends(as_json: bool) -> None:
-    """List registered attention backends, what they support, and plugins that failed."""
+@click.option("-v", "--verbose", is_flag=True,
+              help="Every column and the full reasons (wider than 100 columns).")
+def backends(as_json: bool, verbose: bool) -> None:
+    """List registered attention backends, what they support, and plugins that failed.
+
+    The table fits a 100-column terminal (short reasons); ``--verbose`` shows everything.
+    ``--json`` prints the record documented in docs/plugin-guide.md (``schema_version`` 1).
+    """
     record = _registry_record(get_registry())
     if as_json:
-        click.echo(json.dumps(record, indent=2))
+        click.echo(json.dumps(record, indent=2, default=str))
         return
-    console = _console()
-    table = Table(title="attention backends (lower priority wins)")
-    for column in ("name", "distribution", "priority", "devices", "dtypes", "kv dtypes",
-                   "head sizes", "block sizes", "features", "available"):
-        table.add_column(column)
-    for b in record["backends"]:
-        source = b["distribution"] or "<no distribution>"
-        if b["version"]:
-            source += f" {b['version']}"
-        why = b["unavailable_reason"]
-        table.add_row(
-            b["name"], source, str(b["priority"]), ", ".join(b["devices"]),
-            ", ".join(b["dtypes"]), ", ".join(b["kv_cache_dtypes"]),
-            _compact_sizes(b["head_sizes"]),
-            ", ".join(b["block_sizes"]), ", ".join(b["features"]) or "-",
-            "[green]yes[/green]" if why is None else f"[yellow]no: {escape(why)}[/yellow]",
-        )
+    console = _console(verbose)
+    table = Table(title="attention backends (lower priority wins)",
+                  box=box.HEAVY_HEAD if verbose else box.SIMPLE_HEAD,
+                  padding=(0, 1) if verbose else (0, 0), pad_edge=verbose)
+    rows = [_long_row(b) if verbose else _short_row(b) for b in record["backends"]]
+    for column in _LONG_COLUMNS if verbose else _SHORT_COLUMNS:
+        table.add_column(column, no_wrap=column not in ("features", "available"))
+    for row in rows:
+        table.add_row(*row)
     console.print(table)
     if not record["backends"]:
         console.print("[red]no backend is registered[/red]: install one, or check "
@@ -128,8 +187,11 @@ def backends(as_json: bool) -> None:
             failed.add_column(column)
         for f in record["failed_plugins"]:
             source = f"{f['distribution'] or '<no distribution>'} {f['version'] or ''}".strip()
-            failed.add_row(f["plugin"], source, f["backend"] or "-", escape(f["message"]))
+            message = f["message"] if verbose else short_reason(f["message"], _SHORT_FAILURE)
+            failed.add_row(f["plugin"], source, f["backend"] or "-", escape(message))
         console.print(failed)
+        if not verbose:
+            console.print("(`pagedcore backends --verbose` shows the full messages)")
     if record["excluded_plugins"]:
         console.print(f"not loaded ({PLUGINS_ENV}): {', '.join(record['excluded_plugins'])}")
 
@@ -183,7 +245,8 @@ def select(
 ) -> None:
     """Explain which attention backend serves a configuration, and why the others do not.
 
-    Exits with status 1 and the reasons when no backend can serve it.
+    Exits with status 1 and the reasons when no backend can serve it; with status 2 for a bad
+    value or an unknown forced backend.
     """
     try:
         report = explain_selection(
@@ -191,10 +254,10 @@ def select(
             kv_cache_dtype=kv_cache_dtype, use_mla=mla, sliding_window=sliding_window,
             use_alibi=alibi, logits_soft_cap=soft_cap, device=device, backend=backend,
         )
-    except ValueError as err:
+    except ValueError as err:  # a bad value, or an unknown / failed forced backend
         cause = err.__cause__
-        detail = f"\ncaused by {type(cause).__name__}: {cause}" if cause is not None else ""
-        raise click.ClickException(f"{err}{detail}") from err
+        detail = f"; caused by {type(cause).__name__}: {cause}" if cause is not None else ""
+        raise click.UsageError(f"{err}{detail}") from err
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     else:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import difflib
 import itertools
+import logging
 import os
 import threading
 import warnings
@@ -51,7 +52,13 @@ from pagedcore.plugins.records import (
     RegisteredBackend,
     dist_label,
 )
-from pagedcore.plugins.validation import backend_problems, describe_object
+from pagedcore.plugins.validation import (
+    PluginCodeError,
+    backend_problems,
+    call_plugin_code,
+    describe_error,
+    describe_object,
+)
 
 __all__ = [
     "PLUGINS_ENV",
@@ -69,6 +76,8 @@ PLUGINS_ENV = "PAGEDCORE_PLUGINS"
 # One counter for every registry, so a fresh registry never reuses a cached generation.
 _GENERATIONS = itertools.count(1)
 _WARNED: set[str] = set()
+#: Plugin failures are logged here (once each); `pagedcore backends` shows them all.
+logger = logging.getLogger("pagedcore.plugins")
 
 
 @final
@@ -120,11 +129,11 @@ class BackendRegistry:
         found = discover(allowlist)
         for ep, distribution, version in found.selected:
             try:
-                obj = ep.load()
-            except Exception as err:
+                obj = call_plugin_code(f"importing {ep.value!r}", ep.load)
+            except PluginCodeError as err:
                 self._fail(
-                    ep.name, distribution, version, err,
-                    f"importing {ep.value!r} failed with {type(err).__name__}: {err}; "
+                    ep.name, distribution, version, err.error,
+                    f"importing {ep.value!r} failed with {describe_error(err.error)}; "
                     f"fix or reinstall the package, or leave it out with {PLUGINS_ENV}",
                 )
                 continue
@@ -262,8 +271,12 @@ class BackendRegistry:
         self.generation = next(_GENERATIONS)
 
     def _warn(self, message: str) -> None:
+        """Report `message` once per process: a log record, and a `PluginLoadWarning` for
+        library users (the `pagedcore` command silences the warning; `pagedcore backends`
+        lists every failure instead)."""
         if message not in _WARNED:
             _WARNED.add(message)
+            logger.warning("%s", message)
             warnings.warn(f"pagedcore: {message}", PluginLoadWarning, stacklevel=4)
 
     def _fail(
@@ -286,18 +299,26 @@ class BackendRegistry:
         try:
             self._pm.register(obj, name=name)
             self._pm.check_pending()
-        except Exception as err:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as err:  # a hostile plugin object
             if self._pm.has_plugin(name):
                 self._pm.unregister(name=name)
             self._fail(name, distribution, version, err,
-                       f"pluggy rejected it: {type(err).__name__}: {err}")
+                       f"pluggy rejected it: {describe_error(err)}")
             return None
         hook = self._pm.hook.pagedcore_register_backends
         impls = [impl for impl in hook.get_hookimpls() if impl.plugin_name == name]
         if not impls:
+            try:
+                has_function = hasattr(obj, "pagedcore_register_backends")
+            except KeyboardInterrupt:
+                raise
+            except BaseException:  # a hostile __getattr__
+                has_function = False
             hint = (
                 "it has a function of that name: decorate it with @pagedcore.hookimpl"
-                if hasattr(obj, "pagedcore_register_backends")
+                if has_function
                 else "add `@pagedcore.hookimpl def pagedcore_register_backends(): ...`"
             )
             missing = BackendValidationError(
@@ -306,10 +327,9 @@ class BackendRegistry:
             self._fail(name, distribution, version, missing, f"{missing}; {hint}")
             return None
         try:
-            result = impls[0].function()
-        except Exception as err:
-            self._fail(name, distribution, version, err,
-                       f"pagedcore_register_backends() raised {type(err).__name__}: {err}")
+            result = call_plugin_code("pagedcore_register_backends()", impls[0].function)
+        except PluginCodeError as err:
+            self._fail(name, distribution, version, err.error, str(err))
             return None
         if isinstance(result, (str, bytes)) or not isinstance(result, Sequence):
             bad = BackendValidationError(
@@ -318,7 +338,11 @@ class BackendRegistry:
             )
             self._fail(name, distribution, version, bad, str(bad))
             return None
-        return list(result)
+        try:
+            return call_plugin_code("iterating the hook's result", lambda: list(result))
+        except PluginCodeError as err:
+            self._fail(name, distribution, version, err.error, str(err))
+            return None
 
     def _add_plugin(
         self, obj: object, name: str, distribution: str | None, version: str | None
@@ -339,7 +363,10 @@ class BackendRegistry:
     def _add_backend(
         self, item: Any, plugin: str, distribution: str | None, version: str | None
     ) -> None:
-        backend_name = getattr(item, "name", None)
+        try:
+            backend_name = call_plugin_code("name", lambda: getattr(item, "name", None))
+        except PluginCodeError:
+            backend_name = None
         label = backend_name if isinstance(backend_name, str) and backend_name else None
         problems = backend_problems(item)
         if problems:

@@ -29,6 +29,7 @@ from pagedcore.attention.backend import AttentionBackend, AttentionConfig, Multi
 from pagedcore.plugins.errors import PluginError
 from pagedcore.plugins.records import PluginFailure
 from pagedcore.plugins.registry import PLUGINS_ENV, BackendRegistry, get_registry
+from pagedcore.plugins.validation import PluginCodeError, call_plugin_code
 
 __all__ = [
     "BACKEND_ENV",
@@ -256,10 +257,13 @@ def _reasons(
     cls: type[AttentionBackend], cfg: AttentionConfig, *, cuda: bool
 ) -> tuple[str, ...]:
     machine = device_reasons(cfg, cuda_available=cuda)
-    try:
-        return machine + tuple(cls.validate_configuration(cfg))
-    except Exception as err:  # a plugin bug must not hide the other backends
-        return (*machine, f"validate_configuration() raised {type(err).__name__}: {err}")
+    try:  # a plugin bug (even sys.exit()) must not hide the other backends
+        reasons = call_plugin_code(
+            "validate_configuration()", lambda: list(cls.validate_configuration(cfg))
+        )
+    except PluginCodeError as err:
+        return (*machine, str(err))
+    return machine + tuple(str(r) for r in reasons)
 
 
 def _nearest(values: set[int], target: int, count: int = 2) -> list[int]:

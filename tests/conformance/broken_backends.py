@@ -148,6 +148,21 @@ class _IgnoresOutputImpl(ReferenceImpl):
         return super().forward(query, key, value, kv_cache, metadata)
 
 
+class _WrongBelow32Impl(ReferenceImpl):
+    """(k) Right at head size 32 and above, wrong below (a tile assuming D >= 32): only the
+    small sizes of ANY_HEAD_SIZES catch it (the random test models use D = 16)."""
+
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        kv_cache: torch.Tensor, metadata: ReferenceMetadata, *,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        result = super().forward(query, key, value, kv_cache, metadata, output=output)
+        if self.head_size < 32:
+            result[..., self.head_size // 2:] = 0
+        return result
+
+
 class _IgnoresScaleImpl(ReferenceImpl):
     """(j) Uses head_size ** -0.5 instead of the scale it was given."""
 
@@ -221,6 +236,7 @@ BROKEN: dict[str, type[AttentionBackend]] = {
     "ignores_soft_cap": _backend("ignores_soft_cap", impl=_NoSoftCapImpl),
     "ignores_output_buffer": _backend("ignores_output_buffer", impl=_IgnoresOutputImpl),
     "ignores_scale": _backend("ignores_scale", impl=_IgnoresScaleImpl),
+    "wrong_below_head_size_32": _backend("wrong_below_head_size_32", impl=_WrongBelow32Impl),
     "consumes_plan": _backend("consumes_plan", impl=_MutatesPlanImpl),
     "claims_more_than_it_serves": _ClaimsMoreBackend,
 }

@@ -39,6 +39,7 @@ def test_cli_passes_reference_and_writes_json(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert "PASSED" in result.output and "decode/" in result.output
     data = json.loads(out.read_text())
+    assert data["schema_version"] == 1  # documented in docs/conformance.md
     assert data["passed"] is True and data["backend"] == "reference"
     assert data["results"] and all(r["status"] == "PASS" for r in data["results"])
 

@@ -32,11 +32,13 @@ def test_backends_table(populated: BackendRegistry) -> None:
     result = CliRunner().invoke(main, ["backends"])
     assert result.exit_code == 0, result.output
     out = result.output
-    for needle in ("gpu_only", "cpu_one", "pagedcore-fakes 0.9", "sliding_window",
-                   "cudagraph:uniform_batch", "64, 128", "any",
+    for needle in ("gpu_only", "cpu_one", "sw", "graph:uniform", "64, 128", "any",
                    "failed to load", "broken_plugin", "broken-dist 6.6"):
         assert needle in out, needle
     assert out.index("gpu_only") < out.index("cpu_one")  # priority order
+    verbose = CliRunner().invoke(main, ["backends", "--verbose"]).output
+    for needle in ("pagedcore-fakes 0.9", "sliding_window", "cudagraph:uniform_batch"):
+        assert needle in verbose, needle
 
 
 def test_backends_json(populated: BackendRegistry) -> None:
@@ -80,11 +82,13 @@ def test_select_failure_exits_1_with_reasons(populated: BackendRegistry) -> None
     assert "use_alibi=False: cpu_one" in result.output
 
 
-def test_select_bad_input_exits_1(populated: BackendRegistry) -> None:
+def test_select_bad_input_is_a_usage_error(populated: BackendRegistry) -> None:
     runner = CliRunner()
     result = runner.invoke(main, ["select", "--head-size", "64", "--dtype", "float64"])
-    assert result.exit_code == 1 and "dtype 'float64' is not one of" in result.output
+    assert result.exit_code == 2 and "dtype 'float64' is not one of" in result.output
+    result = runner.invoke(main, ["select", "--head-size", "0"])
+    assert result.exit_code == 2 and "head_size must be a positive integer" in result.output
     result = runner.invoke(main, ["select", "--head-size", "64", "--backend", "cpu_on"])
-    assert result.exit_code == 1 and "Did you mean 'cpu_one'" in result.output
+    assert result.exit_code == 2 and "Did you mean 'cpu_one'" in result.output
     result = runner.invoke(main, ["select", "--head-size", "64", "--backend", "broken_plugin"])
-    assert result.exit_code == 1 and "caused by BackendValidationError" in result.output
+    assert result.exit_code == 2 and "caused by BackendValidationError" in result.output

@@ -33,3 +33,25 @@ def test_import_does_not_even_pull_torch_or_rich(code: str) -> None:
         f"{code!r} imported {sorted(loaded & {'torch', 'rich'})}; import them lazily "
         "(inside the function that needs them) so `import pagedcore` stays cheap"
     )
+
+
+PLUGIN_API = (
+    "AttentionBackend", "AttentionConfig", "AttentionImpl", "AttentionImplOptions",
+    "MetadataBuilder", "CommonAttentionMetadata", "CudaGraphSupport", "MultipleOf",
+    "MLAAttentionBackend", "KV_CACHE_DTYPES", "AttentionSpec", "FullAttentionSpec",
+    "SlidingWindowSpec", "MLAAttentionSpec", "split_decodes_and_prefills", "hookimpl",
+    "ENTRY_POINT_GROUP", "PluginError", "UnknownBackendError", "BackendLoadError",
+    "BackendValidationError", "DuplicateBackendError", "BackendSelectionError",
+    "PluginLoadWarning",
+)
+
+
+def test_plugin_authors_api_is_importable_from_pagedcore_and_stays_cheap() -> None:
+    code = f"import pagedcore\nfor n in {PLUGIN_API!r}: getattr(pagedcore, n)"
+    loaded = {m.split(".")[0] for m in _modules_after(code)}
+    assert not loaded & {"torch", "rich", "transformers", "triton"}, sorted(loaded)
+    import pagedcore
+
+    assert set(PLUGIN_API) <= set(pagedcore.__all__)
+    assert issubclass(pagedcore.UnknownBackendError, pagedcore.PluginError)
+    assert issubclass(pagedcore.PluginLoadWarning, UserWarning)

@@ -11,9 +11,7 @@ import torch
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from serve_helpers import LiveServer, make_chat_checkpoint
-
-DEMO_KW = dict(max_model_len=256, max_num_seqs=256, kv_cache_memory_bytes=16 * 2**20)
+from serve_helpers import DEMO_KW, LiveServer, make_chat_checkpoint
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -13,6 +13,9 @@ from pagedcore.serve.async_engine import AsyncEngine
 from pagedcore.serve.metrics import ServeMetrics
 from pagedcore.serve.server import ServerThread
 
+#: The demo model's engine arguments every serve test uses (small KV budget, short length).
+DEMO_KW = dict(max_model_len=256, max_num_seqs=256, kv_cache_memory_bytes=16 * 2**20)
+
 #: Local training text with multi-byte characters (é: 2 bytes, 日本: 3 bytes each).
 CORPUS = [
     "The café serves crème brûlée and a résumé of the day.",

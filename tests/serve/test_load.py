@@ -8,8 +8,8 @@ import time
 from typing import Any
 
 import httpx
-from conftest import DEMO_KW
-from serve_helpers import LiveServer
+import pytest
+from serve_helpers import DEMO_KW, LiveServer
 
 from pagedcore.engine.llm import LLM
 from pagedcore.engine.sampling_params import SamplingParams
@@ -146,8 +146,20 @@ def test_queue_full_answers_503_and_loses_nothing() -> None:
         server.stop()
 
 
-def test_non_streaming_client_that_leaves_is_aborted(demo_server: LiveServer) -> None:
+def test_non_streaming_client_that_leaves_is_aborted(
+    demo_server: LiveServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     aborted = _count(demo_server, "abort")
+    # Slow each engine step down so the 240 tokens cannot finish before the client leaves
+    # (the demo model alone can run them in ~0.3 s on an idle machine: a race otherwise).
+    llm = demo_server.llm
+    real_step = llm.step
+
+    def slow_step(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.01)
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(llm, "step", slow_step)
 
     async def run() -> None:
         async with httpx.AsyncClient(timeout=0.3) as client:

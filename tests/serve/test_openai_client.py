@@ -7,8 +7,7 @@ from typing import Any
 
 import openai
 import pytest
-from conftest import DEMO_KW
-from serve_helpers import LiveServer
+from serve_helpers import DEMO_KW, LiveServer
 
 from pagedcore.engine.llm import LLM
 from pagedcore.engine.sampling_params import SamplingParams

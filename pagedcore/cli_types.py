@@ -1,0 +1,124 @@
+"""click parameter types shared by every `pagedcore` command: user mistakes become one-line
+usage errors (exit code 2) before any work starts, never tracebacks or silent defaults."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import click
+
+if TYPE_CHECKING:  # click >= 8.2 types ParamType as a generic; 8.1 does not subscript it
+    _IntListType = click.ParamType[list[int]]
+    _StrType = click.ParamType[str]
+else:
+    _IntListType = _StrType = click.ParamType
+
+__all__ = [
+    "BACKEND",
+    "DEVICE",
+    "BackendName",
+    "Device",
+    "IntList",
+    "OutputPath",
+    "positive_int",
+]
+
+
+def positive_int(minimum: int = 1) -> click.IntRange:
+    """An int option of at least `minimum` (``--num-prompts -1`` is a usage error)."""
+    return click.IntRange(min=minimum)
+
+
+class IntList(_IntListType):
+    """A comma list of integers, each at least `min_value`: ``"512,1024"`` -> ``[512, 1024]``.
+
+    The one list type of every bench (``--sizes``, ``--lengths``, ``--budgets``, ...).
+    """
+
+    name = "INT[,INT...]"
+
+    def __init__(self, min_value: int | None = 1) -> None:
+        self.min_value = min_value
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> list[int]:
+        if isinstance(value, list):
+            return value
+        items = [part.strip() for part in str(value).split(",")]
+        if not any(items):
+            self.fail(f"expected a comma list of integers, got {value!r}", param, ctx)
+        numbers: list[int] = []
+        for item in items:
+            if not item:
+                continue
+            try:
+                number = int(item)
+            except ValueError:
+                self.fail(f"{item!r} in {value!r} is not an integer (expected e.g. "
+                          "'512,1024')", param, ctx)
+            if self.min_value is not None and number < self.min_value:
+                self.fail(f"{number} in {value!r} is below the minimum {self.min_value}",
+                          param, ctx)
+            numbers.append(number)
+        return numbers
+
+
+class Device(_StrType):
+    """``cpu``, ``cuda`` or ``cuda:N``; CUDA is refused here when torch sees no CUDA device."""
+
+    name = "cpu|cuda[:N]"
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> str:
+        text = str(value).strip().lower()
+        kind, _, index = text.partition(":")
+        if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdigit())):
+            self.fail(f"{value!r} is not a device; use cpu, cuda or cuda:N", param, ctx)
+        if kind == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                self.fail(f"{value!r}: no CUDA device is available here "
+                          "(torch.cuda.is_available() is False); use --device cpu", param, ctx)
+            if index and int(index) >= torch.cuda.device_count():
+                self.fail(f"{value!r}: this machine has {torch.cuda.device_count()} CUDA "
+                          "device(s)", param, ctx)
+        return text
+
+
+class BackendName(_StrType):
+    """The name of a registered attention backend (unknown names list the known ones)."""
+
+    name = "BACKEND"
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> str:
+        from pagedcore.plugins.errors import PluginError
+        from pagedcore.plugins.registry import get_registry
+
+        name = str(value)
+        try:
+            get_registry().get(name)
+        except PluginError as err:
+            self.fail(str(err), param, ctx)
+        return name
+
+
+class OutputPath(click.Path):
+    """A file to write (``--json PATH``): its directory must exist, checked before any run."""
+
+    def __init__(self) -> None:
+        super().__init__(dir_okay=False, writable=True)
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> Any:
+        path = super().convert(value, param, ctx)
+        parent = os.path.dirname(os.path.abspath(os.fspath(path)))
+        if not os.path.isdir(parent):
+            self.fail(f"directory {parent!r} does not exist; create it first", param, ctx)
+        return path
+
+
+DEVICE = Device()
+BACKEND = BackendName()
