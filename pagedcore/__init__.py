@@ -50,6 +50,9 @@ _LAZY = {
     "LLM": "pagedcore.engine.llm",
     "SamplingParams": "pagedcore.engine.sampling_params",
     "RequestOutput": "pagedcore.engine.outputs",
+    # what a user's invalid argument raises (a ValueError; the type variant is also a TypeError)
+    "InvalidArgumentError": "pagedcore.engine.validation",
+    "InvalidArgumentTypeError": "pagedcore.engine.validation",
 }
 
 if TYPE_CHECKING:
@@ -58,6 +61,7 @@ if TYPE_CHECKING:
     from pagedcore.engine.llm import LLM
     from pagedcore.engine.outputs import RequestOutput
     from pagedcore.engine.sampling_params import SamplingParams
+    from pagedcore.engine.validation import InvalidArgumentError, InvalidArgumentTypeError
     from pagedcore.kv_cache.spec import (
         AttentionSpec,
         ChunkedLocalAttentionSpec,
@@ -107,6 +111,8 @@ __all__ = [
     "CudaGraphSupport",
     "DuplicateBackendError",
     "FullAttentionSpec",
+    "InvalidArgumentError",
+    "InvalidArgumentTypeError",
     "KVCacheSpec",
     "MLAAttentionBackend",
     "MLAAttentionSpec",

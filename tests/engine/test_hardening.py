@@ -372,3 +372,13 @@ def test_invalid_argument_errors_are_value_errors() -> None:
 
     assert issubclass(InvalidArgumentTypeError, TypeError)
     assert issubclass(InvalidArgumentError, ValueError)
+
+
+def test_invalid_argument_errors_are_exported_from_pagedcore() -> None:
+    import pagedcore
+    from pagedcore.engine import validation
+
+    assert pagedcore.InvalidArgumentError is validation.InvalidArgumentError
+    assert pagedcore.InvalidArgumentTypeError is validation.InvalidArgumentTypeError
+    with pytest.raises(pagedcore.InvalidArgumentTypeError, match="seed"):
+        pagedcore.SamplingParams(seed="abc")
