@@ -31,6 +31,27 @@ def check_kv_cache(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int) ->
         raise ValueError("kv_cache must be contiguous")
 
 
+def write_kv_cache(
+    kv_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    num_kv_heads: int,
+    head_size: int,
+) -> None:
+    """Write `key`/`value` ``[T, Hkv, D]`` into the reference layout ``[2, num_blocks,
+    block_size, Hkv, D]`` (index 0 K, 1 V) at `slot_mapping` ``[T]`` int64; ``-1`` is skipped."""
+    check_kv_cache(kv_cache, num_kv_heads, head_size)
+    if key.shape != value.shape or key.shape[0] != slot_mapping.shape[0]:
+        raise ValueError(
+            f"key {tuple(key.shape)}, value {tuple(value.shape)} and slot_mapping "
+            f"{tuple(slot_mapping.shape)} must agree on [T, Hkv, D] / [T]"
+        )
+    write_slots(kv_cache[0], key, slot_mapping)
+    write_slots(kv_cache[1], value, slot_mapping)
+
+
 class ReferenceImpl(AttentionImpl[ReferenceMetadata]):
     """Gathers each request group's K/V once per layer and runs one masked matmul on it.
 
@@ -56,14 +77,8 @@ class ReferenceImpl(AttentionImpl[ReferenceMetadata]):
 
         `kv_cache` is ``[2, num_blocks, block_size, Hkv, D]``; index 0 holds K, 1 holds V.
         """
-        check_kv_cache(kv_cache, self.num_kv_heads, self.head_size)
-        if key.shape != value.shape or key.shape[0] != slot_mapping.shape[0]:
-            raise ValueError(
-                f"key {tuple(key.shape)}, value {tuple(value.shape)} and slot_mapping "
-                f"{tuple(slot_mapping.shape)} must agree on [T, Hkv, D] / [T]"
-            )
-        write_slots(kv_cache[0], key, slot_mapping)
-        write_slots(kv_cache[1], value, slot_mapping)
+        write_kv_cache(kv_cache, key, value, slot_mapping,
+                       num_kv_heads=self.num_kv_heads, head_size=self.head_size)
 
     def forward(
         self,

@@ -10,8 +10,7 @@ from typing import Any
 import torch
 
 from pagedcore.attention.backend import AttentionImpl
-from pagedcore.reference.impl import check_kv_cache
-from pagedcore.reference.ops import write_slots
+from pagedcore.reference.impl import check_kv_cache, write_kv_cache
 from pagedcore_flex.metadata import FlexMetadata
 
 __all__ = ["FlexImpl"]
@@ -114,14 +113,8 @@ class FlexImpl(AttentionImpl[FlexMetadata]):
 
         `kv_cache` is ``[2, num_blocks, block_size, Hkv, D]``; index 0 holds K, 1 holds V.
         """
-        check_kv_cache(kv_cache, self.num_kv_heads, self.head_size)
-        if key.shape != value.shape or key.shape[0] != slot_mapping.shape[0]:
-            raise ValueError(
-                f"key {tuple(key.shape)}, value {tuple(value.shape)} and slot_mapping "
-                f"{tuple(slot_mapping.shape)} must agree on [T, Hkv, D] / [T]"
-            )
-        write_slots(kv_cache[0], key, slot_mapping)
-        write_slots(kv_cache[1], value, slot_mapping)
+        write_kv_cache(kv_cache, key, value, slot_mapping,
+                       num_kv_heads=self.num_kv_heads, head_size=self.head_size)
 
     def forward(
         self,
