@@ -14,7 +14,8 @@ from pagedcore.serve.metrics import ServeMetrics
 from pagedcore.serve.server import ServerThread
 
 #: The demo model's engine arguments every serve test uses (small KV budget, short length).
-DEMO_KW = dict(max_model_len=256, max_num_seqs=256, kv_cache_memory_bytes=16 * 2**20)
+DEMO_KW = dict(max_model_len=256, max_num_seqs=256, kv_cache_memory_bytes=16 * 2**20,
+               backend="reference")
 
 #: Local training text with multi-byte characters (é: 2 bytes, 日本: 3 bytes each).
 CORPUS = [
@@ -69,6 +70,10 @@ class LiveServer:
     def __init__(self, model: str, *, max_waiting: int = 1024, api_key: str | None = None,
                  **llm_kwargs: Any) -> None:
         llm_kwargs.setdefault("device", "cpu")
+        # The reference backend, always: in a whole-suite run the Triton tests' conftest sets
+        # TRITON_INTERPRET=1, which makes `triton` selectable on CPU (in the interpreter, far
+        # too slow for hundreds of streams).
+        llm_kwargs.setdefault("backend", "reference")
         self.model = model
         self.llm = LLM(model, **llm_kwargs)
         self.tokenizer = self.llm.tokenizer

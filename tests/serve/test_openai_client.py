@@ -106,8 +106,7 @@ def test_chat_sync_async_streaming_equal_generate(chat_server: LiveServer) -> No
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     prompt_ids = tok.encode(ids, add_special_tokens=False)
     assert prompt_ids.count(tok.bos_token_id) == 1  # no doubled BOS
-    ref_llm = LLM(chat_server.model, device="cpu",
-                  max_model_len=256)
+    ref_llm = LLM(chat_server.model, device="cpu", max_model_len=256, backend="reference")
     ref = ref_llm.generate([prompt_ids], SamplingParams(max_tokens=12, temperature=0))[0]
     ref_text = tok.decode(ref.outputs[0].token_ids, skip_special_tokens=True)
 

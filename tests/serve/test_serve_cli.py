@@ -20,7 +20,8 @@ def test_serve_command_graceful_sigterm() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "pagedcore.cli", "serve", "demo", "--port", str(port),
-         "--device", "cpu", "--max-model-len", "128", "--kv-cache-memory", "8MiB",
+         "--device", "cpu", "--backend", "reference", "--max-model-len", "128",
+         "--kv-cache-memory", "8MiB",
          "--threads", "1", "--log-level", "warning", "--served-model-name", "demo-model"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
