@@ -13,6 +13,7 @@ from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Literal
 
 from pagedcore.engine.arguments import DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_N, check_engine_args
+from pagedcore.engine.detokenizer import advance_text
 from pagedcore.engine.engine_builder import build_engine
 from pagedcore.engine.errors import EngineStepError
 from pagedcore.engine.llm_failures import FailureIsolation
@@ -27,6 +28,11 @@ from pagedcore.engine.outputs import RequestOutput
 from pagedcore.engine.request import Request, RequestStatus, get_request_id
 from pagedcore.engine.request_checks import check_request, check_unique_ids
 from pagedcore.engine.sampler import Sampler
+from pagedcore.engine.sampling.resolve import (
+    bad_words_token_ids,
+    default_params,
+    resolve_max_tokens,
+)
 from pagedcore.engine.sampling_params import SamplingParams
 from pagedcore.engine.scheduler import DecodeBatch, SchedulerOutput
 from pagedcore.engine.validation import InvalidArgumentTypeError, describe
@@ -183,7 +189,11 @@ class LLM(FailureIsolation, OfflineGeneration):
         self.model = parts.model
         self.model_name = parts.model_name
         self.tokenizer = parts.tokenizer
-        self.eos_token_id = parts.eos_token_id
+        #: Every EOS id of the model (each one stops a request unless ``ignore_eos``).
+        self.eos_token_ids = parts.eos_token_ids
+        #: The `SamplingParams` fields of the checkpoint's ``generation_config``: the defaults
+        #: of a request that gives no params (`default_sampling_params`).
+        self.sampling_defaults = parts.sampling_defaults
         self.max_model_len = parts.max_model_len
         self.scheduler_config = parts.scheduler_config
         self.kv_cache_config = parts.kv_cache_config
@@ -262,6 +272,24 @@ class LLM(FailureIsolation, OfflineGeneration):
             vocab_size=int(self.model.config.vocab_size),
         )
 
+    def default_sampling_params(self) -> SamplingParams:
+        """`SamplingParams()` with the fields the checkpoint's ``generation_config`` sets
+        (`sampling_defaults`); what a request without params samples with."""
+        return default_params(self.sampling_defaults)
+
+    def _resolve(
+        self, params: SamplingParams | None, num_prompt_tokens: int
+    ) -> tuple[SamplingParams, dict[str, Any], list[list[int]]]:
+        """Checked params (the defaults for None), the generation_config fields used, and
+        the bad words as token ids; raises like `add_request`."""
+        used: dict[str, Any] = {}
+        if params is None:
+            params, used = self.default_sampling_params(), dict(self.sampling_defaults)
+        params = check_request(params, max_logprobs=self.max_logprobs, max_n=self.max_n)
+        params = resolve_max_tokens(params, num_prompt_tokens, self.max_model_len)
+        self.scheduler.check_fits(num_prompt_tokens, params.max_tokens or 1)
+        return params, used, bad_words_token_ids(params, self.tokenizer)
+
     def add_request(
         self,
         request_id: str,
@@ -270,24 +298,32 @@ class LLM(FailureIsolation, OfflineGeneration):
     ) -> None:
         """Queue a request for `step()`.
 
+        Parameters
+        ----------
+        params:
+            How to sample (None: `default_sampling_params`, from the checkpoint's
+            ``generation_config``; the output's ``sampling_defaults`` lists what it took).
+
         Raises
         ------
         ValueError
             (nothing queued) A bad id, prompt or params, a request over the engine's bounds
-            (``max_logprobs``, ``max_n``, ``max_model_len``, the KV cache), or an id already
-            in use by this request or one of its samples.
+            (``max_logprobs``, ``max_n``, ``max_model_len``, the KV cache), stop strings or
+            bad words without a tokenizer, or an id already in use by this request or one
+            of its samples.
         """
-        params = check_request(params, max_logprobs=self.max_logprobs, max_n=self.max_n)
+        if params is not None:
+            params = check_request(params, max_logprobs=self.max_logprobs, max_n=self.max_n)
         if not isinstance(request_id, str):
             raise InvalidArgumentTypeError(f"request_id must be a str, got {describe(request_id)}")
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         text, ids = self._tokenize(prompt)
-        self.scheduler.check_fits(len(ids), params.max_tokens)
-        parent = ParentRequest(request_id, text, ids)
+        params, used, bad_words = self._resolve(params, len(ids))
+        parent = ParentRequest(request_id, text, ids, sampling_defaults=used)
         children = make_children(
-            parent, params, arrivals=self._arrivals, eos_token_id=self.eos_token_id,
-            now=time.perf_counter(),
+            parent, params, arrivals=self._arrivals, eos_token_ids=self.eos_token_ids,
+            now=time.perf_counter(), tokenizer=self.tokenizer, bad_words_token_ids=bad_words,
         )
         # All samples or none: check every id before queueing the first.
         check_unique_ids(children, self.scheduler.requests, self._child_parent)
@@ -369,6 +405,7 @@ class LLM(FailureIsolation, OfflineGeneration):
         if self._row_failures:
             changed += self._fail_rows(self._row_failures, now=t_update)
             self._row_failures = {}
+        self._stop_on_strings(changed, now=t_update)
         for request in changed:
             if request.status.finished:
                 self.sampler.forget(request.request_id)
@@ -383,6 +420,23 @@ class LLM(FailureIsolation, OfflineGeneration):
         self.step_time += t_end - t0
         self.num_steps += 1
         return outputs
+
+    def _stop_on_strings(self, changed: list[Request], *, now: float) -> None:
+        """Detokenize the running requests with stop strings; stop those whose text matched."""
+        stopped = []
+        for request in changed:
+            if not request.params.stop or request.status.finished:
+                continue
+            parent = self._child_parent.get(request.request_id)
+            state = None if parent is None else parent.texts[request.sample_index]
+            if state is None:
+                continue
+            advance_text(state, request.output_token_ids)
+            if state.stop_string is not None:
+                request.stop_reason = state.stop_string
+                stopped.append(request)
+        if stopped:
+            self.scheduler.stop(stopped, now=now)
 
     def _run(
         self, scheduled: SchedulerOutput, t0: float
@@ -414,7 +468,7 @@ class LLM(FailureIsolation, OfflineGeneration):
                         else [r.request for r in rows])
             ids = list(map(get_request_id, requests))
             tokens, logprobs = self.sampler.sample(
-                logits, list(map(_get_params, requests)), ids
+                logits, list(map(_get_params, requests)), ids, sequences=requests
             )
             sampled = dict(zip(ids, zip(tokens, logprobs, strict=True), strict=True))
             if self.sampler.row_errors:

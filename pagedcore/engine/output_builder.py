@@ -10,8 +10,11 @@ from array import array
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from pagedcore.engine.outputs import CompletionOutput, RequestOutput
-from pagedcore.engine.request import Request
+import attrs
+
+from pagedcore.engine.detokenizer import TextState, advance_text
+from pagedcore.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedcore.engine.request import FinishReason, Request
 from pagedcore.engine.sampling_params import SamplingParams
 from pagedcore.engine.validation import (
     MAX_SEED,
@@ -23,6 +26,7 @@ from pagedcore.engine.validation import (
 
 __all__ = [
     "ParentRequest", "PromptType", "build_output", "make_children", "normalize_prompts", "tokenize",
+    "update_texts",
 ]
 
 #: Text (needs a tokenizer), token ids, or ``{"prompt_token_ids": [...]}`` /
@@ -31,15 +35,25 @@ PromptType = str | Sequence[int] | Mapping[str, Any]
 
 
 class ParentRequest:
-    """A user request: one prompt, `n` child sequences."""
+    """A user request: one prompt, `n` child sequences (and their text, by sample index)."""
 
-    __slots__ = ("children", "prompt", "prompt_token_ids", "request_id")
+    __slots__ = ("children", "delta", "prompt", "prompt_token_ids", "request_id",
+                 "sampling_defaults", "sent", "texts")
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int]) -> None:
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 *, sampling_defaults: dict[str, Any] | None = None) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.children: list[Request] = []
+        #: Per sample, its detokenizer and stop strings (None without a tokenizer).
+        self.texts: list[TextState | None] = []
+        #: Per sample, (tokens, characters) already handed out in delta outputs.
+        self.sent: list[tuple[int, int]] = []
+        #: The `SamplingParams` fields taken from the checkpoint's generation_config.
+        self.sampling_defaults = sampling_defaults or {}
+        #: Build delta outputs (what is new since the previous output), as `LLM.stream` does.
+        self.delta = False
 
 
 _PROMPT_FORMS = "a str, a list of token ids, or a dict with 'prompt' or 'prompt_token_ids'"
@@ -137,8 +151,10 @@ def make_children(
     params: SamplingParams,
     *,
     arrivals: Iterator[int],
-    eos_token_id: int | None,
+    eos_token_ids: Sequence[int],
     now: float,
+    tokenizer: Any = None,
+    bad_words_token_ids: Sequence[Sequence[int]] = (),
 ) -> list[Request]:
     """One scheduler `Request` per sample of `parent` (added to ``parent.children``).
 
@@ -151,23 +167,28 @@ def make_children(
             # Wrapped into the seed range (seed 2**64 - 1 with n > 1 stays valid).
             child_params = params.replace(seed=(params.seed + i) % (MAX_SEED + 1))
         child_id = parent.request_id if params.n == 1 else f"{parent.request_id}#{i}"
-        parent.children.append(Request(
+        child = Request(
             child_id,
             parent.prompt_token_ids,
             child_params,
             arrival_index=next(arrivals),
-            eos_token_id=eos_token_id,
+            eos_token_ids=eos_token_ids,
             sample_index=i,
             arrival_time=now,
-        ))
+        )
+        child.bad_words_token_ids = [list(w) for w in bad_words_token_ids]
+        parent.children.append(child)
+        parent.texts.append(None if tokenizer is None else TextState(tokenizer, child_params))
+        parent.sent.append((0, 0))
     return parent.children
 
 
 def normalize_prompts(
     prompts: PromptType | Sequence[PromptType],
     sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-) -> tuple[list[PromptType], list[SamplingParams]]:
-    """One prompt or a list, with one `SamplingParams` for all or one each -> paired lists."""
+) -> tuple[list[PromptType], list[SamplingParams | None]]:
+    """One prompt or a list, with one `SamplingParams` for all or one each -> paired lists
+    (None: the engine's defaults)."""
     prompt_list: list[PromptType]
     if prompts is None or isinstance(prompts, (bytes, bytearray)) or not isinstance(
         prompts, (str, Mapping, Sequence)
@@ -183,14 +204,15 @@ def normalize_prompts(
     else:
         prompt_list = list(prompts)  # type: ignore[arg-type]
     if sampling_params is None or isinstance(sampling_params, SamplingParams):
-        params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+        # None stays None: the engine's defaults (its generation_config) apply.
+        params_list: list[SamplingParams | None] = [sampling_params] * len(prompt_list)
     else:
         if not isinstance(sampling_params, Sequence) or isinstance(sampling_params, str):
             raise InvalidArgumentTypeError(
                 "sampling_params must be a SamplingParams, a list of them (one per prompt) or "
                 f"None, got {describe(sampling_params)}"
             )
-        params_list = list(sampling_params)
+        params_list = list(sampling_params)  # type: ignore[arg-type]
         if len(params_list) != len(prompt_list):
             raise ValueError(
                 f"got {len(params_list)} SamplingParams for {len(prompt_list)} prompts; "
@@ -199,22 +221,79 @@ def normalize_prompts(
     return prompt_list, params_list
 
 
+def _logprobs(child: Request, tokenizer: Any, start: int) -> list[dict[int, Logprob]]:
+    """The child's logprobs from generated token `start` on, as `Logprob` objects."""
+    rows = child.logprobs or []
+    out = []
+    for entry in rows[start:]:
+        ordered = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)
+        objs = {}
+        for position, (token_id, lp) in enumerate(ordered):
+            decoded = None if tokenizer is None else tokenizer.decode([token_id])
+            objs[token_id] = Logprob(lp, position + 1, decoded)
+        out.append(objs)
+    # The sampled token's rank is the sampler's (it may lie outside the top ones).
+    for objs, entry, token_id in zip(out, rows[start:], child.output_token_ids[start:],
+                                     strict=False):
+        rank = getattr(entry, "rank", None)
+        if token_id in objs and rank is not None:
+            objs[token_id] = attrs.evolve(objs[token_id], rank=int(rank))
+    return out
+
+
+def _cumulative(child: Request) -> float | None:
+    if child.logprobs is None:
+        return None
+    return float(sum(entry.get(t, 0.0) for entry, t in
+                     zip(child.logprobs, child.output_token_ids, strict=False)))
+
+
+def update_texts(parent: ParentRequest) -> None:
+    """Detokenize what each sample generated since the last call (a no-op without a
+    tokenizer); a sample whose text matched a stop string gets it as ``stop_reason``."""
+    for child, state in zip(parent.children, parent.texts, strict=True):
+        if state is None:
+            continue
+        advance_text(state, child.output_token_ids, finished=child.status.finished)
+        if state.stop_string is not None and child.status.finished:
+            child.stop_reason = state.stop_string
+
+
 def build_output(
-    parent: ParentRequest, *, tokenizer: Any, errors: dict[str, str]
+    parent: ParentRequest, *, tokenizer: Any, errors: dict[str, str], delta: bool = False
 ) -> RequestOutput:
-    """The `RequestOutput` of `parent` now; pops its children's entries from `errors`."""
+    """The `RequestOutput` of `parent` now; pops its children's entries from `errors`.
+
+    ``delta=True``: each sample's tokens, text and logprobs since its previous delta output.
+    ``tokenizer=None`` (also the fallback when decoding failed): no text.
+    """
+    if tokenizer is not None:
+        update_texts(parent)
     completions = []
     for child in parent.children:
+        i = child.sample_index
         tokens = child.output_token_ids
-        text = tokenizer.decode(tokens) if tokenizer is not None else ""
+        state = parent.texts[i] if tokenizer is not None else None
+        text = "" if state is None else state.text
         reason = child.finish_reason
+        stop_reason = child.stop_reason
+        if state is not None and state.stop_string is not None and reason in (
+                FinishReason.STOP, FinishReason.LENGTH):
+            # Matched in the step that also ended it by length: the stop string wins (vLLM).
+            reason, stop_reason = FinishReason.STOP, state.stop_string
+        sent_tokens, sent_chars = parent.sent[i] if delta else (0, 0)
+        if delta:
+            parent.sent[i] = (len(tokens), len(text))
         completions.append(
             CompletionOutput(
-                index=child.sample_index,
-                token_ids=tokens,
-                text=text,
-                logprobs=None if child.logprobs is None else list(child.logprobs),
+                index=i,
+                token_ids=tokens[sent_tokens:],
+                text=text[sent_chars:],
+                logprobs=None if child.logprobs is None else _logprobs(child, tokenizer,
+                                                                       sent_tokens),
+                cumulative_logprob=_cumulative(child),
                 finish_reason=None if reason is None else reason.value,
+                stop_reason=stop_reason if reason is not None else None,
             )
         )
     finished = all(c.status.finished for c in parent.children)
@@ -233,4 +312,6 @@ def build_output(
         num_cached_tokens=max(c.num_cached_tokens or 0 for c in parent.children),
         metrics=metrics,
         error=found[0] if found else None,
+        sampling_defaults=dict(parent.sampling_defaults),
+        delta=delta,
     )

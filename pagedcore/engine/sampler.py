@@ -1,4 +1,9 @@
-"""Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs."""
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+
+Before any of these, the logits processors of `pagedcore.engine.sampling.logits_processors`
+(penalties, logit bias, bad words, allowed tokens, min_tokens) run on the rows that ask for
+them. Log-probabilities are those of the raw model logits (vLLM's default).
+"""
 
 from __future__ import annotations
 
@@ -8,9 +13,21 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from pagedcore.engine.sampling.logits_processors import SampledSequence
     from pagedcore.engine.sampling_params import SamplingParams
 
-__all__ = ["Sampler", "apply_top_k_top_p_min_p"]
+__all__ = ["Sampler", "TokenLogprobs", "apply_top_k_top_p_min_p"]
+
+
+class TokenLogprobs(dict[int, float]):
+    """``{token_id: logprob}`` of one generated position (the top tokens and the sampled one),
+    with `rank`: the sampled token's rank among all tokens (1 = the most likely)."""
+
+    __slots__ = ("rank",)
+
+    def __init__(self, items: dict[int, float], *, rank: int) -> None:
+        super().__init__(items)
+        self.rank = rank
 
 
 def apply_top_k_top_p_min_p(
@@ -108,6 +125,8 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         request_ids: Sequence[str],
+        *,
+        sequences: Sequence[SampledSequence] | None = None,
     ) -> tuple[list[int], list[dict[int, float] | None]]:
         """Sample one token per row.
 
@@ -116,12 +135,16 @@ class Sampler:
         logits:
             ``[R, V]`` raw model logits (any float dtype); row ``i`` belongs to
             ``request_ids[i]`` sampled under ``params[i]``.
+        sequences:
+            Row ``i``'s sequence (its token ids so far), needed when a row's params process the
+            logits (penalties, bad words, min_tokens); None: no row does.
 
         Returns
         -------
         tuple
-            The token ids, and per row ``{token: logprob}`` (top ``logprobs`` tokens plus the
-            sampled one, log-softmax of the raw logits) or None when not requested. A row
+            The token ids, and per row a `TokenLogprobs` (top ``logprobs`` tokens plus the
+            sampled one, log-softmax of the raw logits, and the sampled token's rank) or None
+            when not requested. A row
             whose own setup raised (its seeded generator) is listed in `row_errors` instead
             of failing the call.
         """
@@ -130,7 +153,15 @@ class Sampler:
         row_errors: dict[str, str] = {}
         self.row_errors = row_errors
         logits = logits.float()
+        raw = logits
         num_rows = logits.shape[0]
+        if any(p.processes_logits for p in params):
+            if sequences is None:
+                raise ValueError("these sampling params process the logits (penalties, bad "
+                                 "words, min_tokens): pass the rows' sequences")
+            from pagedcore.engine.sampling.logits_processors import apply_logits_processors
+
+            logits = apply_logits_processors(logits, params, sequences)
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i in range(num_rows) if not params[i].greedy]
         if random_rows:
@@ -160,14 +191,18 @@ class Sampler:
         logprob_rows: list[dict[int, float] | None] = [None] * num_rows
         wanted = [i for i in range(num_rows) if params[i].logprobs is not None]
         if wanted:
-            logprobs = logits.index_select(0, torch.tensor(wanted, device=logits.device))
-            logprobs = logprobs.log_softmax(dim=-1)
+            index = torch.tensor(wanted, device=logits.device)
+            logprobs = raw.index_select(0, index).log_softmax(dim=-1)
+            chosen = tokens.index_select(0, index).unsqueeze(1)
+            chosen_lp = logprobs.gather(1, chosen)
+            # Rank: 1 + the tokens strictly more likely than the sampled one.
+            ranks = ((logprobs > chosen_lp).sum(dim=1) + 1).tolist()
             for row, i in enumerate(wanted):
                 count = params[i].logprobs or 0
                 entry: dict[int, float] = {}
                 if count:
                     top = logprobs[row].topk(min(count, logprobs.shape[1]))
                     entry = dict(zip(top.indices.tolist(), top.values.tolist(), strict=True))
-                entry[token_list[i]] = float(logprobs[row, token_list[i]])
-                logprob_rows[i] = entry
+                entry[token_list[i]] = float(chosen_lp[row, 0])
+                logprob_rows[i] = TokenLogprobs(entry, rank=int(ranks[row]))
         return token_list, logprob_rows

@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from serve_helpers import train_tokenizer
+from tokenizer_helpers import train_tokenizer
 
+from pagedcore.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from pagedcore.engine.models import ByteTokenizer
-from pagedcore.serve.text import IncrementalDetokenizer, StopStringMatcher
 
 TEXTS = ["Le café: crème brûlée, déjà vu.", "日本の首都は東京です。", "mixed é日本x é",
          "plain ascii"]
