@@ -57,7 +57,7 @@ def normalize_conversations(
                 raise InvalidArgumentTypeError(
                     f"every message must be a dict with a str 'role'{where}, got "
                     f"{describe(message)}")
-        out.append([dict(m) for m in conversation])
+        out.append([dict(m) for m in conversation if isinstance(m, Mapping)])
     return out
 
 

@@ -212,7 +212,7 @@ def normalize_prompts(
                 "sampling_params must be a SamplingParams, a list of them (one per prompt) or "
                 f"None, got {describe(sampling_params)}"
             )
-        params_list = list(sampling_params)  # type: ignore[arg-type]
+        params_list = list(sampling_params)
         if len(params_list) != len(prompt_list):
             raise ValueError(
                 f"got {len(params_list)} SamplingParams for {len(prompt_list)} prompts; "

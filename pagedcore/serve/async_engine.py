@@ -215,7 +215,7 @@ class AsyncEngine(EngineThread):
         with self._lock:
             self._in_flight = max(0, self._in_flight - count)
 
-    def check_prompt(self, num_prompt_tokens: int, max_tokens: int) -> None:
+    def check_prompt(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         """BadRequestError when a prompt of this length can never be served."""
         try:
             self.llm.scheduler.check_fits(num_prompt_tokens, max_tokens)  # config only

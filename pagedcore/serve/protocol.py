@@ -254,7 +254,9 @@ def sampling_params(
             frequency_penalty=body.frequency_penalty or 0.0,
             repetition_penalty=(1.0 if body.repetition_penalty is None
                                 else body.repetition_penalty),
-            logit_bias=body.logit_bias,
+            logit_bias=(None if body.logit_bias is None  # JSON keys are strings
+                        else {int(k) if k.strip().isdigit() else k: v  # type: ignore[misc]
+                              for k, v in body.logit_bias.items()}),
             bad_words=tuple(body.bad_words or ()),
             allowed_token_ids=(None if body.allowed_token_ids is None
                                else tuple(body.allowed_token_ids)),
