@@ -109,6 +109,8 @@ class SamplingParams:
     n: int = 1
     priority: int = 0
     cache_salt: str | None = None
+    # `processes_logits`, computed once (the sampler reads it for every row of every step).
+    _processes_logits: bool = attrs.field(init=False, default=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         # Every field is checked by type and value (no silent coercion); the checked values
@@ -168,6 +170,9 @@ class SamplingParams:
         raise_problems("SamplingParams", p)
         for name, value in fixed.items():
             object.__setattr__(self, name, value)
+        object.__setattr__(self, "_processes_logits", (
+            self.has_penalties or bool(self.logit_bias) or bool(self.bad_words)
+            or self.allowed_token_ids is not None or self.min_tokens > 0))
 
     @property
     def greedy(self) -> bool:
@@ -188,8 +193,7 @@ class SamplingParams:
     @property
     def processes_logits(self) -> bool:
         """True when the logits are changed before sampling (penalties, biases, masks)."""
-        return (self.has_penalties or bool(self.logit_bias) or bool(self.bad_words)
-                or self.allowed_token_ids is not None or self.min_tokens > 0)
+        return self._processes_logits
 
     def replace(self, **changes: Any) -> SamplingParams:
         """A copy with some fields changed (validated again)."""

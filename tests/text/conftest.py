@@ -3,23 +3,17 @@ EOS ids, and an engine over it."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from thread_helpers import one_thread
 from tokenizer_helpers import make_chat_checkpoint
 
 from pagedcore.engine.llm import LLM
 
-
-@pytest.fixture(scope="session", autouse=True)
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+_one_thread = pytest.fixture(scope="session", autouse=True)(one_thread)
 
 
 @pytest.fixture(scope="session")
