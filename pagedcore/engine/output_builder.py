@@ -10,8 +10,6 @@ from array import array
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-import attrs
-
 from pagedcore.engine.detokenizer import TextState, advance_text
 from pagedcore.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedcore.engine.request import FinishReason, Request
@@ -37,7 +35,7 @@ PromptType = str | Sequence[int] | Mapping[str, Any]
 class ParentRequest:
     """A user request: one prompt, `n` child sequences (and their text, by sample index)."""
 
-    __slots__ = ("children", "delta", "prompt", "prompt_token_ids", "request_id",
+    __slots__ = ("children", "delta", "logprobs", "prompt", "prompt_token_ids", "request_id",
                  "sampling_defaults", "sent", "texts")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
@@ -50,6 +48,9 @@ class ParentRequest:
         self.texts: list[TextState | None] = []
         #: Per sample, (tokens, characters) already handed out in delta outputs.
         self.sent: list[tuple[int, int]] = []
+        #: Per sample, its logprobs as `Logprob` objects and their running sum (each
+        #: position converted once, however many outputs are built).
+        self.logprobs: list[tuple[list[dict[int, Logprob]], list[float]]] = []
         #: The `SamplingParams` fields taken from the checkpoint's generation_config.
         self.sampling_defaults = sampling_defaults or {}
         #: Build delta outputs (what is new since the previous output), as `LLM.stream` does.
@@ -180,6 +181,7 @@ def make_children(
         parent.children.append(child)
         parent.texts.append(None if tokenizer is None else TextState(tokenizer, child_params))
         parent.sent.append((0, 0))
+        parent.logprobs.append(([], [0.0]))
     return parent.children
 
 
@@ -221,31 +223,31 @@ def normalize_prompts(
     return prompt_list, params_list
 
 
-def _logprobs(child: Request, tokenizer: Any, start: int) -> list[dict[int, Logprob]]:
-    """The child's logprobs from generated token `start` on, as `Logprob` objects."""
-    rows = child.logprobs or []
-    out = []
-    for entry in rows[start:]:
-        ordered = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)
-        objs = {}
-        for position, (token_id, lp) in enumerate(ordered):
-            decoded = None if tokenizer is None else tokenizer.decode([token_id])
-            objs[token_id] = Logprob(lp, position + 1, decoded)
-        out.append(objs)
-    # The sampled token's rank is the sampler's (it may lie outside the top ones).
-    for objs, entry, token_id in zip(out, rows[start:], child.output_token_ids[start:],
-                                     strict=False):
-        rank = getattr(entry, "rank", None)
-        if token_id in objs and rank is not None:
-            objs[token_id] = attrs.evolve(objs[token_id], rank=int(rank))
+def _convert(entry: dict[int, float], token_id: int, tokenizer: Any) -> dict[int, Logprob]:
+    """One position's ``{token: logprob}`` as `Logprob` objects, most likely first; the
+    sampled token keeps the sampler's rank (it may lie outside the top ones)."""
+    ordered = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)
+    sampled_rank = getattr(entry, "rank", None)
+    out = {}
+    for position, (t, lp) in enumerate(ordered):
+        rank = int(sampled_rank) if t == token_id and sampled_rank is not None else position + 1
+        out[t] = Logprob(lp, rank, None if tokenizer is None else tokenizer.decode([t]))
     return out
 
 
-def _cumulative(child: Request) -> float | None:
+def _logprobs(
+    parent: ParentRequest, child: Request, tokenizer: Any, start: int
+) -> tuple[list[dict[int, Logprob]] | None, float | None]:
+    """The child's logprobs from generated token `start` on, and their cumulative sum."""
     if child.logprobs is None:
-        return None
-    return float(sum(entry.get(t, 0.0) for entry, t in
-                     zip(child.logprobs, child.output_token_ids, strict=False)))
+        return None, None
+    done, total = parent.logprobs[child.sample_index]
+    tokens = child.output_token_ids
+    for i in range(len(done), len(child.logprobs)):
+        entry = _convert(child.logprobs[i], tokens[i], tokenizer)
+        done.append(entry)
+        total[0] += float(entry.get(tokens[i], 0.0))
+    return done[start:], total[0]
 
 
 def update_texts(parent: ParentRequest) -> None:
@@ -282,6 +284,7 @@ def build_output(
             # Matched in the step that also ended it by length: the stop string wins (vLLM).
             reason, stop_reason = FinishReason.STOP, state.stop_string
         sent_tokens, sent_chars = parent.sent[i] if delta else (0, 0)
+        logprobs, cumulative = _logprobs(parent, child, tokenizer, sent_tokens)
         if delta:
             parent.sent[i] = (len(tokens), len(text))
         completions.append(
@@ -289,9 +292,8 @@ def build_output(
                 index=i,
                 token_ids=tokens[sent_tokens:],
                 text=text[sent_chars:],
-                logprobs=None if child.logprobs is None else _logprobs(child, tokenizer,
-                                                                       sent_tokens),
-                cumulative_logprob=_cumulative(child),
+                logprobs=logprobs,
+                cumulative_logprob=cumulative,
                 finish_reason=None if reason is None else reason.value,
                 stop_reason=stop_reason if reason is not None else None,
             )

@@ -9,23 +9,43 @@ import attrs
 __all__ = ["CompletionOutput", "Logprob", "RequestMetrics", "RequestOutput"]
 
 
-@attrs.frozen
-class Logprob:
+class Logprob(float):
     """The log-probability of one token at one position (vLLM's `Logprob`).
+
+    It is the float itself (so ``entry[token] - other`` and ``float(entry[token])`` keep
+    working for code that read plain floats), with vLLM's attributes.
 
     Attributes
     ----------
     logprob:
-        log-softmax of the raw model logits.
+        log-softmax of the raw model logits (the float value).
     rank:
         1 for the most likely token, 2 for the next, ...; None when unknown.
     decoded_token:
         The token's text (decoded alone), or None without a tokenizer.
     """
 
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
+    __slots__ = ("decoded_token", "rank")
+    rank: int | None
+    decoded_token: str | None
+
+    def __new__(cls, logprob: float, rank: int | None = None,
+                decoded_token: str | None = None) -> Logprob:
+        self = super().__new__(cls, logprob)
+        self.rank = rank
+        self.decoded_token = decoded_token
+        return self
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __repr__(self) -> str:
+        return (f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, "
+                f"decoded_token={self.decoded_token!r})")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Logprob, (float(self), self.rank, self.decoded_token))
 
 
 @attrs.define(kw_only=True)
