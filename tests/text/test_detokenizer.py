@@ -122,3 +122,18 @@ def test_stop_strings_over_real_tokens(tokenizer: Any) -> None:
         if m.stopped:
             break
     assert m.stopped and released == "Le café: crème "
+
+
+def test_spaces_between_special_tokens(tokenizer: Any) -> None:
+    """Off: two adjacent special tokens are written bare, as vLLM's fast detokenizer does."""
+    from tokenizers import decoders
+
+    tok = train_tokenizer()
+    tok.backend_tokenizer.decoder = decoders.WordPiece(cleanup=False)  # joins tokens by " "
+    ids = [tok.convert_tokens_to_ids(t) for t in ("<|user|>", "<|end|>", "<|assistant|>")]
+    spaced = IncrementalDetokenizer(tok, skip_special_tokens=False)
+    bare = IncrementalDetokenizer(tok, skip_special_tokens=False,
+                                  spaces_between_special_tokens=False)
+    assert bare.add(ids) == "<|user|><|end|><|assistant|>"
+    assert spaced.add(ids) == tok.decode(ids) == "<|user|> <|end|> <|assistant|>"
+    assert IncrementalDetokenizer(tok).add(ids) == ""  # skipped altogether

@@ -128,3 +128,18 @@ def test_stop_strings_without_a_tokenizer_are_refused() -> None:
               kv_cache_memory_bytes=4 * 2**20)
     with pytest.raises(ValueError, match="stop needs a tokenizer"):
         llm.generate([[1, 2, 3]], SamplingParams(stop=["x"]))
+
+
+def test_stop_strings_end_each_sample_alone(llm: LLM) -> None:
+    params = SamplingParams(temperature=1.0, seed=5, n=3, max_tokens=MAX_NEW, ignore_eos=True)
+    [free] = llm.generate([PROMPTS[2]], params)
+    texts = [c.text for c in free.outputs]
+    stop = next(t[4:6] for t in texts if len(t) > 8 and t[4:6].strip())
+    [cut] = llm.generate([PROMPTS[2]], params.replace(stop=[stop]))
+    for before, after in zip(free.outputs, cut.outputs, strict=True):
+        if stop in before.text:
+            assert after.text == before.text[: before.text.find(stop)]
+            assert (after.finish_reason, after.stop_reason) == ("stop", stop)
+        else:
+            assert after.token_ids == before.token_ids and after.finish_reason == "length"
+    assert llm.kv_cache_manager.usage == 0.0
