@@ -226,15 +226,15 @@ def _check_logit_bias(p: Problems, value: Any) -> dict[int, float] | None:
     out: dict[int, float] = {}
     for key, bias in value.items():
         token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
-        sub = Problems()
-        token_id = check_int(sub, f"logit_bias key {key!r}", token, low=0)
-        as_float = check_real(sub, f"logit_bias[{key!r}]", bias, low=-100.0, high=100.0,
-                              expected="a float in [-100, 100]")
-        p.type_errors += sub.type_errors
-        p.value_errors += sub.value_errors
-        if sub:
+        token_id = check_int(Problems(), "", token, low=0)
+        if token_id is None:
+            p.type(f"logit_bias must have token ids (ints >= 0) as keys, got {describe(key)}")
             return None
-        assert token_id is not None and as_float is not None
+        as_float = check_real(Problems(), "", bias, low=-100.0, high=100.0, expected="")
+        if as_float is None:
+            p.value(f"logit_bias must map each token id to a float in [-100, 100], got "
+                    f"{describe(bias)} for token {token_id}")
+            return None
         out[token_id] = as_float
     return out
 
