@@ -48,7 +48,7 @@ _LAZY = {
     "BackendSelectionError": "pagedcore.plugins.selector",
     "get_registry": "pagedcore.plugins.registry",
     "LLM": "pagedcore.engine.llm",
-    "SamplingParams": "pagedcore.engine.sampling_params",
+    "SamplingParams": "pagedcore.engine.sampling.sampling_params",
     "RequestOutput": "pagedcore.engine.outputs",
     "CompletionOutput": "pagedcore.engine.outputs",
     "Logprob": "pagedcore.engine.outputs",
@@ -64,7 +64,7 @@ if TYPE_CHECKING:
     from pagedcore.engine.chat import ChatTemplateError
     from pagedcore.engine.llm import LLM
     from pagedcore.engine.outputs import CompletionOutput, Logprob, RequestOutput
-    from pagedcore.engine.sampling_params import SamplingParams
+    from pagedcore.engine.sampling.sampling_params import SamplingParams
     from pagedcore.engine.validation import InvalidArgumentError, InvalidArgumentTypeError
     from pagedcore.kv_cache.spec import (
         AttentionSpec,

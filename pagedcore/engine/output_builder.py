@@ -12,8 +12,8 @@ from typing import Any
 
 from pagedcore.engine.detokenizer import TextState, advance_text
 from pagedcore.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedcore.engine.request import FinishReason, Request
-from pagedcore.engine.sampling_params import SamplingParams
+from pagedcore.engine.sampling.sampling_params import SamplingParams
+from pagedcore.engine.scheduling.request import FinishReason, Request
 from pagedcore.engine.validation import (
     MAX_SEED,
     InvalidArgumentError,

@@ -39,7 +39,7 @@ from pagedcore.serve.errors import (
 if TYPE_CHECKING:
     from pagedcore.engine.llm import LLM
     from pagedcore.engine.outputs import Logprob, RequestOutput
-    from pagedcore.engine.sampling_params import SamplingParams
+    from pagedcore.engine.sampling.sampling_params import SamplingParams
     from pagedcore.serve.metrics import ServeMetrics
 
 __all__ = ["AsyncEngine", "StreamDelta"]

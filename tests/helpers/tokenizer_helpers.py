@@ -56,7 +56,7 @@ def make_chat_checkpoint(path: Path, *, multi_eos: bool = False,
     """
     from transformers import GenerationConfig
 
-    from pagedcore.engine.models import random_model, tiny_config
+    from pagedcore.engine.models.loading import random_model, tiny_config
 
     tok = train_tokenizer()
     config = tiny_config("llama", vocab_size=len(tok), bos_token_id=tok.bos_token_id,

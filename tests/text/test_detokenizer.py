@@ -8,7 +8,7 @@ import pytest
 from tokenizer_helpers import train_tokenizer
 
 from pagedcore.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from pagedcore.engine.models import ByteTokenizer
+from pagedcore.engine.models.loading import ByteTokenizer
 
 TEXTS = ["Le café: crème brûlée, déjà vu.", "日本の首都は東京です。", "mixed é日本x é",
          "plain ascii"]

@@ -12,7 +12,7 @@ from tokenizer_helpers import CORPUS
 
 from pagedcore.engine.llm import LLM
 from pagedcore.engine.sampling.logits_processors import apply_logits_processors
-from pagedcore.engine.sampling_params import SamplingParams
+from pagedcore.engine.sampling.sampling_params import SamplingParams
 from pagedcore.engine.validation import InvalidArgumentTypeError
 
 

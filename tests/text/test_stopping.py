@@ -11,7 +11,7 @@ import torch
 from tokenizer_helpers import CORPUS, EOS_IDS, make_chat_checkpoint
 
 from pagedcore.engine.llm import LLM
-from pagedcore.engine.sampling_params import SamplingParams
+from pagedcore.engine.sampling.sampling_params import SamplingParams
 
 PROMPTS = [text[:n] for text in CORPUS[:5] for n in (6, 14, 23, 31)]
 MAX_NEW = 24

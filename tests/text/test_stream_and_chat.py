@@ -12,7 +12,7 @@ from tokenizer_helpers import make_chat_checkpoint
 
 from pagedcore.engine.chat import ChatTemplateError
 from pagedcore.engine.llm import LLM
-from pagedcore.engine.sampling_params import SamplingParams
+from pagedcore.engine.sampling.sampling_params import SamplingParams
 
 #: Prompts in the corpus's scripts: greedy output from them is full of multi-byte characters.
 PROMPTS = ["日本の首都", "crème brûlée", "Élodie said déjà", "日本 and é are"]

@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from pagedcore.engine.sampling_params import SamplingParams
+    from pagedcore.engine.sampling.sampling_params import SamplingParams
 
 __all__ = ["SampledSequence", "apply_logits_processors", "apply_penalties"]
 
 
 class SampledSequence(Protocol):
-    """What the processors read of one row's sequence (`pagedcore.engine.request.Request`)."""
+    """What the processors read of one row's sequence (a scheduling `Request`)."""
 
     @property
     def all_token_ids(self) -> Sequence[int]: ...

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedcore.engine.sampling_params import SamplingParams
+from pagedcore.engine.sampling.sampling_params import SamplingParams
 from pagedcore.engine.validation import InvalidArgumentError
 
 __all__ = ["bad_words_token_ids", "default_params", "resolve_max_tokens"]

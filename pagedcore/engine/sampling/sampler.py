@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     import torch
 
     from pagedcore.engine.sampling.logits_processors import SampledSequence
-    from pagedcore.engine.sampling_params import SamplingParams
+    from pagedcore.engine.sampling.sampling_params import SamplingParams
 
 __all__ = ["Sampler", "TokenLogprobs", "apply_top_k_top_p_min_p"]
 
