@@ -110,6 +110,16 @@ class IncrementalDetokenizer:
             parts.append(self._advance(final=False))
         return "".join(parts)
 
+    def add_final(self, token_ids: Sequence[int]) -> str:
+        """`add` then `flush` for a whole finished sequence, on a fresh detokenizer: the
+        window fallback decodes it in one call (the same text; its window exists only for
+        streaming)."""
+        if self._stream is not None or self._ids or self.tokenizer is None:
+            return self.add(token_ids) + self.flush()
+        self._ids = [int(t) for t in token_ids]
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return self._decode(self._ids)
+
     def flush(self) -> str:
         """The text still held back (an incomplete character at the very end), at the finish."""
         if self.tokenizer is None or self._stream is not None:
@@ -272,6 +282,11 @@ def advance_text(state: TextState, output_token_ids: Sequence[int], *,
         return ""
     parts = []
     detok = state.detok
+    if finished and state.num_fed == 0 and not matcher.stop:
+        # Never seen before and already finished (generate's outputs): no stop string to look
+        # for, so the whole text at once.
+        state.num_fed = len(output_token_ids)
+        return matcher.add(detok.add_final(output_token_ids), match=False)
     for i in range(state.num_fed, len(output_token_ids)):
         # One token at a time: stop strings count only from min_tokens on (as in vLLM).
         parts.append(matcher.add(detok.add(output_token_ids[i : i + 1]),

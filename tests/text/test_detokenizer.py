@@ -48,6 +48,8 @@ def test_bpe_deltas_concatenate_and_never_split_a_character(tokenizer: Any, wrap
         assert "\ufffd" not in "".join(deltas)
         expected = tokenizer.decode(ids, skip_special_tokens=not wrap)
         assert "".join(deltas) == expected
+        # A finished sequence seen for the first time: one call, the same text.
+        assert IncrementalDetokenizer(tok).add_final(ids) == expected
 
 
 def test_bpe_splits_some_character_across_tokens(tokenizer: Any) -> None:
