@@ -188,6 +188,10 @@ class AttentionBackend(abc.ABC):
     supports_mla: ClassVar[bool] = False
     #: True when the backend serves *only* MLA layers.
     mla_only: ClassVar[bool] = False
+    #: MLA backends: the ``(kv_lora_rank, rope_head_dim)`` latent widths the kernels serve
+    #: (``((512, 64),)`` for DeepSeek's); None means any. The MLA conformance cases run at
+    #: these widths.
+    supported_mla_dims: ClassVar[tuple[tuple[int, int], ...] | None] = None
     supports_alibi: ClassVar[bool] = False
     supports_logits_soft_cap: ClassVar[bool] = False
     cudagraph_support: ClassVar[CudaGraphSupport] = CudaGraphSupport.NEVER

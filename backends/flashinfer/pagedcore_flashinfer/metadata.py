@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MIXED_MODE_ENV",
+    "PREFILL_KERNELS_ENV",
     "FlashInferMetadata",
     "FlashInferMetadataBuilder",
     "LayerParams",
@@ -39,6 +40,10 @@ __all__ = [
 #: prefill wrapper; ``prefill``: the whole step through the prefill wrapper.
 MIXED_MODE_ENV = "PAGEDCORE_FLASHINFER_MIXED"
 _MIXED_MODES = ("split", "prefill")
+#: Which kernels the prefill wrapper asks for: ``auto`` (default: FlashInfer's pick, FA3 on
+#: Hopper), ``fa2`` or ``fa3``. The tensor-core decode always runs FlashInfer's FA2 kernels.
+PREFILL_KERNELS_ENV = "PAGEDCORE_FLASHINFER_PREFILL"
+_PREFILL_KERNELS = ("auto", "fa2", "fa3")
 #: FlashInfer's recommended float workspace (split-KV partial results).
 WORKSPACE_BYTES = 128 * 1024 * 1024
 
@@ -58,6 +63,23 @@ def mixed_mode_from_env() -> str:
             "('split': decode wrapper + prefill wrapper, 'prefill': prefill wrapper alone)"
         )
     return mode
+
+
+def prefill_kernels_from_env() -> str:
+    """The prefill wrapper's ``backend=`` named by ``PAGEDCORE_FLASHINFER_PREFILL``.
+
+    Raises
+    ------
+    ValueError
+        When the variable holds anything but ``auto``, ``fa2`` or ``fa3``.
+    """
+    kernels = os.environ.get(PREFILL_KERNELS_ENV, "auto").strip().lower() or "auto"
+    if kernels not in _PREFILL_KERNELS:
+        raise ValueError(
+            f"{PREFILL_KERNELS_ENV}={kernels!r} is not a FlashInfer prefill backend; use one "
+            f"of {_PREFILL_KERNELS} ('auto': FlashInfer's pick, FA3 on Hopper)"
+        )
+    return kernels
 
 
 @attrs.frozen
@@ -139,6 +161,7 @@ class FlashInferMetadataBuilder(MetadataBuilder[FlashInferMetadata]):
     ) -> None:
         super().__init__(kv_cache_spec, layer_names, device)
         self.mixed_mode = mixed_mode_from_env()
+        self.prefill_kernels = prefill_kernels_from_env()
         self._generation = 0
         self._workspace: torch.Tensor | None = None
         self._wrappers: dict[LayerParams, _Wrappers] = {}
@@ -237,7 +260,7 @@ class FlashInferMetadataBuilder(MetadataBuilder[FlashInferMetadata]):
         if metadata.prefill is not None:
             if wrappers.prefill is None:
                 wrappers.prefill = api.BatchPrefillWithPagedKVCacheWrapper(
-                    self._workspace_buffer(), "NHD"
+                    self._workspace_buffer(), "NHD", backend=self.prefill_kernels
                 )
             if wrappers.prefill_generation != metadata.generation:
                 p = metadata.prefill
