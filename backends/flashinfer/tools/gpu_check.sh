@@ -54,13 +54,13 @@ cat "$R/versions.txt"
 $PY -m pagedcore.cli backends > "$R/backends.txt" 2>&1
 
 if has prebuild; then
-  step flex 300 $CONF flex --json "$R/conformance_flex_h200.json" &
+  step flex 300 $CONF flex --progress --json "$R/conformance_flex_h200.json" &
   flex_pid=$!
   step prebuild 240 $PY backends/flashinfer/tools/prebuild_jit.py --prefill fa2,fa3 \
     --fa3-only float16:128 --mla --extra bfloat16:64
 fi
 if has full; then
-  PAGEDCORE_FLASHINFER_PREFILL=fa2 step full 120 $CONF flashinfer \
+  PAGEDCORE_FLASHINFER_PREFILL=fa2 step full 300 $CONF flashinfer --progress \
     --json "$R/conformance_flashinfer_fa2_h200.json"
 fi
 if has fa3; then
@@ -81,7 +81,7 @@ open(sys.argv[1], "w").write(report.to_json() + "\n")
 EOF
 fi
 if has mla; then
-  step mla 90 $CONF flashinfer_mla --json "$R/conformance_flashinfer_mla_h200.json"
+  step mla 120 $CONF flashinfer_mla --progress --json "$R/conformance_flashinfer_mla_h200.json"
 fi
 if has engine; then
   for b in triton flashinfer flex; do
