@@ -42,8 +42,10 @@ class FlashInferBackend(AttentionBackend):
     supports_sliding_window: ClassVar[bool] = True
     supports_alibi: ClassVar[bool] = False
     supports_logits_soft_cap: ClassVar[bool] = True
-    #: FlashInfer's plan() schedules on the host from the step's lengths; pagedcore captures a
-    #: graph once and never re-plans before a replay, so graphs would replay a stale schedule.
+    #: FlashInfer's plan() schedules on the host from the step's lengths. The engine now calls
+    #: `MetadataBuilder.prepare_replay` before each decode-graph replay, where a builder over
+    #: FlashInfer's ``use_cuda_graph=True`` wrappers could re-plan into their fixed buffers;
+    #: that builder is not written yet, so no graph level is declared.
     cudagraph_support: ClassVar[CudaGraphSupport] = CudaGraphSupport.NEVER
 
     @classmethod
