@@ -42,10 +42,9 @@ class FlashInferBackend(AttentionBackend):
     supports_sliding_window: ClassVar[bool] = True
     supports_alibi: ClassVar[bool] = False
     supports_logits_soft_cap: ClassVar[bool] = True
-    #: FlashInfer's plan() schedules on the host from the step's lengths. The engine now calls
-    #: `MetadataBuilder.prepare_replay` before each decode-graph replay, where a builder over
-    #: FlashInfer's ``use_cuda_graph=True`` wrappers could re-plan into their fixed buffers;
-    #: that builder is not written yet, so no graph level is declared.
+    #: The builder has a decode-graph path (``use_cuda_graph=True`` decode wrappers over fixed
+    #: buffers, re-planned in `prepare_replay` before each replay; CPU-tested through the
+    #: test double), but no GPU run has confirmed it yet, so no graph level is declared.
     cudagraph_support: ClassVar[CudaGraphSupport] = CudaGraphSupport.NEVER
 
     @classmethod

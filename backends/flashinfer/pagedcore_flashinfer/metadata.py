@@ -133,6 +133,9 @@ class FlashInferMetadata:
     causal: bool
     generation: int
     planner: FlashInferMetadataBuilder = attrs.field(repr=False, eq=False)
+    #: The decode-graph bucket this capture plan serves (None for an eager step): its
+    #: wrappers are FlashInfer's ``use_cuda_graph=True`` ones over the bucket's fixed buffers.
+    graph_bucket: int | None = None
 
 
 class _Wrappers:
@@ -164,7 +167,9 @@ class FlashInferMetadataBuilder(MetadataBuilder[FlashInferMetadata]):
         self.prefill_kernels = prefill_kernels_from_env()
         self._generation = 0
         self._workspace: torch.Tensor | None = None
-        self._wrappers: dict[LayerParams, _Wrappers] = {}
+        self._wrappers: dict[tuple[LayerParams, int | None], _Wrappers] = {}
+        #: Per decode-graph bucket: the fixed (indptr, indices, last_page_len) device buffers.
+        self._graph_buffers: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._api: fi_api.FlashInferAPI | None = None
 
     def build(
@@ -211,6 +216,49 @@ class FlashInferMetadataBuilder(MetadataBuilder[FlashInferMetadata]):
             planner=self,
         )
 
+    def build_for_cudagraph_capture(self, common: CommonAttentionMetadata) -> FlashInferMetadata:
+        """A decode-graph plan: the whole bucket through the tensor-core decode wrapper, whose
+        ``use_cuda_graph=True`` instances (one per `LayerParams`) own fixed buffers sized for
+        the bucket (``indices`` for ``block_table.shape[1]`` pages per request). The warm-up
+        run plans them; `prepare_replay` re-plans them before each replay."""
+        bucket = common.num_reqs
+        pages = paged_kv(common.block_table, common.seq_lens_cpu[:bucket],
+                         self.kv_cache_spec.block_size, 0, bucket)
+        if bucket not in self._graph_buffers:
+            dev = common.block_table.device
+            self._graph_buffers[bucket] = (
+                torch.zeros(bucket + 1, dtype=torch.int32, device=dev),
+                torch.zeros(bucket * common.block_table.shape[1], dtype=torch.int32, device=dev),
+                torch.zeros(bucket, dtype=torch.int32, device=dev),
+            )
+        self._generation += 1
+        return FlashInferMetadata(
+            num_reqs=bucket, num_actual_tokens=common.num_actual_tokens, num_decodes=bucket,
+            num_decode_tokens=bucket, decode=pages, prefill_qo_indptr=None, prefill=None,
+            causal=common.causal, generation=self._generation, planner=self,
+            graph_bucket=bucket,
+        )
+
+    def prepare_replay(self, metadata: FlashInferMetadata, common: CommonAttentionMetadata) -> None:
+        """Re-plan the bucket's graph wrappers for the step about to be replayed: FlashInfer's
+        graph-mode ``plan()`` writes the new page arrays into the wrappers' fixed buffers."""
+        bucket = metadata.graph_bucket
+        if bucket is None:
+            return
+        pages = paged_kv(common.block_table, common.seq_lens_cpu[:bucket],
+                         self.kv_cache_spec.block_size, 0, bucket)
+        for (params, key_bucket), wrappers in self._wrappers.items():
+            if key_bucket == bucket and wrappers.decode is not None:
+                self._plan_decode(wrappers.decode, pages, params)
+
+    def _plan_decode(self, wrapper: Any, pages: PagedKV, params: LayerParams) -> None:
+        wrapper.plan(
+            pages.indptr, pages.indices, pages.last_page_len, params.num_qo_heads,
+            params.num_kv_heads, params.head_dim, self.kv_cache_spec.block_size,
+            window_left=params.window_left, logits_soft_cap=params.logits_soft_cap,
+            sm_scale=params.sm_scale, q_data_type=params.q_dtype, kv_data_type=params.kv_dtype,
+        )
+
     def _num_decodes(self, common: CommonAttentionMetadata, query_lens: torch.Tensor) -> int:
         """Leading requests of exactly one query token, when the decode wrapper runs them."""
         if self.mixed_mode == "prefill" or common.num_reqs == 0:
@@ -231,9 +279,10 @@ class FlashInferMetadataBuilder(MetadataBuilder[FlashInferMetadata]):
         A part the step does not have is None. Plans only when the wrapper was last planned
         for another step (so once per step per distinct `params`).
         """
-        wrappers = self._wrappers.get(params)
+        key = (params, metadata.graph_bucket)
+        wrappers = self._wrappers.get(key)
         if wrappers is None:
-            wrappers = self._wrappers[params] = _Wrappers()
+            wrappers = self._wrappers[key] = _Wrappers()
         api = self._load()
         common_kwargs: dict[str, Any] = dict(
             window_left=params.window_left,
@@ -247,14 +296,17 @@ class FlashInferMetadataBuilder(MetadataBuilder[FlashInferMetadata]):
         decode = prefill = None
         if metadata.decode is not None:
             if wrappers.decode is None:
+                graph: dict[str, Any] = {}
+                if metadata.graph_bucket is not None:
+                    indptr, indices, last = self._graph_buffers[metadata.graph_bucket]
+                    graph = dict(use_cuda_graph=True, paged_kv_indptr_buffer=indptr,
+                                 paged_kv_indices_buffer=indices,
+                                 paged_kv_last_page_len_buffer=last)
                 wrappers.decode = api.BatchDecodeWithPagedKVCacheWrapper(
-                    self._workspace_buffer(), "NHD", use_tensor_cores=True
+                    self._workspace_buffer(), "NHD", use_tensor_cores=True, **graph
                 )
             if wrappers.decode_generation != metadata.generation:
-                d = metadata.decode
-                wrappers.decode.plan(
-                    d.indptr, d.indices, d.last_page_len, *heads, **common_kwargs
-                )
+                self._plan_decode(wrappers.decode, metadata.decode, params)
                 wrappers.decode_generation = metadata.generation
             decode = wrappers.decode
         if metadata.prefill is not None:

@@ -82,6 +82,7 @@ class _PagedWrapper:
         plan = self._plan
         _check(plan is not None, "run() before plan()")
         assert plan is not None
+        plan = self._from_graph_buffers(plan)
         self.runs.append(dict(q=q, out=out))
         hq, hkv, d, page = (plan["num_qo_heads"], plan["num_kv_heads"], plan["head_dim"],
                             plan["page_size"])
@@ -102,6 +103,11 @@ class _PagedWrapper:
             return result
         out.copy_(result)
         return out
+
+    def _from_graph_buffers(self, plan: dict[str, Any]) -> dict[str, Any]:
+        """Graph mode: the kernels read the page arrays from the wrapper's fixed device
+        buffers (what the last plan() wrote there), not from the host arrays of that plan."""
+        return plan
 
     def _attend(self, q: torch.Tensor, kv: torch.Tensor, plan: dict[str, Any]) -> torch.Tensor:
         group = plan["num_qo_heads"] // plan["num_kv_heads"]
@@ -140,6 +146,19 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedWrapper):
 
     kind = "decode"
 
+    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD",
+                 **kwargs: Any) -> None:
+        super().__init__(float_workspace_buffer, kv_layout, **kwargs)
+        self.graph = bool(kwargs.get("use_cuda_graph", False))
+        if self.graph:
+            bufs = [kwargs.get(f"paged_kv_{n}_buffer") for n in ("indptr", "indices",
+                                                                  "last_page_len")]
+            _check(all(isinstance(b, torch.Tensor) and b.dtype == torch.int32 for b in bufs),
+                   "cudagraph mode needs int32 indptr / indices / last_page_len buffers")
+            self.buffers: tuple[torch.Tensor, ...] = tuple(bufs)  # type: ignore[arg-type]
+            _check(self.buffers[0].numel() == self.buffers[2].numel() + 1,
+                   "The size of paged_kv_indptr_buffer should be batch_size + 1")
+
     def plan(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor,
              num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
              **kwargs: Any) -> None:
@@ -148,6 +167,22 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedWrapper):
         qo = torch.arange(batch + 1, dtype=torch.int32)
         self._plan_common(qo, indptr, indices, last_page_len, num_qo_heads, num_kv_heads,
                           head_dim, page_size, **kwargs)
+        if self.graph:
+            b_indptr, b_indices, b_last = self.buffers
+            _check(batch == b_last.numel(),
+                   f"cudagraph wrappers keep their batch size {b_last.numel()}, got {batch}")
+            _check(indices.numel() <= b_indices.numel(), "indices overflow the indices buffer")
+            b_indptr.copy_(indptr)
+            b_indices[: indices.numel()].copy_(indices)
+            b_last.copy_(last_page_len)
+
+    def _from_graph_buffers(self, plan: dict[str, Any]) -> dict[str, Any]:
+        if not self.graph:
+            return plan
+        b_indptr, b_indices, b_last = self.buffers
+        indptr = b_indptr.cpu().long()
+        return {**plan, "indptr": indptr, "indices": b_indices[: int(indptr[-1])].long(),
+                "last_page_len": b_last.cpu().long()}
 
 
 class BatchPrefillWithPagedKVCacheWrapper(_PagedWrapper):
