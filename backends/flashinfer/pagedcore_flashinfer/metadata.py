@@ -21,7 +21,7 @@ import torch
 from pagedcore.attention.backend import MetadataBuilder
 from pagedcore.attention.metadata import split_decodes_and_prefills
 from pagedcore_flashinfer import fi_api
-from pagedcore_flashinfer.planning import PagedKV, paged_kv
+from pagedcore_flashinfer.planning import PagedKV, check_table_capacity, paged_kv, workspace
 
 if TYPE_CHECKING:
     from pagedcore.attention.metadata import CommonAttentionMetadata
@@ -44,8 +44,6 @@ _MIXED_MODES = ("split", "prefill")
 #: Hopper), ``fa2`` or ``fa3``. The tensor-core decode always runs FlashInfer's FA2 kernels.
 PREFILL_KERNELS_ENV = "PAGEDCORE_FLASHINFER_PREFILL"
 _PREFILL_KERNELS = ("auto", "fa2", "fa3")
-#: FlashInfer's recommended float workspace (split-KV partial results).
-WORKSPACE_BYTES = 128 * 1024 * 1024
 
 
 def mixed_mode_from_env() -> str:
@@ -184,13 +182,7 @@ class FlashInferMetadataBuilder(MetadataBuilder[FlashInferMetadata]):
         """
         block_size = self.kv_cache_spec.block_size
         block_table = common.block_table
-        capacity = block_table.shape[1] * block_size
-        if common.num_reqs > 0 and common.max_seq_len > capacity:
-            raise ValueError(
-                f"block_table has {block_table.shape[1]} columns of {block_size} tokens "
-                f"({capacity} tokens) but max_seq_len is {common.max_seq_len}; the engine "
-                "must give every request enough block-table columns for its whole sequence"
-            )
+        check_table_capacity(block_table, block_size, common.num_reqs, common.max_seq_len)
         num_reqs = common.num_reqs
         query_lens = common.query_lens_cpu[:num_reqs]
         num_decodes = self._num_decodes(common, query_lens)
@@ -336,6 +328,5 @@ class FlashInferMetadataBuilder(MetadataBuilder[FlashInferMetadata]):
 
     def _workspace_buffer(self) -> torch.Tensor:
         if self._workspace is None:
-            size = WORKSPACE_BYTES if self.device.type == "cuda" else 1024 * 1024
-            self._workspace = torch.zeros(size, dtype=torch.uint8, device=self.device)
+            self._workspace = workspace(self.device)
         return self._workspace

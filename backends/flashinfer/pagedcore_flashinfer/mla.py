@@ -27,9 +27,8 @@ import torch
 from pagedcore.attention.backend import MetadataBuilder
 from pagedcore.reference.mla import MLAImplBase
 from pagedcore_flashinfer import fi_api
-from pagedcore_flashinfer.metadata import WORKSPACE_BYTES
-from pagedcore_flashinfer.mla_backend import MLA_DIMS
-from pagedcore_flashinfer.planning import paged_kv
+from pagedcore_flashinfer.capabilities import MLA_DIMS
+from pagedcore_flashinfer.planning import check_table_capacity, paged_kv, workspace
 
 if TYPE_CHECKING:
     from pagedcore.attention.metadata import CommonAttentionMetadata
@@ -121,13 +120,7 @@ class FlashInferMLAMetadataBuilder(MetadataBuilder[FlashInferMLAMetadata]):
             When the block table has too few columns for the longest sequence.
         """
         block_size = self.kv_cache_spec.block_size
-        capacity = common.block_table.shape[1] * block_size
-        if common.num_reqs > 0 and common.max_seq_len > capacity:
-            raise ValueError(
-                f"block_table has {common.block_table.shape[1]} columns of {block_size} "
-                f"tokens ({capacity} tokens) but max_seq_len is {common.max_seq_len}; the "
-                "engine must give every request enough columns for its whole sequence"
-            )
+        check_table_capacity(common.block_table, block_size, common.num_reqs, common.max_seq_len)
         num_reqs = common.num_reqs
         seq_lens = common.seq_lens_cpu[:num_reqs]
         pages = paged_kv(common.block_table, seq_lens, block_size, 0, num_reqs)
@@ -189,8 +182,7 @@ class FlashInferMLAMetadataBuilder(MetadataBuilder[FlashInferMLAMetadata]):
 
     def _workspace_buffer(self) -> torch.Tensor:
         if self._workspace is None:
-            size = WORKSPACE_BYTES if self.device.type == "cuda" else 1024 * 1024
-            self._workspace = torch.zeros(size, dtype=torch.uint8, device=self.device)
+            self._workspace = workspace(self.device)
         return self._workspace
 
 

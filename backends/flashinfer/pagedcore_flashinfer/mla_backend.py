@@ -11,10 +11,9 @@ from pagedcore_flashinfer import capabilities
 if TYPE_CHECKING:
     from pagedcore.attention.backend import AttentionImpl, MetadataBuilder
 
-__all__ = ["MLA_DIMS", "FlashInferMLABackend"]
+__all__ = ["FlashInferMLABackend"]
 
-#: ``(kv_lora_rank, rope_head_dim)`` pairs FlashInfer 0.7.2's MLA kernels are built for.
-MLA_DIMS: tuple[tuple[int, int], ...] = ((512, 64),)
+MLA_DIMS = capabilities.MLA_DIMS
 
 
 class FlashInferMLABackend(MLAAttentionBackend):
