@@ -62,7 +62,10 @@ def _register_graph() -> Sequence[type[AttentionBackend]]:
     return [_GraphDouble]
 
 
-def _graph_tokens(refresh: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[Any], ...]:
+def _graph_tokens(refresh: bool, monkeypatch: pytest.MonkeyPatch,
+                  device: str = "cpu") -> tuple[list[Any], ...]:
+    """(eager tokens, decode-graph tokens) of one workload through `_GraphDouble` (the test
+    double on CPU with `EagerCapturer`; the real FlashInfer and real graphs on CUDA)."""
     from pagedcore_flashinfer.metadata import FlashInferMetadataBuilder
 
     from pagedcore.engine.runner.cuda_graph import EagerCapturer
@@ -79,17 +82,20 @@ def _graph_tokens(refresh: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[
     params = [SamplingParams(max_tokens=3 + 3 * i, temperature=0.0, ignore_eos=True)
               for i in range(len(prompts))]
     out = []
+    dev = torch.device(device)
     with isolated_registry(registry):
         for graphs in (False, True):
-            model = random_model(config, dtype=torch.float32, device=torch.device("cpu"), seed=0)
-            llm = LLM(model, device="cpu", dtype="float16", block_size=16, max_model_len=64,
+            model = random_model(config, dtype=torch.float32, device=dev, seed=0)
+            llm = LLM(model, device=device, dtype="float16", block_size=16, max_model_len=64,
                       max_num_seqs=8, max_num_batched_tokens=24, backend=_GraphDouble.name,
                       kv_cache_memory_bytes=1 << 20, enforce_eager=not graphs)
             capturer = EagerCapturer()
-            if graphs:
+            if graphs and device == "cpu":
                 llm.runner.enable_cudagraphs(capturer=capturer, sizes=[1, 2, 4, 8])
             out.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
             if graphs:
+                assert llm.cudagraph_status()["enabled"], llm.cudagraph_status()
+            if graphs and device == "cpu":
                 assert capturer.num_captures == 4 and capturer.num_replays >= 10
     return tuple(out)
 
@@ -107,3 +113,17 @@ def test_decode_graphs_replan_before_each_replay(monkeypatch: pytest.MonkeyPatch
     assert sum(len(w.plans) for w in graph_wrappers) > len(graph_wrappers)  # re-planned
     eager2, stale = _graph_tokens(False, monkeypatch)
     assert eager2 == eager and stale != eager
+
+
+def test_decode_graphs_on_real_flashinfer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same on a GPU with FlashInfer: real CUDA graphs over the real graph wrappers (what
+    declaring UNIFORM_SINGLE_TOKEN_DECODE for the flashinfer backend waits for)."""
+    from pagedcore_flashinfer import FlashInferBackend
+
+    why = FlashInferBackend.is_available()
+    if why is not None:
+        pytest.skip(f"flashinfer backend unavailable here: {why}")
+    monkeypatch.setenv("PAGEDCORE_FLASHINFER_PREFILL", "fa2")  # the prebuilt FA2 modules
+    monkeypatch.setattr(_GraphDouble, "supported_devices", ("cuda",))
+    eager, graphed = _graph_tokens(True, monkeypatch, device="cuda")
+    assert graphed == eager

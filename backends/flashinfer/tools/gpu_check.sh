@@ -14,12 +14,14 @@
 #   full      `pagedcore conformance flashinfer` with PAGEDCORE_FLASHINFER_PREFILL=fa2
 #   fa3       the float16/hs128 cases without window / soft-cap on the default kernels (FA3)
 #   mla       `pagedcore conformance flashinfer_mla`
+#   graphs    decode CUDA graphs over FlashInfer's use_cuda_graph wrappers vs eager (pytest
+#             test_flashinfer_engine.py -k real): what declaring UNIFORM_SINGLE_TOKEN_DECODE needs
 #   engine    `pagedcore bench engine` (throughput) with triton, flashinfer, flex forced
 # STEPS="install prebuild full" runs a subset; CAP_<STEP>=seconds overrides a step's cap.
 set -u
 OUT=${OUT:?set OUT to a result directory}
 WHL=${WHL:-.whl}
-STEPS=${STEPS:-"install prebuild full fa3 mla engine"}
+STEPS=${STEPS:-"install prebuild full fa3 mla graphs engine"}
 TARGET=${FI_TARGET:-/tmp/fi_target}
 R=$OUT/r
 mkdir -p "$R"
@@ -82,6 +84,10 @@ EOF
 fi
 if has mla; then
   step mla 120 $CONF flashinfer_mla --progress --json "$R/conformance_flashinfer_mla_h200.json"
+fi
+if has graphs; then
+  step graphs 120 $PY -m pytest -q -p no:cacheprovider -rs \
+    backends/flashinfer/tests/test_flashinfer_engine.py -k real
 fi
 if has engine; then
   for b in triton flashinfer flex; do
