@@ -22,7 +22,7 @@ import numpy as np
 from pagedcore.attention.metadata import CommonAttentionMetadata, decode_first_order
 from pagedcore.engine import decode_inputs
 from pagedcore.engine.host_buffers import Arena
-from pagedcore.engine.request import Request
+from pagedcore.engine.request import Request, token_slice
 from pagedcore.engine.scheduler_types import DecodeBatch
 from pagedcore.kv_cache.spec import cdiv
 
@@ -184,7 +184,7 @@ class InputBatch:
             )
 
         flat = itertools.chain.from_iterable(
-            s.request.all_token_ids[s.start : s.end] for s in order
+            token_slice(s.request, s.start, s.end) for s in order
         )
         self._ids.np[:num_tokens] = np.fromiter(flat, np.int64, num_tokens)
         req_of_token = np.repeat(np.arange(num_reqs), query_lens)
