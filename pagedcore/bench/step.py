@@ -141,16 +141,20 @@ def measure_step(llm: Any, *, batch: int, context: int, steps: int, overlap: boo
     llm.set_async_scheduling(overlap)
     device = llm.device
     vocab = min(1000, int(llm.model.config.vocab_size))
-    ids = _fill(llm, batch, context, warmup + steps + (8 if profile else 0) + 4, vocab, seed)
+    # Requests decode while later ones prefill: give them all the room max_model_len leaves.
+    ids = _fill(llm, batch, context, llm.max_model_len - context, vocab, seed)
     for _ in range(warmup):
         llm.step()
     _sync(device)
     before = dict(llm.phase_time)
+    marks = StepMarks(llm) if device.type == "cuda" else None
     t0 = time.perf_counter()
     for _ in range(steps):
         llm.step()
     _sync(device)
     wall = (time.perf_counter() - t0) / steps
+    if marks is not None:
+        marks.remove()
     phases = {k: (v - before.get(k, 0.0)) / steps * 1e3 for k, v in llm.phase_time.items()}
     seq = [r.num_computed_tokens for r in llm.scheduler.running]
     row: dict[str, Any] = {
@@ -158,8 +162,13 @@ def measure_step(llm: Any, *, batch: int, context: int, steps: int, overlap: boo
         "host_ms": {k: round(v, 4) for k, v in phases.items()},
         "mean_context": sum(seq) / max(len(seq), 1),
     }
+    # (With overlap, "update" includes waiting for the previous step: not host work.)
+    phases["update"] = phases.get("update", 0.0) - phases.get("wait", 0.0)
+    row["host_ms"]["update"] = round(phases["update"], 4)
     host = sum(phases.get(k, 0.0) for k in ("schedule", "prepare", "update"))
     row["host_ms_total"] = host
+    if marks is not None:
+        row.update(marks.summary())
     if profile and device.type == "cuda":
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
@@ -170,15 +179,64 @@ def measure_step(llm: Any, *, batch: int, context: int, steps: int, overlap: boo
                 llm.step()
             _sync(device)
         idle = gpu_idle(_device_intervals(prof))
-        if idle is not None:
-            row["gpu_idle_pct"] = 100.0 * idle["idle_us"] / max(idle["span_us"], 1e-9)
-            row["gpu_busy_ms_per_step"] = idle["busy_us"] / n / 1e3
+        if idle is not None:  # (the profiler slows the host: an upper bound)
+            row["profiled_gpu_idle_pct"] = 100.0 * idle["idle_us"] / max(idle["span_us"], 1e-9)
+            row["profiled_gpu_busy_ms_per_step"] = idle["busy_us"] / n / 1e3
         row["kernels"] = _kernel_summary(prof, n)
     for rid in ids:
         if rid in llm._parents:
             llm.abort(rid)
     llm.drain()
     return row
+
+
+class StepMarks:
+    """CUDA events at the start of each step's device work (before its input upload) and at
+    its end (after sampling), recorded by wrapping the runner's `prepare` and the sampler:
+    the device's gaps between steps, unprofiled."""
+
+    def __init__(self, llm: Any) -> None:
+        import torch
+
+        self._llm = llm
+        self.starts: list[Any] = []
+        self.ends: list[Any] = []
+        runner, sampler = llm.runner, llm.sampler
+        prepare, sample = runner.prepare, sampler.sample_device
+
+        def marked_prepare(*args: Any, **kw: Any) -> Any:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.starts.append(event)
+            return prepare(*args, **kw)
+
+        def marked_sample(*args: Any, **kw: Any) -> Any:
+            out = sample(*args, **kw)
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.ends.append(event)
+            return out
+
+        runner.prepare = marked_prepare
+        sampler.sample_device = marked_sample
+
+    def remove(self) -> None:
+        del self._llm.runner.prepare
+        del self._llm.sampler.sample_device
+
+    def summary(self) -> dict[str, float]:
+        """Mean device time per step from its start to its end mark, and the idle time
+        between one step's end and the next one's start (a share of the wall per step)."""
+        pairs = list(zip(self.starts, self.ends, strict=False))
+        if len(pairs) < 2:
+            return {}
+        busy = [s.elapsed_time(e) for s, e in pairs]
+        gaps = [max(0.0, pairs[i][1].elapsed_time(pairs[i + 1][0]))
+                for i in range(len(pairs) - 1)]
+        span = pairs[0][0].elapsed_time(pairs[-1][1])
+        return {"gpu_step_ms": sum(busy) / len(busy),
+                "gpu_idle_ms_per_step": sum(gaps) / len(gaps),
+                "gpu_idle_pct": 100.0 * sum(gaps) / max(span, 1e-9)}
 
 
 def _critical_host_pct(row: dict[str, Any]) -> float | None:
@@ -221,7 +279,8 @@ def step(shape: str, batch_sizes: str, context: int, steps: int, device: str | N
         raise click.BadParameter("give at least one batch size >= 1", param_hint="--batch-sizes")
     small = shape == "tiny"
     dev, dtype, config = engine_bench_model(small, device, "qwen2-0.5b" if small else shape)
-    max_len = context + steps + 64
+    # Room for every request to decode while the last ones prefill, then the timed steps.
+    max_len = context + 512
     config.max_position_embeddings = max(int(config.max_position_embeddings), max_len)
     cuda = dev.type == "cuda"
     copy_gbps = copy_bandwidth_gbps(dev, quick=not cuda) if cuda else None

@@ -31,8 +31,8 @@ from pagedcore.engine.runner.overlap import (
     placeholder_for_row,
     resolve_placeholders,
 )
-from pagedcore.engine.request import Request, get_placeholder, get_request_id
-from pagedcore.engine.scheduler_types import DecodeBatch, SchedulerOutput
+from pagedcore.engine.scheduling.request import Request, get_placeholder, get_request_id
+from pagedcore.engine.scheduling.scheduler_types import DecodeBatch, SchedulerOutput
 
 if TYPE_CHECKING:
     from pagedcore.engine.distributed.executor import TensorParallelExecutor
