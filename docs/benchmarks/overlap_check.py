@@ -64,7 +64,8 @@ def run(llm: LLM, arrivals: Any) -> tuple[dict[str, Any], float]:
 def main() -> None:
     out_path = sys.argv[1] if len(sys.argv) > 1 else "overlap_check.json"
     config = qwen2_0_5b_config()
-    llm = LLM(config, backend="triton", kv_cache_memory_bytes=96 << 20, max_num_seqs=64, max_model_len=2048,
+    llm = LLM(config, backend="triton", kv_cache_memory_bytes=96 << 20, max_num_seqs=64,
+              max_model_len=2048,
               async_scheduling=False)
     probe = llm.generate([[11, 12, 13, 14]] * 1,
                          SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))

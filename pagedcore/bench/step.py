@@ -205,14 +205,14 @@ class StepMarks:
         prepare, sample = runner.prepare, sampler.sample_device
 
         def marked_prepare(*args: Any, **kw: Any) -> Any:
-            event = torch.cuda.Event(enable_timing=True)
+            event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             event.record()
             self.starts.append(event)
             return prepare(*args, **kw)
 
         def marked_sample(*args: Any, **kw: Any) -> Any:
             out = sample(*args, **kw)
-            event = torch.cuda.Event(enable_timing=True)
+            event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             event.record()
             self.ends.append(event)
             return out
@@ -241,8 +241,9 @@ class StepMarks:
 
 def _critical_host_pct(row: dict[str, Any]) -> float | None:
     if not row["overlap"]:
-        return 100.0 * row["host_ms_total"] / row["step_ms"]
-    return row.get("gpu_idle_pct")
+        return 100.0 * float(row["host_ms_total"]) / float(row["step_ms"])
+    idle: float | None = row.get("gpu_idle_pct")
+    return idle
 
 
 @click.command("step")
@@ -298,7 +299,8 @@ def step(shape: str, batch_sizes: str, context: int, steps: int, device: str | N
     kv_tok = kv_bytes_per_token(llm)
     for mode, eager in modes:
         if eager:
-            llm.runner.release_graphs()
+            runner: Any = llm.runner  # (one process: a ModelRunner)
+            runner.release_graphs()
         for batch in sizes:
             for overlap in (True, False):
                 row = measure_step(llm, batch=batch, context=context, steps=steps,

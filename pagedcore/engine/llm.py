@@ -411,9 +411,15 @@ class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
         for request in changed:
             if request.status.finished:
                 self.sampler.forget(request.request_id)
+        return self._end_step(changed, finished_only=finished_only, t0=t0, t_update=t_update)
+
+    def _end_step(
+        self, changed: list[Request], *, finished_only: bool, t0: float, t_update: float
+    ) -> list[RequestOutput]:
+        """A step's outputs (`_collect_outputs`), its update time and count recorded."""
         outputs = self._collect_outputs(changed, finished_only=finished_only)
         t_end = time.perf_counter()
-        phases["update"] += t_end - t_update
+        self.phase_time["update"] += t_end - t_update
         self.step_time += t_end - t0
         self.num_steps += 1
         return outputs

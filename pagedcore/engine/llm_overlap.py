@@ -68,7 +68,7 @@ def decode_token_ids(batch: DecodeBatch) -> list[int]:
     reqs = batch.requests
     marks = list(map(get_placeholder, reqs))
     if None not in marks:  # the steady state: every token is in flight
-        return marks  # type: ignore[return-value]
+        return marks
     out: list[int] = []
     for request, start, mark in zip(reqs, batch.starts, marks, strict=True):
         out.append(request.all_token_ids[start] if mark is None else mark)
@@ -107,6 +107,10 @@ class OverlapStep:
             self, changed: list[Request], *, finished_only: bool
         ) -> list[RequestOutput]: ...
 
+        def _end_step(
+            self, changed: list[Request], *, finished_only: bool, t0: float, t_update: float
+        ) -> list[RequestOutput]: ...
+
     def _step_overlap(self, *, finished_only: bool) -> list[RequestOutput]:
         """One overlapped step: launch step N+1, then finish step N (see the module doc)."""
         t0 = time.perf_counter()
@@ -139,12 +143,7 @@ class OverlapStep:
                 # Requests the previous step finished are reported with the failure.
                 err.outputs[:0] = done
                 raise
-        outputs = self._collect_outputs(changed, finished_only=finished_only)
-        t_end = time.perf_counter()
-        phases["update"] += t_end - t_update
-        self.step_time += t_end - t0
-        self.num_steps += 1
-        return outputs
+        return self._end_step(changed, finished_only=finished_only, t0=t0, t_update=t_update)
 
     def _launch(self, scheduled: SchedulerOutput, t0: float) -> InflightStep | None:
         """Prepare and launch a scheduled step; nothing waits for the device."""

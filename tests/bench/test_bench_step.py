@@ -58,3 +58,16 @@ def test_cli_writes_a_row_per_batch_and_overlap(tmp_path: Path) -> None:
                for r in report["rows"])
     bad = CliRunner().invoke(bench, ["step", "--batch-sizes", "a,b"])
     assert bad.exit_code == 2 and "comma-separated list of integers" in bad.output
+
+
+def test_engine_bench_takes_the_model_shape(monkeypatch: Any) -> None:
+    import pagedcore.bench.engine as engine_bench
+    from pagedcore.bench.cli import bench
+
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(engine_bench, "_run_engine_bench", lambda **kw: seen.update(kw))
+    ok = CliRunner().invoke(bench, ["engine", "--model", "llama3-8b", "--small"])
+    assert ok.exit_code == 0, ok.output
+    assert seen["model_name"] == "llama3-8b" and seen["small"] is True
+    bad = CliRunner().invoke(bench, ["engine", "--model", "gpt2"])
+    assert bad.exit_code == 2 and "qwen2-0.5b" in bad.output
