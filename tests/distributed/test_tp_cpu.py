@@ -39,6 +39,9 @@ def test_two_ranks_match_one(arch: str, kv_bytes: int) -> None:
         ex = _executor(two)
         # The status looks through the executor at rank 0's runner (CUDA graphs on a GPU).
         assert "need a CUDA device" in two.cudagraph_status()["reason"]
+        # Overlap scheduling asked for: the engine stays step-synchronous and says why.
+        assert two.set_async_scheduling(True) is False
+        assert "tensor parallelism" in (two.stats()["async_scheduling"]["reason"] or "")
         got = two.generate(prompts, params())
         assert_same_outputs(expected, got)
         # Each rank caches its half of the KV heads; one block count for every rank.

@@ -271,3 +271,24 @@ def test_failing_step_with_overlap_finishes_its_requests_and_keeps_serving(
     rest = _run(llm, [])
     assert rest == {"c": expected["c"]}
     assert_no_leak(llm)
+
+
+def test_failure_in_the_host_half_one_step_behind(
+    model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    llm = _llm(model, True)
+    llm.add_request("a", [5, 6, 7], SamplingParams(max_tokens=6, temperature=0.0,
+                                                   ignore_eos=True))
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("stop check exploded")
+
+    monkeypatch.setattr(llm.scheduler, "update_from_output", broken)
+    assert llm.step() == []  # step 0 launched; its host half runs in the next call
+    with pytest.raises(EngineStepError, match="stop check exploded") as info:
+        llm.step()
+    assert [o.outputs[0].finish_reason for o in info.value.outputs] == ["error"]
+    monkeypatch.undo()
+    llm.drain()  # the step launched meanwhile held only "a": its token is dropped
+    assert not llm.has_unfinished_requests()
+    assert_no_leak(llm)
