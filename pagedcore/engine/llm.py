@@ -111,7 +111,7 @@ class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
         sampled ids feed the next step on the device, and reach the host (stop checks,
         outputs) one step behind (`pagedcore.engine.llm_overlap`). None: on with CUDA, off
         on the CPU; ``PAGEDCORE_ASYNC_SCHEDULING=0/1`` overrides. Outputs are the same
-        either way; off with tensor parallelism (``stats()["async_scheduling"]`` says why).
+        either way (``stats()["async_scheduling"]`` says whether it is on, and why not).
 
     Raises
     ------
@@ -229,6 +229,7 @@ class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
         # Overlap scheduling (`OverlapStep`): the step in flight and the input-buffer fence.
         self._inflight: InflightStep | None = None
         self._fence = InputFence()
+        self._tensor_parallel = int(getattr(self.runner, "world_size", 1)) > 1
         self._async_requested = async_scheduling
         self.async_scheduling = False
         #: Why overlap scheduling is off (None while it is on).
@@ -269,9 +270,8 @@ class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
         finished first (its outputs are lost to the caller: switch between requests).
         Returns whether it is on; ``async_scheduling_reason`` says why not."""
         self.drain()
-        tp = int(getattr(self.runner, "world_size", 1))
         self.async_scheduling, self.async_scheduling_reason = async_scheduling_setting(
-            enabled, device_type=self.device.type, tensor_parallel_size=tp)
+            enabled, device_type=self.device.type)
         return self.async_scheduling
 
     def cudagraph_status(self) -> dict[str, Any]:

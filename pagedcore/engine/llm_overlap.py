@@ -96,6 +96,7 @@ class OverlapStep:
     _parents: dict[str, ParentRequest]
     _inflight: InflightStep | None
     _fence: InputFence
+    _tensor_parallel: bool
 
     if TYPE_CHECKING:
 
@@ -163,7 +164,14 @@ class OverlapStep:
                 step.token_ids = decode_token_ids(step)
             # Step N's uploads must have left the pinned buffers before they are rewritten.
             self._fence.wait()
-            inputs = self.runner.prepare(step, blocks.ids.__getitem__)
+            if self._tensor_parallel:
+                # The workers get step N's sampled ids over the compute group.
+                executor: Any = self.runner
+                inputs = executor.prepare(
+                    step, blocks.ids.__getitem__,
+                    sampled=None if previous is None else previous.sampled.tokens)
+            else:
+                inputs = self.runner.prepare(step, blocks.ids.__getitem__)
             if previous is not None:
                 resolve_placeholders(inputs.input_ids, previous.sampled.tokens)
         finally:

@@ -97,8 +97,6 @@ def test_switch_defaults_env_override_and_errors(monkeypatch: pytest.MonkeyPatch
     on, why = async_scheduling_setting(None, device_type="cpu")
     assert not on and why is not None and "CPU" in why
     assert async_scheduling_setting(True, device_type="cpu") == (True, None)
-    on, why = async_scheduling_setting(True, device_type="cuda", tensor_parallel_size=2)
-    assert not on and why is not None and "tensor parallelism" in why
     monkeypatch.setenv(ASYNC_SCHEDULING_ENV, "0")
     assert not async_scheduling_setting(True, device_type="cuda")[0]
     monkeypatch.setenv(ASYNC_SCHEDULING_ENV, "1")

@@ -39,7 +39,7 @@ def placeholder_for_row(row: int) -> int:
 
 
 def async_scheduling_setting(
-    requested: bool | None, *, device_type: str, tensor_parallel_size: int = 1
+    requested: bool | None, *, device_type: str
 ) -> tuple[bool, str | None]:
     """Whether steps overlap, and why not when they do not.
 
@@ -70,11 +70,6 @@ def async_scheduling_setting(
             return False, "off by default on the CPU (async_scheduling=True turns it on)"
     if not requested:
         return False, "turned off (async_scheduling=False or PAGEDCORE_ASYNC_SCHEDULING=0)"
-    if tensor_parallel_size > 1:
-        return False, (
-            "not supported with tensor parallelism yet: the workers rebuild each step from "
-            "host token ids, so steps run one at a time"
-        )
     return True, None
 
 
