@@ -160,6 +160,8 @@ class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
                 f"async_scheduling must be True, False or None (the device's default), got "
                 f"{describe(async_scheduling)}"
             )
+        # A bad PAGEDCORE_ASYNC_SCHEDULING is reported before anything loads.
+        async_scheduling_setting(async_scheduling, device_type="cpu")
         check_engine_args(
             block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -373,6 +375,10 @@ class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
 
     def step(self, *, finished_only: bool = False) -> list[RequestOutput]:
         """Run one engine step; return the outputs of the requests that changed.
+
+        With overlap scheduling (``async_scheduling``) a call launches the next step and
+        returns what the step launched by the previous call produced: outputs arrive one
+        call later, and the same tokens arrive as without overlap.
 
         Parameters
         ----------

@@ -104,6 +104,8 @@ def test_switch_defaults_env_override_and_errors(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv(ASYNC_SCHEDULING_ENV, "maybe")
     with pytest.raises(ValueError, match="PAGEDCORE_ASYNC_SCHEDULING='maybe' is not a switch"):
         async_scheduling_setting(None, device_type="cpu")
+    with pytest.raises(ValueError, match="is not a switch; set it to 1"):
+        LLM("demo", device="cpu")
     monkeypatch.delenv(ASYNC_SCHEDULING_ENV)
     with pytest.raises(TypeError, match="async_scheduling must be True, False or None"):
         LLM("demo", device="cpu", async_scheduling="yes")  # type: ignore[arg-type]
