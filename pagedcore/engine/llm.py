@@ -18,6 +18,7 @@ from pagedcore.engine.engine_builder import build_engine
 from pagedcore.engine.errors import EngineStepError
 from pagedcore.engine.llm_failures import FailureIsolation
 from pagedcore.engine.llm_offline import OfflineGeneration
+from pagedcore.engine.llm_overlap import InflightStep, OverlapStep
 from pagedcore.engine.output_builder import (
     ParentRequest,
     PromptType,
@@ -26,6 +27,7 @@ from pagedcore.engine.output_builder import (
 )
 from pagedcore.engine.outputs import RequestOutput
 from pagedcore.engine.request_checks import check_request, check_unique_ids
+from pagedcore.engine.runner.overlap import InputFence, async_scheduling_setting
 from pagedcore.engine.sampling.resolve import (
     bad_words_token_ids,
     default_params,
@@ -48,7 +50,7 @@ __all__ = ["LLM", "EngineStepError", "PromptType"]
 _get_params = attrgetter("params")
 
 
-class LLM(FailureIsolation, OfflineGeneration):
+class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
     """A continuous-batching engine over a transformers causal LM and pagedcore backends.
 
     Parameters
@@ -110,6 +112,12 @@ class LLM(FailureIsolation, OfflineGeneration):
     hash_algo, hash_seed:
         Prefix-cache block hashing: ``"sha256"`` (default) or ``"xxhash"``, and the seed of
         the hash chain (an int or bytes; None: random per process).
+    async_scheduling:
+        Overlap scheduling: schedule and prepare step N+1 while step N runs on the device;
+        sampled ids feed the next step on the device, and reach the host (stop checks,
+        outputs) one step behind (`pagedcore.engine.llm_overlap`). None: on with CUDA, off
+        on the CPU; ``PAGEDCORE_ASYNC_SCHEDULING=0/1`` overrides. Outputs are the same
+        either way (``stats()["async_scheduling"]`` says whether it is on, and why not).
 
     Raises
     ------
@@ -151,7 +159,15 @@ class LLM(FailureIsolation, OfflineGeneration):
         max_n: int = DEFAULT_MAX_N,
         hash_algo: str = "sha256",
         hash_seed: bytes | int | None = None,
+        async_scheduling: bool | None = None,
     ) -> None:
+        if async_scheduling is not None and not isinstance(async_scheduling, bool):
+            raise InvalidArgumentTypeError(
+                f"async_scheduling must be True, False or None (the device's default), got "
+                f"{describe(async_scheduling)}"
+            )
+        # A bad PAGEDCORE_ASYNC_SCHEDULING is reported before anything loads.
+        async_scheduling_setting(async_scheduling, device_type="cpu")
         check_engine_args(
             block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -211,15 +227,28 @@ class LLM(FailureIsolation, OfflineGeneration):
         #: Seconds per phase of the steps: ``schedule``, ``prepare``, ``execute`` (the
         #: forward and sampling, which waits for the device), ``update`` (appending tokens,
         #: retiring requests, building outputs).
-        self.phase_time = dict.fromkeys(("schedule", "prepare", "execute", "update"), 0.0)
+        #: With overlap, ``wait``: the host waiting for the previous step's sampled ids.
+        self.phase_time = dict.fromkeys(
+            ("schedule", "prepare", "execute", "update", "wait"), 0.0)
         self.num_steps = 0
         #: Tokens the scheduler gave the last step (prompt chunks + decodes; 0 before any).
         self.last_step_num_scheduled_tokens = 0
         # The requests the last step sampled and their tokens (see `_run`).
         self._prev_rows: list[Request] | None = None
         self._prev_tokens: list[int] | None = None
+        #: Live requests whose logits processors read their tokens (no overlap while any is).
+        self._processing_ids: set[str] = set()
         # Requests whose own sampling setup failed in the last `_run` (id -> reason).
         self._row_failures: dict[str, str] = {}
+        # Overlap scheduling (`OverlapStep`): the step in flight and the input-buffer fence.
+        self._inflight: InflightStep | None = None
+        self._fence = InputFence()
+        self._tensor_parallel = int(getattr(self.runner, "world_size", 1)) > 1
+        self._async_requested = async_scheduling
+        self.async_scheduling = False
+        #: Why overlap scheduling is off (None while it is on).
+        self.async_scheduling_reason: str | None = None
+        self.set_async_scheduling(async_scheduling)
 
     # ---- properties ------------------------------------------------------------------------
 
@@ -245,7 +274,19 @@ class LLM(FailureIsolation, OfflineGeneration):
             "host_time_s": self.host_time,
             "step_time_s": self.step_time,
             "cudagraph": self.cudagraph_status(),
+            "async_scheduling": {"enabled": self.async_scheduling,
+                                 "reason": self.async_scheduling_reason},
         }
+
+    def set_async_scheduling(self, enabled: bool | None) -> bool:
+        """Turn overlap scheduling on or off (None: the device's default; the environment
+        variable ``PAGEDCORE_ASYNC_SCHEDULING`` still overrides). A step in flight is
+        finished first (its outputs are lost to the caller: switch between requests).
+        Returns whether it is on; ``async_scheduling_reason`` says why not."""
+        self.drain()
+        self.async_scheduling, self.async_scheduling_reason = async_scheduling_setting(
+            enabled, device_type=self.device.type)
+        return self.async_scheduling
 
     def cudagraph_status(self) -> dict[str, Any]:
         """Whether decode steps replay CUDA graphs: ``{"enabled", "reason", "sizes",
@@ -338,6 +379,8 @@ class LLM(FailureIsolation, OfflineGeneration):
             raise
         for child in children:
             self._child_parent[child.request_id] = parent
+            if params.processes_logits:
+                self._processing_ids.add(child.request_id)
         self._parents[request_id] = parent
 
     def abort(self, request_id: str) -> RequestOutput:
@@ -373,6 +416,10 @@ class LLM(FailureIsolation, OfflineGeneration):
     def step(self, *, finished_only: bool = False) -> list[RequestOutput]:
         """Run one engine step; return the outputs of the requests that changed.
 
+        With overlap scheduling (``async_scheduling``) a call launches the next step and
+        returns what the step launched by the previous call produced: outputs arrive one
+        call later, and the same tokens arrive as without overlap.
+
         Parameters
         ----------
         finished_only:
@@ -388,6 +435,15 @@ class LLM(FailureIsolation, OfflineGeneration):
             engine keeps serving everything else. A `TensorParallelError` (a rank failed: the
             engine is stopped) is raised as is, after finishing every request with an error.
         """
+        drained: list[RequestOutput] = []
+        if self.async_scheduling:
+            if not self._needs_current_tokens():
+                return self._step_overlap(finished_only=finished_only)
+            # Penalties, bad words and min_tokens read every token so far, which a step
+            # launched one behind would not have: finish the step in flight, run this one
+            # without overlap.
+            drained = self.drain()
+            self._prev_rows = self._prev_tokens = None
         t0 = time.perf_counter()
         scheduled = self.scheduler.schedule()
         self.last_step_num_scheduled_tokens = int(scheduled.num_scheduled_tokens)
@@ -405,21 +461,44 @@ class LLM(FailureIsolation, OfflineGeneration):
         if self._row_failures:
             changed += self._fail_rows(self._row_failures, now=t_update)
             self._row_failures = {}
-        self._stop_on_strings(changed, now=t_update)
         for request in changed:
             if request.status.finished:
                 self.sampler.forget(request.request_id)
+        outputs = self._end_step(changed, finished_only=finished_only, t0=t0,
+                                 t_update=t_update)
+        return drained + outputs if drained else outputs
+
+    def _needs_current_tokens(self) -> bool:
+        """True while a live request's logits processors read its tokens (see `step`)."""
+        live = self._processing_ids
+        if live:
+            live.intersection_update(self._child_parent)
+        return bool(live)
+
+    def _end_step(
+        self, changed: list[Request], *, finished_only: bool, t0: float, t_update: float
+    ) -> list[RequestOutput]:
+        """A step's outputs (`_collect_outputs`), its update time and count recorded."""
+        outputs = self._collect_outputs(changed, finished_only=finished_only)
+        t_end = time.perf_counter()
+        self.phase_time["update"] += t_end - t_update
+        self.step_time += t_end - t0
+        self.num_steps += 1
+        return outputs
+
+    def _collect_outputs(
+        self, changed: list[Request], *, finished_only: bool
+    ) -> list[RequestOutput]:
+        """The outputs of the user requests `changed` touched (with `finished_only`: of those
+        whose every sample finished), after stopping those whose text matched a stop string
+        (both step loops, the overlapped one included, end here)."""
+        self._stop_on_strings(changed, now=time.perf_counter())
         if finished_only:
             done = self._parents_of(r for r in changed if r.status.finished).values()
             parents = [p for p in done if all(c.status.finished for c in p.children)]
         else:
             parents = list(self._parents_of(changed).values())
-        outputs = [self._output(p) for p in parents]
-        t_end = time.perf_counter()
-        phases["update"] += t_end - t_update
-        self.step_time += t_end - t0
-        self.num_steps += 1
-        return outputs
+        return [self._output(p) for p in parents]
 
     def _stop_on_strings(self, changed: list[Request], *, now: float) -> None:
         """Detokenize the running requests with stop strings; stop those whose text matched."""
@@ -437,6 +516,8 @@ class LLM(FailureIsolation, OfflineGeneration):
                 stopped.append(request)
         if stopped:
             self.scheduler.stop(stopped, now=now)
+            for request in stopped:
+                self.sampler.forget(request.request_id)
 
     def _run(
         self, scheduled: SchedulerOutput, t0: float

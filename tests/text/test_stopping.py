@@ -143,3 +143,34 @@ def test_stop_strings_end_each_sample_alone(llm: LLM) -> None:
         else:
             assert after.token_ids == before.token_ids and after.finish_reason == "length"
     assert llm.kv_cache_manager.usage == 0.0
+
+
+@pytest.mark.parametrize("kind", ["stop", "penalties"])
+def test_overlap_scheduling_gives_the_same_outputs(multi_eos_checkpoint: Path,
+                                                   kind: str) -> None:
+    """Stop strings (checked one step behind) and logits processors (which need every token:
+    those steps run without overlap) under ``async_scheduling=True``."""
+    base = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=2)
+    runs = []
+    for overlap in (False, True):
+        llm = LLM(str(multi_eos_checkpoint), device="cpu", backend="reference",
+                  max_model_len=128, kv_cache_memory_bytes=8 * 2**20,
+                  async_scheduling=overlap)
+        assert llm.async_scheduling is overlap
+        if kind == "stop":
+            full = llm.generate(PROMPTS[:6], base)
+            params = [base.replace(stop=[o.outputs[0].text[5:7]]) for o in full]
+        else:
+            params = [base.replace(repetition_penalty=1.4, presence_penalty=0.5, min_tokens=3,
+                                   logit_bias={9: 2.0})] * 6
+        outs = llm.generate(PROMPTS[:6], params)
+        runs.append([(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].stop_reason,
+                      [{t: lp.rank for t, lp in e.items()} for e in o.outputs[0].logprobs or []],
+                      [lp for e in o.outputs[0].logprobs or [] for lp in e.values()])
+                     for o in outs])
+        assert llm.kv_cache_manager.usage == 0.0
+    assert [r[:4] for r in runs[0]] == [r[:4] for r in runs[1]]
+    for a, b in zip(runs[0], runs[1], strict=True):
+        assert a[4] == pytest.approx(b[4], abs=1e-5)
+    if kind == "stop":
+        assert any(run[2] is not None for run in runs[0])
