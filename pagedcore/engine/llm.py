@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Literal
 
-from pagedcore.engine.arguments import DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_N, check_engine_args
+from pagedcore.engine.arguments import DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_N
+from pagedcore.engine.engine_args import EngineArgs
 from pagedcore.engine.engine_builder import build_engine
 from pagedcore.engine.errors import EngineStepError
 from pagedcore.engine.llm_failures import FailureIsolation
@@ -104,6 +105,17 @@ class LLM(FailureIsolation, OfflineGeneration):
     hash_algo, hash_seed:
         Prefix-cache block hashing: ``"sha256"`` (default) or ``"xxhash"``, and the seed of
         the hash chain (an int or bytes; None: random per process).
+    kv_cache_dtype:
+        ``"auto"`` (the model dtype), ``"fp8"`` (= ``"fp8_e4m3"``), ``"fp8_e4m3"`` or
+        ``"fp8_e5m2"``; whether a backend supports it is the selector's question.
+    trust_remote_code:
+        Let a checkpoint's own Python code (its config and model classes) run.
+    log_stats, log_interval:
+        Log a stats line every `log_interval` seconds through logger ``pagedcore.engine``
+        (off by default in the library; the CLI turns it on).
+
+    Every keyword is a field of `EngineArgs` (same name, default and help);
+    ``LLM.from_engine_args(args)`` builds from one directly.
 
     Raises
     ------
@@ -145,9 +157,14 @@ class LLM(FailureIsolation, OfflineGeneration):
         max_n: int = DEFAULT_MAX_N,
         hash_algo: str = "sha256",
         hash_seed: bytes | int | None = None,
+        kv_cache_dtype: str = "auto",
+        trust_remote_code: bool = False,
+        log_stats: bool = False,
+        log_interval: float = 10.0,
     ) -> None:
-        check_engine_args(
-            block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+        args = EngineArgs(
+            model=model, dtype=dtype, device=device, block_size=block_size,
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching,
             enable_chunked_prefill=enable_chunked_prefill,
@@ -159,22 +176,23 @@ class LLM(FailureIsolation, OfflineGeneration):
             cudagraph_capture_sizes=cudagraph_capture_sizes,
             align_chunks_to_buckets=align_chunks_to_buckets, max_logprobs=max_logprobs,
             max_n=max_n, hash_algo=hash_algo, hash_seed=hash_seed,
+            kv_cache_dtype=kv_cache_dtype, trust_remote_code=trust_remote_code,
+            log_stats=log_stats, log_interval=log_interval,
         )
-        parts = build_engine(
-            model, dtype=dtype, device=device, block_size=block_size,
-            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=enable_prefix_caching,
-            enable_chunked_prefill=enable_chunked_prefill,
-            long_prefill_token_threshold=long_prefill_token_threshold,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            gpu_memory_utilization=gpu_memory_utilization, backend=backend, seed=seed,
-            scheduling_policy=scheduling_policy, tokenizer=tokenizer,
-            tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
-            cudagraph_capture_sizes=cudagraph_capture_sizes,
-            align_chunks_to_buckets=align_chunks_to_buckets,
-            hash_algo=hash_algo, hash_seed=hash_seed,
-        )
+        self._init_from_args(args)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLM:
+        """An engine built from `args` (what the CLI commands do)."""
+        llm = cls.__new__(cls)
+        llm._init_from_args(args)
+        return llm
+
+    def _init_from_args(self, args: EngineArgs) -> None:
+        #: The options this engine was built with.
+        self.engine_args = args
+        parts = build_engine(args)
+        max_logprobs, max_n, seed = args.max_logprobs, args.max_n, args.seed
         #: Engine-level bounds on one request (see `check_request`).
         self.max_logprobs = max_logprobs
         self.max_n = max_n
@@ -183,6 +201,8 @@ class LLM(FailureIsolation, OfflineGeneration):
         self.model = parts.model
         self.model_name = parts.model_name
         self.tokenizer = parts.tokenizer
+        #: Why `tokenizer` is None (e.g. which files the checkpoint lacks); None if there is one.
+        self.no_tokenizer_reason = None if self.tokenizer is not None else parts.no_tokenizer_reason
         self.eos_token_id = parts.eos_token_id
         self.max_model_len = parts.max_model_len
         self.scheduler_config = parts.scheduler_config
@@ -260,6 +280,7 @@ class LLM(FailureIsolation, OfflineGeneration):
         return tokenize(
             prompt, tokenizer=self.tokenizer, model_name=self.model_name,
             vocab_size=int(self.model.config.vocab_size),
+            no_tokenizer_reason=self.no_tokenizer_reason,
         )
 
     def add_request(
