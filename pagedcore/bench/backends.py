@@ -164,8 +164,10 @@ def _plot(report: dict[str, Any], path: str) -> None:
 @click.option("--from-json", "sources", multiple=True,
               type=click.Path(exists=True, dir_okay=False),
               help="Plot committed kernel reports instead of measuring (repeatable).")
-@click.option("--json", "json_path", default=None, type=OutputPath())
-@click.option("--plot", "plot_path", default=None, type=OutputPath())
+@click.option("--json", "json_path", default=None, type=OutputPath(),
+              help="Write the figures to this JSON file.")
+@click.option("--plot", "plot_path", default=None, type=OutputPath(),
+              help="Write the plot to this image file (png, svg, ...).")
 def backends(small: bool, names: tuple[str, ...], sources: tuple[str, ...],
              json_path: str | None, plot_path: str | None) -> None:
     """Every backend's decode GB/s and prefill TFLOP/s on the same shapes, one plot."""

@@ -204,11 +204,14 @@ def _plot(report: dict[str, Any], path: str) -> None:
               help="Model shape whose KV cache is counted (bytes per token).")
 @click.option("--budget-mib", default=1024, show_default=True, type=positive_int(),
               help="KV budget in MiB.")
-@click.option("--max-model-len", default=4096, show_default=True, type=positive_int())
+@click.option("--max-model-len", default=4096, show_default=True, type=positive_int(),
+              help="Tokens per request the budget must hold.")
 @click.option("--kernel-json", default=None, type=click.Path(exists=True, dir_okay=False),
               help="Kernel speed per block size from this JSON (rows with block_size).")
-@click.option("--json", "json_path", default=None, type=OutputPath())
-@click.option("--plot", "plot_path", default=None, type=OutputPath())
+@click.option("--json", "json_path", default=None, type=OutputPath(),
+              help="Write the figures to this JSON file.")
+@click.option("--plot", "plot_path", default=None, type=OutputPath(),
+              help="Write the plot to this image file (png, svg, ...).")
 def memory(small: bool, device: str | None, model_name: str, budget_mib: int, max_model_len: int,
            kernel_json: str | None, json_path: str | None, plot_path: str | None) -> None:
     """Paged vs contiguous KV preallocation (slot use, concurrency) and a block-size sweep."""

@@ -15,7 +15,7 @@ import os
 import platform
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -109,7 +109,7 @@ def bench_model_config(model: str, *, small: bool = False,
 
 
 def engine_bench_model(small: bool, device: str | None, model: str = "qwen2-0.5b", *,
-                       max_position_embeddings: int | None = None,
+                       max_position_embeddings: int | None = None, dtype: Any = None,
                        ) -> tuple[torch.device, torch.dtype, Any]:
     """The engine experiments' device, dtype and model config.
 
@@ -125,19 +125,32 @@ def engine_bench_model(small: bool, device: str | None, model: str = "qwen2-0.5b
         built with seeded random weights directly on the device).
     max_position_embeddings:
         Override of the config's position limit (None: keep it).
+    dtype:
+        The user's ``--dtype`` (None / "auto": bf16 on CUDA, float32 on CPU).
 
     Returns
     -------
     tuple
-        ``(device, dtype, config)``; bf16 on CUDA, float32 on CPU.
+        ``(device, dtype, config)``.
     """
     import torch
+
+    from pagedcore.engine.resources import resolve_dtype
 
     config = bench_model_config(model, small=small,
                                 max_position_embeddings=max_position_embeddings)
     dev = pick_device(device)
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    return dev, dtype, config
+    if dtype is None or dtype == "auto":
+        return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32, config
+    return dev, resolve_dtype(dtype, dev), config
+
+
+def with_overrides(engine_kw: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """`engine_kw` (a bench's `LLM` keywords) with the engine options the user set on the
+    command line (``engine_options(overrides=True)``); device and dtype stay the bench's (it
+    resolved them from the same options, see `engine_bench_model`)."""
+    own = {k: v for k, v in overrides.items() if k not in ("device", "dtype")}
+    return {**engine_kw, **own}
 
 
 def build_bench_model(config: Any, *, dtype: torch.dtype, device: torch.device,

@@ -10,6 +10,9 @@ from typing import Any
 import click
 
 from pagedcore.cli_types import BACKEND, DEVICE, OutputPath, positive_int
+from pagedcore.engine.engine_args import EngineArgs
+from pagedcore.engine.engine_args_cli import engine_options
+from pagedcore.engine.stats_logging import configure_cli_logging
 
 __all__ = ["demo", "generate", "synthetic_workload"]
 
@@ -62,8 +65,10 @@ def _percentile(values: list[float], q: float) -> float:
 @click.option("--kv-cache-mb", default=4.0, show_default=True,
               type=click.FloatRange(min=0, min_open=True),
               help="KV-cache budget in MiB (small on purpose: shows preemption).")
-@click.option("--max-num-batched-tokens", default=512, show_default=True, type=positive_int())
-@click.option("--seed", default=0, show_default=True, type=positive_int(0))
+@click.option("--max-num-batched-tokens", default=512, show_default=True, type=positive_int(),
+              help="Tokens per engine step at most.")
+@click.option("--seed", default=0, show_default=True, type=positive_int(0),
+              help="Seed of the random weights, the workload and sampling.")
 @click.option("--threads", default=1, show_default=True, type=positive_int(),
               help="torch CPU threads (the demo model is tiny: one is fastest).")
 @click.option("--json", "json_path", default=None, type=OutputPath(),
@@ -166,48 +171,24 @@ def demo(num_requests: int, device: str | None, backend: str | None, kv_cache_mb
             json.dump(figures, fh, indent=2)
 
 
-_DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "half",
-                  "float")
-
-
-def _check_model_option(ctx: click.Context, param: click.Parameter, value: str) -> str:
-    """A checkpoint path is checked (exists, config.json, weights) before anything loads."""
-    if value == "demo" or value.startswith("random:"):
-        return value
-    from pagedcore.engine.checkpoint import CheckpointError, check_checkpoint_dir
-
-    try:
-        check_checkpoint_dir(value)
-    except CheckpointError as exc:
-        raise click.BadParameter(str(exc), ctx=ctx, param=param) from exc
-    return value
-
-
 @click.command()
 @click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeatable).")
 @click.option("--token-ids", "token_ids", multiple=True,
               help="A prompt as comma-separated token ids (repeatable).")
-@click.option("--model", default="demo", show_default=True, callback=_check_model_option,
-              help="Local checkpoint directory, 'demo' or 'random:<type>'.")
-@click.option("--max-tokens", default=32, show_default=True, type=positive_int())
-@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0))
+@click.option("--max-tokens", default=32, show_default=True, type=positive_int(),
+              help="New tokens per prompt at most.")
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0),
+              help="Sampling temperature (0: greedy).")
 @click.option("--top-p", default=1.0, show_default=True,
-              type=click.FloatRange(min=0, max=1, min_open=True))
-@click.option("--top-k", default=None, type=positive_int(0))
-@click.option("--seed", default=0, show_default=True, type=positive_int(0))
-@click.option("--device", default=None, type=DEVICE,
-              help="cpu or cuda (default: cuda when available).")
-@click.option("--dtype", default=None, type=click.Choice(_DTYPE_CHOICES),
-              help="Model dtype (default: bfloat16 on CUDA, float32 on the CPU).")
-@click.option("--backend", default=None, type=BACKEND, help="Force an attention backend by name.")
-@click.option("--max-model-len", default=None, type=positive_int())
+              type=click.FloatRange(min=0, max=1, min_open=True),
+              help="Nucleus sampling: keep the smallest set of tokens of this probability.")
+@click.option("--top-k", default=None, type=positive_int(0),
+              help="Sample among the k most likely tokens (0 or unset: all).")
 @click.option("--stream/--no-stream", default=False, help="Print tokens as they arrive.")
-@click.option("--enforce-eager", is_flag=True,
-              help="Never use CUDA graphs for decode steps (default: on where supported).")
-def generate(prompts: tuple[str, ...], token_ids: tuple[str, ...], model: str, max_tokens: int,
-             temperature: float, top_p: float, top_k: int | None, seed: int,
-             device: str | None, dtype: str | None, backend: str | None,
-             max_model_len: int | None, stream: bool, enforce_eager: bool) -> None:
+@engine_options(model="option")
+def generate(prompts: tuple[str, ...], token_ids: tuple[str, ...], max_tokens: int,
+             temperature: float, top_p: float, top_k: int | None, stream: bool,
+             engine_args: EngineArgs) -> None:
     """Generate continuations of prompts with a model."""
     from pagedcore.engine.checkpoint import CheckpointError
     from pagedcore.engine.llm import LLM
@@ -222,22 +203,25 @@ def generate(prompts: tuple[str, ...], token_ids: tuple[str, ...], model: str, m
                                      param_hint="--token-ids") from exc
     if not inputs:
         raise click.UsageError("give at least one --prompt or --token-ids")
+    configure_cli_logging(engine_args)
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                top_k=top_k, seed=seed)
+                                top_k=top_k, seed=engine_args.seed)
         try:
-            llm = LLM(model, device=device, dtype=dtype, backend=backend, seed=seed,
-                      max_model_len=max_model_len, enforce_eager=enforce_eager)
+            llm = LLM.from_engine_args(engine_args)
         except CheckpointError as exc:  # found while loading (shapes, NaN): still the user's
             raise click.BadParameter(str(exc), param_hint="--model") from exc
+        if prompts and llm.tokenizer is None:
+            raise click.UsageError(f"--prompt needs a tokenizer: {llm.no_tokenizer_reason}; "
+                                   "or give the prompt as --token-ids")
         if stream:
             for out in llm.stream(inputs, params):
                 if out.finished:
                     click.echo(f"[{out.request_id}] {_render(out)}")
             return
         outputs = llm.generate(inputs, params)
-    except ValueError as exc:
-        raise click.ClickException(str(exc)) from exc
+    except ValueError as exc:  # a user mistake (model, lengths, KV budget): exit status 2
+        raise click.UsageError(str(exc)) from exc
     for out in outputs:
         click.echo(f"[{out.request_id}] {_render(out)}")
 

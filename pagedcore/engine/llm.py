@@ -30,6 +30,7 @@ from pagedcore.engine.request_checks import check_request, check_unique_ids
 from pagedcore.engine.sampler import Sampler
 from pagedcore.engine.sampling_params import SamplingParams
 from pagedcore.engine.scheduler import DecodeBatch, SchedulerOutput
+from pagedcore.engine.stats_logging import StatsLogger
 from pagedcore.engine.validation import InvalidArgumentTypeError, describe
 
 if TYPE_CHECKING:
@@ -223,6 +224,9 @@ class LLM(FailureIsolation, OfflineGeneration):
         #: retiring requests, building outputs).
         self.phase_time = dict.fromkeys(("schedule", "prepare", "execute", "update"), 0.0)
         self.num_steps = 0
+        #: Tokens sampled so far (every sample of every request).
+        self.num_generated_tokens = 0
+        self._stats_logger = StatsLogger(args.log_interval) if args.log_stats else None
         #: Tokens the scheduler gave the last step (prompt chunks + decodes; 0 before any).
         self.last_step_num_scheduled_tokens = 0
         # The requests the last step sampled and their tokens (see `_run`).
@@ -399,6 +403,9 @@ class LLM(FailureIsolation, OfflineGeneration):
         else:
             parents = list(self._parents_of(changed).values())
         outputs = [self._output(p) for p in parents]
+        self.num_generated_tokens += len(sampled)
+        if self._stats_logger is not None:
+            self._stats_logger.maybe_log(self.stats, self.num_generated_tokens)
         t_end = time.perf_counter()
         phases["update"] += t_end - t_update
         self.step_time += t_end - t0
