@@ -21,6 +21,7 @@ from typing import Any
 
 import click
 
+from pagedcore.cli_progress import progress_bar
 from pagedcore.cli_types import BACKEND, OutputPath
 
 __all__ = ["backends", "normalize_report"]
@@ -197,7 +198,8 @@ def backends(small: bool, names: tuple[str, ...], sources: tuple[str, ...],
                   "copy_bandwidth_GBps": max(copies) if copies else None,
                   "environment": environment(_cpu()), "rows": _dedupe(rows)}
     else:
-        live, device = measure_live(small=small, names=names)
+        with progress_bar("bench backends (live)", None):
+            live, device = measure_live(small=small, names=names)
         env = environment(device)
         report = {"device": env["device"], "sources": ["live"], "copy_bandwidth_GBps": None,
                   "environment": env, "rows": live}

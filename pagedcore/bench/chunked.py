@@ -27,6 +27,7 @@ from typing import Any
 
 import click
 
+from pagedcore.cli_progress import progress_bar
 from pagedcore.cli_types import IntList, OutputPath, positive_int
 from pagedcore.engine.engine_args_cli import engine_options
 
@@ -371,7 +372,10 @@ def chunked(small: bool, model_name: str,
         "complete": False,
         "configs": rows,
     }
+    advance = click.get_current_context().with_resource(
+        progress_bar("bench chunked", len(configs)))
     for label, cfg in configs:
+        advance(1)
         cfg = {"token_buckets": aligned, **cfg}
         apply_config(llm, cfg)
         summary = run_config(llm, arrivals, reps=reps, clock_factory=clock)

@@ -25,6 +25,7 @@ from pagedcore.bench.engine_runs import (
     run_hf_static,
     run_pagedcore,
 )
+from pagedcore.cli_progress import progress_bar
 from pagedcore.cli_types import OutputPath, positive_int
 from pagedcore.engine.engine_args_cli import engine_options
 
@@ -47,8 +48,12 @@ class _Report:
         self.path = path
         self.figures = figures
         self.rows: list[tuple[str, str]] = []
+        # A figure measured moves the bar (how many a run takes depends on its stages).
+        self.advance = click.get_current_context().with_resource(
+            progress_bar("bench engine", None))
 
     def add(self, key: str, value: Any, row: tuple[str, str] | None = None) -> None:
+        self.advance(1)
         self.figures[key] = value
         if row is not None:
             self.rows.append(row)

@@ -23,6 +23,7 @@ from typing import Any
 
 import click
 
+from pagedcore.cli_progress import progress_bar
 from pagedcore.cli_types import DEVICE, OutputPath, positive_int
 
 __all__ = ["contiguous_admission", "memory", "paged_admission", "workload_lengths"]
@@ -238,7 +239,10 @@ def memory(small: bool, device: str | None, model_name: str, budget_mib: int, ma
     contig = contiguous_admission(base.num_blocks * 16, lengths, max_model_len=max_model_len)
     blocks = [8, 16, 32, 64, 128, 256]
     sweep = []
+    advance = click.get_current_context().with_resource(progress_bar("bench memory",
+                                                                     len(blocks)))
     for b in blocks:
+        advance(1)
         cfg = _kv_config(config, block_size=b, dtype=dtype, budget_bytes=budget,
                          max_model_len=max_model_len)
         sweep.append(paged_admission(cfg, lengths, max_model_len=max_model_len))

@@ -26,6 +26,7 @@ from typing import Any
 
 import click
 
+from pagedcore.cli_progress import progress_bar
 from pagedcore.cli_types import IntList, OutputPath, positive_int
 from pagedcore.engine.engine_args_cli import engine_options
 
@@ -344,6 +345,8 @@ def prefix(small: bool, model_name: str, lengths: list[int] | None,
         return built
 
     # The headline (cold vs warm) first, saved at once: a run cut short keeps it.
+    advance = click.get_current_context().with_resource(
+        progress_bar("bench prefix", 3))
     llm = engine(True)
     report["backend"] = ",".join(sorted(set(llm.backend_names)))
     report["shared_system_prompt"] = measure_prefix(llm, lengths=lens, reps=reps, user_len=64,
@@ -354,14 +357,17 @@ def prefix(small: bool, model_name: str, lengths: list[int] | None,
               f"{r['warm_ttft_median_s'] * 1e3:.2f} ms speedup {r['speedup']:.2f}x "
               f"hits_proven {r['hits_proven']}", flush=True)
     save()
+    advance(1)
     report["chat_trace"]["caching_on"] = chat_trace(llm, vocab=vocab, prefix="chat-True",
                                                     clock=clock, **chat)
     progress("chat trace (caching on) done")
+    advance(1)
     off = engine(False)
     report["chat_trace"]["caching_off"] = chat_trace(off, vocab=vocab, prefix="chat-False",
                                                      clock=clock, **chat)
     del off
     progress("chat trace (caching off) done")
+    advance(1)
     _print(report)
     save()
     if plot_path:

@@ -220,13 +220,14 @@ async def run_load(
 
 
 def _stats(values: Sequence[float]) -> dict[str, float | None]:
-    import numpy as np
+    from pagedcore.bench.report import percentiles
 
     if not values:
         return {"mean": None, "p50": None, "p90": None, "p99": None}
-    data = np.asarray(values, dtype=np.float64) * 1000.0  # milliseconds
-    p50, p90, p99 = np.percentile(data, [50, 90, 99])
-    return {"mean": float(data.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
+    ms = [1000.0 * v for v in values]  # milliseconds
+    found = percentiles(ms, (50, 90, 99))
+    return {"mean": sum(ms) / len(ms), "p50": found["p50"], "p90": found["p90"],
+            "p99": found["p99"]}
 
 
 def summarize(results: Sequence[RequestResult], duration: float, *,

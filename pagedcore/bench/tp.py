@@ -17,6 +17,7 @@ import attrs
 import click
 
 from pagedcore.bench.report import git_commit
+from pagedcore.cli_progress import progress_bar
 from pagedcore.cli_types import IntList, OutputPath, positive_int
 from pagedcore.engine.engine_args import EngineArgs
 from pagedcore.engine.engine_args_cli import engine_options
@@ -114,8 +115,11 @@ def tp(sizes: list[int], num_prompts: int, min_len: int, max_len: int, max_new: 
     prompts = _prompts(num_prompts, min_len, max_len, vocab=vocab, seed=0)
     rows: list[dict[str, Any]] = []
     first: list[list[int]] | None = None
+    advance = click.get_current_context().with_resource(
+        progress_bar("bench tp", len(size_list)))
     for size in size_list:
         figures, tokens = run_size(engine_args, size, prompts, max_new)
+        advance(1)
         if first is None:
             first = tokens
         figures["identical_to_first_size"] = sum(a == b for a, b in zip(first, tokens,

@@ -59,10 +59,12 @@ def conformance(
             click.echo(case.name + (f"  (skipped: {case.skip})" if case.skip else ""))
         return
 
+    from pagedcore.cli_progress import progress_bar
+
     try:
-        report = run_suite(
-            name, quick=quick, device=device, case_filter=case_filter, exitfirst=exitfirst
-        )
+        with progress_bar(f"conformance {cls.name}", len(cases)) as advance:
+            report = run_suite(name, quick=quick, device=device, case_filter=case_filter,
+                               exitfirst=exitfirst, on_case=lambda _result: advance(1))
     except (KeyError, LookupError, ValueError, ImportError) as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(report.summary())

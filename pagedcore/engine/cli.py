@@ -48,14 +48,6 @@ def synthetic_workload(num_requests: int, *, seed: int) -> list[tuple[str, int]]
     return work
 
 
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    k = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[k]
-
-
 @click.command()
 @click.option("--num-requests", default=64, show_default=True, type=positive_int(),
               help="Requests in the workload.")
@@ -84,6 +76,7 @@ def demo(num_requests: int, device: str | None, backend: str | None, kv_cache_mb
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
     from rich.table import Table
 
+    from pagedcore.bench.report import percentiles
     from pagedcore.engine.llm import LLM
     from pagedcore.engine.sampling_params import SamplingParams
 
@@ -119,6 +112,7 @@ def demo(num_requests: int, device: str | None, backend: str | None, kv_cache_mb
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     ttft = [o.metrics.time_to_first_token or 0.0 for o in outputs]
+    ttft_pct = percentiles(ttft, (50, 99))
     figures = {
         "model": "demo (Llama-like, 2 layers, hidden 128, heads 4/2 x 64, byte tokenizer, "
                  "random weights)",
@@ -131,8 +125,8 @@ def demo(num_requests: int, device: str | None, backend: str | None, kv_cache_mb
         "elapsed_s": elapsed,
         "output_tokens_per_s": generated / elapsed,
         "total_tokens_per_s": (generated + prompt_tokens) / elapsed,
-        "ttft_p50_ms": 1000 * _percentile(ttft, 50),
-        "ttft_p99_ms": 1000 * _percentile(ttft, 99),
+        "ttft_p50_ms": 1000 * ttft_pct["p50"],
+        "ttft_p99_ms": 1000 * ttft_pct["p99"],
         "prefix_hit_tokens": stats["prefix_hit_tokens"],
         "prefix_hit_rate": stats["prefix_hit_rate"],
         "preemptions": stats["preemptions"],
