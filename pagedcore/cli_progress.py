@@ -17,7 +17,10 @@ def progress_bar(description: str, total: int | None, *,
                  enabled: bool = True) -> Iterator[Callable[[int], None]]:
     """A bar of `total` steps (None: unknown) labelled `description`; yields ``advance``."""
     if not enabled:
-        yield lambda n=1: None
+        def ignore(n: int = 1) -> None:
+            del n
+
+        yield ignore
         return
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn

@@ -111,6 +111,7 @@ def engine_options(
     *,
     model: Literal["argument", "option"] | None = "option",
     exclude: Collection[str] = (),
+    only: Collection[str] | None = None,
     defaults: Mapping[str, Any] | None = None,
     overrides: bool = False,
 ) -> Callable[[F], F]:
@@ -123,6 +124,8 @@ def engine_options(
         (default ``demo``); None: the command picks its models itself.
     exclude:
         Fields the command does not offer (a bench that sweeps them).
+    only:
+        Offer just these fields (None: all but `exclude`).
     defaults:
         Command defaults that differ from `EngineArgs`' (``model`` for ``--model``).
     overrides:
@@ -130,7 +133,7 @@ def engine_options(
         ``engine_overrides``, a dict of only the fields set on the command line (validated).
     """
     skipped = set(exclude) | (_NOT_IN_BENCHES if overrides else set())
-    names = [n for n in CLI_OPTIONS if n not in skipped]
+    names = [n for n in CLI_OPTIONS if n not in skipped and (only is None or n in only)]
     fields = attrs.fields_dict(EngineArgs)
     own_defaults = dict(defaults or {})
     if "log_stats" in names:
