@@ -27,6 +27,7 @@ __all__ = [
     "PYTHON_ONLY",
     "engine_options",
     "option_flags",
+    "options_markdown",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -178,3 +179,19 @@ def engine_options(
         return result
 
     return decorate
+
+
+def options_markdown() -> str:
+    """The table of every `EngineArgs` field (flag, default, help) for docs/engine-args.md."""
+    rows = ["| `LLM(...)` / `EngineArgs` field | flag | default | what |",
+            "| --- | --- | --- | --- |"]
+    for name, field in attrs.fields_dict(EngineArgs).items():
+        if name == "model":
+            flags = "`MODEL` (serve, check-model) / `--model` (generate, bench tp)"
+        elif name in CLI_OPTIONS:
+            flags = ", ".join(f"`{d.strip()}`" for d in option_flags(name))
+        else:
+            flags = "(Python only)"
+        default = "" if field.default is None else f"`{field.default!r}`"
+        rows.append(f"| `{name}` | {flags} | {default} | {field.metadata['help']} |")
+    return "\n".join(rows) + "\n"

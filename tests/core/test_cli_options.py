@@ -99,3 +99,13 @@ def test_python_dash_m_pagedcore() -> None:
     out = subprocess.run([sys.executable, "-m", "pagedcore", "--help"], capture_output=True,
                          text=True, check=True).stdout
     assert "generate" in out and "serve" in out
+
+
+def test_docs_table_is_current() -> None:
+    from pathlib import Path
+
+    from pagedcore.engine.engine_args_cli import options_markdown
+
+    doc = Path(__file__).resolve().parents[2] / "docs" / "engine-args.md"
+    assert options_markdown() in doc.read_text(), (
+        "docs/engine-args.md is stale: paste pagedcore.engine.engine_args_cli.options_markdown()")
