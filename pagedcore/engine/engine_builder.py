@@ -79,6 +79,12 @@ def build_engine(args: EngineArgs) -> EngineParts:
     from pagedcore.kv_cache.config import kv_cache_specs_from_hf_config, make_kv_cache_config
     from pagedcore.kv_cache.manager import KVCacheManager
 
+    if args.kv_cache_dtype != "auto":
+        # Accepted by EngineArgs (vLLM's names); refused here until the runner stores fp8.
+        raise ValueError(
+            f"kv_cache_dtype={args.kv_cache_dtype!r}: this engine stores the KV cache in the "
+            "model dtype only so far; use kv_cache_dtype='auto'"
+        )
     model = args.model
     block_size, max_model_len = args.block_size, args.max_model_len
     max_num_seqs, max_num_batched_tokens = args.max_num_seqs, args.max_num_batched_tokens
