@@ -41,7 +41,7 @@ def make_timeline(*, long_len: int, num_short: int, short_lens: tuple[int, int],
     import torch
 
     from pagedcore.bench.timeline import Arrival
-    from pagedcore.engine.sampling_params import SamplingParams
+    from pagedcore.engine.sampling.sampling_params import SamplingParams
 
     g = torch.Generator().manual_seed(seed)
     long_params = SamplingParams(max_tokens=long_max_tokens, temperature=0.0, ignore_eos=True)
@@ -254,7 +254,7 @@ def chunked(small: bool, model_name: str,
     )
     from pagedcore.bench.timeline import Arrival, WallClock, run_timeline
     from pagedcore.engine.llm import LLM
-    from pagedcore.engine.sampling_params import SamplingParams
+    from pagedcore.engine.sampling.sampling_params import SamplingParams
 
     overrides = engine_overrides or {}
     device, backend = overrides.get("device"), overrides.get("backend")

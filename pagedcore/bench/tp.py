@@ -39,7 +39,7 @@ def run_size(engine_args: EngineArgs, size: int, prompts: list[list[int]],
     import torch
 
     from pagedcore.engine.llm import LLM
-    from pagedcore.engine.sampling_params import SamplingParams
+    from pagedcore.engine.sampling.sampling_params import SamplingParams
 
     llm = LLM.from_engine_args(attrs.evolve(engine_args, tensor_parallel_size=size))
     try:

@@ -27,7 +27,7 @@ def check_model_command(num_tokens: int, json_path: str | None,
     identical; 1: tokens differ; 2: the model cannot be loaded or run (the reason is given)."""
     import attrs
 
-    from pagedcore.engine.check_model import check_model
+    from pagedcore.engine.models.check_model import check_model
 
     try:
         result = check_model(engine_args, num_tokens=num_tokens)

@@ -78,7 +78,7 @@ def demo(num_requests: int, device: str | None, backend: str | None, kv_cache_mb
 
     from pagedcore.bench.report import percentiles
     from pagedcore.engine.llm import LLM
-    from pagedcore.engine.sampling_params import SamplingParams
+    from pagedcore.engine.sampling.sampling_params import SamplingParams
 
     console = Console()
     if device == "cpu" or (device is None and not torch.cuda.is_available()):
@@ -184,9 +184,9 @@ def generate(prompts: tuple[str, ...], token_ids: tuple[str, ...], max_tokens: i
              temperature: float, top_p: float, top_k: int | None, stream: bool,
              engine_args: EngineArgs) -> None:
     """Generate continuations of prompts with a model."""
-    from pagedcore.engine.checkpoint import CheckpointError
     from pagedcore.engine.llm import LLM
-    from pagedcore.engine.sampling_params import SamplingParams
+    from pagedcore.engine.models.checkpoint import CheckpointError
+    from pagedcore.engine.sampling.sampling_params import SamplingParams
 
     inputs: list[Any] = list(prompts)
     for text in token_ids:

@@ -85,13 +85,13 @@ def _check_model(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
     Hugging Face model id is resolved when the engine is built."""
     import os
 
-    from pagedcore.engine.hub import looks_like_repo_id
+    from pagedcore.engine.models.hub import looks_like_repo_id
 
     if value is None or value == "demo" or str(value).startswith("random:"):
         return value
     if not os.path.exists(value) and looks_like_repo_id(value):
         return value
-    from pagedcore.engine.checkpoint import CheckpointError, check_checkpoint_dir
+    from pagedcore.engine.models.checkpoint import CheckpointError, check_checkpoint_dir
 
     try:
         check_checkpoint_dir(value)

@@ -36,7 +36,7 @@ def test_unknown_model_id_names_the_cache(tmp_path: Path,
 def test_checkpoint_without_tokenizer_says_which_files(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from pagedcore.engine.models import tiny_config
+    from pagedcore.engine.models.loading import tiny_config
 
     AutoModelForCausalLM.from_config(tiny_config("llama")).save_pretrained(tmp_path / "ckpt")
     out = _usage_error(["generate", "--prompt", "hello", "--device", "cpu", "--model",

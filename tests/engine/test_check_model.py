@@ -10,15 +10,15 @@ import pytest
 from click.testing import CliRunner
 
 from pagedcore.cli import main
-from pagedcore.engine.check_model import check_model
 from pagedcore.engine.engine_args import EngineArgs
+from pagedcore.engine.models.check_model import check_model
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from transformers import AutoModelForCausalLM
 
-    from pagedcore.engine.models import tiny_config
+    from pagedcore.engine.models.loading import tiny_config
 
     path = tmp_path_factory.mktemp("check_model") / "tiny-qwen3"
     AutoModelForCausalLM.from_config(tiny_config("qwen3")).save_pretrained(path)
@@ -38,7 +38,7 @@ def test_check_model_passes_and_writes_json(checkpoint: Path, tmp_path: Path) ->
 
 def test_a_wrong_engine_fails_the_check(checkpoint: Path,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    import pagedcore.engine.model_runner as runner
+    import pagedcore.engine.runner.model_runner as runner
 
     monkeypatch.setattr(runner, "output_logit_scale", lambda config: 3.0)  # a planted bug
     found = check_model(EngineArgs(model=str(checkpoint), device="cpu"), num_tokens=4)

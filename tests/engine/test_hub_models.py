@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pagedcore import LLM
-from pagedcore.engine.hub import ModelNotFoundError, looks_like_repo_id
+from pagedcore.engine.models.hub import ModelNotFoundError, looks_like_repo_id
 
 
 @pytest.fixture()
@@ -17,7 +17,7 @@ def hf_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     from huggingface_hub import constants
     from transformers import AutoModelForCausalLM
 
-    from pagedcore.engine.models import tiny_config
+    from pagedcore.engine.models.loading import tiny_config
 
     cache = tmp_path / "hub"
     repo = cache / "models--tiny-org--tiny-llama"

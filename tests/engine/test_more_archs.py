@@ -11,8 +11,8 @@ import torch
 from engine_helpers import CPU, hf_greedy, random_prompts
 
 from pagedcore import LLM, SamplingParams
-from pagedcore.engine.model_support import UnsupportedModelError, architecture_problems
-from pagedcore.engine.models import random_model, tiny_config
+from pagedcore.engine.models.loading import random_model, tiny_config
+from pagedcore.engine.models.support import UnsupportedModelError, architecture_problems
 
 MORE_ARCHS = ["phi3", "olmo2", "granite", "qwen3_moe", "gemma", "starcoder2", "cohere"]
 MAX_NEW = 8

@@ -5,7 +5,7 @@ transformers' `AttentionInterface` (the class declares ``_supports_attention_bac
 layout it can bind: ``<base model>.layers[i].self_attn`` with ``layer_idx`` and ``scaling`` (the
 Llama layout most decoders share). `architecture_problems` returns every reason a config or a
 model fails these, checked on a weightless (meta-device) instance, so a large checkpoint is
-refused before its weights load. Parity with transformers is `pagedcore.engine.check_model`'s
+refused before its weights load. Parity with transformers is `pagedcore.engine.models.check_model`'s
 job.
 """
 

@@ -4,7 +4,7 @@ The model is loaded once; transformers' own forward (eager attention) on a copy 
 weights is the reference. A few seeded prompts are decoded greedily by both (EOS ignored); the
 report says whether every token agreed and how far the engine's log-probabilities of the chosen
 tokens are from transformers'. An architecture the engine cannot run is reported with its
-reasons instead (`pagedcore.engine.model_support`).
+reasons instead (`pagedcore.engine.models.support`).
 """
 
 from __future__ import annotations
@@ -114,10 +114,10 @@ def check_model(
     import torch
 
     from pagedcore.engine.llm import LLM
-    from pagedcore.engine.model_support import UnsupportedModelError
-    from pagedcore.engine.models import load_model
+    from pagedcore.engine.models.loading import load_model
+    from pagedcore.engine.models.support import UnsupportedModelError
     from pagedcore.engine.resources import resolve_device, resolve_dtype
-    from pagedcore.engine.sampling_params import SamplingParams
+    from pagedcore.engine.sampling.sampling_params import SamplingParams
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)

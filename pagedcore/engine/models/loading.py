@@ -2,7 +2,7 @@
 when the hub is reachable), seeded random weights from a config, the built-in demo.
 
 Any decoder whose attention goes through transformers' `AttentionInterface` and whose layers
-the engine can bind runs (`pagedcore.engine.model_support`); ``TESTED_MODEL_TYPES`` are the
+the engine can bind runs (`pagedcore.engine.models.support`); ``TESTED_MODEL_TYPES`` are the
 architectures CI proves token-identical to transformers (tests/engine/test_correctness.py,
 tests/engine/test_more_archs.py), and the ones `tiny_config` builds.
 """
@@ -132,7 +132,7 @@ def tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:
         )
     base.update(_TINY_EXTRAS.get(model_type, {}))
     if model_type in ("deepseek_v2", "deepseek_v3"):
-        from pagedcore.engine.mla_attention import TINY_MLA_OVERRIDES
+        from pagedcore.engine.models.mla_attention import TINY_MLA_OVERRIDES
 
         del base["head_dim"]
         base.update(TINY_MLA_OVERRIDES[model_type])
@@ -243,13 +243,13 @@ def random_model(
 
 def _looks_like_path(model: str) -> bool:
     """A string the user meant as a path (so a typo says "does not exist")."""
-    from pagedcore.engine.hub import looks_like_repo_id
+    from pagedcore.engine.models.hub import looks_like_repo_id
 
     return os.path.exists(model) or not looks_like_repo_id(model)
 
 
 def _no_tokenizer_reason(root: Any) -> str:
-    from pagedcore.engine.checkpoint import TOKENIZER_FILES
+    from pagedcore.engine.models.checkpoint import TOKENIZER_FILES
 
     return (f"the checkpoint {str(root)!r} ships no tokenizer (none of "
             f"{', '.join(TOKENIZER_FILES)} is there); copy the tokenizer files into it "
@@ -262,13 +262,13 @@ def _load_directory(
 ) -> LoadedModel:
     from transformers import AutoConfig
 
-    from pagedcore.engine.checkpoint import (
+    from pagedcore.engine.models.checkpoint import (
         CheckpointError,
         check_checkpoint_dir,
         load_checkpoint,
         load_tokenizer,
     )
-    from pagedcore.engine.model_support import check_architecture
+    from pagedcore.engine.models.support import check_architecture
 
     root = check_checkpoint_dir(root)
     try:
@@ -322,7 +322,7 @@ def load_model(
     """
     from transformers import PretrainedConfig, PreTrainedModel
 
-    from pagedcore.engine.model_support import check_architecture
+    from pagedcore.engine.models.support import check_architecture
 
     if isinstance(model, PreTrainedModel):
         check_architecture(model)
@@ -350,7 +350,7 @@ def load_model(
         return _load_directory(os.path.basename(os.path.normpath(model)), model, dtype=dtype,
                                device=device, strict=strict,
                                trust_remote_code=trust_remote_code)
-    from pagedcore.engine.hub import resolve_model_id
+    from pagedcore.engine.models.hub import resolve_model_id
 
     root = resolve_model_id(model)
     return _load_directory(model, root, dtype=dtype, device=device, strict=strict,
