@@ -102,6 +102,7 @@ def build_engine(args: EngineArgs) -> EngineParts:
             model, tensor_parallel_size=tensor_parallel_size, device=device,
             dtype=dtype, seed=seed, kv_cache_memory_bytes=kv_cache_memory_bytes,
             gpu_memory_utilization=gpu_memory_utilization,
+            trust_remote_code=args.trust_remote_code,
         )
         device = tp.device
     try:
