@@ -95,7 +95,7 @@ def run_suite(
     device: str | None = None,
     case_filter: str | None = None,
     exitfirst: bool = False,
-    on_case: Callable[[CaseResult], None] | None = None,
+    on_result: Callable[[CaseResult], None] | None = None,
 ) -> ConformanceReport:
     """Run the conformance suite on one backend.
 
@@ -112,8 +112,9 @@ def run_suite(
         Run only cases whose name contains this substring.
     exitfirst:
         Stop at the first failing case.
-    on_case:
-        Called with each case's result as it finishes (the CLI's progress bar).
+    on_result:
+        Called with each case's result as soon as it is known (progress; the CLI's
+        ``--progress``), MLA cases included.
 
     Returns
     -------
@@ -141,13 +142,13 @@ def run_suite(
     for case in list_cases(cls, quick=quick, device=dev):
         if case_filter is None or case_filter in case.name:
             report.results.append(run_case(cls, case, device=dev))
-            if on_case is not None:
-                on_case(report.results[-1])
+            if on_result is not None:
+                on_result(report.results[-1])
             if exitfirst and report.failures:
                 return report
     if case_filter is None or "mla" in case_filter:
         for result in mla_results(cls, quick=quick, device=dev):
             report.results.append(result)
-            if on_case is not None:
-                on_case(result)
+            if on_result is not None:
+                on_result(result)
     return report

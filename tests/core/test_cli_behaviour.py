@@ -49,7 +49,7 @@ def test_conformance_reports_every_case_as_it_finishes() -> None:
 
     seen: list[str] = []
     report = run_suite("reference", quick=True, device="cpu", case_filter="decode",
-                       on_case=lambda result: seen.append(result.name))
+                       on_result=lambda result: seen.append(result.name))
     assert seen and seen == [r.name for r in report.results]
 
 
