@@ -186,6 +186,8 @@ def _run_engine_bench(
         kv_cache_memory_bytes=(8 << 30) if dev.type == "cuda" else (256 << 20),
     )
     engine_kw = with_overrides(engine_kw, overrides)
+    report.add("engine_config", {k: v for k, v in engine_kw.items()
+                                 if k not in ("device", "dtype")})
     llm = _llm(copy.deepcopy(model), enforce_eager=enforce_eager, **engine_kw)
     report.add("backend", sorted(set(llm.backend_names)))
     status = llm.cudagraph_status()

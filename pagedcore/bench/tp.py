@@ -140,5 +140,8 @@ def tp(sizes: list[int], num_prompts: int, min_len: int, max_len: int, max_new: 
         with open(json_path, "w") as fh:
             json.dump({"command": "pagedcore bench tp " + " ".join(sys.argv[3:]),
                        "git_commit": git_commit(),
+                       "engine_args": {k: v for k, v in attrs.asdict(
+                           engine_args, recurse=False).items() if k != "tokenizer"},
                        "model": model, "num_prompts": num_prompts, "min_len": min_len,
-                       "max_len": max_len, "max_new": max_new, "rows": rows}, fh, indent=2)
+                       "max_len": max_len, "max_new": max_new, "rows": rows}, fh, indent=2,
+                      default=str)
