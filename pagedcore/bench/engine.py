@@ -73,6 +73,9 @@ def _tok_s(value: Any) -> str:
 
 @click.command()
 @click.option("--small", is_flag=True, help="Tiny Qwen2 on CPU-friendly sizes (CI / laptops).")
+@click.option("--model", "model_name", default="qwen2-0.5b", show_default=True,
+              type=click.Choice(["qwen2-0.5b", "llama3-8b"]),
+              help="Model shape (seeded random weights); with --small its tiny version.")
 @click.option("--num-prompts", default=None, type=positive_int(),
               help="Prompts of the main workload.")
 @click.option("--max-new", default=None, type=positive_int(), help="New tokens per prompt.")
@@ -97,7 +100,7 @@ def _tok_s(value: Any) -> str:
 @click.option("--json", "json_path", default=None, type=OutputPath(),
               help="Write the figures to this JSON file.")
 @engine_options(model=None, overrides=True)
-def engine(small: bool, num_prompts: int | None,
+def engine(small: bool, model_name: str, num_prompts: int | None,
            max_new: int | None, big_num_prompts: int | None, hf_big_num_prompts: int | None,
            stress_requests: int | None, parity_prompts: int | None, skip_hf: bool,
            skip_eager: bool, only: str | None, parity_new: int | None,
@@ -112,8 +115,8 @@ def engine(small: bool, num_prompts: int | None,
     overrides = dict(engine_overrides)
     enforce_eager = bool(overrides.pop("enforce_eager", False))
     _run_engine_bench(
-        small=small, device=overrides.get("device"), backend=overrides.get("backend"),
-        overrides=overrides, num_prompts=num_prompts,
+        small=small, model_name=model_name, device=overrides.get("device"),
+        backend=overrides.get("backend"), overrides=overrides, num_prompts=num_prompts,
         max_new=max_new, big_num_prompts=big_num_prompts,
         hf_big_num_prompts=hf_big_num_prompts, stress_requests=stress_requests,
         parity_prompts=parity_prompts, skip_hf=skip_hf or "hf" not in stages,
@@ -138,6 +141,7 @@ def _stages(only: str | None) -> frozenset[str]:
 def _run_engine_bench(
     *, small: bool, device: str | None, backend: str | None, num_prompts: int | None,
     max_new: int | None, big_num_prompts: int | None, hf_big_num_prompts: int | None,
+    model_name: str = "qwen2-0.5b",
     stress_requests: int | None, parity_prompts: int | None, skip_hf: bool,
     skip_eager: bool, enforce_eager: bool, stages: frozenset[str], parity_new: int | None,
     host_profile: str | None, json_path: str | None, overrides: dict[str, Any] | None = None,
@@ -149,7 +153,8 @@ def _run_engine_bench(
     from pagedcore.bench.report import engine_bench_model, environment, with_overrides
 
     overrides = overrides or {}
-    dev, dtype, config = engine_bench_model(small, device, dtype=overrides.get("dtype"))
+    dev, dtype, config = engine_bench_model(small, device, model_name,
+                                            dtype=overrides.get("dtype"))
     if small:
         lo, hi = 16, 96
         # None (not given) takes the default; 0 is refused by the option types.
@@ -173,7 +178,8 @@ def _run_engine_bench(
         "environment": environment(dev),
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "dtype": str(dtype).removeprefix("torch."),
-        "model": "tiny qwen2 (small)" if small else "Qwen2-0.5B-shaped, random weights",
+        "model": f"tiny {model_name} (small)" if small
+        else f"{model_name}-shaped, random weights",
         "prompt_len": [lo, hi],
         "max_new_tokens": max_new,
     })

@@ -123,6 +123,10 @@ def check_engine_args(**args: Any) -> None:
     if "log_interval" in args:
         check_real(p, "log_interval", args["log_interval"], low=0.0, low_open=True,
                    expected="a number of seconds > 0")
+    overlap = args.get("async_scheduling")
+    if overlap is not None and not isinstance(overlap, bool):
+        p.type(f"async_scheduling must be True, False or None (the device's default), got "
+               f"{describe(overlap)}")
     kv_dtype = args.get("kv_cache_dtype", "auto")
     if not isinstance(kv_dtype, str) or kv_dtype not in _KV_CACHE_DTYPES:
         p.value(f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES}, got {describe(kv_dtype)}")

@@ -100,6 +100,9 @@ class EngineArgs:
         False, "Log a stats line (running, waiting, KV usage, prefix hits, throughput) "
         "through logger 'pagedcore.engine' (on in the CLI, off in the library).")
     log_interval: float = _arg(10.0, "Seconds between stats lines.")
+    async_scheduling: bool | None = _arg(
+        None, "Overlap scheduling: prepare step N+1 while step N runs on the device (default: "
+        "on with CUDA, off on the CPU; PAGEDCORE_ASYNC_SCHEDULING=0/1 overrides).")
 
     def __attrs_post_init__(self) -> None:
         values = attrs.asdict(self, recurse=False)

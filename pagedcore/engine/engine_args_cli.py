@@ -62,6 +62,7 @@ CLI_OPTIONS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "seed": (("--seed",), dict(type=click.IntRange(0, MAX_SEED))),
     "trust_remote_code": (("--trust-remote-code",), dict(is_flag=True)),
     "enforce_eager": (("--enforce-eager",), dict(is_flag=True)),
+    "async_scheduling": (("--async-scheduling/--no-async-scheduling",), {}),
     "cudagraph_capture_sizes": (("--cudagraph-capture-sizes",), dict(type=IntList(1))),
     "max_logprobs": (("--max-logprobs",), dict(type=positive_int(0))),
     "hash_algo": (("--prefix-caching-hash-algo",),
