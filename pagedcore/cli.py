@@ -15,6 +15,7 @@ COMMANDS: dict[str, str] = {
     "conformance": "pagedcore.conformance.cli:conformance",
     "demo": "pagedcore.engine.cli:demo",
     "generate": "pagedcore.engine.cli:generate",
+    "check-model": "pagedcore.engine.check_model_cli:check_model_command",
     "bench": "pagedcore.bench.cli:bench",
     "serve": "pagedcore.serve.cli:serve",
 }

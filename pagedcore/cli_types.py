@@ -10,9 +10,10 @@ import click
 
 if TYPE_CHECKING:  # click >= 8.2 types ParamType as a generic; 8.1 does not subscript it
     _IntListType = click.ParamType[list[int]]
+    _IntType = click.ParamType[int]
     _StrType = click.ParamType[str]
 else:
-    _IntListType = _StrType = click.ParamType
+    _IntListType = _IntType = _StrType = click.ParamType
 
 __all__ = [
     "BACKEND",
@@ -20,6 +21,7 @@ __all__ = [
     "BackendName",
     "Device",
     "IntList",
+    "MemorySize",
     "OutputPath",
     "positive_int",
 ]
@@ -62,6 +64,34 @@ class IntList(_IntListType):
                           param, ctx)
             numbers.append(number)
         return numbers
+
+
+_SIZE_UNITS = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6,
+               "gb": 10**9, "k": 2**10, "m": 2**20, "g": 2**30, "b": 1}
+
+
+class MemorySize(_IntType):
+    """A byte count: ``4GiB``, ``512MiB``, ``1e9`` or a plain number of bytes."""
+
+    name = "SIZE"
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        lowered = str(value).strip().lower()
+        number, scale = lowered, 1
+        for suffix in sorted(_SIZE_UNITS, key=len, reverse=True):
+            if lowered.endswith(suffix):
+                number, scale = lowered.removesuffix(suffix).strip(), _SIZE_UNITS[suffix]
+                break
+        try:
+            size = int(float(number) * scale)
+        except (ValueError, OverflowError):
+            self.fail(f"{value!r} is not a size such as 4GiB, 512MiB or 1e9", param, ctx)
+        if size <= 0:
+            self.fail(f"{value!r} must be positive", param, ctx)
+        return size
 
 
 class Device(_StrType):

@@ -21,6 +21,7 @@ from typing import Any
 
 import click
 
+from pagedcore.cli_progress import progress_bar
 from pagedcore.cli_types import BACKEND, OutputPath
 
 __all__ = ["backends", "normalize_report"]
@@ -164,8 +165,10 @@ def _plot(report: dict[str, Any], path: str) -> None:
 @click.option("--from-json", "sources", multiple=True,
               type=click.Path(exists=True, dir_okay=False),
               help="Plot committed kernel reports instead of measuring (repeatable).")
-@click.option("--json", "json_path", default=None, type=OutputPath())
-@click.option("--plot", "plot_path", default=None, type=OutputPath())
+@click.option("--json", "json_path", default=None, type=OutputPath(),
+              help="Write the figures to this JSON file.")
+@click.option("--plot", "plot_path", default=None, type=OutputPath(),
+              help="Write the plot to this image file (png, svg, ...).")
 def backends(small: bool, names: tuple[str, ...], sources: tuple[str, ...],
              json_path: str | None, plot_path: str | None) -> None:
     """Every backend's decode GB/s and prefill TFLOP/s on the same shapes, one plot."""
@@ -195,7 +198,8 @@ def backends(small: bool, names: tuple[str, ...], sources: tuple[str, ...],
                   "copy_bandwidth_GBps": max(copies) if copies else None,
                   "environment": environment(_cpu()), "rows": _dedupe(rows)}
     else:
-        live, device = measure_live(small=small, names=names)
+        with progress_bar("bench backends (live)", None):
+            live, device = measure_live(small=small, names=names)
         env = environment(device)
         report = {"device": env["device"], "sources": ["live"], "copy_bandwidth_GBps": None,
                   "environment": env, "rows": live}

@@ -27,7 +27,9 @@ from typing import Any
 
 import click
 
-from pagedcore.cli_types import BACKEND, DEVICE, IntList, OutputPath, positive_int
+from pagedcore.cli_progress import progress_bar
+from pagedcore.cli_types import IntList, OutputPath, positive_int
+from pagedcore.engine.engine_args_cli import engine_options
 
 __all__ = ["apply_config", "chunked", "make_timeline", "parse_pairs", "run_config", "summarize"]
 
@@ -207,9 +209,6 @@ def _plot(report: dict[str, Any], path: str) -> None:
 
 @click.command()
 @click.option("--small", is_flag=True, help="Tiny model, 8K-token long prompt (CPU-friendly).")
-@click.option("--device", default=None, type=DEVICE,
-              help="cpu or cuda (default: cuda when available).")
-@click.option("--backend", default=None, type=BACKEND, help="Force an attention backend.")
 @click.option("--model", "model_name", default="qwen2-0.5b", show_default=True,
               type=click.Choice(["qwen2-0.5b", "llama3-8b"]),
               help="Model shape (seeded random weights); with --small a tiny model of the "
@@ -227,13 +226,21 @@ def _plot(report: dict[str, Any], path: str) -> None:
 @click.option("--unaligned", default=None, type=IntList(1),
               help="Comma list of long_prefill_token_threshold run again with bucket-aware "
                    "chunk alignment off (SchedulerConfig.token_buckets=None), after the pairs.")
-@click.option("--json", "json_path", default=None, type=OutputPath())
-@click.option("--plot", "plot_path", default=None, type=OutputPath())
-def chunked(small: bool, device: str | None, backend: str | None, model_name: str,
+@click.option("--json", "json_path", default=None, type=OutputPath(),
+              help="Write the figures to this JSON file.")
+@click.option("--plot", "plot_path", default=None, type=OutputPath(),
+              help="Write the plot to this image file (png, svg, ...).")
+@engine_options(model=None, overrides=True, exclude=(
+    "max_num_batched_tokens", "long_prefill_token_threshold", "enable_chunked_prefill"))
+def chunked(small: bool, model_name: str,
             long_len: int | None, reps: int | None, budgets: list[int] | None,
             thresholds: list[int] | None, pairs: str | None, json_path: str | None,
-            plot_path: str | None, unaligned: list[int] | None = None) -> None:
-    """Chunked prefill: short-request TTFT/ITL and long completion vs no chunking."""
+            plot_path: str | None, unaligned: list[int] | None = None,
+            engine_overrides: dict[str, Any] | None = None) -> None:
+    """Chunked prefill: short-request TTFT/ITL and long completion vs no chunking.
+
+    The engine options given apply to the one engine every configuration runs on (the
+    chunking limits are what the bench sweeps)."""
     import torch
 
     from pagedcore.bench.report import (
@@ -242,13 +249,17 @@ def chunked(small: bool, device: str | None, backend: str | None, model_name: st
         engine_bench_model,
         environment,
         model_shape,
+        with_overrides,
         write_json,
     )
     from pagedcore.bench.timeline import Arrival, WallClock, run_timeline
     from pagedcore.engine.llm import LLM
     from pagedcore.engine.sampling.sampling_params import SamplingParams
 
-    dev, dtype, config = engine_bench_model(small, device, model_name)
+    overrides = engine_overrides or {}
+    device, backend = overrides.get("device"), overrides.get("backend")
+    dtype_choice = overrides.get("dtype")
+    dev, dtype, config = engine_bench_model(small, device, model_name, dtype=dtype_choice)
     if small:
         long_len = long_len or 8192
         budget_list, threshold_list = [256, 512, 1024, 2048], [256, 512, 1024, 2048]
@@ -257,7 +268,8 @@ def chunked(small: bool, device: str | None, backend: str | None, model_name: st
         long_len = long_len or 32768
         # Room for the 32K prompt plus its output (Qwen2-0.5B's own limit is 32,768).
         dev, dtype, config = engine_bench_model(
-            small, device, model_name, max_position_embeddings=max(32768, long_len + 256))
+            small, device, model_name, max_position_embeddings=max(32768, long_len + 256),
+            dtype=dtype_choice)
         budget_list = [1024, 2048, 4096, 8192]
         threshold_list = [512, 1024, 1536, 2048, 3072, 4096, 8192]
         short_max = 32
@@ -274,6 +286,8 @@ def chunked(small: bool, device: str | None, backend: str | None, model_name: st
         enable_prefix_caching=False,
         kv_cache_memory_bytes=(1 << 30) if dev.type == "cpu" else (16 << 30),
     )
+    common = with_overrides(common, overrides)
+    common.pop("backend", None)
     sync = torch.cuda.synchronize if dev.type == "cuda" else None
 
     def clock() -> Any:
@@ -358,7 +372,10 @@ def chunked(small: bool, device: str | None, backend: str | None, model_name: st
         "complete": False,
         "configs": rows,
     }
+    advance = click.get_current_context().with_resource(
+        progress_bar("bench chunked", len(configs)))
     for label, cfg in configs:
+        advance(1)
         cfg = {"token_buckets": aligned, **cfg}
         apply_config(llm, cfg)
         summary = run_config(llm, arrivals, reps=reps, clock_factory=clock)

@@ -25,7 +25,9 @@ from pagedcore.bench.engine_runs import (
     run_hf_static,
     run_pagedcore,
 )
-from pagedcore.cli_types import BACKEND, DEVICE, OutputPath, positive_int
+from pagedcore.cli_progress import progress_bar
+from pagedcore.cli_types import OutputPath, positive_int
+from pagedcore.engine.engine_args_cli import engine_options
 
 __all__ = ["STAGES", "engine"]
 
@@ -46,8 +48,12 @@ class _Report:
         self.path = path
         self.figures = figures
         self.rows: list[tuple[str, str]] = []
+        # A figure measured moves the bar (how many a run takes depends on its stages).
+        self.advance = click.get_current_context().with_resource(
+            progress_bar("bench engine", None))
 
     def add(self, key: str, value: Any, row: tuple[str, str] | None = None) -> None:
+        self.advance(1)
         self.figures[key] = value
         if row is not None:
             self.rows.append(row)
@@ -70,9 +76,6 @@ def _tok_s(value: Any) -> str:
 @click.option("--model", "model_name", default="qwen2-0.5b", show_default=True,
               type=click.Choice(["qwen2-0.5b", "llama3-8b"]),
               help="Model shape (seeded random weights); with --small its tiny version.")
-@click.option("--device", default=None, type=DEVICE,
-              help="cpu or cuda (default: cuda when available).")
-@click.option("--backend", default=None, type=BACKEND, help="Force an attention backend.")
 @click.option("--num-prompts", default=None, type=positive_int(),
               help="Prompts of the main workload.")
 @click.option("--max-new", default=None, type=positive_int(), help="New tokens per prompt.")
@@ -88,26 +91,33 @@ def _tok_s(value: Any) -> str:
 @click.option("--skip-hf", is_flag=True, help="Measure pagedcore only.")
 @click.option("--skip-eager", is_flag=True,
               help="Do not measure pagedcore without CUDA graphs (eager) for comparison.")
-@click.option("--enforce-eager", is_flag=True, help="Never use CUDA graphs.")
 @click.option("--only", default=None,
               help="Run only these stages (comma-separated): " + ", ".join(STAGES) + ".")
 @click.option("--parity-new", default=None, type=positive_int(),
               help="New tokens per prompt of the parity check (default: min(max-new, 32)).")
 @click.option("--host-profile", default=None, type=click.Path(dir_okay=False),
               help="Write a cProfile (top 30) of 16 more steps at 256 running (graphs) here.")
-@click.option("--json", "json_path", default=None, type=OutputPath())
-def engine(small: bool, model_name: str, device: str | None, backend: str | None,
-           num_prompts: int | None,
+@click.option("--json", "json_path", default=None, type=OutputPath(),
+              help="Write the figures to this JSON file.")
+@engine_options(model=None, overrides=True)
+def engine(small: bool, model_name: str, num_prompts: int | None,
            max_new: int | None, big_num_prompts: int | None, hf_big_num_prompts: int | None,
            stress_requests: int | None, parity_prompts: int | None, skip_hf: bool,
-           skip_eager: bool, enforce_eager: bool, only: str | None, parity_new: int | None,
-           host_profile: str | None, json_path: str | None) -> None:
+           skip_eager: bool, only: str | None, parity_new: int | None,
+           host_profile: str | None, json_path: str | None,
+           engine_overrides: dict[str, Any]) -> None:
     """pagedcore (CUDA graphs / eager) vs transformers generate() / generate_batch(): tokens/s,
-    graph parity, host share at 256 running, a larger workload, preemption stress."""
+    graph parity, host share at 256 running, a larger workload, preemption stress.
+
+    The engine options given apply to the measured engines (not to the preemption stress
+    stage's tiny float32 model and tight KV budget, except --device and --backend)."""
     stages = _stages(only)
+    overrides = dict(engine_overrides)
+    enforce_eager = bool(overrides.pop("enforce_eager", False))
     _run_engine_bench(
-        small=small, model_name=model_name, device=device, backend=backend,
-        num_prompts=num_prompts, max_new=max_new, big_num_prompts=big_num_prompts,
+        small=small, model_name=model_name, device=overrides.get("device"),
+        backend=overrides.get("backend"), overrides=overrides, num_prompts=num_prompts,
+        max_new=max_new, big_num_prompts=big_num_prompts,
         hf_big_num_prompts=hf_big_num_prompts, stress_requests=stress_requests,
         parity_prompts=parity_prompts, skip_hf=skip_hf or "hf" not in stages,
         skip_eager=skip_eager, enforce_eager=enforce_eager, stages=stages,
@@ -134,15 +144,17 @@ def _run_engine_bench(
     model_name: str = "qwen2-0.5b",
     stress_requests: int | None, parity_prompts: int | None, skip_hf: bool,
     skip_eager: bool, enforce_eager: bool, stages: frozenset[str], parity_new: int | None,
-    host_profile: str | None, json_path: str | None,
+    host_profile: str | None, json_path: str | None, overrides: dict[str, Any] | None = None,
 ) -> None:
     import torch
     from rich.console import Console
     from rich.table import Table
 
-    from pagedcore.bench.report import engine_bench_model, environment
+    from pagedcore.bench.report import engine_bench_model, environment, with_overrides
 
-    dev, dtype, config = engine_bench_model(small, device, model_name)
+    overrides = overrides or {}
+    dev, dtype, config = engine_bench_model(small, device, model_name,
+                                            dtype=overrides.get("dtype"))
     if small:
         lo, hi = 16, 96
         # None (not given) takes the default; 0 is refused by the option types.
@@ -179,6 +191,9 @@ def _run_engine_bench(
         max_num_seqs=256, max_num_batched_tokens=4096,
         kv_cache_memory_bytes=(8 << 30) if dev.type == "cuda" else (256 << 20),
     )
+    engine_kw = with_overrides(engine_kw, overrides)
+    report.add("engine_config", {k: v for k, v in engine_kw.items()
+                                 if k not in ("device", "dtype")})
     llm = _llm(copy.deepcopy(model), enforce_eager=enforce_eager, **engine_kw)
     report.add("backend", sorted(set(llm.backend_names)))
     status = llm.cudagraph_status()

@@ -39,6 +39,7 @@ from pagedcore.bench.kernel_primitives import (
     time_ms,
 )
 from pagedcore.bench.report import git_commit
+from pagedcore.cli_progress import progress_bar
 from pagedcore.cli_types import BACKEND, OutputPath
 
 if TYPE_CHECKING:
@@ -289,13 +290,17 @@ def kernels(names: tuple[str, ...], json_path: str | None, quick: bool) -> None:
     shapes = QUICK if quick else FULL
     copy_gbps = copy_bandwidth_gbps(device, quick=quick)
     rows: list[dict[str, Any]] = []
+    advance = click.get_current_context().with_resource(progress_bar(
+        "bench kernels", sum(len(shapes[k]) for k in ("decode", "prefill", "mixed"))))
     for kind in ("decode", "prefill"):
         for batch, length in shapes[kind]:
             rows += bench_uniform(kind, batch, length, backends, device, copy_gbps)
+            advance(1)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     for decodes, ctx, chunk, prefix in shapes["mixed"]:
         rows += bench_mixed(decodes, ctx, chunk, prefix, backends, device)
+        advance(1)
     _print_table(rows, copy_gbps)
     if json_path:
         command = ["pagedcore bench kernels"]

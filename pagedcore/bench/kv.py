@@ -26,6 +26,8 @@ from typing import Any
 import attrs
 import click
 
+from pagedcore.cli_progress import progress_bar
+
 __all__ = ["kv", "run_kv_bench"]
 
 BLOCK = 16
@@ -226,7 +228,8 @@ def _print_table(figures: dict[str, Any]) -> None:
 @click.option("--seed", type=int, default=0, show_default=True, help="Trace seed.")
 def kv(json_path: Path | None, repeats: int, num_requests: int, seed: int) -> None:
     """KV-cache bookkeeping costs and paged vs contiguous allocation on a simulated trace."""
-    figures = run_kv_bench(repeats=repeats, num_requests=num_requests, seed=seed)
+    with progress_bar("bench kv", None):
+        figures = run_kv_bench(repeats=repeats, num_requests=num_requests, seed=seed)
     _print_table(figures)
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)

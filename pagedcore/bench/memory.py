@@ -23,6 +23,7 @@ from typing import Any
 
 import click
 
+from pagedcore.cli_progress import progress_bar
 from pagedcore.cli_types import DEVICE, OutputPath, positive_int
 
 __all__ = ["contiguous_admission", "memory", "paged_admission", "workload_lengths"]
@@ -204,11 +205,14 @@ def _plot(report: dict[str, Any], path: str) -> None:
               help="Model shape whose KV cache is counted (bytes per token).")
 @click.option("--budget-mib", default=1024, show_default=True, type=positive_int(),
               help="KV budget in MiB.")
-@click.option("--max-model-len", default=4096, show_default=True, type=positive_int())
+@click.option("--max-model-len", default=4096, show_default=True, type=positive_int(),
+              help="Tokens per request the budget must hold.")
 @click.option("--kernel-json", default=None, type=click.Path(exists=True, dir_okay=False),
               help="Kernel speed per block size from this JSON (rows with block_size).")
-@click.option("--json", "json_path", default=None, type=OutputPath())
-@click.option("--plot", "plot_path", default=None, type=OutputPath())
+@click.option("--json", "json_path", default=None, type=OutputPath(),
+              help="Write the figures to this JSON file.")
+@click.option("--plot", "plot_path", default=None, type=OutputPath(),
+              help="Write the plot to this image file (png, svg, ...).")
 def memory(small: bool, device: str | None, model_name: str, budget_mib: int, max_model_len: int,
            kernel_json: str | None, json_path: str | None, plot_path: str | None) -> None:
     """Paged vs contiguous KV preallocation (slot use, concurrency) and a block-size sweep."""
@@ -235,7 +239,10 @@ def memory(small: bool, device: str | None, model_name: str, budget_mib: int, ma
     contig = contiguous_admission(base.num_blocks * 16, lengths, max_model_len=max_model_len)
     blocks = [8, 16, 32, 64, 128, 256]
     sweep = []
+    advance = click.get_current_context().with_resource(progress_bar("bench memory",
+                                                                     len(blocks)))
     for b in blocks:
+        advance(1)
         cfg = _kv_config(config, block_size=b, dtype=dtype, budget_bytes=budget,
                          max_model_len=max_model_len)
         sweep.append(paged_admission(cfg, lengths, max_model_len=max_model_len))

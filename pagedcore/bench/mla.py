@@ -22,6 +22,7 @@ import attrs
 import click
 
 from pagedcore.bench.report import git_commit
+from pagedcore.cli_progress import progress_bar
 from pagedcore.kv_cache.spec import MLAAttentionSpec, cdiv
 
 if TYPE_CHECKING:
@@ -217,6 +218,7 @@ def mla(json_path: str | None, quick: bool, kv_gib: float, context: int, variant
         skipped = "no CUDA device (pass --quick for an interpreted smoke run)"
     else:
         torch.manual_seed(0)
+        click.get_current_context().with_resource(progress_bar("bench mla", None))
         try:
             kernel = _kernel_part(device, variants, quick=quick, check=check, warm=warm,
                                   time_it=not no_time, json_path=json_path,

@@ -26,7 +26,9 @@ from typing import Any
 
 import click
 
-from pagedcore.cli_types import BACKEND, DEVICE, IntList, OutputPath, positive_int
+from pagedcore.cli_progress import progress_bar
+from pagedcore.cli_types import IntList, OutputPath, positive_int
+from pagedcore.engine.engine_args_cli import engine_options
 
 __all__ = ["chat_trace", "measure_phases", "measure_prefix", "prefix", "profile_phases"]
 
@@ -230,9 +232,6 @@ def _plot(report: dict[str, Any], path: str) -> None:
 
 @click.command()
 @click.option("--small", is_flag=True, help="Tiny model, CPU-friendly lengths (1K/4K/8K).")
-@click.option("--device", default=None, type=DEVICE,
-              help="cpu or cuda (default: cuda when available).")
-@click.option("--backend", default=None, type=BACKEND, help="Force an attention backend.")
 @click.option("--model", "model_name", default="qwen2-0.5b", show_default=True,
               type=click.Choice(["qwen2-0.5b", "llama3-8b"]),
               help="Model shape (seeded random weights); with --small a tiny model of the "
@@ -241,18 +240,22 @@ def _plot(report: dict[str, Any], path: str) -> None:
               help="Comma list of system-prompt lengths.")
 @click.option("--reps", default=None, type=positive_int(),
               help="Cold and warm requests per length.")
-@click.option("--json", "json_path", default=None, type=OutputPath())
-@click.option("--plot", "plot_path", default=None, type=OutputPath())
+@click.option("--json", "json_path", default=None, type=OutputPath(),
+              help="Write the figures to this JSON file.")
+@click.option("--plot", "plot_path", default=None, type=OutputPath(),
+              help="Write the plot to this image file (png, svg, ...).")
 @click.option("--phases/--no-phases", default=True, show_default=True,
               help="Also break cold and warm requests down by engine phase (synced).")
 @click.option("--profile-dir", default=None, type=click.Path(file_okay=False),
               help="With --phases: also profile one cold and one warm request per length "
                    "(torch.profiler tables written here).")
-def prefix(small: bool, device: str | None, backend: str | None, model_name: str,
-           lengths: list[int] | None,
+@engine_options(model=None, overrides=True, exclude=("enable_prefix_caching",))
+def prefix(small: bool, model_name: str, lengths: list[int] | None,
            reps: int | None, json_path: str | None, plot_path: str | None,
-           phases: bool, profile_dir: str | None) -> None:
-    """Prefix caching: cold vs warm TTFT at shared system prompts, and a multi-turn chat."""
+           phases: bool, profile_dir: str | None, engine_overrides: dict[str, Any]) -> None:
+    """Prefix caching: cold vs warm TTFT at shared system prompts, and a multi-turn chat.
+
+    The engine options given apply to both engines (prefix caching on and off)."""
     import torch
 
     from pagedcore.bench.report import (
@@ -261,6 +264,7 @@ def prefix(small: bool, device: str | None, backend: str | None, model_name: str
         engine_bench_model,
         environment,
         model_shape,
+        with_overrides,
         write_json,
     )
     from pagedcore.bench.timeline import WallClock
@@ -272,10 +276,13 @@ def prefix(small: bool, device: str | None, backend: str | None, model_name: str
         lens = [1024, 4096, 16384]
     if lengths:
         lens = list(lengths)
-    dev, dtype, config = engine_bench_model(small, device, model_name)
+    device, backend = engine_overrides.get("device"), engine_overrides.get("backend")
+    dev, dtype, config = engine_bench_model(small, device, model_name,
+                                            dtype=engine_overrides.get("dtype"))
     if int(config.max_position_embeddings) < max(lens) + 1024:
         dev, dtype, config = engine_bench_model(small, device, model_name,
-                                                max_position_embeddings=max(lens) + 1024)
+                                                max_position_embeddings=max(lens) + 1024,
+                                                dtype=engine_overrides.get("dtype"))
     reps = reps or (3 if small else 5)
     vocab = int(config.vocab_size)
     engine_cfg: dict[str, Any] = dict(
@@ -284,6 +291,8 @@ def prefix(small: bool, device: str | None, backend: str | None, model_name: str
         long_prefill_token_threshold=None,
         kv_cache_memory_bytes=(512 << 20) if dev.type == "cpu" else (16 << 30),
     )
+    engine_cfg = with_overrides(engine_cfg, engine_overrides)
+    engine_cfg.pop("backend", None)
     model, init_s = build_bench_model(config, dtype=dtype, device=dev, seed=0)
     click.echo(f"model {model_name}{' (small)' if small else ''}: random weights built on "
                f"{dev} in {init_s:.1f} s", err=True)
@@ -336,6 +345,8 @@ def prefix(small: bool, device: str | None, backend: str | None, model_name: str
         return built
 
     # The headline (cold vs warm) first, saved at once: a run cut short keeps it.
+    advance = click.get_current_context().with_resource(
+        progress_bar("bench prefix", 3))
     llm = engine(True)
     report["backend"] = ",".join(sorted(set(llm.backend_names)))
     report["shared_system_prompt"] = measure_prefix(llm, lengths=lens, reps=reps, user_len=64,
@@ -346,14 +357,17 @@ def prefix(small: bool, device: str | None, backend: str | None, model_name: str
               f"{r['warm_ttft_median_s'] * 1e3:.2f} ms speedup {r['speedup']:.2f}x "
               f"hits_proven {r['hits_proven']}", flush=True)
     save()
+    advance(1)
     report["chat_trace"]["caching_on"] = chat_trace(llm, vocab=vocab, prefix="chat-True",
                                                     clock=clock, **chat)
     progress("chat trace (caching on) done")
+    advance(1)
     off = engine(False)
     report["chat_trace"]["caching_off"] = chat_trace(off, vocab=vocab, prefix="chat-False",
                                                      clock=clock, **chat)
     del off
     progress("chat trace (caching off) done")
+    advance(1)
     _print(report)
     save()
     if plot_path:

@@ -10,12 +10,11 @@ always with the non-interactive Agg backend.
 from __future__ import annotations
 
 import json
-import math
 import os
 import platform
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -109,7 +108,7 @@ def bench_model_config(model: str, *, small: bool = False,
 
 
 def engine_bench_model(small: bool, device: str | None, model: str = "qwen2-0.5b", *,
-                       max_position_embeddings: int | None = None,
+                       max_position_embeddings: int | None = None, dtype: Any = None,
                        ) -> tuple[torch.device, torch.dtype, Any]:
     """The engine experiments' device, dtype and model config.
 
@@ -125,19 +124,32 @@ def engine_bench_model(small: bool, device: str | None, model: str = "qwen2-0.5b
         built with seeded random weights directly on the device).
     max_position_embeddings:
         Override of the config's position limit (None: keep it).
+    dtype:
+        The user's ``--dtype`` (None / "auto": bf16 on CUDA, float32 on CPU).
 
     Returns
     -------
     tuple
-        ``(device, dtype, config)``; bf16 on CUDA, float32 on CPU.
+        ``(device, dtype, config)``.
     """
     import torch
+
+    from pagedcore.engine.resources import resolve_dtype
 
     config = bench_model_config(model, small=small,
                                 max_position_embeddings=max_position_embeddings)
     dev = pick_device(device)
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    return dev, dtype, config
+    if dtype is None or dtype == "auto":
+        return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32, config
+    return dev, resolve_dtype(dtype, dev), config
+
+
+def with_overrides(engine_kw: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """`engine_kw` (a bench's `LLM` keywords) with the engine options the user set on the
+    command line (``engine_options(overrides=True)``); device and dtype stay the bench's (it
+    resolved them from the same options, see `engine_bench_model`)."""
+    own = {k: v for k, v in overrides.items() if k not in ("device", "dtype")}
+    return {**engine_kw, **own}
 
 
 def build_bench_model(config: Any, *, dtype: torch.dtype, device: torch.device,
@@ -231,17 +243,15 @@ def _approx_params(config: Any) -> int | None:
 
 
 def percentiles(values: Sequence[float], qs: Sequence[int] = (50, 95, 99)) -> dict[str, Any]:
-    """``{"p50": ..., "p95": ..., "p99": ..., "n": len}`` by linear interpolation between
-    order statistics (numpy's default); None for each percentile of an empty input."""
-    data = sorted(float(v) for v in values)
-    out: dict[str, Any] = {"n": len(data)}
-    for q in qs:
-        if not data:
-            out[f"p{q}"] = None
-            continue
-        pos = (len(data) - 1) * q / 100
-        lo, hi = math.floor(pos), math.ceil(pos)
-        out[f"p{q}"] = data[lo] + (data[hi] - data[lo]) * (pos - lo)
+    """``{"p50": ..., "p95": ..., "p99": ..., "n": len}``: `numpy.percentile` (linear
+    interpolation between order statistics), the one percentile function of every bench and
+    the demo; None for each percentile of an empty input."""
+    import numpy as np
+
+    out: dict[str, Any] = {"n": len(values)}
+    found = np.percentile(np.asarray(values, dtype=np.float64), list(qs)) if len(values) else None
+    for i, q in enumerate(qs):
+        out[f"p{q}"] = None if found is None else float(found[i])
     return out
 
 

@@ -24,6 +24,8 @@ from typing import Any
 import attrs
 import click
 
+from pagedcore.cli_types import OutputPath
+
 __all__ = ["RequestResult", "WorkItem", "make_workload", "run_load", "serve", "summarize"]
 
 _WORDS = ("block", "table", "cache", "page", "token", "query", "key", "value", "batch", "step",
@@ -218,13 +220,14 @@ async def run_load(
 
 
 def _stats(values: Sequence[float]) -> dict[str, float | None]:
-    import numpy as np
+    from pagedcore.bench.report import percentiles
 
     if not values:
         return {"mean": None, "p50": None, "p90": None, "p99": None}
-    data = np.asarray(values, dtype=np.float64) * 1000.0  # milliseconds
-    p50, p90, p99 = np.percentile(data, [50, 90, 99])
-    return {"mean": float(data.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
+    ms = [1000.0 * v for v in values]  # milliseconds
+    found = percentiles(ms, (50, 90, 99))
+    return {"mean": sum(ms) / len(ms), "p50": found["p50"], "p90": found["p90"],
+            "p99": found["p99"]}
 
 
 def summarize(results: Sequence[RequestResult], duration: float, *,
@@ -308,8 +311,10 @@ def _fetch_model(base_url: str, api_key: str | None) -> str:
               help="The server (OpenAI-compatible: /v1/completions, /v1/chat/completions).")
 @click.option("--model", default=None, help="Model name to send (default: the server's first).")
 @click.option("--endpoint", type=click.Choice(["completions", "chat"]), default="completions",
+              help="Which OpenAI endpoint to send to: /v1/completions or /v1/chat/completions.",
               show_default=True)
-@click.option("--num-requests", default=100, show_default=True, type=click.IntRange(min=1))
+@click.option("--num-requests", default=100, show_default=True, type=click.IntRange(min=1),
+              help="Requests to send.")
 @click.option("--request-rate", default="inf", show_default=True,
               help="Requests/s (comma list to sweep; inf = all at once).")
 @click.option("--arrival", type=click.Choice(["poisson", "fixed"]), default="poisson",
@@ -332,10 +337,13 @@ def _fetch_model(base_url: str, api_key: str | None) -> str:
               help="Send ignore_eos so outputs have the requested lengths.")
 @click.option("--slo-ttft-ms", default=None, type=float, help="Goodput SLO on TTFT.")
 @click.option("--slo-tpot-ms", default=None, type=float, help="Goodput SLO on TPOT.")
-@click.option("--api-key", default=None, envvar="OPENAI_API_KEY")
+@click.option("--api-key", default=None, envvar="OPENAI_API_KEY",
+              help="Bearer token to send (env OPENAI_API_KEY).")
 @click.option("--timeout", default=600.0, show_default=True, help="Seconds per request.")
-@click.option("--seed", default=0, show_default=True)
-@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Seed of the arrivals and the prompts.")
+@click.option("--json", "json_path", default=None, type=OutputPath(),
+              help="Write the figures to this JSON file.")
 @click.option("--plot", "plot_path", default=None, type=click.Path(dir_okay=False),
               help="Write throughput / latency vs rate (matplotlib).")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")

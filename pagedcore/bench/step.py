@@ -22,7 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from pagedcore.cli_types import BACKEND, DEVICE, OutputPath, positive_int
+from pagedcore.cli_progress import progress_bar
+from pagedcore.cli_types import IntList, OutputPath, positive_int
+from pagedcore.engine.engine_args_cli import engine_options
 
 if TYPE_CHECKING:
     import torch
@@ -249,37 +251,41 @@ def _critical_host_pct(row: dict[str, Any]) -> float | None:
 @click.command("step")
 @click.option("--model-shape", "shape", default="qwen2-0.5b", show_default=True,
               type=click.Choice(SHAPES), help="Model shape (seeded random weights).")
-@click.option("--batch-sizes", default="1,64,256", show_default=True,
+@click.option("--batch-sizes", default="1,64,256", show_default=True, type=IntList(1),
               help="Comma-separated running-request counts.")
 @click.option("--context", default=512, show_default=True, type=positive_int(),
               help="Prompt tokens per request.")
 @click.option("--steps", default=20, show_default=True, type=positive_int(),
               help="Timed decode steps per row.")
-@click.option("--device", default=None, type=DEVICE, help="cpu or cuda (default: CUDA if any).")
-@click.option("--backend", default=None, type=BACKEND, help="Force an attention backend.")
 @click.option("--no-eager", is_flag=True, help="Skip the eager (no CUDA graph) rows.")
 @click.option("--profile", is_flag=True,
               help="Profile a few steps per row: GPU idle time and kernel summary (CUDA).")
-@click.option("--json", "json_path", default=None, type=OutputPath())
-def step(shape: str, batch_sizes: str, context: int, steps: int, device: str | None,
-         backend: str | None, no_eager: bool, profile: bool, json_path: str | None) -> None:
-    """Decode-step time vs the bytes floor: graphs and eager, overlap on and off."""
+@click.option("--json", "json_path", default=None, type=OutputPath(),
+              help="Write the figures to this JSON file.")
+@engine_options(model=None, overrides=True, exclude=(
+    "enforce_eager", "async_scheduling", "cudagraph_capture_sizes", "max_num_seqs"))
+def step(shape: str, batch_sizes: list[int], context: int, steps: int, no_eager: bool,
+         profile: bool, json_path: str | None, engine_overrides: dict[str, Any]) -> None:
+    """Decode-step time vs the bytes floor: graphs and eager, overlap on and off (the bench
+    switches CUDA graphs and overlap itself; the other engine options given apply)."""
     from rich.console import Console
     from rich.table import Table
 
     from pagedcore.bench.kernel_primitives import copy_bandwidth_gbps
-    from pagedcore.bench.report import engine_bench_model, environment, model_shape, write_json
+    from pagedcore.bench.report import (
+        engine_bench_model,
+        environment,
+        model_shape,
+        with_overrides,
+        write_json,
+    )
     from pagedcore.engine.llm import LLM
 
-    try:
-        sizes = sorted({int(s) for s in batch_sizes.split(",") if s.strip()})
-    except ValueError:
-        raise click.BadParameter(f"{batch_sizes!r} is not a comma-separated list of "
-                                 "integers, e.g. 1,64,256", param_hint="--batch-sizes") from None
-    if not sizes or sizes[0] < 1:
-        raise click.BadParameter("give at least one batch size >= 1", param_hint="--batch-sizes")
+    sizes = sorted(set(batch_sizes))
     small = shape == "tiny"
-    dev, dtype, config = engine_bench_model(small, device, "qwen2-0.5b" if small else shape)
+    device = engine_overrides.get("device")
+    dev, dtype, config = engine_bench_model(small, device, "qwen2-0.5b" if small else shape,
+                                            dtype=engine_overrides.get("dtype"))
     # Room for every request to decode while the last ones prefill, then the timed steps.
     max_len = context + 512
     config.max_position_embeddings = max(int(config.max_position_embeddings), max_len)
@@ -289,20 +295,23 @@ def step(shape: str, batch_sizes: str, context: int, steps: int, device: str | N
     report: dict[str, Any] = {"environment": environment(dev), "copy_bandwidth_GBps": copy_gbps,
                               "context": context, "steps": steps, "rows": []}
     modes = [("graphs", False)] + ([] if no_eager or not cuda else [("eager", True)])
-    llm = LLM(config, device=dev, dtype=dtype, backend=backend, max_model_len=max_len,
-              max_num_seqs=max(sizes), kv_cache_memory_bytes=kv_budget,
-              max_num_batched_tokens=max(2048, max(sizes)),
-              cudagraph_capture_sizes=sizes if cuda else None)
+    llm = LLM(config, device=dev, dtype=dtype, **with_overrides(dict(
+        backend=None, max_model_len=max_len, max_num_seqs=max(sizes),
+        kv_cache_memory_bytes=kv_budget, max_num_batched_tokens=max(2048, max(sizes)),
+        cudagraph_capture_sizes=sizes if cuda else None), engine_overrides))
     report["model"] = model_shape(config, dtype=dtype, kv_dtype=dtype, name=shape)
     report["backends"] = llm.backend_names
     weights = weight_bytes(llm.model)
     kv_tok = kv_bytes_per_token(llm)
+    advance = click.get_current_context().with_resource(
+        progress_bar("bench step", len(modes) * len(sizes) * 2))
     for mode, eager in modes:
         if eager:
             runner: Any = llm.runner  # (one process: a ModelRunner)
             runner.release_graphs()
         for batch in sizes:
             for overlap in (True, False):
+                advance(1)
                 row = measure_step(llm, batch=batch, context=context, steps=steps,
                                    overlap=overlap, profile=profile and cuda)
                 row["mode"] = mode if llm.cudagraph_status()["enabled"] else "eager"

@@ -13,10 +13,14 @@ import sys
 import time
 from typing import Any
 
+import attrs
 import click
 
 from pagedcore.bench.report import git_commit
-from pagedcore.cli_types import BACKEND, DEVICE, IntList, OutputPath, positive_int
+from pagedcore.cli_progress import progress_bar
+from pagedcore.cli_types import IntList, OutputPath, positive_int
+from pagedcore.engine.engine_args import EngineArgs
+from pagedcore.engine.engine_args_cli import engine_options
 
 __all__ = ["tp"]
 
@@ -29,18 +33,15 @@ def _prompts(n: int, lo: int, hi: int, *, vocab: int, seed: int) -> list[list[in
     return [torch.randint(10, vocab, (m,), generator=g).tolist() for m in lengths]
 
 
-def run_size(model: str, size: int, prompts: list[list[int]], max_new: int, *,
-             device: str | None, dtype: str | None, backend: str | None,
-             kv_cache_memory_bytes: int | None,
-             enforce_eager: bool = False) -> tuple[dict[str, Any], list[list[int]]]:
-    """Figures and output tokens of one tensor-parallel size."""
+def run_size(engine_args: EngineArgs, size: int, prompts: list[list[int]],
+             max_new: int) -> tuple[dict[str, Any], list[list[int]]]:
+    """Figures and output tokens of `engine_args` at tensor-parallel size `size`."""
     import torch
 
     from pagedcore.engine.llm import LLM
     from pagedcore.engine.sampling.sampling_params import SamplingParams
 
-    llm = LLM(model, device=device, dtype=dtype, backend=backend, tensor_parallel_size=size,
-              kv_cache_memory_bytes=kv_cache_memory_bytes, enforce_eager=enforce_eager)
+    llm = LLM.from_engine_args(attrs.evolve(engine_args, tensor_parallel_size=size))
     try:
         warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         llm.generate(prompts[:2], warm)
@@ -78,37 +79,35 @@ def run_size(model: str, size: int, prompts: list[list[int]], max_new: int, *,
 
 
 @click.command()
-@click.option("--model", default="random:qwen2-0.5b", show_default=True,
-              help="Checkpoint directory, 'demo' or 'random:<type>' (every rank loads it).")
 @click.option("--sizes", default="1,2", show_default=True, type=IntList(1),
               help="Comma list of N.")
-@click.option("--device", default=None, type=DEVICE,
-              help="cpu or cuda (default: cuda when available).")
-@click.option("--dtype", default=None, help="float32, bfloat16, ... (default: bf16 on CUDA).")
-@click.option("--backend", default=None, type=BACKEND, help="Force an attention backend.")
-@click.option("--num-prompts", default=64, show_default=True, type=positive_int())
-@click.option("--min-len", default=64, show_default=True, type=positive_int())
-@click.option("--max-len", default=512, show_default=True, type=positive_int())
-@click.option("--max-new", default=128, show_default=True, type=positive_int())
-@click.option("--kv-cache-memory-bytes", default=None, type=int,
-              help="Per-rank KV budget (default: as LLM).")
+@click.option("--num-prompts", default=64, show_default=True, type=positive_int(),
+              help="Prompts of the workload.")
+@click.option("--min-len", default=64, show_default=True, type=positive_int(),
+              help="Shortest prompt (tokens).")
+@click.option("--max-len", default=512, show_default=True, type=positive_int(),
+              help="Longest prompt (tokens).")
+@click.option("--max-new", default=128, show_default=True, type=positive_int(),
+              help="New tokens per prompt.")
 @click.option("--threads", default=None, type=int,
               help="torch intra-op threads per rank (default: 1 on CPU, unchanged on CUDA).")
-@click.option("--enforce-eager", is_flag=True,
-              help="No CUDA graphs at any size (compare like with like when N>1 runs eager).")
-@click.option("--json", "json_path", default=None, type=OutputPath())
-def tp(model: str, sizes: list[int], device: str | None, dtype: str | None, backend: str | None,
-       num_prompts: int, min_len: int, max_len: int, max_new: int,
-       kv_cache_memory_bytes: int | None, threads: int | None, enforce_eager: bool,
-       json_path: str | None) -> None:
-    """Tokens/s of tensor_parallel_size N (e.g. 1 vs 2) on one workload."""
+@click.option("--json", "json_path", default=None, type=OutputPath(),
+              help="Write the figures to this JSON file.")
+@engine_options(model="option", exclude=("tensor_parallel_size", "log_stats", "log_interval"),
+                defaults={"model": "random:qwen2-0.5b"})
+def tp(sizes: list[int], num_prompts: int, min_len: int, max_len: int, max_new: int,
+       threads: int | None, json_path: str | None, engine_args: EngineArgs) -> None:
+    """Tokens/s of tensor_parallel_size N (e.g. 1 vs 2) on one workload (every rank loads
+    --model; --kv-cache-memory is per rank; --enforce-eager compares like with like when
+    N>1 runs eager)."""
     import torch
 
     from pagedcore.engine.distributed.executor import peek_config
     from pagedcore.engine.resources import resolve_device
 
     size_list = list(sizes)
-    if threads is None and resolve_device(device).type == "cpu":
+    model = str(engine_args.model)
+    if threads is None and resolve_device(engine_args.device).type == "cpu":
         threads = 1
     if threads is not None:
         torch.set_num_threads(threads)  # workers copy rank 0's setting
@@ -116,10 +115,11 @@ def tp(model: str, sizes: list[int], device: str | None, dtype: str | None, back
     prompts = _prompts(num_prompts, min_len, max_len, vocab=vocab, seed=0)
     rows: list[dict[str, Any]] = []
     first: list[list[int]] | None = None
+    advance = click.get_current_context().with_resource(
+        progress_bar("bench tp", len(size_list)))
     for size in size_list:
-        figures, tokens = run_size(model, size, prompts, max_new, device=device, dtype=dtype,
-                                   backend=backend, kv_cache_memory_bytes=kv_cache_memory_bytes,
-                                   enforce_eager=enforce_eager)
+        figures, tokens = run_size(engine_args, size, prompts, max_new)
+        advance(1)
         if first is None:
             first = tokens
         figures["identical_to_first_size"] = sum(a == b for a, b in zip(first, tokens,
@@ -140,5 +140,8 @@ def tp(model: str, sizes: list[int], device: str | None, dtype: str | None, back
         with open(json_path, "w") as fh:
             json.dump({"command": "pagedcore bench tp " + " ".join(sys.argv[3:]),
                        "git_commit": git_commit(),
+                       "engine_args": {k: v for k, v in attrs.asdict(
+                           engine_args, recurse=False).items() if k != "tokenizer"},
                        "model": model, "num_prompts": num_prompts, "min_len": min_len,
-                       "max_len": max_len, "max_new": max_new, "rows": rows}, fh, indent=2)
+                       "max_len": max_len, "max_new": max_new, "rows": rows}, fh, indent=2,
+                      default=str)

@@ -74,11 +74,15 @@ def conformance(
         click.echo(f"[{time.perf_counter() - start:6.1f} s] {result.status} {result.name}{err}",
                    err=True)
 
+    from pagedcore.cli_progress import progress_bar
+
     try:
-        report = run_suite(
-            name, quick=quick, device=device, case_filter=case_filter, exitfirst=exitfirst,
-            on_result=show if progress else None,
-        )
+        # The bar by default; --progress prints a line per case instead (logs, CI).
+        with progress_bar(f"conformance {cls.name}", len(cases), enabled=not progress) as bar:
+            report = run_suite(
+                name, quick=quick, device=device, case_filter=case_filter,
+                exitfirst=exitfirst, on_result=show if progress else lambda _r: bar(1),
+            )
     except (KeyError, LookupError, ValueError, ImportError) as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(report.summary())

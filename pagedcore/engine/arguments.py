@@ -34,6 +34,7 @@ DEFAULT_MAX_N = 256
 
 _POLICIES = ("fcfs", "priority")
 _HASH_ALGOS = ("sha256", "xxhash")
+_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 def check_device(device: Any) -> torch.device:
@@ -112,12 +113,23 @@ def check_engine_args(**args: Any) -> None:
     for name, bounds in ints.items():
         if name in args:
             check_int(p, name, args[name], **bounds)  # type: ignore[arg-type]
-    for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
+    for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager",
+                 "trust_remote_code", "log_stats"):
         if name in args:
             check_bool(p, name, args[name])
     if "gpu_memory_utilization" in args:
         check_real(p, "gpu_memory_utilization", args["gpu_memory_utilization"], low=0.0,
                    low_open=True, high=1.0, expected="a float in (0, 1]")
+    if "log_interval" in args:
+        check_real(p, "log_interval", args["log_interval"], low=0.0, low_open=True,
+                   expected="a number of seconds > 0")
+    overlap = args.get("async_scheduling")
+    if overlap is not None and not isinstance(overlap, bool):
+        p.type(f"async_scheduling must be True, False or None (the device's default), got "
+               f"{describe(overlap)}")
+    kv_dtype = args.get("kv_cache_dtype", "auto")
+    if not isinstance(kv_dtype, str) or kv_dtype not in _KV_CACHE_DTYPES:
+        p.value(f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES}, got {describe(kv_dtype)}")
     backend = args.get("backend")
     if backend is not None and not isinstance(backend, str):
         p.type(f"backend must be a backend name (str) or None, got {describe(backend)}")

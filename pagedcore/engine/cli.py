@@ -10,6 +10,9 @@ from typing import Any
 import click
 
 from pagedcore.cli_types import BACKEND, DEVICE, OutputPath, positive_int
+from pagedcore.engine.engine_args import EngineArgs
+from pagedcore.engine.engine_args_cli import engine_options
+from pagedcore.engine.stats_logging import configure_cli_logging
 
 __all__ = ["demo", "generate", "synthetic_workload"]
 
@@ -45,14 +48,6 @@ def synthetic_workload(num_requests: int, *, seed: int) -> list[tuple[str, int]]
     return work
 
 
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    k = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[k]
-
-
 @click.command()
 @click.option("--num-requests", default=64, show_default=True, type=positive_int(),
               help="Requests in the workload.")
@@ -62,8 +57,10 @@ def _percentile(values: list[float], q: float) -> float:
 @click.option("--kv-cache-mb", default=4.0, show_default=True,
               type=click.FloatRange(min=0, min_open=True),
               help="KV-cache budget in MiB (small on purpose: shows preemption).")
-@click.option("--max-num-batched-tokens", default=512, show_default=True, type=positive_int())
-@click.option("--seed", default=0, show_default=True, type=positive_int(0))
+@click.option("--max-num-batched-tokens", default=512, show_default=True, type=positive_int(),
+              help="Tokens per engine step at most.")
+@click.option("--seed", default=0, show_default=True, type=positive_int(0),
+              help="Seed of the random weights, the workload and sampling.")
 @click.option("--threads", default=1, show_default=True, type=positive_int(),
               help="torch CPU threads (the demo model is tiny: one is fastest).")
 @click.option("--json", "json_path", default=None, type=OutputPath(),
@@ -79,6 +76,7 @@ def demo(num_requests: int, device: str | None, backend: str | None, kv_cache_mb
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
     from rich.table import Table
 
+    from pagedcore.bench.report import percentiles
     from pagedcore.engine.llm import LLM
     from pagedcore.engine.sampling.sampling_params import SamplingParams
 
@@ -114,6 +112,7 @@ def demo(num_requests: int, device: str | None, backend: str | None, kv_cache_mb
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     ttft = [o.metrics.time_to_first_token or 0.0 for o in outputs]
+    ttft_pct = percentiles(ttft, (50, 99))
     figures = {
         "model": "demo (Llama-like, 2 layers, hidden 128, heads 4/2 x 64, byte tokenizer, "
                  "random weights)",
@@ -126,8 +125,8 @@ def demo(num_requests: int, device: str | None, backend: str | None, kv_cache_mb
         "elapsed_s": elapsed,
         "output_tokens_per_s": generated / elapsed,
         "total_tokens_per_s": (generated + prompt_tokens) / elapsed,
-        "ttft_p50_ms": 1000 * _percentile(ttft, 50),
-        "ttft_p99_ms": 1000 * _percentile(ttft, 99),
+        "ttft_p50_ms": 1000 * ttft_pct["p50"],
+        "ttft_p99_ms": 1000 * ttft_pct["p99"],
         "prefix_hit_tokens": stats["prefix_hit_tokens"],
         "prefix_hit_rate": stats["prefix_hit_rate"],
         "preemptions": stats["preemptions"],
@@ -166,41 +165,19 @@ def demo(num_requests: int, device: str | None, backend: str | None, kv_cache_mb
             json.dump(figures, fh, indent=2)
 
 
-_DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "half",
-                  "float")
-
-
-def _check_model_option(ctx: click.Context, param: click.Parameter, value: str) -> str:
-    """A checkpoint path is checked (exists, config.json, weights) before anything loads."""
-    if value == "demo" or value.startswith("random:"):
-        return value
-    from pagedcore.engine.models.checkpoint import CheckpointError, check_checkpoint_dir
-
-    try:
-        check_checkpoint_dir(value)
-    except CheckpointError as exc:
-        raise click.BadParameter(str(exc), ctx=ctx, param=param) from exc
-    return value
-
-
 @click.command()
 @click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeatable).")
 @click.option("--token-ids", "token_ids", multiple=True,
               help="A prompt as comma-separated token ids (repeatable).")
-@click.option("--model", default="demo", show_default=True, callback=_check_model_option,
-              help="Local checkpoint directory, 'demo' or 'random:<type>'.")
-@click.option("--max-tokens", default=32, show_default=True, type=positive_int())
-@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0))
+@click.option("--max-tokens", default=32, show_default=True, type=positive_int(),
+              help="New tokens per prompt at most.")
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0),
+              help="Sampling temperature (0: greedy).")
 @click.option("--top-p", default=1.0, show_default=True,
-              type=click.FloatRange(min=0, max=1, min_open=True))
-@click.option("--top-k", default=None, type=positive_int(0))
-@click.option("--seed", default=0, show_default=True, type=positive_int(0))
-@click.option("--device", default=None, type=DEVICE,
-              help="cpu or cuda (default: cuda when available).")
-@click.option("--dtype", default=None, type=click.Choice(_DTYPE_CHOICES),
-              help="Model dtype (default: bfloat16 on CUDA, float32 on the CPU).")
-@click.option("--backend", default=None, type=BACKEND, help="Force an attention backend by name.")
-@click.option("--max-model-len", default=None, type=positive_int())
+              type=click.FloatRange(min=0, max=1, min_open=True),
+              help="Nucleus sampling: keep the smallest set of tokens of this probability.")
+@click.option("--top-k", default=None, type=positive_int(0),
+              help="Sample among the k most likely tokens (0 or unset: all).")
 @click.option("--stream/--no-stream", default=False,
               help="Print the text as it is generated (one prompt at a time).")
 @click.option("--chat", is_flag=True,
@@ -209,13 +186,10 @@ def _check_model_option(ctx: click.Context, param: click.Parameter, value: str) 
 @click.option("--system", default=None,
               help="A system message before each --chat prompt (implies --chat).")
 @click.option("--stop", "stop", multiple=True, help="A stop string (repeatable).")
-@click.option("--enforce-eager", is_flag=True,
-              help="Never use CUDA graphs for decode steps (default: on where supported).")
-def generate(prompts: tuple[str, ...], token_ids: tuple[str, ...], model: str, max_tokens: int,
-             temperature: float, top_p: float, top_k: int | None, seed: int,
-             device: str | None, dtype: str | None, backend: str | None,
-             max_model_len: int | None, stream: bool, chat: bool, system: str | None,
-             stop: tuple[str, ...], enforce_eager: bool) -> None:
+@engine_options(model="option")
+def generate(prompts: tuple[str, ...], token_ids: tuple[str, ...], max_tokens: int,
+             temperature: float, top_p: float, top_k: int | None, stream: bool, chat: bool,
+             system: str | None, stop: tuple[str, ...], engine_args: EngineArgs) -> None:
     """Generate continuations of prompts (or chat answers) with a model."""
     from pagedcore.engine.chat import chat_prompt_ids
     from pagedcore.engine.llm import LLM
@@ -234,14 +208,17 @@ def generate(prompts: tuple[str, ...], token_ids: tuple[str, ...], model: str, m
     chat = chat or system is not None
     if chat and token_ids:
         raise click.UsageError("--chat takes --prompt messages, not --token-ids")
+    configure_cli_logging(engine_args)
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                top_k=top_k, seed=seed, stop=stop)
+                                top_k=top_k, seed=engine_args.seed, stop=stop)
         try:
-            llm = LLM(model, device=device, dtype=dtype, backend=backend, seed=seed,
-                      max_model_len=max_model_len, enforce_eager=enforce_eager)
+            llm = LLM.from_engine_args(engine_args)
         except CheckpointError as exc:  # found while loading (shapes, NaN): still the user's
             raise click.BadParameter(str(exc), param_hint="--model") from exc
+        if prompts and llm.tokenizer is None:
+            raise click.UsageError(f"--prompt needs a tokenizer: {llm.no_tokenizer_reason}; "
+                                   "or give the prompt as --token-ids")
         if chat:
             inputs = [{"prompt_token_ids": chat_prompt_ids(
                 llm.tokenizer, [*([{"role": "system", "content": system}] if system else []),
@@ -252,8 +229,8 @@ def generate(prompts: tuple[str, ...], token_ids: tuple[str, ...], model: str, m
                 _stream_one(llm, one, params)
             return
         outputs = llm.generate(inputs, params)
-    except ValueError as exc:
-        raise click.ClickException(str(exc)) from exc
+    except ValueError as exc:  # a user mistake (model, lengths, KV budget): exit status 2
+        raise click.UsageError(str(exc)) from exc
     for out in outputs:
         click.echo(f"[{out.request_id}] {_render(out)}")
 

@@ -7,7 +7,7 @@ bookkeeping and the step loop.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -16,9 +16,10 @@ from pagedcore.engine.scheduling.scheduler import Scheduler, SchedulerConfig
 
 if TYPE_CHECKING:
     import torch
-    from transformers import PretrainedConfig, PreTrainedModel
+    from transformers import PreTrainedModel
 
     from pagedcore.engine.distributed.executor import TensorParallelExecutor
+    from pagedcore.engine.engine_args import EngineArgs
     from pagedcore.engine.runner.model_runner import ModelRunner
     from pagedcore.kv_cache.manager import KVCacheManager
     from pagedcore.kv_cache.spec import KVCacheConfig
@@ -35,6 +36,8 @@ class EngineParts:
     model: PreTrainedModel
     model_name: str
     tokenizer: Any
+    #: Why `tokenizer` is None (which files the checkpoint lacks); None when there is one.
+    no_tokenizer_reason: str | None
     #: Every EOS id (generation config, model config, tokenizer).
     eos_token_ids: tuple[int, ...]
     #: `SamplingParams` fields the checkpoint's ``generation_config`` sets.
@@ -65,50 +68,36 @@ def _align_chunks(
     return attrs.evolve(config, token_buckets=buckets)
 
 
-def build_engine(
-    model: str | PretrainedConfig | PreTrainedModel,
-    *,
-    dtype: Any,
-    device: Any,
-    block_size: int,
-    max_model_len: int | None,
-    max_num_seqs: int,
-    max_num_batched_tokens: int,
-    enable_prefix_caching: bool,
-    enable_chunked_prefill: bool,
-    long_prefill_token_threshold: int | None,
-    kv_cache_memory_bytes: int | None,
-    gpu_memory_utilization: float,
-    backend: str | None,
-    seed: int,
-    scheduling_policy: Literal["fcfs", "priority"],
-    tokenizer: Any,
-    tensor_parallel_size: int,
-    enforce_eager: bool = False,
-    cudagraph_capture_sizes: Sequence[int] | None = None,
-    align_chunks_to_buckets: bool | Sequence[int] = True,
-    hash_algo: str = "sha256",
-    hash_seed: bytes | int | None = None,
-) -> EngineParts:
-    """Load the model and build its KV cache, scheduler and runner (see `LLM` for the args).
+def build_engine(args: EngineArgs) -> EngineParts:
+    """Load ``args.model`` and build its KV cache, scheduler and runner (`EngineArgs` says what
+    each option means).
 
     Raises
     ------
     ValueError
-        `gpu_memory_utilization` outside ``(0, 1]`` or `max_model_len` beyond the model's
-        ``max_position_embeddings``.
+        `max_model_len` beyond the model's ``max_position_embeddings``, a model that cannot
+        be loaded, a KV-cache budget too small.
     """
     from pagedcore.engine.models.loading import load_model
     from pagedcore.engine.runner.model_runner import ModelRunner
     from pagedcore.kv_cache.config import kv_cache_specs_from_hf_config, make_kv_cache_config
     from pagedcore.kv_cache.manager import KVCacheManager
 
-    if not 0.0 < gpu_memory_utilization <= 1.0:
+    if args.kv_cache_dtype != "auto":
+        # Accepted by EngineArgs (vLLM's names); refused here until the runner stores fp8.
         raise ValueError(
-            f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
+            f"kv_cache_dtype={args.kv_cache_dtype!r}: this engine stores the KV cache in the "
+            "model dtype only so far; use kv_cache_dtype='auto'"
         )
-    device = resolve_device(device)
-    dtype = resolve_dtype(dtype, device)
+    model = args.model
+    block_size, max_model_len = args.block_size, args.max_model_len
+    max_num_seqs, max_num_batched_tokens = args.max_num_seqs, args.max_num_batched_tokens
+    kv_cache_memory_bytes = args.kv_cache_memory_bytes
+    gpu_memory_utilization = args.gpu_memory_utilization
+    backend, seed, tensor_parallel_size = args.backend, args.seed, args.tensor_parallel_size
+    cudagraph_capture_sizes = args.cudagraph_capture_sizes
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
     tp: TensorParallelExecutor | None = None
     if tensor_parallel_size != 1:
         from pagedcore.engine.distributed.executor import TensorParallelExecutor
@@ -117,10 +106,12 @@ def build_engine(
             model, tensor_parallel_size=tensor_parallel_size, device=device,
             dtype=dtype, seed=seed, kv_cache_memory_bytes=kv_cache_memory_bytes,
             gpu_memory_utilization=gpu_memory_utilization,
+            trust_remote_code=args.trust_remote_code,
         )
         device = tp.device
     try:
-        loaded = load_model(model, dtype=dtype, device=device, seed=seed)
+        loaded = load_model(model, dtype=dtype, device=device, seed=seed,
+                            trust_remote_code=args.trust_remote_code)
         if tp is not None:
             tp.shard(loaded.model)
         config = loaded.model.config
@@ -136,9 +127,9 @@ def build_engine(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
-            enable_chunked_prefill=enable_chunked_prefill,
-            long_prefill_token_threshold=long_prefill_token_threshold,
-            policy=scheduling_policy,
+            enable_chunked_prefill=args.enable_chunked_prefill,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
+            policy=args.scheduling_policy,
         )
         rank_config = config if tp is None else tp.rank_config(config)
         specs = kv_cache_specs_from_hf_config(rank_config, block_size=block_size, dtype=dtype)
@@ -153,8 +144,8 @@ def build_engine(
             max_num_batched_tokens=max_num_batched_tokens,
         )
         kv_cache_manager = KVCacheManager(
-            kv_cache_config, max_model_len, enable_caching=enable_prefix_caching,
-            hash_algo=hash_algo, hash_seed=hash_seed,
+            kv_cache_config, max_model_len, enable_caching=args.enable_prefix_caching,
+            hash_algo=args.hash_algo, hash_seed=args.hash_seed,
         )
         scheduler = Scheduler(scheduler_config, kv_cache_manager, kv_cache_config)
         local = ModelRunner(
@@ -168,7 +159,7 @@ def build_engine(
             max_model_len=max_model_len,
             num_heads=None if tp is None else int(rank_config.num_attention_heads),
         )
-        if enforce_eager:
+        if args.enforce_eager:
             local.cudagraph_disabled_reason = "enforce_eager=True"
         elif tp is None:
             local.enable_cudagraphs(sizes=cudagraph_capture_sizes)
@@ -179,19 +170,20 @@ def build_engine(
                 local, kv_cache_config=kv_cache_config, backend=backend,
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len, num_heads=int(rank_config.num_attention_heads),
-                cudagraphs=not enforce_eager, cudagraph_capture_sizes=cudagraph_capture_sizes,
+                cudagraphs=not args.enforce_eager, cudagraph_capture_sizes=cudagraph_capture_sizes,
             )
-        scheduler_config = _align_chunks(scheduler_config, local, align_chunks_to_buckets)
+        scheduler_config = _align_chunks(scheduler_config, local, args.align_chunks_to_buckets)
         scheduler.config = scheduler_config
         from pagedcore.engine.sampling.defaults import eos_token_ids, generation_defaults
 
-        final_tokenizer = tokenizer if tokenizer is not None else loaded.tokenizer
+        final_tokenizer = args.tokenizer if args.tokenizer is not None else loaded.tokenizer
         return EngineParts(
             device=device,
             dtype=dtype,
             model=loaded.model,
             model_name=loaded.name,
             tokenizer=final_tokenizer,
+            no_tokenizer_reason=loaded.no_tokenizer_reason,
             eos_token_ids=eos_token_ids(loaded.model, final_tokenizer),
             sampling_defaults=generation_defaults(loaded.model),
             max_model_len=max_model_len,

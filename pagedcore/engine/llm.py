@@ -12,8 +12,9 @@ from collections.abc import Sequence
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Literal
 
-from pagedcore.engine.arguments import DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_N, check_engine_args
+from pagedcore.engine.arguments import DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_N
 from pagedcore.engine.detokenizer import advance_text
+from pagedcore.engine.engine_args import EngineArgs
 from pagedcore.engine.engine_builder import build_engine
 from pagedcore.engine.errors import EngineStepError
 from pagedcore.engine.llm_failures import FailureIsolation
@@ -37,6 +38,7 @@ from pagedcore.engine.sampling.sampler import Sampler
 from pagedcore.engine.sampling.sampling_params import SamplingParams
 from pagedcore.engine.scheduling.request import Request, RequestStatus, get_request_id
 from pagedcore.engine.scheduling.scheduler import DecodeBatch, SchedulerOutput
+from pagedcore.engine.stats_logging import StatsLogger
 from pagedcore.engine.validation import InvalidArgumentTypeError, describe
 
 if TYPE_CHECKING:
@@ -112,12 +114,23 @@ class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
     hash_algo, hash_seed:
         Prefix-cache block hashing: ``"sha256"`` (default) or ``"xxhash"``, and the seed of
         the hash chain (an int or bytes; None: random per process).
+    kv_cache_dtype:
+        ``"auto"`` (the model dtype), ``"fp8"`` (= ``"fp8_e4m3"``), ``"fp8_e4m3"`` or
+        ``"fp8_e5m2"``; whether a backend supports it is the selector's question.
+    trust_remote_code:
+        Let a checkpoint's own Python code (its config and model classes) run.
+    log_stats, log_interval:
+        Log a stats line every `log_interval` seconds through logger ``pagedcore.engine``
+        (off by default in the library; the CLI turns it on).
     async_scheduling:
         Overlap scheduling: schedule and prepare step N+1 while step N runs on the device;
         sampled ids feed the next step on the device, and reach the host (stop checks,
         outputs) one step behind (`pagedcore.engine.llm_overlap`). None: on with CUDA, off
         on the CPU; ``PAGEDCORE_ASYNC_SCHEDULING=0/1`` overrides. Outputs are the same
         either way (``stats()["async_scheduling"]`` says whether it is on, and why not).
+
+    Every keyword is a field of `EngineArgs` (same name, default and help);
+    ``LLM.from_engine_args(args)`` builds from one directly.
 
     Raises
     ------
@@ -159,17 +172,15 @@ class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
         max_n: int = DEFAULT_MAX_N,
         hash_algo: str = "sha256",
         hash_seed: bytes | int | None = None,
+        kv_cache_dtype: str = "auto",
+        trust_remote_code: bool = False,
+        log_stats: bool = False,
+        log_interval: float = 10.0,
         async_scheduling: bool | None = None,
     ) -> None:
-        if async_scheduling is not None and not isinstance(async_scheduling, bool):
-            raise InvalidArgumentTypeError(
-                f"async_scheduling must be True, False or None (the device's default), got "
-                f"{describe(async_scheduling)}"
-            )
-        # A bad PAGEDCORE_ASYNC_SCHEDULING is reported before anything loads.
-        async_scheduling_setting(async_scheduling, device_type="cpu")
-        check_engine_args(
-            block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+        args = EngineArgs(
+            model=model, dtype=dtype, device=device, block_size=block_size,
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching,
             enable_chunked_prefill=enable_chunked_prefill,
@@ -181,22 +192,25 @@ class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
             cudagraph_capture_sizes=cudagraph_capture_sizes,
             align_chunks_to_buckets=align_chunks_to_buckets, max_logprobs=max_logprobs,
             max_n=max_n, hash_algo=hash_algo, hash_seed=hash_seed,
+            kv_cache_dtype=kv_cache_dtype, trust_remote_code=trust_remote_code,
+            log_stats=log_stats, log_interval=log_interval, async_scheduling=async_scheduling,
         )
-        parts = build_engine(
-            model, dtype=dtype, device=device, block_size=block_size,
-            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=enable_prefix_caching,
-            enable_chunked_prefill=enable_chunked_prefill,
-            long_prefill_token_threshold=long_prefill_token_threshold,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            gpu_memory_utilization=gpu_memory_utilization, backend=backend, seed=seed,
-            scheduling_policy=scheduling_policy, tokenizer=tokenizer,
-            tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
-            cudagraph_capture_sizes=cudagraph_capture_sizes,
-            align_chunks_to_buckets=align_chunks_to_buckets,
-            hash_algo=hash_algo, hash_seed=hash_seed,
-        )
+        self._init_from_args(args)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLM:
+        """An engine built from `args` (what the CLI commands do)."""
+        llm = cls.__new__(cls)
+        llm._init_from_args(args)
+        return llm
+
+    def _init_from_args(self, args: EngineArgs) -> None:
+        # A bad PAGEDCORE_ASYNC_SCHEDULING is reported before anything loads.
+        async_scheduling_setting(args.async_scheduling, device_type="cpu")
+        #: The options this engine was built with.
+        self.engine_args = args
+        parts = build_engine(args)
+        max_logprobs, max_n, seed = args.max_logprobs, args.max_n, args.seed
         #: Engine-level bounds on one request (see `check_request`).
         self.max_logprobs = max_logprobs
         self.max_n = max_n
@@ -205,6 +219,8 @@ class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
         self.model = parts.model
         self.model_name = parts.model_name
         self.tokenizer = parts.tokenizer
+        #: Why `tokenizer` is None (e.g. which files the checkpoint lacks); None if there is one.
+        self.no_tokenizer_reason = None if self.tokenizer is not None else parts.no_tokenizer_reason
         #: Every EOS id of the model (each one stops a request unless ``ignore_eos``).
         self.eos_token_ids = parts.eos_token_ids
         #: The `SamplingParams` fields of the checkpoint's ``generation_config``: the defaults
@@ -231,6 +247,9 @@ class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
         self.phase_time = dict.fromkeys(
             ("schedule", "prepare", "execute", "update", "wait"), 0.0)
         self.num_steps = 0
+        #: Tokens sampled so far (every sample of every request).
+        self.num_generated_tokens = 0
+        self._stats_logger = StatsLogger(args.log_interval) if args.log_stats else None
         #: Tokens the scheduler gave the last step (prompt chunks + decodes; 0 before any).
         self.last_step_num_scheduled_tokens = 0
         # The requests the last step sampled and their tokens (see `_run`).
@@ -244,11 +263,11 @@ class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
         self._inflight: InflightStep | None = None
         self._fence = InputFence()
         self._tensor_parallel = int(getattr(self.runner, "world_size", 1)) > 1
-        self._async_requested = async_scheduling
+        self._async_requested = args.async_scheduling
         self.async_scheduling = False
         #: Why overlap scheduling is off (None while it is on).
         self.async_scheduling_reason: str | None = None
-        self.set_async_scheduling(async_scheduling)
+        self.set_async_scheduling(args.async_scheduling)
 
     # ---- properties ------------------------------------------------------------------------
 
@@ -311,6 +330,7 @@ class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
         return tokenize(
             prompt, tokenizer=self.tokenizer, model_name=self.model_name,
             vocab_size=int(self.model.config.vocab_size),
+            no_tokenizer_reason=self.no_tokenizer_reason,
         )
 
     def default_sampling_params(self) -> SamplingParams:
@@ -480,6 +500,10 @@ class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
     ) -> list[RequestOutput]:
         """A step's outputs (`_collect_outputs`), its update time and count recorded."""
         outputs = self._collect_outputs(changed, finished_only=finished_only)
+        # Each changed request received one token this step (a rejected one, rarely, none).
+        self.num_generated_tokens += len(changed)
+        if self._stats_logger is not None:
+            self._stats_logger.maybe_log(self.stats, self.num_generated_tokens)
         t_end = time.perf_counter()
         self.phase_time["update"] += t_end - t_update
         self.step_time += t_end - t0

@@ -109,7 +109,8 @@ def _token_ids(prompt: Any, vocab_size: int, *, name: str = "prompt") -> list[in
 
 
 def tokenize(
-    prompt: PromptType, *, tokenizer: Any, model_name: str, vocab_size: int
+    prompt: PromptType, *, tokenizer: Any, model_name: str, vocab_size: int,
+    no_tokenizer_reason: str | None = None,
 ) -> tuple[str | None, list[int]]:
     """The text (None when given as ids) and the token ids of `prompt`.
 
@@ -137,8 +138,9 @@ def tokenize(
             raise _prompt_error(f"'prompt' must be a str, got {describe(prompt)}")
     if isinstance(prompt, str):
         if tokenizer is None:
+            why = f" ({no_tokenizer_reason})" if no_tokenizer_reason else ""
             raise ValueError(
-                f"model {model_name!r} has no tokenizer; pass token ids instead of text"
+                f"model {model_name!r} has no tokenizer{why}; pass token ids instead of text"
             )
         if not prompt:
             raise _prompt_error("the prompt text is empty", type_error=False)

@@ -74,8 +74,12 @@ def test_engine_bench_model_choices_and_errors() -> None:
 def test_model_option_reaches_the_prefix_engine(tmp_path: Path) -> None:
     out = tmp_path / "p.json"
     _run(["prefix", "--small", "--model", "llama3-8b", "--device", "cpu", "--lengths", "48",
-          "--reps", "1", "--no-phases", "--json", str(out)])
+          "--reps", "1", "--no-phases", "--json", str(out), "--block-size", "8",
+          "--max-num-seqs", "4"])
     report = json.loads(out.read_text())
+    # Engine options (generated from EngineArgs) reach both engines the bench builds.
+    assert (report["engine_config"]["block_size"], report["engine_config"]["max_num_seqs"]) == (
+        8, 4)
     model = report["model"]
     assert (model["name"], model["model_type"], model["num_key_value_heads"]) == (
         "llama3-8b (small)", "llama", 1)

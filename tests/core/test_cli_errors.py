@@ -51,6 +51,15 @@ def _usage_error(args: list[str], needle: str) -> Result:
     (["bench", "backends", "--backend", "nope"], "reference"),
     (["conformance", "nope"], "unknown attention backend 'nope'"),
     (["conformance", "reference", "-k", "no_such_case"], "matches none of the"),
+    # The engine options (generated from EngineArgs) check the same way on every command.
+    (["serve", "demo", "--device", "cdua"], "'cdua' is not a device"),
+    (["serve", "demo", "--kv-cache-memory", "2x"], "not a size such as 4GiB"),
+    (["serve", "demo", "--kv-cache-dtype", "int4"], "--kv-cache-dtype"),
+    (["serve", "demo", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
+    (["bench", "engine", "--block-size", "0"], "--block-size"),
+    (["bench", "tp", "--device", "cuda"], "no CUDA device is available here"),
+    (["bench", "prefix", "--max-num-seqs", "x"], "--max-num-seqs"),
+    (["generate", "--prompt", "x", "--model", "./no/such/dir"], "does not exist"),
 ])
 def test_cli_mistake_is_a_usage_error(args: list[str], needle: str) -> None:
     _usage_error(args, needle)

@@ -97,6 +97,7 @@ class TensorParallelExecutor:
         seed: int,
         kv_cache_memory_bytes: int | None,
         gpu_memory_utilization: float,
+        trust_remote_code: bool = False,
     ) -> None:
         import torch
         import torch.multiprocessing as mp
@@ -136,6 +137,7 @@ class TensorParallelExecutor:
                 device_type=device.type, seed=seed, num_threads=torch.get_num_threads(),
                 timeout_s=self.timeout_s, kv_cache_memory_bytes=kv_cache_memory_bytes,
                 gpu_memory_utilization=gpu_memory_utilization,
+                trust_remote_code=trust_remote_code,
             )
             proc = ctx.Process(target=worker_main, args=(args, child), daemon=True,
                                name=f"pagedcore-tp-rank{rank}")

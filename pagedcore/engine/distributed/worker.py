@@ -50,6 +50,7 @@ class WorkerArgs:
     timeout_s: float
     kv_cache_memory_bytes: int | None
     gpu_memory_utilization: float
+    trust_remote_code: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -156,7 +157,8 @@ def _run(args: WorkerArgs, conn: Connection) -> None:
     conn.send(("hello", args.rank))
     groups = init_groups(rank=args.rank, world_size=args.world_size, port=args.port,
                          device=device, timeout_s=args.timeout_s)
-    model = load_model(args.model, dtype=args.dtype, device=device, seed=args.seed).model
+    model = load_model(args.model, dtype=args.dtype, device=device, seed=args.seed,
+                       trust_remote_code=args.trust_remote_code).model
     shard_model(model, rank=args.rank, world_size=args.world_size, all_reduce=groups.all_reduce)
     if fault == (args.rank, SETUP_STEP):
         raise RuntimeError(f"injected fault during setup ({FAULT_ENV})")

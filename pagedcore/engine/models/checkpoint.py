@@ -126,6 +126,7 @@ def load_checkpoint(
     dtype: torch.dtype,
     device: torch.device,
     strict: bool | None = None,
+    trust_remote_code: bool = False,
 ) -> Any:
     """The causal LM of a checkpoint directory, on `device`, in eval mode, checked.
 
@@ -148,7 +149,8 @@ def load_checkpoint(
     strict_checks = _strict(strict)
     try:
         loaded: Any = AutoModelForCausalLM.from_pretrained(
-            str(root), dtype=dtype, local_files_only=True, output_loading_info=True
+            str(root), dtype=dtype, local_files_only=True, output_loading_info=True,
+            trust_remote_code=trust_remote_code,
         )
     except Exception as err:  # OSError, RuntimeError (shapes), safetensors' SafetensorError...
         raise CheckpointError(_load_failure(root, err)) from err
@@ -184,7 +186,7 @@ def _load_failure(root: Path, err: BaseException) -> str:
     return f"cannot load the weights in {root} ({type(err).__name__}: {text}); {hint}"
 
 
-def load_tokenizer(path: str | os.PathLike[str]) -> Any:
+def load_tokenizer(path: str | os.PathLike[str], *, trust_remote_code: bool = False) -> Any:
     """The checkpoint's tokenizer, or None when it ships none (no tokenizer files).
 
     Raises
@@ -203,7 +205,8 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(root), local_files_only=True)
+        return AutoTokenizer.from_pretrained(str(root), local_files_only=True,
+                                             trust_remote_code=trust_remote_code)
     except Exception as err:  # tokenizers raises its own Exception types
         raise CheckpointError(
             f"the tokenizer of {root} ({', '.join(present)}) cannot be loaded "

@@ -1,8 +1,10 @@
-"""Model loading: local checkpoints, seeded random weights from a config, the built-in demo.
+"""Model loading: local checkpoints, Hugging Face model ids (from the local cache, downloaded
+when the hub is reachable), seeded random weights from a config, the built-in demo.
 
-Supported architectures: Llama, Qwen2, Qwen3, Mistral (sliding window), Gemma-2 (alternating
-sliding / full layers, attention and final logit soft-caps) and DeepSeek-V2/V3 (MLA, see
-`pagedcore.engine.models.mla_attention`).
+Any decoder whose attention goes through transformers' `AttentionInterface` and whose layers
+the engine can bind runs (`pagedcore.engine.models.support`); ``TESTED_MODEL_TYPES`` are the
+architectures CI proves token-identical to transformers (tests/engine/test_correctness.py,
+tests/engine/test_more_archs.py), and the ones `tiny_config` builds.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
+    "TESTED_MODEL_TYPES",
     "ByteTokenizer",
     "LoadedModel",
     "demo_config",
@@ -31,9 +34,13 @@ __all__ = [
     "tiny_config",
 ]
 
-SUPPORTED_MODEL_TYPES = (
-    "llama", "qwen2", "qwen3", "mistral", "gemma2", "deepseek_v2", "deepseek_v3"
+#: Architectures CI proves token-identical to transformers (greedy tokens and logits).
+TESTED_MODEL_TYPES = (
+    "llama", "qwen2", "qwen3", "mistral", "gemma2", "deepseek_v2", "deepseek_v3",
+    "phi3", "olmo2", "granite", "qwen3_moe", "gemma", "starcoder2", "cohere",
 )
+#: Former name of `TESTED_MODEL_TYPES` (no longer an allowlist: see `model_support`).
+SUPPORTED_MODEL_TYPES = TESTED_MODEL_TYPES
 
 
 class ByteTokenizer:
@@ -59,6 +66,8 @@ class LoadedModel:
     model: PreTrainedModel
     tokenizer: Any
     name: str
+    #: Why there is no tokenizer (which files a checkpoint lacks); None when there is one.
+    no_tokenizer_reason: str | None = None
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -66,6 +75,19 @@ class LoadedModel:
         from pagedcore.engine.sampling.defaults import eos_token_ids
 
         return eos_token_ids(self.model, self.tokenizer)
+
+
+#: Per architecture: what makes its tiny config exercise what sets it apart (non-default
+#: multipliers and scales, experts), so a runner that ignores one of them changes the logits.
+_TINY_EXTRAS: dict[str, dict[str, Any]] = {
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      decoder_sparse_step=1),
+    "granite": dict(logits_scaling=4.0, attention_multiplier=0.2, embedding_multiplier=2.0,
+                    residual_multiplier=0.5),
+    "cohere": dict(logit_scale=0.5),
+    "starcoder2": dict(sliding_window=12),
+    "phi3": dict(partial_rotary_factor=0.5),
+}
 
 
 def tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:
@@ -77,9 +99,9 @@ def tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:
     """
     from transformers import AutoConfig
 
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type not in TESTED_MODEL_TYPES:
         raise ValueError(
-            f"model type {model_type!r} is not supported; choose one of {SUPPORTED_MODEL_TYPES}"
+            f"no tiny config for model type {model_type!r}; choose one of {TESTED_MODEL_TYPES}"
         )
     base: dict[str, Any] = dict(
         vocab_size=128,
@@ -106,6 +128,7 @@ def tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:
             final_logit_softcapping=5.0,
             layer_types=["sliding_attention", "full_attention"],
         )
+    base.update(_TINY_EXTRAS.get(model_type, {}))
     if model_type in ("deepseek_v2", "deepseek_v3"):
         from pagedcore.engine.models.mla_attention import TINY_MLA_OVERRIDES
 
@@ -216,18 +239,54 @@ def random_model(
     return result
 
 
-def _check_model_type(config: PretrainedConfig) -> None:
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"model type {model_type!r} is not supported by the pagedcore engine; supported: "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
-
-
 def _looks_like_path(model: str) -> bool:
     """A string the user meant as a path (so a typo says "does not exist")."""
-    return os.sep in model or model.startswith(".") or os.path.exists(model)
+    from pagedcore.engine.models.hub import looks_like_repo_id
+
+    return os.path.exists(model) or not looks_like_repo_id(model)
+
+
+def _no_tokenizer_reason(root: Any) -> str:
+    from pagedcore.engine.models.checkpoint import TOKENIZER_FILES
+
+    return (f"the checkpoint {str(root)!r} ships no tokenizer (none of "
+            f"{', '.join(TOKENIZER_FILES)} is there); copy the tokenizer files into it "
+            "(tokenizer.save_pretrained(path)) or pass tokenizer=")
+
+
+def _load_directory(
+    name: str, root: Any, *, dtype: torch.dtype, device: torch.device, strict: bool | None,
+    trust_remote_code: bool,
+) -> LoadedModel:
+    from transformers import AutoConfig
+
+    from pagedcore.engine.models.checkpoint import (
+        CheckpointError,
+        check_checkpoint_dir,
+        load_checkpoint,
+        load_tokenizer,
+    )
+    from pagedcore.engine.models.support import check_architecture
+
+    root = check_checkpoint_dir(root)
+    try:
+        config = AutoConfig.from_pretrained(str(root), local_files_only=True,
+                                            trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError) as err:
+        hint = ("; it needs its own code: pass trust_remote_code=True "
+                "(--trust-remote-code) if you trust it"
+                if "trust_remote_code" in str(err) else
+                "; save it again with config.save_pretrained()")
+        raise CheckpointError(
+            f"{root / 'config.json'} is not a usable transformers config "
+            f"({type(err).__name__}: {str(err)[:300]}){hint}"
+        ) from err
+    check_architecture(config, trust_remote_code=trust_remote_code)
+    tokenizer = load_tokenizer(root, trust_remote_code=trust_remote_code)
+    loaded = load_checkpoint(root, dtype=dtype, device=device, strict=strict,
+                             trust_remote_code=trust_remote_code)
+    return LoadedModel(loaded, tokenizer, name,
+                       None if tokenizer is not None else _no_tokenizer_reason(root))
 
 
 def load_model(
@@ -237,6 +296,7 @@ def load_model(
     device: torch.device,
     seed: int = 0,
     strict: bool | None = None,
+    trust_remote_code: bool = False,
 ) -> LoadedModel:
     """Resolve what the user passed as `model`.
 
@@ -245,20 +305,37 @@ def load_model(
     model:
         ``"demo"`` (built-in model, byte tokenizer), ``"random:<type>"`` (a `tiny_config` of
         that type), ``"random:qwen2-0.5b"`` or ``"random:llama3-8b"`` (full-size shapes), a
-        local checkpoint directory, a transformers config (seeded random weights) or a loaded
-        model (used as is, moved to `device`).
+        local checkpoint directory, a Hugging Face model id (``"org/name"``: the local cache,
+        else a download), a transformers config (seeded random weights) or a loaded model
+        (used as is, moved to `device`).
+    trust_remote_code:
+        Let a checkpoint's own code (``auto_map`` classes) run.
+
+    Raises
+    ------
+    UnsupportedModelError
+        An architecture the engine cannot run (the message says why).
+    ModelNotFoundError
+        A string that is neither a directory nor a model id found in the cache or the hub.
     """
     from transformers import PretrainedConfig, PreTrainedModel
 
+    from pagedcore.engine.models.support import check_architecture
+
     if isinstance(model, PreTrainedModel):
-        _check_model_type(model.config)
+        check_architecture(model)
         given: Any = model
         return LoadedModel(given.to(device=device, dtype=dtype).eval(), None,
-                           type(model).__name__)
+                           type(model).__name__, "a loaded model comes without a tokenizer; "
+                           "pass tokenizer=")
     if isinstance(model, PretrainedConfig):
-        _check_model_type(model)
+        check_architecture(model, trust_remote_code=trust_remote_code)
         return LoadedModel(random_model(model, dtype=dtype, device=device, seed=seed), None,
-                           f"random {model.model_type}")
+                           f"random {model.model_type}", "a config comes without a tokenizer; "
+                           "pass tokenizer=")
+    if not model.strip():
+        raise ValueError("model is an empty string; give a checkpoint directory, a Hugging "
+                         "Face model id, 'demo' or 'random:<type>'")
     if model == "demo":
         built = random_model(demo_config(), dtype=dtype, device=device, seed=seed)
         return LoadedModel(built, ByteTokenizer(), "demo")
@@ -266,32 +343,13 @@ def load_model(
         kind = model.removeprefix("random:")
         config = random_config(kind)
         return LoadedModel(random_model(config, dtype=dtype, device=device, seed=seed), None,
-                           model)
+                           model, f"{model!r} has random weights and no tokenizer")
     if os.path.isdir(model) or _looks_like_path(model):
-        from transformers import AutoConfig
+        return _load_directory(os.path.basename(os.path.normpath(model)), model, dtype=dtype,
+                               device=device, strict=strict,
+                               trust_remote_code=trust_remote_code)
+    from pagedcore.engine.models.hub import resolve_model_id
 
-        from pagedcore.engine.models.checkpoint import (
-            CheckpointError,
-            check_checkpoint_dir,
-            load_checkpoint,
-            load_tokenizer,
-        )
-
-        root = check_checkpoint_dir(model)
-        try:
-            config = AutoConfig.from_pretrained(str(root), local_files_only=True)
-        except (OSError, ValueError, KeyError) as err:
-            raise CheckpointError(
-                f"{root / 'config.json'} is not a usable transformers config "
-                f"({type(err).__name__}: {err}); save it again with config.save_pretrained()"
-            ) from err
-        _check_model_type(config)
-        tokenizer = load_tokenizer(root)
-        loaded = load_checkpoint(root, dtype=dtype, device=device, strict=strict)
-        return LoadedModel(loaded, tokenizer, os.path.basename(os.path.normpath(model)))
-    raise ValueError(
-        f"cannot load model {model!r}: give a local checkpoint directory, 'demo', "
-        f"'random:<{'|'.join(SUPPORTED_MODEL_TYPES)}>', 'random:qwen2-0.5b', "
-        "'random:llama3-8b', a transformers "
-        "config or a loaded model"
-    )
+    root = resolve_model_id(model)
+    return _load_directory(model, root, dtype=dtype, device=device, strict=strict,
+                           trust_remote_code=trust_remote_code)

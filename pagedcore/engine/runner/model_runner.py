@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pagedcore.engine.models import attention_hook
+from pagedcore.engine.models.support import output_logit_scale
 from pagedcore.engine.runner.cuda_graph import (
     DecodeGraphs,
     GraphCapturer,
@@ -112,6 +113,9 @@ class ModelRunner:
         self.base_model = getattr(model, model.base_model_prefix)
         self.lm_head: Any = model.get_output_embeddings()  # type: ignore[no-untyped-call]
         self.final_logit_softcap: float | None = getattr(config, "final_logit_softcapping", None)
+        # Cohere's logit_scale, Granite's 1 / logits_scaling: the model's forward applies it
+        # after lm_head, which the engine calls itself.
+        self.logit_scale = output_logit_scale(config)
         soft_cap: float | None = getattr(config, "attn_logit_softcapping", None)
 
         self.backends: list[type[AttentionBackend]] = []
@@ -398,6 +402,8 @@ class ModelRunner:
                 )
                 hidden = self._hidden(inputs.input_ids, inputs.positions, ctx)
             logits: torch.Tensor = self.lm_head(hidden.index_select(0, inputs.logits_indices))
+            if self.logit_scale is not None:
+                logits = logits * self.logit_scale
             cap = self.final_logit_softcap
             if cap is not None:
                 logits = torch.tanh(logits / cap) * cap
