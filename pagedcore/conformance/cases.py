@@ -295,7 +295,6 @@ def build_cases(
             variants.append({"sinks": True, "sliding_window": 8})
         if not quick:
             variants.append({"batch": "chunked_prefill", "sinks": True})
-            variants.append({"batch": "long", "sinks": True})
         combo["sinks"] = True
     fp8 = [k for k in backend.supported_kv_cache_dtypes if k != "auto"]
     for kv in fp8:
@@ -303,6 +302,8 @@ def build_cases(
             {"batch": b, "kv_cache_dtype": kv} for b in BATCHES if b in QUICK_BATCHES or not quick
         ]
     variants += [{"dtype": dt, "kv_cache_dtype": fp8[0]} for dt in other_dtypes[:1] if fp8]
+    if fp8 and backend.supports_sink and not quick:
+        variants.append({"batch": "long", "kv_cache_dtype": fp8[0], "sinks": True})
     if fp8 and backend.supports_sink:
         variants.append({"batch": "chunked_prefill", "kv_cache_dtype": fp8[0], "sinks": True,
                          "sliding_window": 8 if backend.supports_sliding_window else None})
