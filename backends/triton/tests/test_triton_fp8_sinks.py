@@ -1,7 +1,8 @@
 """fp8 KV cache and attention sinks on every Triton decode plan (uniform split-KV, balanced).
 
 The quick conformance run (test_conformance.py) covers the fp8 and sink cases on the default
-plans; these run the `long` batch with sinks and an e4m3 cache (split-KV decodes, a chunk continuing a long prefix) on both
+plans; these run the `long` batch with sinks and an e4m3 cache (split-KV decodes, a chunk
+continuing a long prefix) on both
 decode plans, where the sink must enter exactly one segment of each row and the fp8 scales
 must survive the merge of the segments.
 """
