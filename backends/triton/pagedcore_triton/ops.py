@@ -55,7 +55,7 @@ def prepare_launch(
     cfg = tiles or tile_config(
         part.max_query_len, qpk, head_size, interpreting=interp,
         prefill_override=os.environ.get(PREFILL_TILES_ENV), prefill_only=part.prefill_only,
-        itemsize=dtype.itemsize,
+        itemsize=dtype.itemsize, kv_itemsize=1 if kv_fp8 else dtype.itemsize,
     )
     head_pad = triton.next_power_of_2(head_size)
     if part.balanced_programs is not None:
