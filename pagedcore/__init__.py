@@ -48,7 +48,7 @@ _LAZY = {
     "BackendSelectionError": "pagedcore.plugins.selector",
     "get_registry": "pagedcore.plugins.registry",
     "LLM": "pagedcore.engine.llm",
-    "SamplingParams": "pagedcore.engine.sampling_params",
+    "SamplingParams": "pagedcore.engine.sampling.sampling_params",
     "RequestOutput": "pagedcore.engine.outputs",
     # what a user's invalid argument raises (a ValueError; the type variant is also a TypeError)
     "InvalidArgumentError": "pagedcore.engine.validation",
@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     from pagedcore.attention.metadata import decode_first_order, split_decodes_and_prefills
     from pagedcore.engine.llm import LLM
     from pagedcore.engine.outputs import RequestOutput
-    from pagedcore.engine.sampling_params import SamplingParams
+    from pagedcore.engine.sampling.sampling_params import SamplingParams
     from pagedcore.engine.validation import InvalidArgumentError, InvalidArgumentTypeError
     from pagedcore.kv_cache.spec import (
         AttentionSpec,

@@ -21,9 +21,9 @@ from torch.profiler import ProfilerActivity, profile
 
 os.environ["PAGEDCORE_FUSED_KERNELS"] = "0"  # build unswapped; swap by hand below
 
-from pagedcore.engine.fused_ops import swap_fused_modules
 from pagedcore.engine.llm import LLM
-from pagedcore.engine.sampling_params import SamplingParams
+from pagedcore.engine.models.fused_ops import swap_fused_modules
+from pagedcore.engine.sampling.sampling_params import SamplingParams
 
 
 def main() -> None:

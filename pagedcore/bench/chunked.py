@@ -39,7 +39,7 @@ def make_timeline(*, long_len: int, num_short: int, short_lens: tuple[int, int],
     import torch
 
     from pagedcore.bench.timeline import Arrival
-    from pagedcore.engine.sampling_params import SamplingParams
+    from pagedcore.engine.sampling.sampling_params import SamplingParams
 
     g = torch.Generator().manual_seed(seed)
     long_params = SamplingParams(max_tokens=long_max_tokens, temperature=0.0, ignore_eos=True)
@@ -246,7 +246,7 @@ def chunked(small: bool, device: str | None, backend: str | None, model_name: st
     )
     from pagedcore.bench.timeline import Arrival, WallClock, run_timeline
     from pagedcore.engine.llm import LLM
-    from pagedcore.engine.sampling_params import SamplingParams
+    from pagedcore.engine.sampling.sampling_params import SamplingParams
 
     dev, dtype, config = engine_bench_model(small, device, model_name)
     if small:

@@ -165,7 +165,7 @@ def _run_engine_bench(
         "prompt_len": [lo, hi],
         "max_new_tokens": max_new,
     })
-    from pagedcore.engine.models import random_model
+    from pagedcore.engine.models.loading import random_model
 
     model = random_model(config, dtype=dtype, device=dev, seed=0)
     engine_kw: dict[str, Any] = dict(
@@ -267,7 +267,7 @@ def _stress(dev: Any, backend: str | None, num_requests: int) -> dict[str, Any]:
     serve it)."""
     import torch
 
-    from pagedcore.engine.models import random_model, tiny_config
+    from pagedcore.engine.models.loading import random_model, tiny_config
     from pagedcore.kv_cache.config import kv_cache_specs_from_hf_config
 
     stress_cfg = tiny_config("qwen2", vocab_size=512, max_position_embeddings=256, head_dim=64)

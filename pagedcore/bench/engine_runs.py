@@ -54,7 +54,7 @@ def run_pagedcore(llm: Any, prompt_ids: list[list[int]], max_new: int, *,
     the timed run) for 8 tokens: full-budget prefill steps, mixed steps and decodes, so
     kernels JIT-compiled per step shape (Triton) are compiled before the timed run.
     """
-    from pagedcore.engine.sampling_params import SamplingParams
+    from pagedcore.engine.sampling.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
     llm.generate(warmup, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
@@ -129,7 +129,7 @@ def host_share(llm: Any, *, num_requests: int, vocab: int, decode_steps: int,
     steps run under cProfile and the 30 costliest functions by cumulative time (then by own
     time) are written there as text.
     """
-    from pagedcore.engine.sampling_params import SamplingParams
+    from pagedcore.engine.sampling.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=decode_steps + profile_steps + 64, temperature=0.0,
                             ignore_eos=True)
@@ -188,7 +188,7 @@ def graph_parity(graphs: Any, eager: Any, prompt_ids: Sequence[list[int]], *,
     differ). Returns counts, the first divergence step of each diverging request, and the
     largest absolute log-probability difference while histories agree.
     """
-    from pagedcore.engine.sampling_params import SamplingParams
+    from pagedcore.engine.sampling.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True, logprobs=5)
     a = graphs.generate(list(prompt_ids), params)
@@ -223,7 +223,7 @@ def preemption_stress(make: Callable[..., Any], *, num_requests: int, vocab: int
     """Outputs under a tight KV budget equal those of an unconstrained run."""
     import torch
 
-    from pagedcore.engine.sampling_params import SamplingParams
+    from pagedcore.engine.sampling.sampling_params import SamplingParams
 
     g = torch.Generator().manual_seed(5)
     prompt_ids = prompts(num_requests, 8, 48, vocab=vocab, seed=7)

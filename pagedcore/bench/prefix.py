@@ -41,7 +41,7 @@ def _tokens(n: int, *, vocab: int, seed: int) -> list[int]:
 def _one(llm: Any, rid: str, prompt: list[int], max_tokens: int, clock: Any = None) -> Any:
     """Run one request alone through the timeline driver; its `Trace`."""
     from pagedcore.bench.timeline import Arrival, run_timeline
-    from pagedcore.engine.sampling_params import SamplingParams
+    from pagedcore.engine.sampling.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     traces, _ = run_timeline(
@@ -165,7 +165,7 @@ def chat_trace(llm: Any, *, turns: int, system_len: int, user_len: int, reply_le
                vocab: int, prefix: str, clock: Any = None) -> list[dict[str, Any]]:
     """A multi-turn chat where each turn's prompt carries the full history."""
     from pagedcore.bench.timeline import Arrival, run_timeline
-    from pagedcore.engine.sampling_params import SamplingParams
+    from pagedcore.engine.sampling.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=reply_len, temperature=0.0, ignore_eos=True)
     history = _tokens(system_len, vocab=vocab, seed=7000)

@@ -146,7 +146,7 @@ def phase_breakdown(llm: Any, prompts: Sequence[list[int]], *, label: str,
         ``label``, ``n``, ``phases_ms`` (median per phase), ``total_ms`` (median),
         ``steps``, ``num_cached_tokens`` and ``mixed_graph_replays`` (per request).
     """
-    from pagedcore.engine.sampling_params import SamplingParams
+    from pagedcore.engine.sampling.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     runs = [_run_one(llm, f"{label}-{i}", p, params, sync) for i, p in enumerate(prompts)]
@@ -184,7 +184,7 @@ def profile_request(llm: Any, prompt: list[int], path: str, *, label: str) -> di
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from pagedcore.engine.sampling_params import SamplingParams
+    from pagedcore.engine.sampling.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     activities = [ProfilerActivity.CPU]

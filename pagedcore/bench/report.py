@@ -88,7 +88,7 @@ def bench_model_config(model: str, *, small: bool = False,
     ValueError
         `model` is not one of `BENCH_MODELS`.
     """
-    from pagedcore.engine.models import llama3_8b_config, qwen2_0_5b_config, tiny_config
+    from pagedcore.engine.models.loading import llama3_8b_config, qwen2_0_5b_config, tiny_config
 
     if model not in BENCH_MODELS:
         raise ValueError(f"unknown benchmark model {model!r}; choose one of {BENCH_MODELS}")
@@ -142,13 +142,13 @@ def engine_bench_model(small: bool, device: str | None, model: str = "qwen2-0.5b
 
 def build_bench_model(config: Any, *, dtype: torch.dtype, device: torch.device,
                       seed: int = 0) -> tuple[Any, float]:
-    """`pagedcore.engine.models.random_model` on `device`, and the seconds it took (synced):
+    """`pagedcore.engine.models.loading.random_model` on `device`, and the seconds it took (synced):
     the weights are created and initialised on the device, never on the host."""
     import time
 
     import torch
 
-    from pagedcore.engine.models import random_model
+    from pagedcore.engine.models.loading import random_model
 
     t0 = time.perf_counter()
     model = random_model(config, dtype=dtype, device=device, seed=seed)

@@ -37,7 +37,7 @@ def run_size(model: str, size: int, prompts: list[list[int]], max_new: int, *,
     import torch
 
     from pagedcore.engine.llm import LLM
-    from pagedcore.engine.sampling_params import SamplingParams
+    from pagedcore.engine.sampling.sampling_params import SamplingParams
 
     llm = LLM(model, device=device, dtype=dtype, backend=backend, tensor_parallel_size=size,
               kv_cache_memory_bytes=kv_cache_memory_bytes, enforce_eager=enforce_eager)

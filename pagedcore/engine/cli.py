@@ -80,7 +80,7 @@ def demo(num_requests: int, device: str | None, backend: str | None, kv_cache_mb
     from rich.table import Table
 
     from pagedcore.engine.llm import LLM
-    from pagedcore.engine.sampling_params import SamplingParams
+    from pagedcore.engine.sampling.sampling_params import SamplingParams
 
     console = Console()
     if device == "cpu" or (device is None and not torch.cuda.is_available()):
@@ -174,7 +174,7 @@ def _check_model_option(ctx: click.Context, param: click.Parameter, value: str) 
     """A checkpoint path is checked (exists, config.json, weights) before anything loads."""
     if value == "demo" or value.startswith("random:"):
         return value
-    from pagedcore.engine.checkpoint import CheckpointError, check_checkpoint_dir
+    from pagedcore.engine.models.checkpoint import CheckpointError, check_checkpoint_dir
 
     try:
         check_checkpoint_dir(value)
@@ -209,9 +209,9 @@ def generate(prompts: tuple[str, ...], token_ids: tuple[str, ...], model: str, m
              device: str | None, dtype: str | None, backend: str | None,
              max_model_len: int | None, stream: bool, enforce_eager: bool) -> None:
     """Generate continuations of prompts with a model."""
-    from pagedcore.engine.checkpoint import CheckpointError
     from pagedcore.engine.llm import LLM
-    from pagedcore.engine.sampling_params import SamplingParams
+    from pagedcore.engine.models.checkpoint import CheckpointError
+    from pagedcore.engine.sampling.sampling_params import SamplingParams
 
     inputs: list[Any] = list(prompts)
     for text in token_ids:

@@ -12,14 +12,14 @@ from typing import TYPE_CHECKING, Any, Literal
 import attrs
 
 from pagedcore.engine.resources import default_kv_cache_bytes, resolve_device, resolve_dtype
-from pagedcore.engine.scheduler import Scheduler, SchedulerConfig
+from pagedcore.engine.scheduling.scheduler import Scheduler, SchedulerConfig
 
 if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig, PreTrainedModel
 
     from pagedcore.engine.distributed.executor import TensorParallelExecutor
-    from pagedcore.engine.model_runner import ModelRunner
+    from pagedcore.engine.runner.model_runner import ModelRunner
     from pagedcore.kv_cache.manager import KVCacheManager
     from pagedcore.kv_cache.spec import KVCacheConfig
 
@@ -95,8 +95,8 @@ def build_engine(
         `gpu_memory_utilization` outside ``(0, 1]`` or `max_model_len` beyond the model's
         ``max_position_embeddings``.
     """
-    from pagedcore.engine.model_runner import ModelRunner
-    from pagedcore.engine.models import load_model
+    from pagedcore.engine.models.loading import load_model
+    from pagedcore.engine.runner.model_runner import ModelRunner
     from pagedcore.kv_cache.config import kv_cache_specs_from_hf_config, make_kv_cache_config
     from pagedcore.kv_cache.manager import KVCacheManager
 

@@ -24,18 +24,18 @@ from pagedcore.engine.output_builder import (
     tokenize,
 )
 from pagedcore.engine.outputs import RequestOutput
-from pagedcore.engine.request import Request, RequestStatus, get_request_id
 from pagedcore.engine.request_checks import check_request, check_unique_ids
-from pagedcore.engine.sampler import Sampler
-from pagedcore.engine.sampling_params import SamplingParams
-from pagedcore.engine.scheduler import DecodeBatch, SchedulerOutput
+from pagedcore.engine.sampling.sampler import Sampler
+from pagedcore.engine.sampling.sampling_params import SamplingParams
+from pagedcore.engine.scheduling.request import Request, RequestStatus, get_request_id
+from pagedcore.engine.scheduling.scheduler import DecodeBatch, SchedulerOutput
 from pagedcore.engine.validation import InvalidArgumentTypeError, describe
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
     from pagedcore.engine.distributed.executor import TensorParallelExecutor
-    from pagedcore.engine.model_runner import ModelRunner
+    from pagedcore.engine.runner.model_runner import ModelRunner
 
 __all__ = ["LLM", "EngineStepError", "PromptType"]
 
@@ -92,7 +92,7 @@ class LLM(FailureIsolation, OfflineGeneration):
     cudagraph_capture_sizes:
         The buckets (None: 1, 2, 4, 8, 16, 24, ... up to `max_num_seqs`).
     align_chunks_to_buckets:
-        True: when mixed steps replay CUDA graphs (`pagedcore.engine.mixed_graphs`), shrink a
+        True: when mixed steps replay CUDA graphs (`pagedcore.engine.runner.mixed_graphs`), shrink a
         partial prefill chunk so its step totals exactly a token bucket instead of padding up
         to the next one (``SchedulerConfig.token_buckets``; never the final chunk of a
         prompt, never below half the chunk). False: never. A sequence of token counts:
@@ -249,7 +249,7 @@ class LLM(FailureIsolation, OfflineGeneration):
         mixed = getattr(runner, "mixed_graphs", None)
         return {"enabled": True, "reason": None, "sizes": list(graphs.sizes),
                 "capture_seconds": graphs.capture_seconds,
-                # Mixed/prefill steps (pagedcore.engine.mixed_graphs): token buckets.
+                # Mixed/prefill steps (pagedcore.engine.runner.mixed_graphs): token buckets.
                 "mixed_sizes": [] if mixed is None else list(mixed.sizes),
                 "mixed_capture_seconds": 0.0 if mixed is None else mixed.capture_seconds,
                 "mixed_reason": getattr(runner, "mixed_graphs_disabled_reason", None)}

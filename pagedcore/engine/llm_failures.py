@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from pagedcore.engine.errors import EngineStepError, step_failure_message
 from pagedcore.engine.output_builder import ParentRequest, build_output
 from pagedcore.engine.outputs import RequestOutput
-from pagedcore.engine.request import Request, RequestStatus
+from pagedcore.engine.scheduling.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from pagedcore.engine.sampler import Sampler
-    from pagedcore.engine.scheduler import Scheduler, SchedulerOutput
+    from pagedcore.engine.sampling.sampler import Sampler
+    from pagedcore.engine.scheduling.scheduler import Scheduler, SchedulerOutput
 
 __all__ = ["FailureIsolation"]
 

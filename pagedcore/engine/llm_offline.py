@@ -15,10 +15,10 @@ from pagedcore.engine.errors import EngineStepError
 from pagedcore.engine.output_builder import ParentRequest, PromptType, normalize_prompts
 from pagedcore.engine.outputs import RequestOutput
 from pagedcore.engine.request_checks import check_request
-from pagedcore.engine.sampling_params import SamplingParams
+from pagedcore.engine.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from pagedcore.engine.scheduler import Scheduler
+    from pagedcore.engine.scheduling.scheduler import Scheduler
 
 __all__ = ["OfflineGeneration"]
 

@@ -11,8 +11,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from pagedcore.engine.outputs import CompletionOutput, RequestOutput
-from pagedcore.engine.request import Request
-from pagedcore.engine.sampling_params import SamplingParams
+from pagedcore.engine.sampling.sampling_params import SamplingParams
+from pagedcore.engine.scheduling.request import Request
 from pagedcore.engine.validation import (
     MAX_SEED,
     InvalidArgumentError,

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Container, Sequence
 from typing import Any
 
-from pagedcore.engine.request import Request
-from pagedcore.engine.sampling_params import SamplingParams
+from pagedcore.engine.sampling.sampling_params import SamplingParams
+from pagedcore.engine.scheduling.request import Request
 from pagedcore.engine.validation import InvalidArgumentError, InvalidArgumentTypeError, describe
 
 __all__ = ["check_request", "check_schedulable", "check_unique_ids"]

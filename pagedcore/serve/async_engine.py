@@ -38,7 +38,7 @@ from pagedcore.serve.text import IncrementalDetokenizer, StopStringMatcher
 if TYPE_CHECKING:
     from pagedcore.engine.llm import LLM
     from pagedcore.engine.outputs import RequestOutput
-    from pagedcore.engine.sampling_params import SamplingParams
+    from pagedcore.engine.sampling.sampling_params import SamplingParams
     from pagedcore.serve.metrics import ServeMetrics
 
 __all__ = ["AsyncEngine", "StreamDelta"]

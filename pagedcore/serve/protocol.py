@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pagedcore.serve.errors import BadRequestError
 
 if TYPE_CHECKING:
-    from pagedcore.engine.sampling_params import SamplingParams
+    from pagedcore.engine.sampling.sampling_params import SamplingParams
 
 __all__ = [
     "ChatCompletionRequest",
@@ -207,7 +207,7 @@ def sampling_params(
     BadRequestError
         A field is out of range; the message names it and says what is allowed.
     """
-    from pagedcore.engine.sampling_params import SamplingParams
+    from pagedcore.engine.sampling.sampling_params import SamplingParams
 
     _unsupported(body)
     max_tokens = body.max_tokens

@@ -32,7 +32,7 @@ from pagedcore.serve.responses import (
 )
 
 if TYPE_CHECKING:
-    from pagedcore.engine.sampling_params import SamplingParams
+    from pagedcore.engine.sampling.sampling_params import SamplingParams
     from pagedcore.serve.async_engine import AsyncEngine, StreamDelta
 
 __all__ = ["FanIn", "OpenAIServing", "Sequence_"]

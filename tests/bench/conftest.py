@@ -19,7 +19,7 @@ def _one_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def tiny_model() -> Any:
-    from pagedcore.engine.models import random_model, tiny_config
+    from pagedcore.engine.models.loading import random_model, tiny_config
 
     config = tiny_config("qwen2", vocab_size=128, max_position_embeddings=1024)
     return random_model(config, dtype=torch.float32, device=torch.device("cpu"), seed=0)

@@ -10,7 +10,7 @@ import pytest
 
 from pagedcore.bench.chunked import apply_config, run_config
 from pagedcore.bench.timeline import Arrival, VirtualClock
-from pagedcore.engine.sampling_params import SamplingParams
+from pagedcore.engine.sampling.sampling_params import SamplingParams
 
 LONG, SHORT = 256, 20
 

@@ -11,7 +11,7 @@ from pagedcore.bench.memory import (
     paged_admission,
     workload_lengths,
 )
-from pagedcore.engine.models import tiny_config
+from pagedcore.engine.models.loading import tiny_config
 
 CONFIG = tiny_config("llama", max_position_embeddings=512)  # 2 layers, 2 KV heads, head 16
 # Bytes of one block of all layers: 2 (K, V) * block * 2 heads * 16 dims * 4 bytes * 2 layers.

@@ -45,7 +45,7 @@ def test_llama3_8b_shape() -> None:
 def test_llama3_8b_builds_without_host_weights() -> None:
     """Built on the meta device (as on a GPU: created where they live, never on the host
     first): the parameter count is Llama-3-8B's and nothing is materialised."""
-    from pagedcore.engine.models import random_model
+    from pagedcore.engine.models.loading import random_model
 
     config = bench_model_config("llama3-8b")
     model = random_model(config, dtype=torch.bfloat16, device=torch.device("meta"))

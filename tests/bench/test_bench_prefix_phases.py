@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pagedcore.bench.prefix_phases import PHASES, phase_breakdown, timed_phases
-from pagedcore.engine.scheduler import Scheduler
+from pagedcore.engine.scheduling.scheduler import Scheduler
 
 
 def test_breakdown_covers_every_step_and_reports_hits(make_llm: Callable[..., Any]) -> None:

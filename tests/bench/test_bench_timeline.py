@@ -14,7 +14,7 @@ import pytest
 
 from pagedcore.bench.chunked import make_timeline, summarize
 from pagedcore.bench.timeline import Arrival, Trace, VirtualClock, run_timeline
-from pagedcore.engine.sampling_params import SamplingParams
+from pagedcore.engine.sampling.sampling_params import SamplingParams
 
 LONG, SHORT = 256, 20
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pagedcore.engine.checkpoint import CheckpointError
-from pagedcore.engine.models import load_model, tiny_config
+from pagedcore.engine.models.checkpoint import CheckpointError
+from pagedcore.engine.models.loading import load_model, tiny_config
 
 
 def _load(path: Path | str, **kwargs: object) -> object:

@@ -66,7 +66,7 @@ def test_conformance_json_into_missing_directory_fails_before_the_suite(tmp_path
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from transformers import AutoModelForCausalLM
 
-    from pagedcore.engine.models import tiny_config
+    from pagedcore.engine.models.loading import tiny_config
 
     path = tmp_path_factory.mktemp("cli_ckpt") / "good"
     AutoModelForCausalLM.from_config(tiny_config("llama")).save_pretrained(path)
@@ -86,7 +86,7 @@ def test_generate_model_mistakes(checkpoint: Path, tmp_path: Path) -> None:
     _usage_error([*base, str(truncated)], "corrupt or truncated")
     shapes = tmp_path / "shapes"
     shutil.copytree(checkpoint, shapes)
-    from pagedcore.engine.models import tiny_config
+    from pagedcore.engine.models.loading import tiny_config
 
     tiny_config("llama", hidden_size=32, head_dim=8).save_pretrained(shapes)
     _usage_error([*base, str(shapes)], "do not match")

@@ -12,10 +12,10 @@ from pagedcore import LLM, SamplingParams
 from pagedcore.engine.distributed.plan import make_plan, scheduled_from_plan
 from pagedcore.engine.distributed.sharding import check_shardable, rank_config, shard_model
 from pagedcore.engine.distributed.worker import parse_fault
-from pagedcore.engine.input_batch import InputBatch
-from pagedcore.engine.models import random_model, tiny_config
-from pagedcore.engine.request import Request
-from pagedcore.engine.scheduler_types import ScheduledRequest
+from pagedcore.engine.models.loading import random_model, tiny_config
+from pagedcore.engine.runner.input_batch import InputBatch
+from pagedcore.engine.scheduling.request import Request
+from pagedcore.engine.scheduling.scheduler_types import ScheduledRequest
 
 CPU = torch.device("cpu")
 

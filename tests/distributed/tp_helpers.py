@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from pagedcore import LLM, SamplingParams
-from pagedcore.engine.models import tiny_config
+from pagedcore.engine.models.loading import tiny_config
 
 MAX_NEW = 16
 

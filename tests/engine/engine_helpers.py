@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from pagedcore.engine.models import random_model, tiny_config
+from pagedcore.engine.models.loading import random_model, tiny_config
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma2"]
 CPU = torch.device("cpu")

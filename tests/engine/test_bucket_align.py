@@ -13,8 +13,8 @@ from engine_helpers import assert_no_leak, make_models, random_prompts
 from test_scheduler import assert_clean, make_scheduler, req, run_all, run_step
 
 from pagedcore.engine.llm import LLM
-from pagedcore.engine.sampling_params import SamplingParams
-from pagedcore.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedcore.engine.sampling.sampling_params import SamplingParams
+from pagedcore.engine.scheduling.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 BUCKETS = (16, 32, 48, 64)
 

@@ -13,15 +13,15 @@ from engine_helpers import assert_no_leak, make_models, random_prompts
 from graph_backend import GraphDecodeBuilder, graph_backend_registered
 
 from pagedcore import LLM, SamplingParams
-from pagedcore.engine.cuda_graph import (
+from pagedcore.engine.runner.cuda_graph import (
     EagerCapturer,
     capture_sizes,
     cudagraph_unsupported_reason,
     pick_bucket,
 )
-from pagedcore.engine.input_batch import InputBatch
-from pagedcore.engine.request import Request
-from pagedcore.engine.scheduler_types import ScheduledRequest
+from pagedcore.engine.runner.input_batch import InputBatch
+from pagedcore.engine.scheduling.request import Request
+from pagedcore.engine.scheduling.scheduler_types import ScheduledRequest
 from pagedcore.reference.backend import ReferenceBackend
 
 CUDA = torch.cuda.is_available()
@@ -208,7 +208,7 @@ torch.set_num_threads(1)
 sys.path.insert(0, sys.argv[1])
 from engine_helpers import make_models, random_prompts
 from pagedcore import LLM, SamplingParams
-from pagedcore.engine.cuda_graph import EagerCapturer
+from pagedcore.engine.runner.cuda_graph import EagerCapturer
 kw = dict(device="cpu", dtype=torch.float32, backend="triton", block_size=16, max_model_len=96,
           max_num_seqs=8, max_num_batched_tokens=64, kv_cache_memory_bytes=1 << 22)
 _, _, a = make_models("gemma2", head_dim=64)
@@ -283,7 +283,7 @@ def test_capture_keeps_the_forward_and_its_plans_alive() -> None:
     in the warm-up run) alive, or replays overwrite freed memory."""
     import gc
 
-    from pagedcore.engine.cuda_graph import CapturedGraph
+    from pagedcore.engine.runner.cuda_graph import CapturedGraph
 
     class Forgetful:
         """Like a CUDA graph: runs the forward during capture, keeps no reference to it."""

@@ -13,10 +13,10 @@ from engine_helpers import assert_no_leak, make_models, random_prompts
 from graph_backend import graph_backend_registered
 
 from pagedcore import LLM, SamplingParams
-from pagedcore.engine.cuda_graph import EagerCapturer
-from pagedcore.engine.input_batch import InputBatch
-from pagedcore.engine.request import Request
-from pagedcore.engine.scheduler_types import DecodeBatch, ScheduledRequest
+from pagedcore.engine.runner.cuda_graph import EagerCapturer
+from pagedcore.engine.runner.input_batch import InputBatch
+from pagedcore.engine.scheduling.request import Request
+from pagedcore.engine.scheduling.scheduler_types import DecodeBatch, ScheduledRequest
 
 Step = list[tuple[str, int, int, bool]]
 

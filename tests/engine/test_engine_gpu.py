@@ -8,7 +8,7 @@ import torch
 from engine_helpers import ARCHS, random_prompts
 
 from pagedcore import LLM, SamplingParams
-from pagedcore.engine.models import random_model, tiny_config
+from pagedcore.engine.models.loading import random_model, tiny_config
 
 pytestmark = [
     pytest.mark.gpu,

@@ -184,7 +184,7 @@ def test_tensor_parallel_failure_stops_engine_and_finishes_everything(
 ) -> None:
     from pagedcore.engine.distributed.executor import TensorParallelExecutor
     from pagedcore.engine.distributed.group import TensorParallelError
-    from pagedcore.engine.models import tiny_config
+    from pagedcore.engine.models.loading import tiny_config
 
     llm = LLM(tiny_config("llama"), device="cpu", block_size=4, max_model_len=48,
               max_num_batched_tokens=32, max_num_seqs=2, kv_cache_memory_bytes=1 << 20,

@@ -23,7 +23,7 @@ if importlib.util.find_spec("triton") is None:
 
 from engine_helpers import random_prompts  # noqa: E402
 
-from pagedcore.engine.fused_ops import (  # noqa: E402
+from pagedcore.engine.models.fused_ops import (  # noqa: E402
     FUSED_KERNELS_ENV,
     FusedRMSNorm,
     FusedSiLUMulMLP,
@@ -32,7 +32,7 @@ from pagedcore.engine.fused_ops import (  # noqa: E402
     silu_and_mul,
     swap_fused_modules,
 )
-from pagedcore.engine.models import random_model, tiny_config  # noqa: E402
+from pagedcore.engine.models.loading import random_model, tiny_config  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 #: Max |got - want| / max |want|: fp32 up to reduction order; fp16/bf16 about one ulp.

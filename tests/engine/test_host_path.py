@@ -45,7 +45,7 @@ def test_no_lookahead_when_the_cache_is_full() -> None:
     cache equal those of a roomy one."""
     import torch
 
-    from pagedcore.engine.request_blocks import LOOKAHEAD_MAX_USAGE
+    from pagedcore.engine.scheduling.request_blocks import LOOKAHEAD_MAX_USAGE
     from pagedcore.kv_cache.config import kv_cache_specs_from_hf_config
 
     config, _ref, eng = make_models("llama")

@@ -13,16 +13,16 @@ from graph_backend import graph_backend_registered
 from mixed_graph_backend import GraphMixedBuilder, mixed_backend_registered
 
 from pagedcore import LLM, SamplingParams
-from pagedcore.engine.cuda_graph import EagerCapturer
-from pagedcore.engine.input_batch import InputBatch
-from pagedcore.engine.mixed_graphs import (
+from pagedcore.engine.runner.cuda_graph import EagerCapturer
+from pagedcore.engine.runner.input_batch import InputBatch
+from pagedcore.engine.runner.mixed_graphs import (
     MixedBuffers,
     enable_mixed_graphs,
     mixed_unsupported_reason,
     token_buckets,
 )
-from pagedcore.engine.request import Request
-from pagedcore.engine.scheduler_types import ScheduledRequest
+from pagedcore.engine.scheduling.request import Request
+from pagedcore.engine.scheduling.scheduler_types import ScheduledRequest
 
 CPU = torch.device("cpu")
 CUDA = torch.cuda.is_available()
@@ -50,7 +50,7 @@ def test_unsupported_reasons() -> None:
     assert why is not None and "UNIFORM_SINGLE_TOKEN_DECODE" in why and "ALWAYS" in why
     assert mixed_unsupported_reason([GraphMixedBackend], torch.device("cuda")) is None
     # Decode graphs need only UNIFORM_SINGLE_TOKEN_DECODE; the reference backend has less.
-    from pagedcore.engine.cuda_graph import cudagraph_unsupported_reason
+    from pagedcore.engine.runner.cuda_graph import cudagraph_unsupported_reason
     from pagedcore.reference.backend import ReferenceBackend
 
     assert cudagraph_unsupported_reason([GraphDecodeBackend], torch.device("cuda")) is None
@@ -202,7 +202,7 @@ def test_triton_mixed_graphs_match_eager_bf16_gpu() -> None:
     import copy
 
     from pagedcore.bench.engine_runs import graph_parity
-    from pagedcore.engine.models import qwen2_0_5b_config, random_model
+    from pagedcore.engine.models.loading import qwen2_0_5b_config, random_model
 
     model = random_model(qwen2_0_5b_config(), dtype=torch.bfloat16,
                          device=torch.device("cuda"), seed=0)

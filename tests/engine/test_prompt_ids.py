@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from pagedcore.engine.output_builder import tokenize
-from pagedcore.engine.request import Request
-from pagedcore.engine.sampling_params import SamplingParams
+from pagedcore.engine.sampling.sampling_params import SamplingParams
+from pagedcore.engine.scheduling.request import Request
 
 
 def _ids(prompt: object, vocab: int = 100) -> list[int]:

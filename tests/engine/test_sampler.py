@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from pagedcore.engine.sampler import Sampler, apply_top_k_top_p_min_p
-from pagedcore.engine.sampling_params import SamplingParams
+from pagedcore.engine.sampling.sampler import Sampler, apply_top_k_top_p_min_p
+from pagedcore.engine.sampling.sampling_params import SamplingParams
 
 NEG = float("-inf")
 

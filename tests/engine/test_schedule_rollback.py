@@ -8,7 +8,7 @@ import pytest
 from engine_helpers import assert_no_leak, make_models, random_prompts
 
 from pagedcore import LLM, SamplingParams
-from pagedcore.engine.request import RequestStatus
+from pagedcore.engine.scheduling.request import RequestStatus
 
 
 def _engine() -> LLM:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from pagedcore.engine.request import Request, RequestStatus
-from pagedcore.engine.sampling_params import SamplingParams
-from pagedcore.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedcore.engine.sampling.sampling_params import SamplingParams
+from pagedcore.engine.scheduling.request import Request, RequestStatus
+from pagedcore.engine.scheduling.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedcore.kv_cache.manager import KVCacheManager
 from pagedcore.kv_cache.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 

@@ -15,7 +15,7 @@ CPU = torch.device("cpu")
 def tiny_deepseek_config(model_type: str = "deepseek_v2", **overrides: Any) -> Any:
     """The engine's tiny DeepSeek config: 2 layers (dense + small MoE), 4 heads, latent 32 +
     rope 8, nope 16, v 12, initializer_range 0.1."""
-    from pagedcore.engine.models import tiny_config
+    from pagedcore.engine.models.loading import tiny_config
 
     return tiny_config(model_type, **overrides)
 

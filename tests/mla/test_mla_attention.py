@@ -8,8 +8,8 @@ import pytest
 import torch
 from mla_helpers import dense_common, seeded_model, tiny_deepseek_config
 
-from pagedcore.engine.attention_hook import LayerBinding, StepContext
-from pagedcore.engine.mla_attention import (
+from pagedcore.engine.models.attention_hook import LayerBinding, StepContext
+from pagedcore.engine.models.mla_attention import (
     PagedMLAAttention,
     is_mla_config,
     mla_impl_kwargs,

@@ -12,7 +12,7 @@ import torch
 from mla_helpers import seeded_model, tiny_deepseek_config
 
 from pagedcore import LLM, SamplingParams
-from pagedcore.engine.mla_attention import PagedMLAAttention
+from pagedcore.engine.models.mla_attention import PagedMLAAttention
 from pagedcore.kv_cache.spec import MLAAttentionSpec
 
 MAX_NEW = 16

@@ -53,7 +53,7 @@ def train_tokenizer(vocab_size: int = 400) -> Any:
 def make_chat_checkpoint(path: Path) -> Path:
     """A tiny Llama with random weights + the trained tokenizer and chat template, saved with
     ``save_pretrained`` into `path`."""
-    from pagedcore.engine.models import random_model, tiny_config
+    from pagedcore.engine.models.loading import random_model, tiny_config
 
     tok = train_tokenizer()
     config = tiny_config("llama", vocab_size=len(tok), bos_token_id=tok.bos_token_id,

@@ -12,7 +12,7 @@ import pytest
 from serve_helpers import DEMO_KW, LiveServer
 
 from pagedcore.engine.llm import LLM
-from pagedcore.engine.sampling_params import SamplingParams
+from pagedcore.engine.sampling.sampling_params import SamplingParams
 
 N_CLIENTS = 200
 MAX_TOKENS = 6

@@ -10,7 +10,7 @@ import pytest
 from serve_helpers import DEMO_KW, LiveServer
 
 from pagedcore.engine.llm import LLM
-from pagedcore.engine.sampling_params import SamplingParams
+from pagedcore.engine.sampling.sampling_params import SamplingParams
 
 PROMPTS = ["Hello there", "What is a block table?", "Café 日本"]
 MAX_TOKENS = 8

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from serve_helpers import train_tokenizer
 
-from pagedcore.engine.models import ByteTokenizer
+from pagedcore.engine.models.loading import ByteTokenizer
 from pagedcore.serve.text import IncrementalDetokenizer, StopStringMatcher
 
 TEXTS = ["Le café: crème brûlée, déjà vu.", "日本の首都は東京です。", "mixed é日本x é",

@@ -14,7 +14,7 @@ from test_flashinfer_conformance import _CpuDoubleBackend
 
 import pagedcore
 from pagedcore import LLM, AttentionBackend, SamplingParams
-from pagedcore.engine.models import random_model, tiny_config
+from pagedcore.engine.models.loading import random_model, tiny_config
 from pagedcore.plugins.registry import BackendRegistry, isolated_registry
 from pagedcore.reference import plugin as reference_plugin
 

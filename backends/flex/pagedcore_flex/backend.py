@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pagedcore.attention.backend import AttentionBackend, CudaGraphSupport, MultipleOf
 from pagedcore_flex.availability import availability_problem
+from pagedcore_flex.capabilities import HEAD_SIZES
 
 if TYPE_CHECKING:
     from pagedcore.attention.backend import AttentionImpl, MetadataBuilder
@@ -40,7 +41,7 @@ class FlexBackend(AttentionBackend):
     supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
     #: flex's compiled kernel wants a power-of-two head size >= 16; eager runs any, but one
     #: declaration must hold on every device.
-    supported_head_sizes: ClassVar[tuple[int, ...] | None] = (16, 32, 64, 128, 256)
+    supported_head_sizes: ClassVar[tuple[int, ...] | None] = HEAD_SIZES
     #: The gather reads any block size; the flex block mask works on the packed keys.
     supported_block_sizes: ClassVar[tuple[int | MultipleOf, ...]] = (MultipleOf(1),)
     supported_devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")

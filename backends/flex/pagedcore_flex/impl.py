@@ -11,6 +11,7 @@ import torch
 
 from pagedcore.attention.backend import AttentionImpl
 from pagedcore.reference.impl import check_kv_cache, write_kv_cache
+from pagedcore_flex.capabilities import HEAD_SIZES
 from pagedcore_flex.metadata import FlexMetadata
 
 __all__ = ["FlexImpl"]
@@ -56,9 +57,7 @@ class FlexImpl(AttentionImpl[FlexMetadata]):
     """
 
     def check_supported(self) -> None:
-        from pagedcore_flex.backend import FlexBackend
-
-        heads = FlexBackend.supported_head_sizes or ()
+        heads = HEAD_SIZES
         if self.head_size not in heads:
             raise ValueError(
                 f"head size {self.head_size} is not supported by the flex backend (supports "

@@ -14,6 +14,7 @@ from pagedcore.attention import (
 )
 from pagedcore.attention.kv_quant import normalize_kv_cache_dtype
 from pagedcore_triton._env import interpreting, triton_unavailable_reason
+from pagedcore_triton.capabilities import HEAD_SIZES, KV_CACHE_DTYPES
 from pagedcore_triton.metadata import (
     DECODE_PLAN_ENV,
     MIXED_PLAN_ENV,
@@ -50,8 +51,8 @@ class TritonAttentionBackend(AttentionBackend, metaclass=_TritonBackendMeta):
     name: ClassVar[str] = "triton"
     priority: ClassVar[int] = 20
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float16", "bfloat16", "float32")
-    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto", "fp8_e4m3", "fp8_e5m2")
-    supported_head_sizes: ClassVar[tuple[int, ...] | None] = (64, 80, 96, 112, 128, 192, 256)
+    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = KV_CACHE_DTYPES
+    supported_head_sizes: ClassVar[tuple[int, ...] | None] = HEAD_SIZES
     supported_block_sizes: ClassVar[tuple[int | MultipleOf, ...]] = (16, 32, 64)
     supports_sliding_window: ClassVar[bool] = True
     supports_alibi: ClassVar[bool] = True

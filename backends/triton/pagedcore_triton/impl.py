@@ -7,7 +7,8 @@ import torch
 from pagedcore.attention import AttentionImpl
 from pagedcore.attention.kv_quant import kv_cache_torch_dtype
 from pagedcore_triton._env import interpreting
-from pagedcore_triton.backend import TritonAttentionBackend, TritonAttentionMetadata
+from pagedcore_triton.capabilities import HEAD_SIZES, KV_CACHE_DTYPES
+from pagedcore_triton.metadata import TritonAttentionMetadata
 
 __all__ = ["TritonAttentionImpl"]
 
@@ -24,16 +25,16 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
     """
 
     def check_supported(self) -> None:
-        sizes = TritonAttentionBackend.supported_head_sizes or ()
+        sizes = HEAD_SIZES
         if self.head_size not in sizes:
             raise ValueError(
                 f"the triton backend does not serve head size {self.head_size} "
                 f"(supports {', '.join(map(str, sizes))}); pick another backend"
             )
-        if self.kv_cache_dtype not in TritonAttentionBackend.supported_kv_cache_dtypes:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"the triton backend stores the KV cache as "
-                f"{', '.join(TritonAttentionBackend.supported_kv_cache_dtypes)}, got "
+                f"{', '.join(KV_CACHE_DTYPES)}, got "
                 f"kv_cache_dtype {self.kv_cache_dtype!r}"
             )
 

@@ -31,9 +31,9 @@ if TYPE_CHECKING:
     import torch
 
     from pagedcore.engine.distributed.worker import RankReport
-    from pagedcore.engine.input_batch import StepInputs
-    from pagedcore.engine.model_runner import ModelRunner
-    from pagedcore.engine.scheduler_types import ScheduledRequest
+    from pagedcore.engine.runner.input_batch import StepInputs
+    from pagedcore.engine.runner.model_runner import ModelRunner
+    from pagedcore.engine.scheduling.scheduler_types import ScheduledRequest
     from pagedcore.kv_cache.spec import KVCacheConfig
 
 __all__ = ["TensorParallelError", "TensorParallelExecutor", "peek_config"]
@@ -48,7 +48,7 @@ def peek_config(model: Any) -> Any:
     """The transformers config `model` will load with, without loading weights."""
     from transformers import PretrainedConfig, PreTrainedModel
 
-    from pagedcore.engine.models import demo_config, random_config
+    from pagedcore.engine.models.loading import demo_config, random_config
 
     if isinstance(model, PreTrainedModel):
         raise ValueError(

@@ -55,7 +55,7 @@ def emulation_capturer() -> Any:
     """`EagerCapturer` when `GRAPH_EMULATION_ENV` is ``"1"``, else None (real CUDA graphs)."""
     if os.environ.get(GRAPH_EMULATION_ENV) != "1":
         return None
-    from pagedcore.engine.cuda_graph import EagerCapturer
+    from pagedcore.engine.runner.cuda_graph import EagerCapturer
 
     return EagerCapturer()
 

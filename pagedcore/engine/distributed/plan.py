@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, cast, overload
 import attrs
 
 if TYPE_CHECKING:
-    from pagedcore.engine.request import Request
-    from pagedcore.engine.scheduler_types import ScheduledRequest
+    from pagedcore.engine.scheduling.request import Request
+    from pagedcore.engine.scheduling.scheduler_types import ScheduledRequest
 
 __all__ = ["PlannedRequest", "StepPlan", "make_plan", "scheduled_from_plan"]
 
@@ -123,7 +123,7 @@ def scheduled_from_plan(
 ) -> tuple[list[ScheduledRequest], Callable[[str], tuple[list[int], ...]]]:
     """What a worker passes to `ModelRunner.prepare`: the scheduled requests (none sampled)
     and the block-id lookup."""
-    from pagedcore.engine.scheduler_types import ScheduledRequest
+    from pagedcore.engine.scheduling.scheduler_types import ScheduledRequest
 
     blocks = {p.request_id: tuple(list(g) for g in p.block_ids) for p in plan.requests}
     scheduled = [

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from multiprocessing.connection import Connection
 
     from pagedcore.engine.distributed.group import Groups
-    from pagedcore.engine.model_runner import ModelRunner
+    from pagedcore.engine.runner.model_runner import ModelRunner
 
 __all__ = ["WorkerMonitor", "WorkerPool"]
 

@@ -145,9 +145,9 @@ def _run(args: WorkerArgs, conn: Connection) -> None:
     )
     from pagedcore.engine.distributed.plan import StepPlan, scheduled_from_plan
     from pagedcore.engine.distributed.sharding import shard_model
-    from pagedcore.engine.model_runner import ModelRunner
-    from pagedcore.engine.models import load_model
+    from pagedcore.engine.models.loading import load_model
     from pagedcore.engine.resources import default_kv_cache_bytes
+    from pagedcore.engine.runner.model_runner import ModelRunner
 
     torch.set_num_threads(args.num_threads)
     fault = parse_fault(os.environ.get(FAULT_ENV))

@@ -9,22 +9,22 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pagedcore.engine.host_buffers import index_in
-from pagedcore.engine.request import Request, get_request_id, get_token_list
-from pagedcore.engine.scheduler_types import DecodeBatch
+from pagedcore.engine.runner.host_buffers import index_in
+from pagedcore.engine.runner.step_buffers import StepBuffers, StepInputs
+from pagedcore.engine.scheduling.request import Request, get_request_id, get_token_list
+from pagedcore.engine.scheduling.scheduler_types import DecodeBatch
 
 if TYPE_CHECKING:
     import torch
 
     from pagedcore.attention.metadata import CommonAttentionMetadata
-    from pagedcore.engine.input_batch import InputBatch, StepInputs
-    from pagedcore.engine.scheduler_types import ScheduledRequest
+    from pagedcore.engine.scheduling.scheduler_types import ScheduledRequest
 
 __all__ = ["bucket_views", "decode_tables", "prepare_decode", "prepare_padded_decode"]
 
 
 def prepare_decode(
-    ib: InputBatch, batch: DecodeBatch, block_ids: Callable[[str], tuple[list[int], ...]]
+    ib: StepBuffers, batch: DecodeBatch, block_ids: Callable[[str], tuple[list[int], ...]]
 ) -> StepInputs:
     """An eager all-decode step (what the general path gives for it, in a few list
     passes and numpy ops)."""
@@ -57,7 +57,7 @@ def prepare_decode(
 
 
 def prepare_padded_decode(
-    ib: InputBatch,
+    ib: StepBuffers,
     scheduled: Sequence[ScheduledRequest],
     block_ids: Callable[[str], tuple[list[int], ...]],
     bucket: int,
@@ -112,8 +112,6 @@ def prepare_padded_decode(
     for offset, width in zip(ib._table_offsets, ib.max_blocks, strict=True):
         arena.upload_bytes(offset + lo * width * 4, offset + hi * width * 4)
     input_ids, positions, common = bucket_views(ib, bucket)
-    from pagedcore.engine.input_batch import StepInputs  # (input_batch imports this module)
-
     return StepInputs(
         input_ids=input_ids,
         positions=positions,
@@ -126,7 +124,7 @@ def prepare_padded_decode(
 
 
 def bucket_views(
-    ib: InputBatch, bucket: int
+    ib: StepBuffers, bucket: int
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[CommonAttentionMetadata, ...]]:
     """Input ids, positions and per-group metadata of a padded `bucket`-request decode
     step: views of the persistent buffers, made once per bucket."""
@@ -139,7 +137,7 @@ def bucket_views(
 
 
 def decode_tables(
-    ib: InputBatch,
+    ib: StepBuffers,
     batch: Sequence[ScheduledRequest],
     reqs: Sequence[Request],
     block_ids: Callable[[str], tuple[list[int], ...]],

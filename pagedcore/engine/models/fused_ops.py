@@ -84,7 +84,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, *, eps: float) -> torch.Tens
     torch.Tensor
         ``[..., N]`` in ``promote_types(x.dtype, weight.dtype)`` (what transformers returns).
     """
-    from pagedcore.engine import _fused_kernels as fused_kernels
+    from pagedcore.engine.models import _fused_kernels as fused_kernels
 
     size = x.shape[-1] if x.dim() else 0
     if weight.dim() != 1 or weight.shape[0] != size:
@@ -125,7 +125,7 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     torch.Tensor
         ``[..., I]`` in ``promote_types(gate.dtype, up.dtype)``.
     """
-    from pagedcore.engine import _fused_kernels as fused_kernels
+    from pagedcore.engine.models import _fused_kernels as fused_kernels
 
     if gate.shape != up.shape:
         raise ValueError(

@@ -6,14 +6,14 @@ waiting ones (FCFS or priority). A prompt is chunked when it does not fit the bu
 running request is preempted: its blocks are freed and it is recomputed later, keeping every
 token it generated. `update_from_output()` appends sampled tokens and retires finished requests,
 freeing their blocks at once (those result methods live in `SchedulerResults`,
-`pagedcore.engine.scheduler_results`).
+`pagedcore.engine.scheduling.scheduler_results`).
 
 Bucket-aware chunking: with ``SchedulerConfig.token_buckets`` set (the token buckets of the
 captured mixed-step CUDA graphs), a step is replayed from the graph of the smallest bucket
 that holds it, so 512 prompt tokens + 1 decode = 513 tokens would run (and pay for) a larger
 bucket. `Scheduler._align_to_bucket` shrinks a *partial* prefill chunk so the step totals
 exactly the largest bucket at or below what it would total; a prompt's final chunk is never
-shrunk, nor any chunk below half its size (`pagedcore.engine.bucket_align`).
+shrunk, nor any chunk below half its size (`pagedcore.engine.scheduling.bucket_align`).
 """
 
 from __future__ import annotations
@@ -24,19 +24,23 @@ from itertools import compress, repeat
 from operator import gt
 from typing import Any
 
-from pagedcore.engine.bucket_align import align_to_bucket
-from pagedcore.engine.request import (
+from pagedcore.engine.request_checks import check_schedulable
+from pagedcore.engine.scheduling.bucket_align import align_to_bucket
+from pagedcore.engine.scheduling.request import (
     Request,
     RequestStatus,
     get_block_capacity,
     get_num_computed,
     get_token_list,
 )
-from pagedcore.engine.request_blocks import LOOKAHEAD_BLOCKS, LOOKAHEAD_MAX_USAGE, RequestBlocks
-from pagedcore.engine.request_checks import check_schedulable
-from pagedcore.engine.schedule_undo import RequestFault, ScheduleUndo, safe_extreme
-from pagedcore.engine.scheduler_results import SchedulerResults
-from pagedcore.engine.scheduler_types import (
+from pagedcore.engine.scheduling.request_blocks import (
+    LOOKAHEAD_BLOCKS,
+    LOOKAHEAD_MAX_USAGE,
+    RequestBlocks,
+)
+from pagedcore.engine.scheduling.schedule_undo import RequestFault, ScheduleUndo, safe_extreme
+from pagedcore.engine.scheduling.scheduler_results import SchedulerResults
+from pagedcore.engine.scheduling.scheduler_types import (
     DecodeBatch,
     KVManagerLike,
     ScheduledRequest,
@@ -386,7 +390,7 @@ class Scheduler(SchedulerResults):
 
     def _align_to_bucket(self, scheduled: dict[str, ScheduledRequest], total: int) -> int:
         """Shrink one partial prefill chunk so the step's `total` tokens land on a token bucket
-        (``config.token_buckets``); see `pagedcore.engine.bucket_align.align_to_bucket`.
+        (``config.token_buckets``); see `pagedcore.engine.scheduling.bucket_align.align_to_bucket`.
         Returns the tokens removed (0: step unchanged)."""
         return align_to_bucket(self.config.token_buckets, scheduled, total, self.kv)
 

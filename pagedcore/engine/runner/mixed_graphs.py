@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pagedcore.attention.metadata import CommonAttentionMetadata
-from pagedcore.engine.cuda_graph import (
+from pagedcore.engine.runner.cuda_graph import (
     BucketedGraphs,
     GraphCapturer,
     graph_support_reason,
@@ -37,9 +37,9 @@ from pagedcore.engine.cuda_graph import (
 if TYPE_CHECKING:
     import torch
 
-    from pagedcore.attention.backend import AttentionBackend
-    from pagedcore.engine.input_batch import StepInputs
-    from pagedcore.engine.model_runner import ModelRunner
+    from pagedcore.attention.backend import AttentionBackend, MetadataBuilder
+    from pagedcore.engine.models.attention_hook import LayerBinding, StepContext
+    from pagedcore.engine.runner.input_batch import InputBatch, StepInputs
 
 __all__ = [
     "MixedBuffers",
@@ -48,6 +48,23 @@ __all__ = [
     "mixed_unsupported_reason",
     "token_buckets",
 ]
+
+
+class GraphedRunner(Protocol):
+    """What mixed-step graphs need of the model runner (`ModelRunner` is one)."""
+
+    backends: list[type[AttentionBackend]]
+    builders: list[MetadataBuilder[Any]]
+    layers: dict[int, LayerBinding]
+    input_batch: InputBatch
+    device: torch.device
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+    def _hidden(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext
+    ) -> torch.Tensor: ...
+
 
 #: The largest default token bucket.
 MAX_TOKEN_BUCKET = 8192
@@ -268,10 +285,10 @@ class MixedGraphs(BucketedGraphs):
 
 
 def _make_forward(
-    runner: ModelRunner, buffers: MixedBuffers
+    runner: GraphedRunner, buffers: MixedBuffers
 ) -> Callable[[int], Callable[[], torch.Tensor]]:
     """``bucket -> forward`` over `buffers` with the runner's builders, layers and model."""
-    from pagedcore.engine import attention_hook
+    from pagedcore.engine.models import attention_hook
 
     def make(bucket: int) -> Callable[[], torch.Tensor]:
         import torch
@@ -300,7 +317,7 @@ def _make_forward(
 
 
 def enable_mixed_graphs(
-    runner: ModelRunner,
+    runner: GraphedRunner,
     *,
     capturer: GraphCapturer,
     sizes: Sequence[int] | None = None,

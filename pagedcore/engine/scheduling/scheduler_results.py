@@ -1,6 +1,6 @@
 """What happens after a scheduled step ran: the results half of `Scheduler`.
 
-`SchedulerResults` is a base class of `pagedcore.engine.scheduler.Scheduler` holding the
+`SchedulerResults` is a base class of `pagedcore.engine.scheduling.scheduler.Scheduler` holding the
 methods that consume a step's outcome: `update_from_output` appends sampled tokens, stops
 finished requests (EOS, stop tokens, ``max_tokens``, ``max_model_len``) and frees their
 blocks at once; `fail_step` / `fail` finish requests with an error; `abort` stops requests
@@ -14,8 +14,8 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from pagedcore.engine.request import Request, RequestStatus
-from pagedcore.engine.scheduler_types import (
+from pagedcore.engine.scheduling.request import Request, RequestStatus
+from pagedcore.engine.scheduling.scheduler_types import (
     DecodeBatch,
     KVManagerLike,
     SchedulerConfig,
@@ -24,7 +24,7 @@ from pagedcore.engine.scheduler_types import (
 )
 
 if TYPE_CHECKING:
-    from pagedcore.engine.request_blocks import RequestBlocks
+    from pagedcore.engine.scheduling.request_blocks import RequestBlocks
 
 __all__ = ["SchedulerResults"]
 

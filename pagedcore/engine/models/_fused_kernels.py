@@ -1,4 +1,4 @@
-"""Triton kernels behind `pagedcore.engine.fused_ops` (importing this module imports triton).
+"""Triton kernels behind `pagedcore.engine.models.fused_ops` (importing this module imports triton).
 
 Both kernels reproduce transformers' rounding points, so a swapped model computes what the
 unswapped one does, in one launch instead of five to seven:

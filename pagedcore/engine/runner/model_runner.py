@@ -8,16 +8,16 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from pagedcore.engine import attention_hook
-from pagedcore.engine.cuda_graph import (
+from pagedcore.engine.models import attention_hook
+from pagedcore.engine.runner.cuda_graph import (
     DecodeGraphs,
     GraphCapturer,
     capture_sizes,
     cudagraph_unsupported_reason,
 )
-from pagedcore.engine.input_batch import InputBatch, StepInputs
-from pagedcore.engine.mixed_graphs import MixedGraphs, enable_mixed_graphs
-from pagedcore.engine.scheduler_types import DecodeBatch
+from pagedcore.engine.runner.input_batch import InputBatch, StepInputs
+from pagedcore.engine.runner.mixed_graphs import MixedGraphs, enable_mixed_graphs
+from pagedcore.engine.scheduling.scheduler_types import DecodeBatch
 from pagedcore.kv_cache.spec import (
     KVCacheConfig,
     KVCacheTensor,
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from pagedcore.attention.backend import AttentionBackend, MetadataBuilder
-    from pagedcore.engine.scheduler import ScheduledRequest
+    from pagedcore.engine.scheduling.scheduler import ScheduledRequest
 
 __all__ = ["ModelRunner", "layer_index"]
 
@@ -87,8 +87,11 @@ class ModelRunner:
         max_model_len: int,
         num_heads: int | None = None,
     ) -> None:
-        from pagedcore.engine.fused_ops import fused_kernels_disabled_reason, swap_fused_modules
-        from pagedcore.engine.mla_attention import mla_impl_kwargs, swap_mla_attention
+        from pagedcore.engine.models.fused_ops import (
+            fused_kernels_disabled_reason,
+            swap_fused_modules,
+        )
+        from pagedcore.engine.models.mla_attention import mla_impl_kwargs, swap_mla_attention
         from pagedcore.plugins.selector import select_backend
 
         attention_hook.register()
@@ -245,7 +248,7 @@ class ModelRunner:
             if reason is not None:
                 self.cudagraph_disabled_reason = reason
                 return reason
-            from pagedcore.engine.cuda_graph import CudaGraphCapturer
+            from pagedcore.engine.runner.cuda_graph import CudaGraphCapturer
 
             capturer = CudaGraphCapturer(self.device)
         limit = self.max_num_seqs

@@ -8,10 +8,14 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from pagedcore.engine.request import Request, RequestStatus
+from pagedcore.engine.scheduling.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from pagedcore.engine.scheduler_types import KVManagerLike, ScheduledRequest, SchedulerStats
+    from pagedcore.engine.scheduling.scheduler_types import (
+        KVManagerLike,
+        ScheduledRequest,
+        SchedulerStats,
+    )
 
 __all__ = ["RequestFault", "ScheduleUndo", "safe_extreme"]
 

@@ -14,7 +14,7 @@ from pagedcore.kv_cache.spec import cdiv
 if TYPE_CHECKING:
     import torch
 
-    from pagedcore.engine.request import Request
+    from pagedcore.engine.scheduling.request import Request
 
 __all__ = ["Arena", "Buffer", "index_in"]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Sequence
 
-from pagedcore.engine.scheduler_types import KVManagerLike, ScheduledRequest
+from pagedcore.engine.scheduling.scheduler_types import KVManagerLike, ScheduledRequest
 
 __all__ = ["align_to_bucket"]
 

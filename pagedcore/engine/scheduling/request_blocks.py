@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 from pagedcore.kv_cache.spec import FullAttentionSpec, KVCacheConfig
 
 if TYPE_CHECKING:
-    from pagedcore.engine.request import Request
-    from pagedcore.engine.schedule_undo import ScheduleUndo
-    from pagedcore.engine.scheduler_types import KVManagerLike
+    from pagedcore.engine.scheduling.request import Request
+    from pagedcore.engine.scheduling.schedule_undo import ScheduleUndo
+    from pagedcore.engine.scheduling.scheduler_types import KVManagerLike
 
 __all__ = ["LOOKAHEAD_BLOCKS", "LOOKAHEAD_MAX_USAGE", "RequestBlocks"]
 

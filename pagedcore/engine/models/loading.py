@@ -2,7 +2,7 @@
 
 Supported architectures: Llama, Qwen2, Qwen3, Mistral (sliding window), Gemma-2 (alternating
 sliding / full layers, attention and final logit soft-caps) and DeepSeek-V2/V3 (MLA, see
-`pagedcore.engine.mla_attention`).
+`pagedcore.engine.models.mla_attention`).
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:
             layer_types=["sliding_attention", "full_attention"],
         )
     if model_type in ("deepseek_v2", "deepseek_v3"):
-        from pagedcore.engine.mla_attention import TINY_MLA_OVERRIDES
+        from pagedcore.engine.models.mla_attention import TINY_MLA_OVERRIDES
 
         del base["head_dim"]
         base.update(TINY_MLA_OVERRIDES[model_type])
@@ -272,7 +272,7 @@ def load_model(
     if os.path.isdir(model) or _looks_like_path(model):
         from transformers import AutoConfig
 
-        from pagedcore.engine.checkpoint import (
+        from pagedcore.engine.models.checkpoint import (
             CheckpointError,
             check_checkpoint_dir,
             load_checkpoint,

@@ -174,7 +174,7 @@ class EagerCapturer:
 
 class BucketedGraphs:
     """Captured forwards, one per bucket, over persistent buffers (the shared mechanics of
-    `DecodeGraphs` and `pagedcore.engine.mixed_graphs.MixedGraphs`).
+    `DecodeGraphs` and `pagedcore.engine.runner.mixed_graphs.MixedGraphs`).
 
     Parameters
     ----------

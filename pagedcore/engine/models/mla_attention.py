@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from pagedcore.engine.attention_hook import StepContext
+    from pagedcore.engine.models.attention_hook import StepContext
 
 __all__ = [
     "MLA_ATTENTION_CLASSES",
@@ -42,7 +42,7 @@ __all__ = [
     "swap_mla_attention",
 ]
 
-#: `pagedcore.engine.models.tiny_config` overrides for the DeepSeek types: 4 heads (no GQA),
+#: `pagedcore.engine.models.loading.tiny_config` overrides for the DeepSeek types: 4 heads (no GQA),
 #: latent 32 + rope 8, nope 16, v 12; layer 0 dense, layer 1 a small MoE.
 TINY_MLA_OVERRIDES: dict[str, dict[str, Any]] = {
     "deepseek_v2": dict(

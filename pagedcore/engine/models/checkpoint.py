@@ -34,7 +34,7 @@ SKIP_CHECKS_ENV = "PAGEDCORE_SKIP_CHECKPOINT_CHECKS"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 _MAX_NAMES = 6
-logger = logging.getLogger("pagedcore.engine.checkpoint")
+logger = logging.getLogger("pagedcore.engine.models.checkpoint")
 
 
 class CheckpointError(ValueError):

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from operator import attrgetter
 
 from pagedcore.engine.outputs import RequestMetrics
-from pagedcore.engine.sampling_params import SamplingParams
+from pagedcore.engine.sampling.sampling_params import SamplingParams
 
 __all__ = [
     "FinishReason",

@@ -9,7 +9,7 @@ from typing import Any, Literal, Protocol, overload
 
 import attrs
 
-from pagedcore.engine.request import Request
+from pagedcore.engine.scheduling.request import Request
 
 __all__ = [
     "DecodeBatch",
@@ -66,7 +66,7 @@ class SchedulerConfig:
         "fcfs" or "priority" (lower `SamplingParams.priority` first, then arrival).
     token_buckets:
         Step sizes (tokens, ascending) that run without padding: the token buckets of the
-        captured mixed-step CUDA graphs (`pagedcore.engine.mixed_graphs`). When set, a step
+        captured mixed-step CUDA graphs (`pagedcore.engine.runner.mixed_graphs`). When set, a step
         that holds a *partial* prefill chunk and would total a few tokens above a bucket has
         that chunk shrunk so the step totals exactly the largest bucket below (see
         `Scheduler`). None: off (eager engines, CPU).

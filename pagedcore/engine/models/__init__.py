@@ -1,0 +1,1 @@
+"""Models: loading checkpoints, the transformers attention hook, fused ops, MLA attention."""

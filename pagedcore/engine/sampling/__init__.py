@@ -1,0 +1,1 @@
+"""Sampling: per-request sampling parameters and the batched sampler."""
