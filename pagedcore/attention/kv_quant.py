@@ -21,6 +21,7 @@ __all__ = [
     "FP8_KV_CACHE_DTYPES",
     "FP8_MAX",
     "FP8_UNIT_ROUNDOFF",
+    "calibrated_scale",
     "dequantize_fp8",
     "kv_cache_torch_dtype",
     "normalize_kv_cache_dtype",
@@ -79,6 +80,13 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtyp
     """
     bound = FP8_MAX[_fp8_name(dtype)]
     return (x.float() / scale).clamp_(-bound, bound).to(dtype)
+
+
+def calibrated_scale(x: torch.Tensor, kv_cache_dtype: str) -> float:
+    """The per-tensor scale that maps ``max|x|`` to the fp8 dtype's largest value (a tiny
+    positive floor for an all-zero `x`); one host sync."""
+    bound = FP8_MAX[normalize_kv_cache_dtype(kv_cache_dtype)]
+    return max(float(x.abs().amax()) / bound, 1e-12)
 
 
 def dequantize_fp8(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:

@@ -204,10 +204,14 @@ def _check_model_option(ctx: click.Context, param: click.Parameter, value: str) 
 @click.option("--stream/--no-stream", default=False, help="Print tokens as they arrive.")
 @click.option("--enforce-eager", is_flag=True,
               help="Never use CUDA graphs for decode steps (default: on where supported).")
+@click.option("--kv-cache-dtype", default="auto", show_default=True,
+              type=click.Choice(["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]),
+              help="KV-cache storage: the model dtype, or fp8 (scales from the first prefill).")
 def generate(prompts: tuple[str, ...], token_ids: tuple[str, ...], model: str, max_tokens: int,
              temperature: float, top_p: float, top_k: int | None, seed: int,
              device: str | None, dtype: str | None, backend: str | None,
-             max_model_len: int | None, stream: bool, enforce_eager: bool) -> None:
+             max_model_len: int | None, stream: bool, enforce_eager: bool,
+             kv_cache_dtype: str) -> None:
     """Generate continuations of prompts with a model."""
     from pagedcore.engine.llm import LLM
     from pagedcore.engine.models.checkpoint import CheckpointError
@@ -227,7 +231,8 @@ def generate(prompts: tuple[str, ...], token_ids: tuple[str, ...], model: str, m
                                 top_k=top_k, seed=seed)
         try:
             llm = LLM(model, device=device, dtype=dtype, backend=backend, seed=seed,
-                      max_model_len=max_model_len, enforce_eager=enforce_eager)
+                      max_model_len=max_model_len, enforce_eager=enforce_eager,
+                      kv_cache_dtype=kv_cache_dtype)
         except CheckpointError as exc:  # found while loading (shapes, NaN): still the user's
             raise click.BadParameter(str(exc), param_hint="--model") from exc
         if stream:

@@ -86,6 +86,7 @@ def build_engine(
     align_chunks_to_buckets: bool | Sequence[int] = True,
     hash_algo: str = "sha256",
     hash_seed: bytes | int | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> EngineParts:
     """Load the model and build its KV cache, scheduler and runner (see `LLM` for the args).
 
@@ -138,7 +139,10 @@ def build_engine(
             policy=scheduling_policy,
         )
         rank_config = config if tp is None else tp.rank_config(config)
-        specs = kv_cache_specs_from_hf_config(rank_config, block_size=block_size, dtype=dtype)
+        from pagedcore.attention.kv_quant import kv_cache_torch_dtype
+
+        kv_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype)  # block bytes follow it
+        specs = kv_cache_specs_from_hf_config(rank_config, block_size=block_size, dtype=kv_dtype)
         if kv_cache_memory_bytes is None:
             kv_cache_memory_bytes = default_kv_cache_bytes(device, config, gpu_memory_utilization)
         if tp is not None:
@@ -164,6 +168,7 @@ def build_engine(
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             num_heads=None if tp is None else int(rank_config.num_attention_heads),
+            kv_cache_dtype=kv_cache_dtype,
         )
         if enforce_eager:
             local.cudagraph_disabled_reason = "enforce_eager=True"
