@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 SUPPORTED_MODEL_TYPES = (
-    "llama", "qwen2", "qwen3", "mistral", "gemma2", "deepseek_v2", "deepseek_v3"
+    "llama", "qwen2", "qwen3", "mistral", "gemma2", "deepseek_v2", "deepseek_v3", "gpt_oss"
 )
 
 
@@ -106,6 +106,12 @@ def tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:
             query_pre_attn_scalar=16,
             attn_logit_softcapping=2.0,
             final_logit_softcapping=5.0,
+            layer_types=["sliding_attention", "full_attention"],
+        )
+    if model_type == "gpt_oss":
+        # Alternating windowed / full layers with per-head sinks; a 4-expert top-2 MoE.
+        base.update(
+            sliding_window=12, num_local_experts=4, num_experts_per_tok=2,
             layer_types=["sliding_attention", "full_attention"],
         )
     if model_type in ("deepseek_v2", "deepseek_v3"):

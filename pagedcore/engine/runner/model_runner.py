@@ -134,6 +134,8 @@ class ModelRunner:
                 device=device.type,
                 backend=backend,
                 kv_cache_dtype=kv_cache_dtype,
+                has_sink=any(self._sinks_of(layer_index(n)) is not None
+                             for n in group.layer_names),
             )
             self.backends.append(chosen)
             self.builders.append(chosen.get_builder_cls()(spec, group.layer_names, device))
@@ -157,6 +159,7 @@ class ModelRunner:
                     sliding_window=window,
                     logits_soft_cap=soft_cap,
                     kv_cache_dtype=kv_cache_dtype,
+                    sinks=self._sinks_of(idx),
                     **mla_impl_kwargs(spec),
                 )
                 calibration = (
@@ -194,6 +197,11 @@ class ModelRunner:
 
     def _attention_module(self, idx: int) -> Any:
         return self.base_model.layers[idx].self_attn
+
+    def _sinks_of(self, idx: int) -> Any:
+        """Layer `idx`'s ``[Hq]`` attention-sink logits (GPT-OSS ``self_attn.sinks``), or None."""
+        sinks = getattr(self._attention_module(idx), "sinks", None)
+        return None if sinks is None else sinks.detach()
 
     @staticmethod
     def _kv_cache_dtype_name(spec_dtype: str) -> str:
