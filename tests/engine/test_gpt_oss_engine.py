@@ -44,7 +44,7 @@ def test_gpt_oss_greedy_matches_transformers_with_chunked_prefill_and_prefix_cac
 def test_gpt_oss_sinks_matter() -> None:
     """The same model with its sinks dropped gives other log-probabilities (the test above
     would catch an engine that ignored them)."""
-    _config, ref, eng = make_models("gpt_oss")
+    _config, _ref, eng = make_models("gpt_oss")
     with torch.no_grad():
         for block in eng.model.layers:
             block.self_attn.sinks.fill_(2.0)
