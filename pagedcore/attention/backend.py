@@ -305,6 +305,21 @@ def _as_floats(values: Any) -> list[float]:
     return [float(v) for v in values]
 
 
+def _per_device(values: list[float] | None, cache: dict[str, torch.Tensor],
+                device: torch.device) -> torch.Tensor | None:
+    """`values` as a float32 tensor on `device`, made once per device and kept in `cache`."""
+    if values is None:
+        return None
+    key = str(device)
+    tensor = cache.get(key)
+    if tensor is None:
+        import torch
+
+        tensor = torch.tensor(values, dtype=torch.float32, device=device)
+        cache[key] = tensor
+    return tensor
+
+
 def _check_scales(k_scale: Any, v_scale: Any) -> tuple[float, float]:
     """Both scales as floats, or a ValueError naming the bad one."""
     out = []
@@ -511,30 +526,12 @@ class AttentionImpl(abc.ABC, Generic[M]):
     def alibi_slopes_on(self, device: torch.device) -> torch.Tensor | None:
         """The ALiBi slopes as a ``[Hq]`` float32 tensor on `device` (made once per device and
         kept, so a step never copies them again), or None without ALiBi."""
-        if self.alibi_slopes is None:
-            return None
-        key = str(device)
-        slopes = self._alibi_on_device.get(key)
-        if slopes is None:
-            import torch
-
-            slopes = torch.tensor(self.alibi_slopes, dtype=torch.float32, device=device)
-            self._alibi_on_device[key] = slopes
-        return slopes
+        return _per_device(self.alibi_slopes, self._alibi_on_device, device)
 
     def sinks_on(self, device: torch.device) -> torch.Tensor | None:
         """The sink logits as a ``[Hq]`` float32 tensor on `device` (made once per device),
         or None without sinks."""
-        if self.sinks is None:
-            return None
-        key = str(device)
-        sinks = self._sinks_on_device.get(key)
-        if sinks is None:
-            import torch
-
-            sinks = torch.tensor(self.sinks, dtype=torch.float32, device=device)
-            self._sinks_on_device[key] = sinks
-        return sinks
+        return _per_device(self.sinks, self._sinks_on_device, device)
 
     @property
     def kv_fp8(self) -> bool:

@@ -6,7 +6,13 @@ prefill and prefix caching."""
 from __future__ import annotations
 
 import torch
-from engine_helpers import assert_no_leak, hf_greedy, make_models, random_prompts
+from engine_helpers import (
+    assert_no_leak,
+    check_outputs_against_hf,
+    hf_greedy,
+    make_models,
+    random_prompts,
+)
 
 from pagedcore.engine.llm import LLM
 from pagedcore.engine.sampling.sampling_params import SamplingParams
@@ -29,15 +35,7 @@ def test_gpt_oss_greedy_matches_transformers_with_chunked_prefill_and_prefix_cac
     first = llm.generate(prompts[:3], params)
     second = llm.generate(prompts[3:], params)
     assert llm.stats()["prefix_hit_tokens"] > 0
-    for prompt, out in zip(prompts, first + second, strict=True):
-        tokens, logprobs = hf_greedy(ref, prompt, MAX_NEW)
-        got = out.outputs[0]
-        assert got.token_ids == tokens, f"prompt of {len(prompt)} tokens diverged"
-        assert got.logprobs is not None
-        for step, entry in enumerate(got.logprobs):
-            for token, value in entry.items():
-                expected = float(logprobs[step, token])
-                assert abs(value - expected) < 1e-4 * max(1.0, abs(expected)), (step, token)
+    check_outputs_against_hf(ref, prompts, first + second, MAX_NEW)
     assert_no_leak(llm)
 
 
