@@ -257,18 +257,18 @@ class BackendUnderTest:
         )
         cache_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype)
         self.kv_cache = torch.empty(shape, dtype=cache_dtype, device=device)
-        scales: dict[str, float] = {}
+        k_scale = v_scale = 1.0
         if cache_dtype != dtype:  # fp8: per-tensor scales from the data (amax / fp8 max)
-            bound = FP8_MAX[str(self.impl_kv_dtype(kv_cache_dtype))]
-            scales = {"k_scale": float(kv.key.abs().amax()) / bound,
-                      "v_scale": float(kv.value.abs().amax()) / bound}
+            bound = FP8_MAX[self.impl_kv_dtype(kv_cache_dtype)]
+            k_scale = float(kv.key.abs().amax()) / bound
+            v_scale = float(kv.value.abs().amax()) / bound
         spec = FullAttentionSpec(
             block_size=block_size, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=dtype
         )
         self.builder = backend.get_builder_cls()(spec, ["bench"], device)
         self.impl = backend.get_impl_cls()(
             NUM_HEADS, HEAD_SIZE, HEAD_SIZE**-0.5, num_kv_heads=NUM_KV_HEADS,
-            kv_cache_dtype=kv_cache_dtype, sinks=sinks, **scales,
+            kv_cache_dtype=kv_cache_dtype, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
         )
         chunk = 1 << 16
         for start in range(0, kv.key.shape[0], chunk):
