@@ -169,6 +169,7 @@ def build_engine(
             max_model_len=max_model_len,
             num_heads=None if tp is None else int(rank_config.num_attention_heads),
             kv_cache_dtype=kv_cache_dtype,
+            kv_scales=loaded.kv_scales,
         )
         if enforce_eager:
             local.cudagraph_disabled_reason = "enforce_eager=True"

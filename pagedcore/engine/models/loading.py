@@ -59,6 +59,8 @@ class LoadedModel:
     model: PreTrainedModel
     tokenizer: Any
     name: str
+    #: Per layer ``(k_scale, v_scale)`` of an fp8 KV cache from the checkpoint, or None.
+    kv_scales: dict[int, tuple[float, float]] | None = None
 
     @property
     def eos_token_id(self) -> int | None:
@@ -296,7 +298,14 @@ def load_model(
         _check_model_type(config)
         tokenizer = load_tokenizer(root)
         loaded = load_checkpoint(root, dtype=dtype, device=device, strict=strict)
-        return LoadedModel(loaded, tokenizer, os.path.basename(os.path.normpath(model)))
+        from pagedcore.engine.models.kv_scales import read_kv_scales
+
+        try:
+            scales = read_kv_scales(root, int(config.num_hidden_layers))
+        except ValueError as err:
+            raise CheckpointError(str(err)) from err
+        return LoadedModel(loaded, tokenizer, os.path.basename(os.path.normpath(model)),
+                           kv_scales=scales)
     raise ValueError(
         f"cannot load model {model!r}: give a local checkpoint directory, 'demo', "
         f"'random:<{'|'.join(SUPPORTED_MODEL_TYPES)}>', 'random:qwen2-0.5b', "

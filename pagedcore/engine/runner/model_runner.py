@@ -75,7 +75,9 @@ class ModelRunner:
     kv_cache_dtype:
         ``"auto"`` or an fp8 name; with fp8 the KV-cache specs must carry the fp8 dtype (their
         page sizes follow it), and each layer's K/V scales are computed on the first prefill
-        (`attention_hook.KVScaleCalibration`).
+        (`attention_hook.KVScaleCalibration`) unless `kv_scales` gives them.
+    kv_scales:
+        Per layer index ``(k_scale, v_scale)`` from the checkpoint (fp8 only), or None.
     """
 
     def __init__(
@@ -91,6 +93,7 @@ class ModelRunner:
         max_model_len: int,
         num_heads: int | None = None,
         kv_cache_dtype: str = "auto",
+        kv_scales: dict[int, tuple[float, float]] | None = None,
     ) -> None:
         from pagedcore.engine.models.fused_ops import (
             fused_kernels_disabled_reason,
@@ -162,15 +165,17 @@ class ModelRunner:
                     sinks=self._sinks_of(idx),
                     **mla_impl_kwargs(spec),
                 )
-                calibration = (
-                    None if kv_cache_dtype == "auto"
-                    else attention_hook.KVScaleCalibration(impl.kv_cache_dtype)
-                )
+                calibration = None
+                if kv_cache_dtype != "auto" and kv_scales is not None:
+                    impl.set_kv_scales(*kv_scales[idx])
+                elif kv_cache_dtype != "auto":
+                    calibration = attention_hook.KVScaleCalibration(impl.kv_cache_dtype)
                 self.layers[idx] = attention_hook.LayerBinding(
                     impl, self.kv_caches[name], g, calibration
                 )
         #: ``"auto"`` or the fp8 name every layer's cache is stored in.
         self.kv_cache_dtype = kv_cache_dtype
+        self.kv_scales_source = "checkpoint" if kv_scales is not None else "first prefill"
         self.input_batch = InputBatch(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -223,7 +228,7 @@ class ModelRunner:
         ks = [b.impl.k_scale for b in self.layers.values()]
         vs = [b.impl.v_scale for b in self.layers.values()]
         return {"kv_cache_dtype": self.kv_cache_dtype, "kv_scales": {
-            "source": "pending (first prefill)" if pending else "first prefill",
+            "source": "pending (first prefill)" if pending else self.kv_scales_source,
             "k_scale_range": [min(ks), max(ks)], "v_scale_range": [min(vs), max(vs)]}}
 
     def _allocate_kv_caches(self) -> dict[str, torch.Tensor]:
