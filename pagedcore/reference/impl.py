@@ -69,6 +69,16 @@ class ReferenceImpl(AttentionImpl[ReferenceMetadata]):
     as ``float32(fp8) * scale`` (`pagedcore.attention.kv_quant`), exactly what a kernel reads.
     """
 
+    def check_supported(self) -> None:
+        from pagedcore.reference.backend import ReferenceBackend
+
+        declared = ReferenceBackend.supported_kv_cache_dtypes
+        if self.kv_cache_dtype not in declared:
+            raise ValueError(
+                f"the reference backend stores the KV cache as {', '.join(declared)}, got "
+                f"kv_cache_dtype {self.kv_cache_dtype!r}"
+            )
+
     def _kv_scales(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor | float, ...]:
         if kv_cache.dtype.itemsize != 1:
             return 1.0, 1.0
