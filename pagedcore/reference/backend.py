@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from pagedcore.attention.backend import (
+    KV_CACHE_DTYPES,
     AttentionBackend,
     AttentionImpl,
     CudaGraphSupport,
@@ -27,7 +28,7 @@ class ReferenceBackend(AttentionBackend):
     name: ClassVar[str] = "reference"
     priority: ClassVar[int] = 1000
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float32", "float16", "bfloat16")
-    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto", "fp8_e4m3", "fp8_e5m2")
+    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = KV_CACHE_DTYPES
     supported_head_sizes: ClassVar[tuple[int, ...] | None] = None
     supported_block_sizes: ClassVar[tuple[int | MultipleOf, ...]] = (MultipleOf(1),)
     supported_devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")

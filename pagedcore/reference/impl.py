@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from pagedcore.attention.backend import AttentionImpl
-from pagedcore.attention.kv_quant import quantize_fp8
+from pagedcore.attention.kv_quant import FP8_KV_CACHE_DTYPES, quantize_fp8
 from pagedcore.reference.metadata import ReferenceMetadata
 from pagedcore.reference.ops import attend, gather_slots, write_slots
 
@@ -70,9 +70,9 @@ class ReferenceImpl(AttentionImpl[ReferenceMetadata]):
     """
 
     def check_supported(self) -> None:
-        from pagedcore.reference.backend import ReferenceBackend
-
-        declared = ReferenceBackend.supported_kv_cache_dtypes
+        # The reference serves every KV-cache dtype of the contract (its descriptor declares
+        # KV_CACHE_DTYPES): a name added there without support here fails loudly.
+        declared = ("auto", *FP8_KV_CACHE_DTYPES)
         if self.kv_cache_dtype not in declared:
             raise ValueError(
                 f"the reference backend stores the KV cache as {', '.join(declared)}, got "
