@@ -192,6 +192,8 @@ class ModelRunner:
         self.mixed_graphs_disabled_reason: str | None = "not enabled"
         #: Captured decode graphs (None: every step runs eagerly).
         self.graphs: DecodeGraphs | None = None
+        #: Each decode bucket's captured plans (one per KV-cache group), for `prepare_replay`.
+        self._graph_plans: dict[int, tuple[Any, ...]] = {}
         #: Why decode steps run eagerly (None while graphs are in use).
         self.cudagraph_disabled_reason: str | None = "not enabled"
 
@@ -348,6 +350,7 @@ class ModelRunner:
             self.mixed_graphs_disabled_reason = "graphs released"
         self.graphs = None
         self.mixed_graphs = None
+        self._graph_plans.clear()
 
     def _graph_forward(self, bucket: int) -> Callable[[], torch.Tensor]:
         """The forward a bucket's graph records, over the persistent buffers."""
@@ -358,6 +361,7 @@ class ModelRunner:
         metadata = tuple(
             b.build_for_cudagraph_capture(c) for b, c in zip(self.builders, common, strict=True)
         )
+        self._graph_plans[bucket] = metadata
         ctx = attention_hook.StepContext(
             layers=self.layers,
             metadata=metadata,
@@ -416,14 +420,22 @@ class ModelRunner:
         Returns
         -------
         torch.Tensor
-            ``[S, V]`` float32 logits, one row per entry of ``inputs.sample_rows``.
+            ``[S, V]`` logits in the model's dtype (the sampler converts the rows that need
+            float32; greedy rows take their argmax as they are), one row per entry of
+            ``inputs.sample_rows``.
         """
         import torch
 
         with torch.inference_mode():
             if inputs.cudagraph_bucket is not None:
                 assert self.graphs is not None
-                hidden = self.graphs.replay(inputs.cudagraph_bucket)
+                bucket = inputs.cudagraph_bucket
+                self.graphs.capture(bucket)
+                for builder, plan, common in zip(
+                    self.builders, self._graph_plans[bucket], inputs.common, strict=True
+                ):
+                    builder.prepare_replay(plan, common)
+                hidden = self.graphs.replay(bucket)
             elif self.mixed_graphs is not None and self.mixed_graphs.bucket_for(inputs):
                 hidden = self.mixed_graphs.run(inputs)
             else:
@@ -441,7 +453,7 @@ class ModelRunner:
             cap = self.final_logit_softcap
             if cap is not None:
                 logits = torch.tanh(logits / cap) * cap
-        return logits.float()
+        return logits
 
 
 class _Alloc:
