@@ -105,6 +105,12 @@ def build_engine(
         raise ValueError(
             f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
         )
+    if kv_cache_dtype != "auto" and tensor_parallel_size != 1:
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} with tensor_parallel_size="
+            f"{tensor_parallel_size} is not supported yet (the workers would keep a model-dtype "
+            "cache); use kv_cache_dtype='auto' or tensor_parallel_size=1"
+        )
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     tp: TensorParallelExecutor | None = None

@@ -93,3 +93,21 @@ def test_bad_kv_cache_dtype_is_a_clear_error() -> None:
     _config, _ref, eng = make_models("llama")
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         LLM(eng, device="cpu", kv_cache_dtype="int8")
+
+
+def test_generate_cli_runs_with_an_fp8_cache() -> None:
+    from click.testing import CliRunner
+
+    from pagedcore.cli import main
+
+    result = CliRunner().invoke(main, ["generate", "--model", "demo", "--device", "cpu",
+                                       "--prompt", "Hi", "--max-tokens", "3",
+                                       "--kv-cache-dtype", "fp8"])
+    assert result.exit_code == 0, result.output
+    assert "(3 tokens, length)" in result.output
+
+
+def test_fp8_with_tensor_parallelism_is_refused_clearly() -> None:
+    _config, _ref, eng = make_models("llama")
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8_e4m3' with tensor_parallel_size=2"):
+        LLM(eng, device="cpu", kv_cache_dtype="fp8", tensor_parallel_size=2)
