@@ -301,11 +301,9 @@ M = TypeVar("M")
 
 
 def _as_floats(values: Any) -> list[float]:
-    """A tensor's or a sequence's entries as Python floats."""
-    tolist = getattr(values, "tolist", None)
-    if callable(tolist):
-        flat = values.detach().float().cpu().reshape(-1) if hasattr(values, "detach") else values
-        return [float(v) for v in flat.tolist()]
+    """A tensor's (any device, any float dtype) or a sequence's entries as Python floats."""
+    if hasattr(values, "detach"):
+        values = values.detach().float().cpu().reshape(-1).tolist()
     return [float(v) for v in values]
 
 
@@ -518,7 +516,7 @@ class AttentionImpl(abc.ABC, Generic[M]):
                 f"kv_cache_dtype {kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES} "
                 "(or 'fp8' for 'fp8_e4m3')"
             )
-        sink_list = None if sinks is None else [float(s) for s in _as_floats(sinks)]
+        sink_list = None if sinks is None else _as_floats(sinks)
         if sink_list is not None and len(sink_list) != num_heads:
             raise ValueError(
                 f"sinks has {len(sink_list)} entries, expected one per query head ({num_heads})"

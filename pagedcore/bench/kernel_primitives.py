@@ -247,7 +247,11 @@ class BackendUnderTest:
     ) -> None:
         import torch
 
-        from pagedcore.attention.kv_quant import FP8_MAX, kv_cache_torch_dtype
+        from pagedcore.attention.kv_quant import (
+            FP8_MAX,
+            kv_cache_torch_dtype,
+            normalize_kv_cache_dtype,
+        )
         from pagedcore.kv_cache.spec import FullAttentionSpec
 
         dtype, device, block_size = kv.key.dtype, kv.key.device, kv.block_size
@@ -259,7 +263,7 @@ class BackendUnderTest:
         self.kv_cache = torch.empty(shape, dtype=cache_dtype, device=device)
         k_scale = v_scale = 1.0
         if cache_dtype != dtype:  # fp8: per-tensor scales from the data (amax / fp8 max)
-            bound = FP8_MAX[self.impl_kv_dtype(kv_cache_dtype)]
+            bound = FP8_MAX[normalize_kv_cache_dtype(kv_cache_dtype)]
             k_scale = float(kv.key.abs().amax()) / bound
             v_scale = float(kv.value.abs().amax()) / bound
         spec = FullAttentionSpec(
@@ -274,12 +278,6 @@ class BackendUnderTest:
         for start in range(0, kv.key.shape[0], chunk):
             sl = slice(start, start + chunk)
             self.impl.do_kv_cache_update(kv.key[sl], kv.value[sl], self.kv_cache, kv.slots[sl])
-
-    @staticmethod
-    def impl_kv_dtype(kv_cache_dtype: str) -> str:
-        from pagedcore.attention.kv_quant import normalize_kv_cache_dtype
-
-        return normalize_kv_cache_dtype(kv_cache_dtype)
 
     def runner(
         self, kv: PagedKV, q_lens: list[int], reqs: list[int], query: torch.Tensor
