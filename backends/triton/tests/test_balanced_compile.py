@@ -1,4 +1,5 @@
-"""The balanced decode kernels (with and without fp8 caches and sinks) compile for sm_90 (Triton's front end and ptxas, no GPU needed).
+"""The balanced decode kernels (with and without fp8 caches and sinks) compile for sm_90
+(Triton's front end and ptxas, no GPU needed).
 
 Triton's interpreter runs the kernels as Python and misses what only the compiler checks (a
 variable that is a vector in one ``constexpr`` branch and a scalar in another failed to
