@@ -50,6 +50,9 @@ _LAZY = {
     "LLM": "pagedcore.engine.llm",
     "SamplingParams": "pagedcore.engine.sampling.sampling_params",
     "RequestOutput": "pagedcore.engine.outputs",
+    "CompletionOutput": "pagedcore.engine.outputs",
+    "Logprob": "pagedcore.engine.outputs",
+    "ChatTemplateError": "pagedcore.engine.chat",
     # what a user's invalid argument raises (a ValueError; the type variant is also a TypeError)
     "InvalidArgumentError": "pagedcore.engine.validation",
     "InvalidArgumentTypeError": "pagedcore.engine.validation",
@@ -58,8 +61,9 @@ _LAZY = {
 if TYPE_CHECKING:
     from pagedcore.attention.backend import KV_CACHE_DTYPES, AttentionImplOptions
     from pagedcore.attention.metadata import decode_first_order, split_decodes_and_prefills
+    from pagedcore.engine.chat import ChatTemplateError
     from pagedcore.engine.llm import LLM
-    from pagedcore.engine.outputs import RequestOutput
+    from pagedcore.engine.outputs import CompletionOutput, Logprob, RequestOutput
     from pagedcore.engine.sampling.sampling_params import SamplingParams
     from pagedcore.engine.validation import InvalidArgumentError, InvalidArgumentTypeError
     from pagedcore.kv_cache.spec import (
@@ -106,14 +110,17 @@ __all__ = [
     "BackendLoadError",
     "BackendSelectionError",
     "BackendValidationError",
+    "ChatTemplateError",
     "ChunkedLocalAttentionSpec",
     "CommonAttentionMetadata",
+    "CompletionOutput",
     "CudaGraphSupport",
     "DuplicateBackendError",
     "FullAttentionSpec",
     "InvalidArgumentError",
     "InvalidArgumentTypeError",
     "KVCacheSpec",
+    "Logprob",
     "MLAAttentionBackend",
     "MLAAttentionSpec",
     "MetadataBuilder",

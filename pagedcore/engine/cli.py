@@ -201,7 +201,14 @@ def _check_model_option(ctx: click.Context, param: click.Parameter, value: str) 
               help="Model dtype (default: bfloat16 on CUDA, float32 on the CPU).")
 @click.option("--backend", default=None, type=BACKEND, help="Force an attention backend by name.")
 @click.option("--max-model-len", default=None, type=positive_int())
-@click.option("--stream/--no-stream", default=False, help="Print tokens as they arrive.")
+@click.option("--stream/--no-stream", default=False,
+              help="Print the text as it is generated (one prompt at a time).")
+@click.option("--chat", is_flag=True,
+              help="Each --prompt is a user message, answered through the model's chat "
+                   "template.")
+@click.option("--system", default=None,
+              help="A system message before each --chat prompt (implies --chat).")
+@click.option("--stop", "stop", multiple=True, help="A stop string (repeatable).")
 @click.option("--enforce-eager", is_flag=True,
               help="Never use CUDA graphs for decode steps (default: on where supported).")
 @click.option("--kv-cache-dtype", default="auto", show_default=True,
@@ -210,9 +217,10 @@ def _check_model_option(ctx: click.Context, param: click.Parameter, value: str) 
 def generate(prompts: tuple[str, ...], token_ids: tuple[str, ...], model: str, max_tokens: int,
              temperature: float, top_p: float, top_k: int | None, seed: int,
              device: str | None, dtype: str | None, backend: str | None,
-             max_model_len: int | None, stream: bool, enforce_eager: bool,
-             kv_cache_dtype: str) -> None:
-    """Generate continuations of prompts with a model."""
+             max_model_len: int | None, stream: bool, chat: bool, system: str | None,
+             stop: tuple[str, ...], enforce_eager: bool, kv_cache_dtype: str) -> None:
+    """Generate continuations of prompts (or chat answers) with a model."""
+    from pagedcore.engine.chat import chat_prompt_ids
     from pagedcore.engine.llm import LLM
     from pagedcore.engine.models.checkpoint import CheckpointError
     from pagedcore.engine.sampling.sampling_params import SamplingParams
@@ -226,25 +234,44 @@ def generate(prompts: tuple[str, ...], token_ids: tuple[str, ...], model: str, m
                                      param_hint="--token-ids") from exc
     if not inputs:
         raise click.UsageError("give at least one --prompt or --token-ids")
+    chat = chat or system is not None
+    if chat and token_ids:
+        raise click.UsageError("--chat takes --prompt messages, not --token-ids")
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                top_k=top_k, seed=seed)
+                                top_k=top_k, seed=seed, stop=stop)
         try:
             llm = LLM(model, device=device, dtype=dtype, backend=backend, seed=seed,
                       max_model_len=max_model_len, enforce_eager=enforce_eager,
                       kv_cache_dtype=kv_cache_dtype)
         except CheckpointError as exc:  # found while loading (shapes, NaN): still the user's
             raise click.BadParameter(str(exc), param_hint="--model") from exc
+        if chat:
+            inputs = [{"prompt_token_ids": chat_prompt_ids(
+                llm.tokenizer, [*([{"role": "system", "content": system}] if system else []),
+                                {"role": "user", "content": text}],
+                model_name=llm.model_name)} for text in inputs]
         if stream:
-            for out in llm.stream(inputs, params):
-                if out.finished:
-                    click.echo(f"[{out.request_id}] {_render(out)}")
+            for one in inputs:  # one at a time, so the text of one prompt is contiguous
+                _stream_one(llm, one, params)
             return
         outputs = llm.generate(inputs, params)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
     for out in outputs:
         click.echo(f"[{out.request_id}] {_render(out)}")
+
+
+def _stream_one(llm: Any, prompt: Any, params: Any) -> None:
+    """Print one prompt's text as its deltas arrive (token ids without a tokenizer)."""
+    for out in llm.stream(prompt, params):
+        completion = out.outputs[0]
+        if llm.tokenizer is not None:
+            click.echo(completion.text, nl=False)
+        elif completion.token_ids:
+            click.echo(" ".join(map(str, completion.token_ids)) + " ", nl=False)
+        if out.finished:
+            click.echo(f"\n[{out.request_id}] ({completion.finish_reason})")
 
 
 def _render(out: Any) -> str:

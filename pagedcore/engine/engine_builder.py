@@ -35,7 +35,10 @@ class EngineParts:
     model: PreTrainedModel
     model_name: str
     tokenizer: Any
-    eos_token_id: int | None
+    #: Every EOS id (generation config, model config, tokenizer).
+    eos_token_ids: tuple[int, ...]
+    #: `SamplingParams` fields the checkpoint's ``generation_config`` sets.
+    sampling_defaults: dict[str, Any]
     max_model_len: int
     scheduler_config: SchedulerConfig
     kv_cache_config: KVCacheConfig
@@ -192,13 +195,17 @@ def build_engine(
             )
         scheduler_config = _align_chunks(scheduler_config, local, align_chunks_to_buckets)
         scheduler.config = scheduler_config
+        from pagedcore.engine.sampling.defaults import eos_token_ids, generation_defaults
+
+        final_tokenizer = tokenizer if tokenizer is not None else loaded.tokenizer
         return EngineParts(
             device=device,
             dtype=dtype,
             model=loaded.model,
             model_name=loaded.name,
-            tokenizer=tokenizer if tokenizer is not None else loaded.tokenizer,
-            eos_token_id=loaded.eos_token_id,
+            tokenizer=final_tokenizer,
+            eos_token_ids=eos_token_ids(loaded.model, final_tokenizer),
+            sampling_defaults=generation_defaults(loaded.model),
             max_model_len=max_model_len,
             scheduler_config=scheduler_config,
             kv_cache_config=kv_cache_config,

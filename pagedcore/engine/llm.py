@@ -13,6 +13,7 @@ from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Literal
 
 from pagedcore.engine.arguments import DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_N, check_engine_args
+from pagedcore.engine.detokenizer import advance_text
 from pagedcore.engine.engine_builder import build_engine
 from pagedcore.engine.errors import EngineStepError
 from pagedcore.engine.llm_failures import FailureIsolation
@@ -27,6 +28,11 @@ from pagedcore.engine.output_builder import (
 from pagedcore.engine.outputs import RequestOutput
 from pagedcore.engine.request_checks import check_request, check_unique_ids
 from pagedcore.engine.runner.overlap import InputFence, async_scheduling_setting
+from pagedcore.engine.sampling.resolve import (
+    bad_words_token_ids,
+    default_params,
+    resolve_max_tokens,
+)
 from pagedcore.engine.sampling.sampler import Sampler
 from pagedcore.engine.sampling.sampling_params import SamplingParams
 from pagedcore.engine.scheduling.request import Request, RequestStatus, get_request_id
@@ -209,7 +215,11 @@ class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
         self.model = parts.model
         self.model_name = parts.model_name
         self.tokenizer = parts.tokenizer
-        self.eos_token_id = parts.eos_token_id
+        #: Every EOS id of the model (each one stops a request unless ``ignore_eos``).
+        self.eos_token_ids = parts.eos_token_ids
+        #: The `SamplingParams` fields of the checkpoint's ``generation_config``: the defaults
+        #: of a request that gives no params (`default_sampling_params`).
+        self.sampling_defaults = parts.sampling_defaults
         self.max_model_len = parts.max_model_len
         self.scheduler_config = parts.scheduler_config
         self.kv_cache_config = parts.kv_cache_config
@@ -236,6 +246,8 @@ class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
         # The requests the last step sampled and their tokens (see `_run`).
         self._prev_rows: list[Request] | None = None
         self._prev_tokens: list[int] | None = None
+        #: Live requests whose logits processors read their tokens (no overlap while any is).
+        self._processing_ids: set[str] = set()
         # Requests whose own sampling setup failed in the last `_run` (id -> reason).
         self._row_failures: dict[str, str] = {}
         # Overlap scheduling (`OverlapStep`): the step in flight and the input-buffer fence.
@@ -317,6 +329,24 @@ class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
             vocab_size=int(self.model.config.vocab_size),
         )
 
+    def default_sampling_params(self) -> SamplingParams:
+        """`SamplingParams()` with the fields the checkpoint's ``generation_config`` sets
+        (`sampling_defaults`); what a request without params samples with."""
+        return default_params(self.sampling_defaults)
+
+    def _resolve(
+        self, params: SamplingParams | None, num_prompt_tokens: int
+    ) -> tuple[SamplingParams, dict[str, Any], list[list[int]]]:
+        """Checked params (the defaults for None), the generation_config fields used, and
+        the bad words as token ids; raises like `add_request`."""
+        used: dict[str, Any] = {}
+        if params is None:
+            params, used = self.default_sampling_params(), dict(self.sampling_defaults)
+        params = check_request(params, max_logprobs=self.max_logprobs, max_n=self.max_n)
+        params = resolve_max_tokens(params, num_prompt_tokens, self.max_model_len)
+        self.scheduler.check_fits(num_prompt_tokens, params.max_tokens or 1)
+        return params, used, bad_words_token_ids(params, self.tokenizer)
+
     def add_request(
         self,
         request_id: str,
@@ -325,24 +355,32 @@ class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
     ) -> None:
         """Queue a request for `step()`.
 
+        Parameters
+        ----------
+        params:
+            How to sample (None: `default_sampling_params`, from the checkpoint's
+            ``generation_config``; the output's ``sampling_defaults`` lists what it took).
+
         Raises
         ------
         ValueError
             (nothing queued) A bad id, prompt or params, a request over the engine's bounds
-            (``max_logprobs``, ``max_n``, ``max_model_len``, the KV cache), or an id already
-            in use by this request or one of its samples.
+            (``max_logprobs``, ``max_n``, ``max_model_len``, the KV cache), stop strings or
+            bad words without a tokenizer, or an id already in use by this request or one
+            of its samples.
         """
-        params = check_request(params, max_logprobs=self.max_logprobs, max_n=self.max_n)
+        if params is not None:
+            params = check_request(params, max_logprobs=self.max_logprobs, max_n=self.max_n)
         if not isinstance(request_id, str):
             raise InvalidArgumentTypeError(f"request_id must be a str, got {describe(request_id)}")
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         text, ids = self._tokenize(prompt)
-        self.scheduler.check_fits(len(ids), params.max_tokens)
-        parent = ParentRequest(request_id, text, ids)
+        params, used, bad_words = self._resolve(params, len(ids))
+        parent = ParentRequest(request_id, text, ids, sampling_defaults=used)
         children = make_children(
-            parent, params, arrivals=self._arrivals, eos_token_id=self.eos_token_id,
-            now=time.perf_counter(),
+            parent, params, arrivals=self._arrivals, eos_token_ids=self.eos_token_ids,
+            now=time.perf_counter(), tokenizer=self.tokenizer, bad_words_token_ids=bad_words,
         )
         # All samples or none: check every id before queueing the first.
         check_unique_ids(children, self.scheduler.requests, self._child_parent)
@@ -357,6 +395,8 @@ class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
             raise
         for child in children:
             self._child_parent[child.request_id] = parent
+            if params.processes_logits:
+                self._processing_ids.add(child.request_id)
         self._parents[request_id] = parent
 
     def abort(self, request_id: str) -> RequestOutput:
@@ -411,8 +451,15 @@ class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
             engine keeps serving everything else. A `TensorParallelError` (a rank failed: the
             engine is stopped) is raised as is, after finishing every request with an error.
         """
+        drained: list[RequestOutput] = []
         if self.async_scheduling:
-            return self._step_overlap(finished_only=finished_only)
+            if not self._needs_current_tokens():
+                return self._step_overlap(finished_only=finished_only)
+            # Penalties, bad words and min_tokens read every token so far, which a step
+            # launched one behind would not have: finish the step in flight, run this one
+            # without overlap.
+            drained = self.drain()
+            self._prev_rows = self._prev_tokens = None
         t0 = time.perf_counter()
         scheduled = self.scheduler.schedule()
         self.last_step_num_scheduled_tokens = int(scheduled.num_scheduled_tokens)
@@ -433,7 +480,16 @@ class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
         for request in changed:
             if request.status.finished:
                 self.sampler.forget(request.request_id)
-        return self._end_step(changed, finished_only=finished_only, t0=t0, t_update=t_update)
+        outputs = self._end_step(changed, finished_only=finished_only, t0=t0,
+                                 t_update=t_update)
+        return drained + outputs if drained else outputs
+
+    def _needs_current_tokens(self) -> bool:
+        """True while a live request's logits processors read its tokens (see `step`)."""
+        live = self._processing_ids
+        if live:
+            live.intersection_update(self._child_parent)
+        return bool(live)
 
     def _end_step(
         self, changed: list[Request], *, finished_only: bool, t0: float, t_update: float
@@ -450,13 +506,34 @@ class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
         self, changed: list[Request], *, finished_only: bool
     ) -> list[RequestOutput]:
         """The outputs of the user requests `changed` touched (with `finished_only`: of those
-        whose every sample finished)."""
+        whose every sample finished), after stopping those whose text matched a stop string
+        (both step loops, the overlapped one included, end here)."""
+        self._stop_on_strings(changed, now=time.perf_counter())
         if finished_only:
             done = self._parents_of(r for r in changed if r.status.finished).values()
             parents = [p for p in done if all(c.status.finished for c in p.children)]
         else:
             parents = list(self._parents_of(changed).values())
         return [self._output(p) for p in parents]
+
+    def _stop_on_strings(self, changed: list[Request], *, now: float) -> None:
+        """Detokenize the running requests with stop strings; stop those whose text matched."""
+        stopped = []
+        for request in changed:
+            if not request.params.stop or request.status.finished:
+                continue
+            parent = self._child_parent.get(request.request_id)
+            state = None if parent is None else parent.texts[request.sample_index]
+            if state is None:
+                continue
+            advance_text(state, request.output_token_ids)
+            if state.stop_string is not None:
+                request.stop_reason = state.stop_string
+                stopped.append(request)
+        if stopped:
+            self.scheduler.stop(stopped, now=now)
+            for request in stopped:
+                self.sampler.forget(request.request_id)
 
     def _run(
         self, scheduled: SchedulerOutput, t0: float
@@ -488,7 +565,7 @@ class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
                         else [r.request for r in rows])
             ids = list(map(get_request_id, requests))
             tokens, logprobs = self.sampler.sample(
-                logits, list(map(_get_params, requests)), ids
+                logits, list(map(_get_params, requests)), ids, sequences=requests
             )
             sampled = dict(zip(ids, zip(tokens, logprobs, strict=True), strict=True))
             if self.sampler.row_errors:

@@ -118,11 +118,13 @@ class FailureIsolation:
         finished with an error and its output carries its tokens without text.
         """
         try:
-            out = build_output(parent, tokenizer=self.tokenizer, errors=self.scheduler.errors)
+            out = build_output(parent, tokenizer=self.tokenizer, errors=self.scheduler.errors,
+                               delta=parent.delta)
         except Exception as exc:
             reason = f"building the output failed: {type(exc).__name__}: {exc}"
             self._fail_parents([parent], reason, finished_too=True)
-            out = build_output(parent, tokenizer=None, errors=self.scheduler.errors)
+            out = build_output(parent, tokenizer=None, errors=self.scheduler.errors,
+                               delta=parent.delta)
         if out.finished:
             self._parents.pop(parent.request_id, None)
             for child in parent.children:

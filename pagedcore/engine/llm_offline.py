@@ -1,4 +1,4 @@
-"""Offline use of `LLM`: `generate` and `stream` over many prompts.
+"""Offline use of `LLM`: `generate`, `stream` and `chat` over many prompts.
 
 `OfflineGeneration` is a base class of `pagedcore.engine.llm.LLM`: it queues prompts through
 `LLM.add_request` (validating every prompt first, so a bad one queues nothing), drives
@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from pagedcore.engine.chat import Conversation, chat_prompt_ids, normalize_conversations
 from pagedcore.engine.errors import EngineStepError
 from pagedcore.engine.output_builder import ParentRequest, PromptType, normalize_prompts
 from pagedcore.engine.outputs import RequestOutput
@@ -33,9 +34,16 @@ class OfflineGeneration:
     max_logprobs: int
     max_n: int
 
+    tokenizer: Any
+    model_name: str
+
     if TYPE_CHECKING:
 
         def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]: ...
+
+        def _resolve(
+            self, params: SamplingParams | None, num_prompt_tokens: int
+        ) -> tuple[SamplingParams, dict[str, Any], list[list[int]]]: ...
 
         def add_request(
             self, request_id: str, prompt: PromptType, params: SamplingParams | None = None
@@ -49,17 +57,21 @@ class OfflineGeneration:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        *,
+        delta: bool = False,
     ) -> list[str]:
         prompt_list, params_list = normalize_prompts(prompts, sampling_params)
         # Validate everything first so a bad prompt queues nothing.
         for prompt, params in zip(prompt_list, params_list, strict=True):
-            check_request(params, max_logprobs=self.max_logprobs, max_n=self.max_n)
+            if params is not None:
+                check_request(params, max_logprobs=self.max_logprobs, max_n=self.max_n)
             _, ids = self._tokenize(prompt)
-            self.scheduler.check_fits(len(ids), params.max_tokens)
+            self._resolve(params, len(ids))
         ids_out = []
         for prompt, params in zip(prompt_list, params_list, strict=True):
             request_id = f"gen-{next(self._ids)}"
             self.add_request(request_id, prompt, params)
+            self._parents[request_id].delta = delta
             ids_out.append(request_id)
         return ids_out
 
@@ -68,13 +80,18 @@ class OfflineGeneration:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> Iterator[RequestOutput]:
-        """Queue `prompts` and yield each request's output every time it changes.
+        """Queue `prompts` and yield each request's new output every time it changes.
+
+        Every yielded `RequestOutput` is a delta (``delta=True``): its completions hold the
+        token ids, text and logprobs produced since the request's previous output, so the
+        texts of one request's outputs concatenate to its whole text (vLLM's
+        ``output_kind=DELTA``). The last one has ``finished=True`` and the finish reason.
 
         Closing the generator early (``break`` out of the loop, ``close()``, garbage
         collection) or an exception aborts the requests it queued that have not finished,
         freeing their blocks. A failed step raises `EngineStepError` (see `step`).
         """
-        ids = set(self._add_all(prompts, sampling_params))
+        ids = set(self._add_all(prompts, sampling_params, delta=True))
         remaining = set(ids)
         try:
             while remaining:
@@ -155,3 +172,49 @@ class OfflineGeneration:
         # A request lost to an internal failure still gets its (final) output.
         done.update(self._abort_quietly(i for i in ids if i not in done))
         return [done[i] for i in ids]
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = False,
+        **template_kwargs: Any,
+    ) -> list[RequestOutput]:
+        """Answer one conversation or several through the tokenizer's chat template.
+
+        Parameters
+        ----------
+        messages:
+            One conversation (a list of ``{"role": ..., "content": ...}`` dicts) or a list of
+            conversations.
+        sampling_params:
+            One for all conversations, or one each (None: the engine's defaults).
+        chat_template:
+            A Jinja template to use instead of the tokenizer's.
+        add_generation_prompt:
+            End the prompt with the assistant's turn marker.
+        template_kwargs:
+            Extra template variables.
+
+        Returns
+        -------
+        list[RequestOutput]
+            One finished output per conversation, in order (see `generate`).
+
+        Raises
+        ------
+        ChatTemplateError
+            (an InvalidArgumentError) The model has no tokenizer or chat template, or the
+            template failed; nothing is queued.
+        """
+        conversations = normalize_conversations(messages)
+        prompts: list[PromptType] = [
+            {"prompt_token_ids": chat_prompt_ids(
+                self.tokenizer, c, model_name=self.model_name, chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt, **template_kwargs)}
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

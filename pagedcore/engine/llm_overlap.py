@@ -188,14 +188,15 @@ class OverlapStep:
             rows.requests if isinstance(rows, DecodeBatch) else [r.request for r in rows]
         )
         ids = list(map(get_request_id, requests))
-        sampled = self.sampler.sample_device(logits, list(map(_get_params, requests)), ids)
+        sampled = self.sampler.sample_device(logits, list(map(_get_params, requests)), ids,
+                                             sequences=requests)
         sampled.start_copy()
         max_len = self.scheduler.config.max_model_len
         errors = sampled.row_errors
         for row, request in enumerate(requests):
             # The sampled token's index is num_computed_tokens (after this step's schedule).
             total = request.num_computed_tokens + 1
-            if (total - request.num_prompt_tokens >= request.params.max_tokens
+            if (total - request.num_prompt_tokens >= (request.params.max_tokens or max_len)
                     or total >= max_len or (errors and request.request_id in errors)):
                 continue  # it ends with this token: nothing is scheduled after it
             request.placeholder = placeholder_for_row(row)

@@ -10,9 +10,10 @@ from array import array
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from pagedcore.engine.outputs import CompletionOutput, RequestOutput
+from pagedcore.engine.detokenizer import TextState, advance_text
+from pagedcore.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedcore.engine.sampling.sampling_params import SamplingParams
-from pagedcore.engine.scheduling.request import Request
+from pagedcore.engine.scheduling.request import FinishReason, Request
 from pagedcore.engine.validation import (
     MAX_SEED,
     InvalidArgumentError,
@@ -23,6 +24,7 @@ from pagedcore.engine.validation import (
 
 __all__ = [
     "ParentRequest", "PromptType", "build_output", "make_children", "normalize_prompts", "tokenize",
+    "update_texts",
 ]
 
 #: Text (needs a tokenizer), token ids, or ``{"prompt_token_ids": [...]}`` /
@@ -31,15 +33,28 @@ PromptType = str | Sequence[int] | Mapping[str, Any]
 
 
 class ParentRequest:
-    """A user request: one prompt, `n` child sequences."""
+    """A user request: one prompt, `n` child sequences (and their text, by sample index)."""
 
-    __slots__ = ("children", "prompt", "prompt_token_ids", "request_id")
+    __slots__ = ("children", "delta", "logprobs", "prompt", "prompt_token_ids", "request_id",
+                 "sampling_defaults", "sent", "texts")
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int]) -> None:
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 *, sampling_defaults: dict[str, Any] | None = None) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.children: list[Request] = []
+        #: Per sample, its detokenizer and stop strings (None without a tokenizer).
+        self.texts: list[TextState | None] = []
+        #: Per sample, (tokens, characters) already handed out in delta outputs.
+        self.sent: list[tuple[int, int]] = []
+        #: Per sample, its logprobs as `Logprob` objects and their running sum (each
+        #: position converted once, however many outputs are built).
+        self.logprobs: list[tuple[list[dict[int, Logprob]], list[float]]] = []
+        #: The `SamplingParams` fields taken from the checkpoint's generation_config.
+        self.sampling_defaults = sampling_defaults or {}
+        #: Build delta outputs (what is new since the previous output), as `LLM.stream` does.
+        self.delta = False
 
 
 _PROMPT_FORMS = "a str, a list of token ids, or a dict with 'prompt' or 'prompt_token_ids'"
@@ -137,8 +152,10 @@ def make_children(
     params: SamplingParams,
     *,
     arrivals: Iterator[int],
-    eos_token_id: int | None,
+    eos_token_ids: Sequence[int],
     now: float,
+    tokenizer: Any = None,
+    bad_words_token_ids: Sequence[Sequence[int]] = (),
 ) -> list[Request]:
     """One scheduler `Request` per sample of `parent` (added to ``parent.children``).
 
@@ -151,23 +168,29 @@ def make_children(
             # Wrapped into the seed range (seed 2**64 - 1 with n > 1 stays valid).
             child_params = params.replace(seed=(params.seed + i) % (MAX_SEED + 1))
         child_id = parent.request_id if params.n == 1 else f"{parent.request_id}#{i}"
-        parent.children.append(Request(
+        child = Request(
             child_id,
             parent.prompt_token_ids,
             child_params,
             arrival_index=next(arrivals),
-            eos_token_id=eos_token_id,
+            eos_token_ids=eos_token_ids,
             sample_index=i,
             arrival_time=now,
-        ))
+        )
+        child.bad_words_token_ids = [list(w) for w in bad_words_token_ids]
+        parent.children.append(child)
+        parent.texts.append(None if tokenizer is None else TextState(tokenizer, child_params))
+        parent.sent.append((0, 0))
+        parent.logprobs.append(([], [0.0]))
     return parent.children
 
 
 def normalize_prompts(
     prompts: PromptType | Sequence[PromptType],
     sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-) -> tuple[list[PromptType], list[SamplingParams]]:
-    """One prompt or a list, with one `SamplingParams` for all or one each -> paired lists."""
+) -> tuple[list[PromptType], list[SamplingParams | None]]:
+    """One prompt or a list, with one `SamplingParams` for all or one each -> paired lists
+    (None: the engine's defaults)."""
     prompt_list: list[PromptType]
     if prompts is None or isinstance(prompts, (bytes, bytearray)) or not isinstance(
         prompts, (str, Mapping, Sequence)
@@ -183,7 +206,8 @@ def normalize_prompts(
     else:
         prompt_list = list(prompts)  # type: ignore[arg-type]
     if sampling_params is None or isinstance(sampling_params, SamplingParams):
-        params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+        # None stays None: the engine's defaults (its generation_config) apply.
+        params_list: list[SamplingParams | None] = [sampling_params] * len(prompt_list)
     else:
         if not isinstance(sampling_params, Sequence) or isinstance(sampling_params, str):
             raise InvalidArgumentTypeError(
@@ -199,22 +223,79 @@ def normalize_prompts(
     return prompt_list, params_list
 
 
+def _convert(entry: dict[int, float], token_id: int, tokenizer: Any) -> dict[int, Logprob]:
+    """One position's ``{token: logprob}`` as `Logprob` objects, most likely first; the
+    sampled token keeps the sampler's rank (it may lie outside the top ones)."""
+    ordered = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)
+    sampled_rank = getattr(entry, "rank", None)
+    out = {}
+    for position, (t, lp) in enumerate(ordered):
+        rank = int(sampled_rank) if t == token_id and sampled_rank is not None else position + 1
+        out[t] = Logprob(lp, rank, None if tokenizer is None else tokenizer.decode([t]))
+    return out
+
+
+def _logprobs(
+    parent: ParentRequest, child: Request, tokenizer: Any, start: int
+) -> tuple[list[dict[int, Logprob]] | None, float | None]:
+    """The child's logprobs from generated token `start` on, and their cumulative sum."""
+    if child.logprobs is None:
+        return None, None
+    done, total = parent.logprobs[child.sample_index]
+    tokens = child.output_token_ids
+    for i in range(len(done), len(child.logprobs)):
+        entry = _convert(child.logprobs[i], tokens[i], tokenizer)
+        done.append(entry)
+        total[0] += float(entry.get(tokens[i], 0.0))
+    return done[start:], total[0]
+
+
+def update_texts(parent: ParentRequest) -> None:
+    """Detokenize what each sample generated since the last call (a no-op without a
+    tokenizer); a sample whose text matched a stop string gets it as ``stop_reason``."""
+    for child, state in zip(parent.children, parent.texts, strict=True):
+        if state is None:
+            continue
+        advance_text(state, child.output_token_ids, finished=child.status.finished)
+        if state.stop_string is not None and child.status.finished:
+            child.stop_reason = state.stop_string
+
+
 def build_output(
-    parent: ParentRequest, *, tokenizer: Any, errors: dict[str, str]
+    parent: ParentRequest, *, tokenizer: Any, errors: dict[str, str], delta: bool = False
 ) -> RequestOutput:
-    """The `RequestOutput` of `parent` now; pops its children's entries from `errors`."""
+    """The `RequestOutput` of `parent` now; pops its children's entries from `errors`.
+
+    ``delta=True``: each sample's tokens, text and logprobs since its previous delta output.
+    ``tokenizer=None`` (also the fallback when decoding failed): no text.
+    """
+    if tokenizer is not None:
+        update_texts(parent)
     completions = []
     for child in parent.children:
+        i = child.sample_index
         tokens = child.output_token_ids
-        text = tokenizer.decode(tokens) if tokenizer is not None else ""
+        state = parent.texts[i] if tokenizer is not None else None
+        text = "" if state is None else state.text
         reason = child.finish_reason
+        stop_reason = child.stop_reason
+        if state is not None and state.stop_string is not None and reason in (
+                FinishReason.STOP, FinishReason.LENGTH):
+            # Matched in the step that also ended it by length: the stop string wins (vLLM).
+            reason, stop_reason = FinishReason.STOP, state.stop_string
+        sent_tokens, sent_chars = parent.sent[i] if delta else (0, 0)
+        logprobs, cumulative = _logprobs(parent, child, tokenizer, sent_tokens)
+        if delta:
+            parent.sent[i] = (len(tokens), len(text))
         completions.append(
             CompletionOutput(
-                index=child.sample_index,
-                token_ids=tokens,
-                text=text,
-                logprobs=None if child.logprobs is None else list(child.logprobs),
+                index=i,
+                token_ids=tokens[sent_tokens:],
+                text=text[sent_chars:],
+                logprobs=logprobs,
+                cumulative_logprob=cumulative,
                 finish_reason=None if reason is None else reason.value,
+                stop_reason=stop_reason if reason is not None else None,
             )
         )
     finished = all(c.status.finished for c in parent.children)
@@ -233,4 +314,6 @@ def build_output(
         num_cached_tokens=max(c.num_cached_tokens or 0 for c in parent.children),
         metrics=metrics,
         error=found[0] if found else None,
+        sampling_defaults=dict(parent.sampling_defaults),
+        delta=delta,
     )

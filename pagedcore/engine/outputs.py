@@ -2,9 +2,50 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 
-__all__ = ["CompletionOutput", "RequestMetrics", "RequestOutput"]
+__all__ = ["CompletionOutput", "Logprob", "RequestMetrics", "RequestOutput"]
+
+
+class Logprob(float):
+    """The log-probability of one token at one position (vLLM's `Logprob`).
+
+    It is the float itself (so ``entry[token] - other`` and ``float(entry[token])`` keep
+    working for code that read plain floats), with vLLM's attributes.
+
+    Attributes
+    ----------
+    logprob:
+        log-softmax of the raw model logits (the float value).
+    rank:
+        1 for the most likely token, 2 for the next, ...; None when unknown.
+    decoded_token:
+        The token's text (decoded alone), or None without a tokenizer.
+    """
+
+    __slots__ = ("decoded_token", "rank")
+    rank: int | None
+    decoded_token: str | None
+
+    def __new__(cls, logprob: float, rank: int | None = None,
+                decoded_token: str | None = None) -> Logprob:
+        self = super().__new__(cls, logprob)
+        self.rank = rank
+        self.decoded_token = decoded_token
+        return self
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __repr__(self) -> str:
+        return (f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, "
+                f"decoded_token={self.decoded_token!r})")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Logprob, (float(self), self.rank, self.decoded_token))
 
 
 @attrs.define(kw_only=True)
@@ -37,21 +78,30 @@ class CompletionOutput:
     token_ids:
         Generated token ids (the prompt excluded).
     text:
-        Decoded `token_ids` when a tokenizer is available, else "".
+        Decoded `token_ids` when a tokenizer is available, else "" (incrementally; special
+        tokens left out unless ``skip_special_tokens=False``; cut at a stop string). In a delta
+        output (`LLM.stream`) the new text only, as `token_ids` are the new ids only.
     logprobs:
-        Per generated token, ``{token_id: logprob}`` of the top tokens and the sampled one, or
+        Per generated token, ``{token_id: Logprob}`` of the top tokens and the sampled one, or
         None when not requested.
+    cumulative_logprob:
+        Sum of the sampled tokens' logprobs (all tokens so far, also in a delta output), or
+        None when logprobs were not requested.
     finish_reason:
-        "length" (max_tokens or max_model_len), "stop" (EOS or a stop token), "abort",
-        "error" (the step computing it failed; see `RequestOutput.error`), or None while
-        running.
+        "length" (max_tokens or max_model_len), "stop" (EOS, a stop token or a stop string),
+        "abort", "error" (the step computing it failed; see `RequestOutput.error`), or None
+        while running.
+    stop_reason:
+        With "stop": the EOS or stop token id, or the stop string, that ended the sample.
     """
 
     index: int
     token_ids: list[int]
     text: str = ""
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
     @property
     def finished(self) -> bool:
@@ -82,6 +132,11 @@ class RequestOutput:
     error:
         Why the engine gave up on the request (it could never be scheduled, or a step computing
         it failed: then the exception's type and message), else None.
+    sampling_defaults:
+        The sampling fields taken from the checkpoint's ``generation_config`` because the
+        request gave no `SamplingParams` (``{}`` when none were).
+    delta:
+        True when `outputs` hold only what is new since the request's previous output.
     """
 
     request_id: str
@@ -92,3 +147,5 @@ class RequestOutput:
     num_cached_tokens: int
     metrics: RequestMetrics
     error: str | None = None
+    sampling_defaults: dict[str, Any] = attrs.Factory(dict)
+    delta: bool = False

@@ -6,7 +6,9 @@ to it through a command queue (``add`` / ``abort`` / ``stop``) and receive each 
 their own `asyncio.Queue` (handed over with `loop.call_soon_threadsafe`).
 
 `generate()` turns the cumulative engine outputs of one sequence into `StreamDelta`s: the new
-tokens, their text (`pagedcore.serve.text`), and a finish reason as OpenAI defines it. A
+tokens, their text, and a finish reason as OpenAI defines it. The text and the stop strings are
+the engine's own (`pagedcore.engine.detokenizer`, driven by the request's `SamplingParams`):
+the engine detokenizes incrementally and stops a request when its text matches. A
 consumer that goes away (the iterator closed, its task cancelled: a client disconnect) aborts
 its engine request at once, which frees its KV blocks. Admission control bounds the requests in
 flight: past ``max_num_seqs + max_waiting`` new ones get `QueueFullError` (HTTP 503 with
@@ -33,11 +35,10 @@ from pagedcore.serve.errors import (
     RequestFailedError,
     ShuttingDownError,
 )
-from pagedcore.serve.text import IncrementalDetokenizer, StopStringMatcher
 
 if TYPE_CHECKING:
     from pagedcore.engine.llm import LLM
-    from pagedcore.engine.outputs import RequestOutput
+    from pagedcore.engine.outputs import Logprob, RequestOutput
     from pagedcore.engine.sampling.sampling_params import SamplingParams
     from pagedcore.serve.metrics import ServeMetrics
 
@@ -58,12 +59,12 @@ class StreamDelta:
     token_ids:
         New token ids.
     logprobs:
-        Per new token ``{token_id: logprob}`` (the sampled token and the top ones), or None.
+        Per new token ``{token_id: Logprob}`` (the sampled token and the top ones), or None.
     finish_reason:
         None while running; then ``"stop"`` (EOS, a stop token or a stop string), ``"length"``
         (max_tokens or the model length) or ``"abort"`` (the server stopped it).
     stop_reason:
-        The stop string that ended the sequence, or None.
+        The EOS / stop token id or the stop string that ended the sequence, or None.
     num_prompt_tokens, num_cached_tokens, num_generated_tokens:
         Prompt tokens, those served from the prefix cache, tokens generated so far (all of the
         sequence, not only this delta's).
@@ -72,9 +73,9 @@ class StreamDelta:
     request_id: str
     text: str
     token_ids: list[int]
-    logprobs: list[dict[int, float]] | None
+    logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None
-    stop_reason: str | None
+    stop_reason: int | str | None
     num_prompt_tokens: int
     num_cached_tokens: int
     num_generated_tokens: int
@@ -86,9 +87,9 @@ class AsyncEngine(EngineThread):
     Parameters
     ----------
     llm:
-        The engine. The `AsyncEngine` owns it from now on (call nothing on it directly). Its
-        ``tokenizer`` is moved to `AsyncEngine.tokenizer`: text is produced incrementally here
-        rather than by re-decoding every output each step.
+        The engine. The `AsyncEngine` owns it from now on (call nothing on it directly); its
+        tokenizer stays with it (the engine detokenizes) and is shared as
+        `AsyncEngine.tokenizer` (chat templates, logprob token texts).
     max_waiting:
         Requests admitted beyond ``max_num_seqs`` (those wait in the queue); past it new
         requests are refused with `QueueFullError`.
@@ -116,7 +117,6 @@ class AsyncEngine(EngineThread):
             raise ValueError(f"max_waiting must be an integer >= 0, got {max_waiting!r}")
         self.llm = llm
         self.tokenizer: Any = llm.tokenizer
-        llm.tokenizer = None
         self.max_model_len = int(llm.max_model_len)
         self.capacity = int(llm.scheduler_config.max_num_seqs) + max_waiting
         self.metrics = metrics
@@ -215,7 +215,7 @@ class AsyncEngine(EngineThread):
         with self._lock:
             self._in_flight = max(0, self._in_flight - count)
 
-    def check_prompt(self, num_prompt_tokens: int, max_tokens: int) -> None:
+    def check_prompt(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         """BadRequestError when a prompt of this length can never be served."""
         try:
             self.llm.scheduler.check_fits(num_prompt_tokens, max_tokens)  # config only
@@ -231,9 +231,6 @@ class AsyncEngine(EngineThread):
         params: SamplingParams,
         *,
         request_id: str | None = None,
-        stop: Sequence[str] = (),
-        include_stop_str_in_output: bool = False,
-        skip_special_tokens: bool = True,
         reserved: bool = False,
     ) -> AsyncGenerator[StreamDelta, None]:
         """Run one sequence (``params.n == 1``); yield a `StreamDelta` whenever it advances.
@@ -243,14 +240,10 @@ class AsyncEngine(EngineThread):
         prompt_token_ids:
             The prompt, tokenized.
         params:
-            Sampling parameters (``n`` must be 1: fan samples out as separate sequences).
+            Sampling parameters (``n`` must be 1: fan samples out as separate sequences);
+            their ``stop`` strings, ``skip_special_tokens`` etc. act in the engine.
         request_id:
             The engine request id (None: a fresh one).
-        stop:
-            Stop strings matched on the text; the match finishes the sequence with ``"stop"``
-            and aborts its engine request.
-        include_stop_str_in_output, skip_special_tokens:
-            As in vLLM.
         reserved:
             A slot was already taken with `reserve` (it is released here either way).
 
@@ -269,11 +262,10 @@ class AsyncEngine(EngineThread):
             self.reserve(1)
         rid = request_id if request_id is not None else f"serve-{next(self._ids)}"
         stream = RequestStream(asyncio.get_running_loop())
-        detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=skip_special_tokens)
-        matcher = StopStringMatcher(stop, include_stop_str_in_output=include_stop_str_in_output)
         start = time.perf_counter()
         first_token: float | None = None
         seen = 0
+        seen_chars = 0
         done = False
         try:
             self._commands.put(("add", rid, list(prompt_token_ids), params, stream))
@@ -301,19 +293,11 @@ class AsyncEngine(EngineThread):
                 seen = len(completion.token_ids)
                 if new_ids and first_token is None:
                     first_token = time.perf_counter()
-                text = matcher.add(detok.add(new_ids))
+                text = completion.text[seen_chars:]
+                seen_chars = len(completion.text)
                 reason = completion.finish_reason
-                if matcher.stopped:
-                    reason = "stop"
-                    if completion.finish_reason is None:
-                        self._commands.put(("abort", rid))
+                if reason is not None:
                     done = True
-                elif reason is not None:
-                    done = True
-                    text += matcher.add(detok.flush())
-                    text += matcher.flush()
-                    if matcher.stopped:
-                        reason = "stop"
                     if reason == "error":
                         raise RequestFailedError(
                             f"the engine failed while computing request {rid!r}: "
@@ -322,7 +306,7 @@ class AsyncEngine(EngineThread):
                     self._record(start, first_token, len(out.prompt_token_ids), seen, reason)
                 yield StreamDelta(
                     request_id=rid, text=text, token_ids=list(new_ids), logprobs=new_logprobs,
-                    finish_reason=reason, stop_reason=matcher.matched,
+                    finish_reason=reason, stop_reason=completion.stop_reason,
                     num_prompt_tokens=len(out.prompt_token_ids),
                     num_cached_tokens=out.num_cached_tokens, num_generated_tokens=seen,
                 )

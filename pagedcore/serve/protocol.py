@@ -58,6 +58,11 @@ class _SamplingFields(_Body):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    min_tokens: int = 0
+    repetition_penalty: float | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
@@ -172,12 +177,6 @@ class SamplingLimits:
 
 def _unsupported(body: _SamplingFields) -> None:
     refused: list[str] = []
-    if body.presence_penalty:
-        refused.append("presence_penalty")
-    if body.frequency_penalty:
-        refused.append("frequency_penalty")
-    if body.logit_bias:
-        refused.append("logit_bias")
     if isinstance(body, CompletionRequest):
         if body.echo:
             refused.append("echo")
@@ -246,6 +245,21 @@ def sampling_params(
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
             logprobs=num_logprobs,
+            stop=tuple(body.stop_strings()),
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            skip_special_tokens=body.skip_special_tokens,
+            spaces_between_special_tokens=body.spaces_between_special_tokens,
+            min_tokens=body.min_tokens,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=(1.0 if body.repetition_penalty is None
+                                else body.repetition_penalty),
+            logit_bias=(None if body.logit_bias is None  # JSON keys are strings
+                        else {int(k) if k.strip().isdigit() else k: v  # type: ignore[misc]
+                              for k, v in body.logit_bias.items()}),
+            bad_words=tuple(body.bad_words or ()),
+            allowed_token_ids=(None if body.allowed_token_ids is None
+                               else tuple(body.allowed_token_ids)),
         )
     except ValueError as exc:
         raise BadRequestError(str(exc), code="invalid_value") from exc

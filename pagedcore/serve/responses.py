@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pagedcore.engine.outputs import Logprob
 
 __all__ = [
     "chat_chunk",
@@ -41,14 +44,20 @@ def _token_text(tokenizer: Any, token_id: int) -> str:
     return text
 
 
-def _ranked(top: dict[int, float], k: int) -> list[tuple[int, float]]:
-    return sorted(top.items(), key=lambda kv: kv[1], reverse=True)[:k]
+def _ranked(top: dict[int, Logprob], k: int) -> list[tuple[int, float]]:
+    return sorted(((t, lp.logprob) for t, lp in top.items()), key=lambda kv: kv[1],
+                  reverse=True)[:k]
+
+
+def _of(top: dict[int, Logprob], token_id: int) -> float:
+    entry = top.get(token_id)
+    return float("-inf") if entry is None else float(entry.logprob)
 
 
 def completion_logprobs(
     tokenizer: Any,
     token_ids: Sequence[int],
-    logprobs: Sequence[dict[int, float]],
+    logprobs: Sequence[dict[int, Logprob]],
     *,
     k: int,
     text_offset: int,
@@ -58,7 +67,7 @@ def completion_logprobs(
     Parameters
     ----------
     token_ids, logprobs:
-        The tokens and, per token, ``{token_id: logprob}`` (the sampled one and the top ones).
+        The tokens and, per token, ``{token_id: Logprob}`` (the sampled one and the top ones).
     k:
         Top entries per token to list.
     text_offset:
@@ -69,7 +78,7 @@ def completion_logprobs(
     for token_id, top in zip(token_ids, logprobs, strict=False):
         text = _token_text(tokenizer, token_id)
         tokens.append(text)
-        token_logprobs.append(float(top.get(token_id, float("-inf"))))
+        token_logprobs.append(_of(top, token_id))
         tops.append({_token_text(tokenizer, t): float(lp) for t, lp in _ranked(top, k)})
         offsets.append(offset)
         offset += len(text)
@@ -80,7 +89,7 @@ def completion_logprobs(
 def chat_logprobs(
     tokenizer: Any,
     token_ids: Sequence[int],
-    logprobs: Sequence[dict[int, float]],
+    logprobs: Sequence[dict[int, Logprob]],
     *,
     k: int,
 ) -> dict[str, Any]:
@@ -90,7 +99,7 @@ def chat_logprobs(
         text = _token_text(tokenizer, token_id)
         content.append({
             "token": text,
-            "logprob": float(top.get(token_id, float("-inf"))),
+            "logprob": _of(top, token_id),
             "bytes": list(text.encode()),
             "top_logprobs": [
                 {"token": (t_text := _token_text(tokenizer, t)), "logprob": float(lp),

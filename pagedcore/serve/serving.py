@@ -58,13 +58,9 @@ class FanIn:
     engine request.
     """
 
-    def __init__(self, engine: AsyncEngine, seqs: Sequence[Sequence_], *, stop: list[str],
-                 include_stop_str_in_output: bool, skip_special_tokens: bool) -> None:
+    def __init__(self, engine: AsyncEngine, seqs: Sequence[Sequence_]) -> None:
         self.engine = engine
         self.seqs = list(seqs)
-        self._kw: dict[str, Any] = dict(stop=stop,
-                                        include_stop_str_in_output=include_stop_str_in_output,
-                                        skip_special_tokens=skip_special_tokens)
         engine.reserve(len(self.seqs))
         self._unstarted = len(self.seqs)
 
@@ -79,7 +75,7 @@ class FanIn:
         self._unstarted -= 1  # generate releases this slot from here on
         try:
             async for delta in self.engine.generate(seq.prompt_token_ids, seq.params,
-                                                    request_id=rid, reserved=True, **self._kw):
+                                                    request_id=rid, reserved=True):
                 out.put_nowait((seq.index, delta))
         except Exception as exc:
             out.put_nowait((seq.index, exc))
@@ -90,7 +86,7 @@ class FanIn:
             seq = self.seqs[0]
             self._unstarted = 0  # generate releases the slot from here on
             deltas = self.engine.generate(seq.prompt_token_ids, seq.params,
-                                          request_id=f"{base}-0", reserved=True, **self._kw)
+                                          request_id=f"{base}-0", reserved=True)
             try:
                 async for delta in deltas:
                     yield seq.index, delta
@@ -167,23 +163,22 @@ class OpenAIServing:
         if not body.messages:
             raise BadRequestError("messages is empty; give at least one message",
                                   param="messages", code="invalid_value")
-        tok = self.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None) or not hasattr(
-                tok, "apply_chat_template"):
-            raise BadRequestError(
-                f"the model {self.model_names[0]!r} has no chat template, so "
-                "/v1/chat/completions cannot format messages; use /v1/completions with a "
-                "prompt, or serve a checkpoint whose tokenizer defines a chat_template",
-                param="messages", code="no_chat_template")
+        from pagedcore.engine.chat import ChatTemplateError, chat_prompt_ids
+
         try:
-            text = tok.apply_chat_template([m.as_template_dict() for m in body.messages],
-                                           add_generation_prompt=body.add_generation_prompt,
-                                           tokenize=False)
-        except Exception as exc:  # jinja raises its own errors for bad conversations
-            raise BadRequestError(f"the chat template failed on these messages: {exc}",
-                                  param="messages") from exc
-        # The template already wrote the special tokens (BOS): do not add them twice.
-        return [int(t) for t in tok.encode(str(text), add_special_tokens=False)]
+            return chat_prompt_ids(self.tokenizer, [m.as_template_dict() for m in body.messages],
+                                   model_name=self.model_names[0],
+                                   add_generation_prompt=body.add_generation_prompt)
+        except ChatTemplateError as exc:
+            no_template = "no chat template" in str(exc) or "no (transformers)" in str(exc)
+            message = str(exc)
+            if no_template:
+                message = (f"the model {self.model_names[0]!r} has no chat template, so "
+                           "/v1/chat/completions cannot format messages; use /v1/completions "
+                           "with a prompt, or serve a checkpoint whose tokenizer defines a "
+                           "chat_template")
+            raise BadRequestError(message, param="messages",
+                                  code="no_chat_template" if no_template else None) from exc
 
     def _sequences(self, body: CompletionRequest | ChatCompletionRequest,
                    prompts: list[list[int]], num_logprobs: int | None,
@@ -207,9 +202,7 @@ class OpenAIServing:
 
     def _fan_in(self, body: CompletionRequest | ChatCompletionRequest,
                 seqs: list[Sequence_]) -> FanIn:
-        return FanIn(self.engine, seqs, stop=body.stop_strings(),
-                     include_stop_str_in_output=body.include_stop_str_in_output,
-                     skip_special_tokens=body.skip_special_tokens)
+        return FanIn(self.engine, seqs)
 
     # ---- completions -----------------------------------------------------------------------
 

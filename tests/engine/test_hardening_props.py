@@ -24,7 +24,7 @@ _junk = st.one_of(st.text(max_size=3), st.booleans(), st.binary(max_size=2))
 VALID: dict[str, st.SearchStrategy[Any]] = {
     "max_tokens": st.integers(1, 1000),
     "temperature": st.one_of(st.just(0), st.floats(0.0, 5.0)),
-    "top_k": st.one_of(st.none(), st.just(-1), st.integers(1, 100)),
+    "top_k": st.one_of(st.none(), st.just(-1), st.just(0), st.integers(1, 100)),
     "top_p": st.floats(0.0, 1.0, exclude_min=True),
     "min_p": st.floats(0.0, 1.0),
     "seed": st.one_of(st.none(), st.integers(0, 2**64 - 1)),
@@ -35,12 +35,18 @@ VALID: dict[str, st.SearchStrategy[Any]] = {
     "n": st.integers(1, 4),
     "priority": st.integers(-10, 10),
     "cache_salt": st.one_of(st.none(), st.text(max_size=5)),
+    "presence_penalty": st.floats(-2.0, 2.0),
+    "frequency_penalty": st.floats(-2.0, 2.0),
+    "repetition_penalty": st.floats(0.01, 5.0),
+    "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=3)),
+    "logit_bias": st.one_of(st.none(), st.dictionaries(st.integers(0, 99),
+                                                       st.floats(-100.0, 100.0), max_size=3)),
 }
 INVALID: dict[str, st.SearchStrategy[Any]] = {
     "max_tokens": st.one_of(st.integers(max_value=0), _floats, _junk),
     "temperature": st.one_of(st.floats(max_value=-1e-9), st.just(math.nan), st.just(math.inf),
                              _junk),
-    "top_k": st.one_of(st.just(0), st.integers(max_value=-2), _floats, _junk),
+    "top_k": st.one_of(st.integers(max_value=-2), _floats, _junk),
     "top_p": st.one_of(st.floats(max_value=0.0), st.floats(min_value=1.0001),
                        st.just(math.nan), _junk),
     "min_p": st.one_of(st.floats(max_value=-1e-9), st.floats(min_value=1.0001),
@@ -57,6 +63,14 @@ INVALID: dict[str, st.SearchStrategy[Any]] = {
     "n": st.one_of(st.integers(max_value=0), _floats, _junk),
     "priority": st.one_of(_floats, _junk, st.none()),
     "cache_salt": st.one_of(st.binary(max_size=3), st.integers(), _floats),
+    "presence_penalty": st.one_of(st.floats(min_value=2.0001), st.floats(max_value=-2.0001),
+                                  st.just(math.nan), _junk),
+    "frequency_penalty": st.one_of(st.floats(min_value=2.0001), st.just(math.inf), _junk),
+    "repetition_penalty": st.one_of(st.floats(max_value=0.0), st.just(math.nan), _junk),
+    "stop": st.one_of(st.integers(), st.lists(st.integers(), min_size=1, max_size=2)),
+    "logit_bias": st.one_of(st.integers(), st.dictionaries(st.integers(0, 9),
+                                                           st.floats(min_value=100.01),
+                                                           min_size=1, max_size=2)),
 }
 
 

@@ -35,7 +35,7 @@ def req(rid: str, prompt: list[int] | int, **params: object) -> Request:
     base = 1000 * (arrival + 1)
     tokens = list(range(base, base + prompt)) if isinstance(prompt, int) else prompt
     return Request(rid, tokens, SamplingParams(temperature=0.0, **params),  # type: ignore[arg-type]
-                   arrival_index=arrival, eos_token_id=2)
+                   arrival_index=arrival, eos_token_ids=(2,))
 
 
 def run_step(s: Scheduler, token: int = 7) -> SchedulerOutput:

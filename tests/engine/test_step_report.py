@@ -64,11 +64,11 @@ def test_make_children_names_and_seeds_each_sample() -> None:
     parent = ParentRequest("r", None, [1, 2, 3])
     arrivals = iter(range(10, 20))
     children = make_children(parent, SamplingParams(n=3, seed=5), arrivals=arrivals,
-                             eos_token_id=None, now=0.0)
+                             eos_token_ids=(), now=0.0)
     assert [c.request_id for c in children] == ["r#0", "r#1", "r#2"]
     assert [c.params.seed for c in children] == [5, 6, 7]
     assert [c.sample_index for c in children] == [0, 1, 2]
     assert parent.children == children
     (only,) = make_children(ParentRequest("s", None, [1]), SamplingParams(), arrivals=arrivals,
-                            eos_token_id=None, now=0.0)
+                            eos_token_ids=(), now=0.0)
     assert only.request_id == "s"

@@ -6,21 +6,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from serve_helpers import DEMO_KW, LiveServer, make_chat_checkpoint
+from thread_helpers import one_thread
 
-
-@pytest.fixture(scope="session", autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Tiny models run far faster on one intra-op thread (and do not fight parallel jobs)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+_one_thread = pytest.fixture(scope="session", autouse=True)(one_thread)
 
 
 @pytest.fixture(scope="session")

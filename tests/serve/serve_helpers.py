@@ -1,11 +1,11 @@
-"""Helpers of the serve tests: a trained BPE tokenizer, a tiny chat checkpoint, live servers."""
+"""Helpers of the serve tests: live servers (the tokenizer and checkpoint helpers are shared
+with the engine tests: tests/helpers/tokenizer_helpers.py, on pytest's pythonpath)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-import torch
+from tokenizer_helpers import CORPUS, make_chat_checkpoint, train_tokenizer
 
 from pagedcore.engine.llm import LLM
 from pagedcore.serve.app import build_app
@@ -17,51 +17,7 @@ from pagedcore.serve.server import ServerThread
 DEMO_KW = dict(max_model_len=256, max_num_seqs=256, kv_cache_memory_bytes=16 * 2**20,
                backend="reference")
 
-#: Local training text with multi-byte characters (é: 2 bytes, 日本: 3 bytes each).
-CORPUS = [
-    "The café serves crème brûlée and a résumé of the day.",
-    "日本の首都は東京です。日本語を話します。",
-    "Paged attention stores the KV cache in fixed-size blocks.",
-    "Hello world! Hello again, world. Élodie said déjà vu.",
-    "A block table maps logical blocks to physical blocks; 日本 and é are fine.",
-] * 20
-
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>"
-    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-SPECIAL = ["<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
-
-
-def train_tokenizer(vocab_size: int = 400) -> Any:
-    """A byte-level BPE trained here on `CORPUS`, as a transformers fast tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                   pad_token="<pad>", clean_up_tokenization_spaces=False)
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
-
-
-def make_chat_checkpoint(path: Path) -> Path:
-    """A tiny Llama with random weights + the trained tokenizer and chat template, saved with
-    ``save_pretrained`` into `path`."""
-    from pagedcore.engine.models.loading import random_model, tiny_config
-
-    tok = train_tokenizer()
-    config = tiny_config("llama", vocab_size=len(tok), bos_token_id=tok.bos_token_id,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    model = random_model(config, dtype=torch.float32, device=torch.device("cpu"), seed=0)
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+__all__ = ["CORPUS", "DEMO_KW", "LiveServer", "make_chat_checkpoint", "train_tokenizer"]
 
 
 class LiveServer:

@@ -180,8 +180,7 @@ def test_admitted_but_never_started_gives_its_slots_back(demo_server: LiveServer
 
     engine = demo_server.engine
     before = engine.num_in_flight
-    fan = FanIn(engine, [], stop=[], include_stop_str_in_output=False,
-                skip_special_tokens=True)
+    fan = FanIn(engine, [])
     fan._unstarted = 3  # as if three sequences were admitted
     engine.reserve(3)
     assert engine.num_in_flight == before + 3

@@ -153,3 +153,21 @@ def test_chat_logprobs_and_stop(chat_server: LiveServer) -> None:
                                              extra_body={"ignore_eos": True})
         assert cut.choices[0].message.content == text[: text.find(stop)]
         assert cut.choices[0].finish_reason == "stop"
+
+
+def test_the_engine_keeps_its_tokenizer_and_serve_uses_its_text(chat_server: LiveServer) -> None:
+    """AsyncEngine no longer takes the tokenizer off the LLM: the engine detokenizes, matches
+    the stop strings, and serves the same text as `LLM.generate` with the same params."""
+    from pagedcore.engine.llm import LLM
+    from pagedcore.engine.sampling.sampling_params import SamplingParams
+
+    assert chat_server.llm.tokenizer is not None
+    assert chat_server.engine.tokenizer is chat_server.llm.tokenizer
+    client = _client(chat_server)
+    out = client.completions.create(model="m", prompt="Hello world", max_tokens=12,
+                                    temperature=0, extra_body={"ignore_eos": True,
+                                                               "min_tokens": 3})
+    ref = LLM(chat_server.model, device="cpu", backend="reference", max_model_len=256)
+    [want] = ref.generate(["Hello world"], SamplingParams(max_tokens=12, temperature=0,
+                                                          ignore_eos=True, min_tokens=3))
+    assert out.choices[0].text == want.outputs[0].text

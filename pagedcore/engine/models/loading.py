@@ -63,13 +63,11 @@ class LoadedModel:
     kv_scales: dict[int, tuple[float, float]] | None = None
 
     @property
-    def eos_token_id(self) -> int | None:
-        eos = getattr(self.model.generation_config, "eos_token_id", None)
-        if eos is None:
-            eos = getattr(self.model.config, "eos_token_id", None)
-        if isinstance(eos, (list, tuple)):
-            return int(eos[0]) if eos else None
-        return None if eos is None else int(eos)
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every EOS id of the model (see `pagedcore.engine.sampling.defaults`)."""
+        from pagedcore.engine.sampling.defaults import eos_token_ids
+
+        return eos_token_ids(self.model, self.tokenizer)
 
 
 def tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:

@@ -1,1 +1,1 @@
-"""Sampling: per-request sampling parameters and the batched sampler."""
+"""Sampling: per-request parameters, the sampler, penalties and logits processors."""

@@ -15,7 +15,18 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SampledTokens"]
+__all__ = ["SampledTokens", "TokenLogprobs"]
+
+
+class TokenLogprobs(dict[int, float]):
+    """``{token_id: logprob}`` of one generated position (the top tokens and the sampled one),
+    with `rank`: the sampled token's rank among all tokens (1 = the most likely)."""
+
+    __slots__ = ("rank",)
+
+    def __init__(self, items: dict[int, float], *, rank: int) -> None:
+        super().__init__(items)
+        self.rank = rank
 
 
 class SampledTokens:
@@ -34,13 +45,15 @@ class SampledTokens:
         each wanted row's top-``K`` tokens by log-softmax (None when ``W == 0`` or ``K == 0``).
     sampled_logprobs:
         ``[W]`` float32: each wanted row's log-probability of its sampled token (None: W == 0).
+    sampled_ranks:
+        ``[W]`` int64: the rank of each wanted row's sampled token (None: W == 0).
     row_errors:
         Rows whose own sampling setup raised (request id -> reason); their tokens are garbage.
     """
 
     __slots__ = (
         "_event", "_host", "logprob_counts", "logprob_rows", "row_errors", "sampled_logprobs",
-        "tokens", "top_ids", "top_values",
+        "sampled_ranks", "tokens", "top_ids", "top_values",
     )
 
     def __init__(
@@ -52,6 +65,7 @@ class SampledTokens:
         top_ids: torch.Tensor | None = None,
         top_values: torch.Tensor | None = None,
         sampled_logprobs: torch.Tensor | None = None,
+        sampled_ranks: torch.Tensor | None = None,
         row_errors: dict[str, str] | None = None,
     ) -> None:
         self.tokens = tokens
@@ -60,12 +74,14 @@ class SampledTokens:
         self.top_ids = top_ids
         self.top_values = top_values
         self.sampled_logprobs = sampled_logprobs
+        self.sampled_ranks = sampled_ranks
         self.row_errors: dict[str, str] = {} if row_errors is None else row_errors
         self._event: Any = None
         self._host: list[torch.Tensor | None] | None = None
 
     def _device_tensors(self) -> list[torch.Tensor | None]:
-        return [self.tokens, self.top_ids, self.top_values, self.sampled_logprobs]
+        return [self.tokens, self.top_ids, self.top_values, self.sampled_logprobs,
+                self.sampled_ranks]
 
     def start_copy(self) -> None:
         """Queue the copy of every tensor to pinned host memory behind the step's kernels and
@@ -102,13 +118,14 @@ class SampledTokens:
         if self._event is not None:
             self._event.synchronize()
         assert self._host is not None
-        tokens_t, top_ids, top_values, sampled_lp = self._host
+        tokens_t, top_ids, top_values, sampled_lp, ranks_t = self._host
         assert tokens_t is not None
         token_list: list[int] = tokens_t.tolist()
         rows: list[dict[int, float] | None] = [None] * len(token_list)
         if self.logprob_rows:
             assert sampled_lp is not None
             sampled = sampled_lp.tolist()
+            ranks = [1] * len(sampled) if ranks_t is None else ranks_t.tolist()
             ids = [] if top_ids is None else top_ids.tolist()
             values = [] if top_values is None else top_values.tolist()
             for w, (i, count) in enumerate(
@@ -118,5 +135,5 @@ class SampledTokens:
                     dict(zip(ids[w][:count], values[w][:count], strict=True)) if count else {}
                 )
                 entry[token_list[i]] = float(sampled[w])
-                rows[i] = entry
+                rows[i] = TokenLogprobs(entry, rank=int(ranks[w]))
         return token_list, rows

@@ -1,4 +1,9 @@
-"""Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs."""
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+
+Before any of these, the logits processors of `pagedcore.engine.sampling.logits_processors`
+(penalties, logit bias, bad words, allowed tokens, min_tokens) run on the rows that ask for
+them. Log-probabilities are those of the raw model logits (vLLM's default).
+"""
 
 from __future__ import annotations
 
@@ -9,9 +14,12 @@ if TYPE_CHECKING:
     import torch
 
     from pagedcore.engine.sampling.device_sample import SampledTokens
+    from pagedcore.engine.sampling.logits_processors import SampledSequence
     from pagedcore.engine.sampling.sampling_params import SamplingParams
 
-__all__ = ["Sampler", "apply_top_k_top_p_min_p"]
+from pagedcore.engine.sampling.device_sample import TokenLogprobs
+
+__all__ = ["Sampler", "TokenLogprobs", "apply_top_k_top_p_min_p"]
 
 
 def apply_top_k_top_p_min_p(
@@ -109,6 +117,8 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         request_ids: Sequence[str],
+        *,
+        sequences: Sequence[SampledSequence] | None = None,
     ) -> tuple[list[int], list[dict[int, float] | None]]:
         """Sample one token per row (`sample_device`, then its tokens on the host).
 
@@ -117,22 +127,28 @@ class Sampler:
         logits:
             ``[R, V]`` raw model logits (any float dtype); row ``i`` belongs to
             ``request_ids[i]`` sampled under ``params[i]``.
+        sequences:
+            Row ``i``'s sequence (its token ids so far), needed when a row's params process the
+            logits (penalties, bad words, min_tokens); None: no row does.
 
         Returns
         -------
         tuple
-            The token ids, and per row ``{token: logprob}`` (top ``logprobs`` tokens plus the
-            sampled one, log-softmax of the raw logits) or None when not requested. A row
+            The token ids, and per row a `TokenLogprobs` (top ``logprobs`` tokens plus the
+            sampled one, log-softmax of the raw logits, and the sampled token's rank) or None
+            when not requested. A row
             whose own setup raised (its seeded generator) is listed in `row_errors` instead
             of failing the call.
         """
-        return self.sample_device(logits, params, request_ids).to_host()
+        return self.sample_device(logits, params, request_ids, sequences=sequences).to_host()
 
     def sample_device(
         self,
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         request_ids: Sequence[str],
+        *,
+        sequences: Sequence[SampledSequence] | None = None,
     ) -> SampledTokens:
         """Sample one token per row, leaving the result on the logits' device.
 
@@ -149,6 +165,14 @@ class Sampler:
         self.row_errors = row_errors
         device = logits.device
         num_rows = logits.shape[0]
+        raw = logits
+        if any(p.processes_logits for p in params):
+            if sequences is None:
+                raise ValueError("these sampling params process the logits (penalties, bad "
+                                 "words, min_tokens): pass the rows' sequences")
+            from pagedcore.engine.sampling.logits_processors import apply_logits_processors
+
+            logits = apply_logits_processors(logits.float(), params, sequences)
         # Greedy rows: the argmax of the logits as they are (a bf16 -> float32 copy of a
         # [256, 152K] batch costs more than the argmax; the order of the values is the same).
         tokens = logits.argmax(dim=-1)
@@ -156,6 +180,7 @@ class Sampler:
         wanted = [i for i in range(num_rows) if params[i].logprobs is not None]
         if random_rows or wanted:
             logits = logits.float()
+            raw = raw.float()
         if random_rows:
             idx = _to_device(random_rows, torch.int64, device)
             sub = logits.index_select(0, idx)
@@ -183,15 +208,19 @@ class Sampler:
             return SampledTokens(tokens, row_errors=row_errors)
         counts = [min(params[i].logprobs or 0, logits.shape[1]) for i in wanted]
         rows_t = _to_device(wanted, torch.int64, device)
-        logprobs = logits.index_select(0, rows_t).log_softmax(dim=-1)
+        # Log-probabilities of the raw model logits (vLLM's default), whatever processed them.
+        logprobs = raw.index_select(0, rows_t).log_softmax(dim=-1)
         sampled_lp = logprobs.gather(1, tokens.index_select(0, rows_t).unsqueeze(1)).squeeze(1)
+        # The sampled token's rank: 1 + the tokens strictly more likely.
+        ranks = (logprobs > sampled_lp.unsqueeze(1)).sum(dim=1) + 1
         top_ids = top_values = None
         if max(counts):
             top = logprobs.topk(max(counts), dim=-1)
             top_ids, top_values = top.indices, top.values
         return SampledTokens(
             tokens, logprob_rows=wanted, logprob_counts=counts, top_ids=top_ids,
-            top_values=top_values, sampled_logprobs=sampled_lp, row_errors=row_errors,
+            top_values=top_values, sampled_logprobs=sampled_lp, sampled_ranks=ranks,
+            row_errors=row_errors,
         )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from operator import attrgetter
 
 from pagedcore.engine.outputs import RequestMetrics
@@ -78,9 +78,10 @@ class Request:
         "_all_token_ids",
         "_num_prompt_tokens",
         "arrival_index",
+        "bad_words_token_ids",
         "block_capacity",
         "cache_salt",
-        "eos_token_id",
+        "eos_token_ids",
         "logprobs",
         "lora_name",
         "metrics",
@@ -91,6 +92,7 @@ class Request:
         "request_id",
         "sample_index",
         "status",
+        "stop_reason",
     )
 
     def __init__(
@@ -100,7 +102,7 @@ class Request:
         params: SamplingParams,
         *,
         arrival_index: int,
-        eos_token_id: int | None = None,
+        eos_token_ids: Collection[int] = (),
         sample_index: int = 0,
         arrival_time: float | None = None,
     ) -> None:
@@ -113,7 +115,10 @@ class Request:
         self._num_prompt_tokens = len(self._all_token_ids)
         self.params = params
         self.arrival_index = arrival_index
-        self.eos_token_id = eos_token_id
+        #: Tokens that end the request unless ``params.ignore_eos`` (every EOS id of the model).
+        self.eos_token_ids = frozenset(eos_token_ids)
+        #: The EOS / stop token id or the stop string that finished the request, else None.
+        self.stop_reason: int | str | None = None
         self.sample_index = sample_index
         self.cache_salt = params.cache_salt
         self.lora_name: str | None = None
@@ -130,6 +135,8 @@ class Request:
         self.num_cached_tokens: int | None = None
         self.status = RequestStatus.WAITING
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        #: ``params.bad_words`` as token-id sequences (set by the engine, which tokenizes).
+        self.bad_words_token_ids: list[list[int]] = []
         self.metrics = RequestMetrics(
             arrival_time=time.perf_counter() if arrival_time is None else arrival_time
         )
@@ -177,7 +184,8 @@ class Request:
         return _REASONS.get(self.status)
 
     def append_token(self, token_id: int, logprobs: dict[int, float] | None = None) -> None:
-        """Record a generated token (and its log-probabilities when requested)."""
+        """Record a generated token (and its log-probabilities when requested: the sampler's
+        `TokenLogprobs`, which also carries the sampled token's rank)."""
         self._all_token_ids.append(int(token_id))
         if self.logprobs is not None and logprobs is not None:
             self.logprobs.append(logprobs)

@@ -117,8 +117,9 @@ class Scheduler(SchedulerResults):
             total += cdiv(need, spec.page_size_bytes)
         return total
 
-    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Raise ValueError when a request of this shape could never be served."""
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        """Raise ValueError when a request of this shape could never be served (``max_tokens``
+        None: up to ``max_model_len``)."""
         limit = self.config.max_model_len
         if num_prompt_tokens == 0:
             raise ValueError("the prompt is empty; give at least one token")
@@ -128,7 +129,7 @@ class Scheduler(SchedulerResults):
                 "shorten the prompt or raise max_model_len"
             )
         # The last sampled token is never fed back, so it needs no KV slot.
-        tokens = min(num_prompt_tokens + max_tokens - 1, limit)
+        tokens = limit if max_tokens is None else min(num_prompt_tokens + max_tokens - 1, limit)
         need = self.blocks_needed(tokens)
         usable = self.kv_cache_config.num_blocks - 1  # block 0 is the null block
         if need > usable:

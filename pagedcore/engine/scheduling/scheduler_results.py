@@ -80,12 +80,13 @@ class SchedulerResults:
 
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
         params = request.params
-        if not params.ignore_eos and request.eos_token_id is not None:
-            if token == request.eos_token_id:
+        if request.num_output_tokens >= params.min_tokens:
+            if (not params.ignore_eos and token in request.eos_token_ids) or (
+                    token in params.stop_token_ids):
+                request.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if token in params.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.max_tokens:
+        max_tokens = params.max_tokens
+        if max_tokens is not None and request.num_output_tokens >= max_tokens:
             return RequestStatus.FINISHED_LENGTH
         if request.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
@@ -102,6 +103,15 @@ class SchedulerResults:
         self.requests.pop(request.request_id, None)
         self.stats.num_running = len(self.running)
         self.stats.num_waiting = len(self.waiting)
+
+    def stop(self, requests: Iterable[Request], *, now: float) -> None:
+        """Finish `requests` as stopped (a stop string matched their text); free their blocks.
+        Set each ``request.stop_reason`` first."""
+        for request in requests:
+            if request.status.finished:
+                continue
+            self.blocks.register_written(request)
+            self._finish(request, RequestStatus.FINISHED_STOPPED, now=now)
 
     def fail_step(self, output: SchedulerOutput, reason: str, *, now: float) -> list[Request]:
         """Finish every request of a step that failed to run with `FINISHED_ERROR`.

@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from serve_helpers import train_tokenizer
+from tokenizer_helpers import train_tokenizer
 
+from pagedcore.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from pagedcore.engine.models.loading import ByteTokenizer
-from pagedcore.serve.text import IncrementalDetokenizer, StopStringMatcher
 
 TEXTS = ["Le café: crème brûlée, déjà vu.", "日本の首都は東京です。", "mixed é日本x é",
          "plain ascii"]
@@ -48,6 +48,8 @@ def test_bpe_deltas_concatenate_and_never_split_a_character(tokenizer: Any, wrap
         assert "\ufffd" not in "".join(deltas)
         expected = tokenizer.decode(ids, skip_special_tokens=not wrap)
         assert "".join(deltas) == expected
+        # A finished sequence seen for the first time: one call, the same text.
+        assert IncrementalDetokenizer(tok).add_final(ids) == expected
 
 
 def test_bpe_splits_some_character_across_tokens(tokenizer: Any) -> None:
@@ -122,3 +124,18 @@ def test_stop_strings_over_real_tokens(tokenizer: Any) -> None:
         if m.stopped:
             break
     assert m.stopped and released == "Le café: crème "
+
+
+def test_spaces_between_special_tokens(tokenizer: Any) -> None:
+    """Off: two adjacent special tokens are written bare, as vLLM's fast detokenizer does."""
+    from tokenizers import decoders
+
+    tok = train_tokenizer()
+    tok.backend_tokenizer.decoder = decoders.WordPiece(cleanup=False)  # joins tokens by " "
+    ids = [tok.convert_tokens_to_ids(t) for t in ("<|user|>", "<|end|>", "<|assistant|>")]
+    spaced = IncrementalDetokenizer(tok, skip_special_tokens=False)
+    bare = IncrementalDetokenizer(tok, skip_special_tokens=False,
+                                  spaces_between_special_tokens=False)
+    assert bare.add(ids) == "<|user|><|end|><|assistant|>"
+    assert spaced.add(ids) == tok.decode(ids) == "<|user|> <|end|> <|assistant|>"
+    assert IncrementalDetokenizer(tok).add(ids) == ""  # skipped altogether

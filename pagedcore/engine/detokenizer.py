@@ -1,4 +1,4 @@
-"""Text for streams: incremental detokenization and stop strings matched across tokens.
+"""The text of generated tokens: incremental detokenization and stop strings across tokens.
 
 `IncrementalDetokenizer` turns the token ids of one sequence, as they arrive, into text deltas
 that never split a multi-byte character: over a Hugging Face fast tokenizer it uses
@@ -8,15 +8,25 @@ replacement character ("\\ufffd") until the next token completes it.
 
 `StopStringMatcher` finds OpenAI ``stop`` strings in the detokenized text, even when a stop
 string spans several tokens, and holds back the text that could still become one, so a client
-never sees the start of a stop string that the server later cuts off.
+never sees the start of a stop string that the engine later cuts off.
+
+`TextState` joins the two for one sequence under its `SamplingParams`; `advance_text` feeds it
+the sequence's output token ids it has not seen yet (a pure function of the state and the ids,
+so any output path, a step-behind one included, can call it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["IncrementalDetokenizer", "StopStringMatcher", "backend_tokenizer"]
+if TYPE_CHECKING:
+    from pagedcore.engine.sampling.sampling_params import SamplingParams
+
+__all__ = [
+    "IncrementalDetokenizer", "StopStringMatcher", "TextState", "advance_text",
+    "backend_tokenizer",
+]
 
 _REPLACEMENT = "\ufffd"
 
@@ -43,21 +53,33 @@ class IncrementalDetokenizer:
         ``decode(ids) -> str``; None: every delta is "".
     skip_special_tokens:
         Leave special tokens (EOS, chat markers) out of the text (OpenAI servers do).
+    spaces_between_special_tokens:
+        With `skip_special_tokens` False: False writes a special token that follows another
+        as its bare content (no space the decoder may put before it), as vLLM does.
 
     Notes
     -----
     The deltas of `add` followed by `flush` concatenate to the text of the whole sequence.
     """
 
-    def __init__(self, tokenizer: Any, *, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Any, *, skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.spaces_between_special_tokens = spaces_between_special_tokens
         self._backend = backend_tokenizer(tokenizer)
         self._stream: Any = None
+        # Special tokens by id, when adjacent ones must be written bare (see above).
+        self._special: dict[int, str] = {}
+        self._last_special = False
         if self._backend is not None:
             from tokenizers.decoders import DecodeStream
 
             self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+            if not skip_special_tokens and not spaces_between_special_tokens:
+                self._special = {i: str(t) for i, t in
+                                 getattr(tokenizer, "added_tokens_decoder", {}).items()
+                                 if getattr(t, "special", False)}
         # Fallback (window) state: all ids, the window start and the first undecoded id.
         self._ids: list[int] = []
         self._prefix_offset = 0
@@ -70,7 +92,15 @@ class IncrementalDetokenizer:
         if self._stream is not None:
             parts = []
             for token_id in token_ids:
-                chunk = self._stream.step(self._backend, int(token_id))
+                try:
+                    chunk = self._stream.step(self._backend, int(token_id))
+                except Exception:  # an id the tokenizer does not know (a padded vocab row)
+                    chunk = None
+                if self._special:
+                    special = self._special.get(int(token_id))
+                    if special is not None and self._last_special:
+                        chunk = special
+                    self._last_special = special is not None
                 if chunk:
                     parts.append(chunk)
             return "".join(parts)
@@ -79,6 +109,16 @@ class IncrementalDetokenizer:
             self._ids.append(int(token_id))
             parts.append(self._advance(final=False))
         return "".join(parts)
+
+    def add_final(self, token_ids: Sequence[int]) -> str:
+        """`add` then `flush` for a whole finished sequence, on a fresh detokenizer: the
+        window fallback decodes it in one call (the same text; its window exists only for
+        streaming)."""
+        if self._stream is not None or self._ids or self.tokenizer is None:
+            return self.add(token_ids) + self.flush()
+        self._ids = [int(t) for t in token_ids]
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return self._decode(self._ids)
 
     def flush(self) -> str:
         """The text still held back (an incomplete character at the very end), at the finish."""
@@ -90,8 +130,10 @@ class IncrementalDetokenizer:
     def _decode(self, ids: Sequence[int]) -> str:
         if not ids:
             return ""
-        if self.skip_special_tokens and hasattr(self.tokenizer, "all_special_ids"):
-            text: str = self.tokenizer.decode(ids, skip_special_tokens=True)
+        if hasattr(self.tokenizer, "all_special_ids"):  # a transformers tokenizer
+            text: str = self.tokenizer.decode(
+                ids, skip_special_tokens=self.skip_special_tokens,
+                spaces_between_special_tokens=self.spaces_between_special_tokens)
         else:
             text = self.tokenizer.decode(ids)
         return text
@@ -134,6 +176,8 @@ class StopStringMatcher:
         self._max_len = max((len(s) for s in self.stop), default=0)
         self._text = ""
         self._emitted = 0
+        # The released text as one string, grown by each release (read once per output).
+        self._released = ""
         #: The stop string that matched, once one has.
         self.matched: str | None = None
 
@@ -145,16 +189,16 @@ class StopStringMatcher:
     @property
     def text(self) -> str:
         """All text released so far."""
-        return self._text[: self._emitted]
+        return self._released
 
-    def add(self, delta: str) -> str:
-        """Feed detokenized text; the part that can be released now."""
+    def add(self, delta: str, *, match: bool = True) -> str:
+        """Feed detokenized text; the part that can be released now. ``match=False`` (text
+        produced before ``min_tokens``) releases it without looking for stop strings there."""
         if self.stopped or not delta:
             return ""
-        if not self.stop:
+        if not self.stop or not match:
             self._text += delta
-            self._emitted = len(self._text)
-            return delta
+            return self._release(len(self._text))
         start = max(0, len(self._text) - self._max_len + 1)
         self._text += delta
         hit = self._first_match(start)
@@ -192,4 +236,65 @@ class StopStringMatcher:
         end = max(end, self._emitted)
         out = self._text[self._emitted : end]
         self._emitted = end
+        self._released += out
         return out
+
+
+class TextState:
+    """The text of one generated sequence under its `SamplingParams`.
+
+    Attributes
+    ----------
+    num_fed:
+        Output tokens detokenized so far.
+    """
+
+    __slots__ = ("detok", "matcher", "min_tokens", "num_fed")
+
+    def __init__(self, tokenizer: Any, params: SamplingParams) -> None:
+        self.detok = IncrementalDetokenizer(
+            tokenizer, skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens)
+        self.matcher = StopStringMatcher(
+            params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
+        self.min_tokens = params.min_tokens
+        self.num_fed = 0
+
+    @property
+    def text(self) -> str:
+        """The text released so far (cut at a matched stop string)."""
+        return self.matcher.text
+
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that matched, or None."""
+        return self.matcher.matched
+
+
+def advance_text(state: TextState, output_token_ids: Sequence[int], *,
+                 finished: bool = False) -> str:
+    """Feed `state` the ids of `output_token_ids` (all output ids of its sequence) it has not
+    seen; the newly released text. ``finished``: the sequence ended, release what was held
+    back. Once a stop string matched (``state.stop_string``) nothing more is released."""
+    matcher = state.matcher
+    if matcher.stopped:
+        state.num_fed = len(output_token_ids)
+        return ""
+    parts = []
+    detok = state.detok
+    if finished and state.num_fed == 0 and not matcher.stop:
+        # Never seen before and already finished (generate's outputs): no stop string to look
+        # for, so the whole text at once.
+        state.num_fed = len(output_token_ids)
+        return matcher.add(detok.add_final(output_token_ids), match=False)
+    for i in range(state.num_fed, len(output_token_ids)):
+        # One token at a time: stop strings count only from min_tokens on (as in vLLM).
+        parts.append(matcher.add(detok.add(output_token_ids[i : i + 1]),
+                                 match=i + 1 > state.min_tokens))
+        if matcher.stopped:
+            break
+    state.num_fed = len(output_token_ids)
+    if finished and not matcher.stopped:
+        parts.append(matcher.add(detok.flush()))
+        parts.append(matcher.flush())
+    return "".join(parts)
