@@ -1,6 +1,7 @@
 """Backend roles and the per-step metadata they share."""
 
 from pagedcore.attention.backend import (
+    KV_CACHE_DTYPE_ALIASES,
     KV_CACHE_DTYPES,
     AttentionBackend,
     AttentionConfig,
@@ -18,6 +19,7 @@ from pagedcore.attention.mla import MLAAttentionBackend
 
 __all__ = [
     "KV_CACHE_DTYPES",
+    "KV_CACHE_DTYPE_ALIASES",
     "AttentionBackend",
     "AttentionConfig",
     "AttentionImpl",

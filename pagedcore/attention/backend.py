@@ -16,6 +16,13 @@ Conventions every backend follows (the conformance suite checks them):
   ``window_size=(W - 1, 0)`` convention).
 * Unused slots of referenced blocks may hold anything (the suite fills them with NaN); a backend
   must never let them reach the output.
+* FP8 KV cache (``kv_cache_dtype`` ``"fp8_e4m3"`` / ``"fp8_e5m2"``): the cache write stores
+  ``saturate(x / scale)`` rounded to the fp8 dtype (``x`` in float32;
+  `pagedcore.attention.kv_quant`), with the layer's per-tensor ``k_scale`` / ``v_scale``;
+  attention reads ``fp8 * scale``, inside the kernel (never a dequantized copy of the cache).
+* Attention sinks: a per-query-head logit ``sink_h`` joins the softmax denominator
+  (``p_j = exp(s_j - m) / (exp(sink_h - m) + sum_k exp(s_k - m))``) and contributes no value; it
+  is neither scaled nor soft-capped, and windows and masks do not apply to it.
 """
 
 from __future__ import annotations
@@ -47,6 +54,10 @@ __all__ = [
 
 #: Names of KV-cache dtypes a backend may declare. "auto" means "same as the model dtype".
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
+#: Accepted spellings of the KV-cache dtypes, mapped to their names in `KV_CACHE_DTYPES`.
+KV_CACHE_DTYPE_ALIASES = {
+    "fp8": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2",
+}
 
 
 @attrs.frozen
@@ -106,7 +117,10 @@ class AttentionConfig:
     block_size:
         Tokens per KV-cache block.
     kv_cache_dtype:
-        ``"auto"`` (same as ``dtype``) or an fp8 name from ``KV_CACHE_DTYPES``.
+        ``"auto"`` (same as ``dtype``) or an fp8 name from ``KV_CACHE_DTYPES`` (``"fp8"`` is
+        accepted and stored as ``"fp8_e4m3"``).
+    has_sink:
+        The layers carry per-head attention-sink logits (GPT-OSS).
     device:
         ``"cpu"`` or ``"cuda"``.
     """
@@ -120,6 +134,7 @@ class AttentionConfig:
     use_alibi: bool = False
     logits_soft_cap: float | None = None
     device: str = "cpu"
+    has_sink: bool = False
 
     def __attrs_post_init__(self) -> None:
         # Checked by type first: NaN, 64.5, True or "no" must never reach a backend's
@@ -130,7 +145,7 @@ class AttentionConfig:
             if value is None and optional:
                 continue
             object.__setattr__(self, field, _positive_int(field, value, optional=optional))
-        for field in ("use_mla", "use_alibi"):
+        for field in ("use_mla", "use_alibi", "has_sink"):
             value = getattr(self, field)
             if not isinstance(value, bool):
                 raise ValueError(
@@ -154,6 +169,8 @@ class AttentionConfig:
             raise ValueError(
                 f"dtype {self.dtype!r} is not one of 'float16', 'bfloat16', 'float32'"
             )
+        kv_name = KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        object.__setattr__(self, "kv_cache_dtype", kv_name)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}"
@@ -194,6 +211,8 @@ class AttentionBackend(abc.ABC):
     supported_mla_dims: ClassVar[tuple[tuple[int, int], ...] | None] = None
     supports_alibi: ClassVar[bool] = False
     supports_logits_soft_cap: ClassVar[bool] = False
+    #: Per-head attention-sink logits (`AttentionImpl`'s ``sinks``).
+    supports_sink: ClassVar[bool] = False
     cudagraph_support: ClassVar[CudaGraphSupport] = CudaGraphSupport.NEVER
 
     def __init__(self) -> None:  # pragma: no cover - guard
@@ -251,6 +270,8 @@ class AttentionBackend(abc.ABC):
             reasons.append("ALiBi not supported")
         if cfg.logits_soft_cap is not None and not cls.supports_logits_soft_cap:
             reasons.append("logits soft-cap not supported")
+        if cfg.has_sink and not cls.supports_sink:
+            reasons.append("attention sinks not supported")
         return reasons
 
     @classmethod
@@ -279,6 +300,42 @@ class AttentionBackend(abc.ABC):
 M = TypeVar("M")
 
 
+def _as_floats(values: Any) -> list[float]:
+    """A tensor's (any device, any float dtype) or a sequence's entries as Python floats."""
+    if hasattr(values, "detach"):
+        values = values.detach().float().cpu().reshape(-1).tolist()
+    return [float(v) for v in values]
+
+
+def _per_device(values: list[float] | None, cache: dict[str, torch.Tensor],
+                device: torch.device) -> torch.Tensor | None:
+    """`values` as a float32 tensor on `device`, made once per device and kept in `cache`."""
+    if values is None:
+        return None
+    key = str(device)
+    tensor = cache.get(key)
+    if tensor is None:
+        import torch
+
+        tensor = torch.tensor(values, dtype=torch.float32, device=device)
+        cache[key] = tensor
+    return tensor
+
+
+def _check_scales(k_scale: Any, v_scale: Any) -> tuple[float, float]:
+    """Both scales as floats, or a ValueError naming the bad one."""
+    out = []
+    for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+        number = float(value)
+        if not math.isfinite(number) or number <= 0:
+            raise ValueError(
+                f"{name} must be a positive finite number (the fp8 dequantization scale), "
+                f"got {number!r}"
+            )
+        out.append(number)
+    return out[0], out[1]
+
+
 class AttentionImplOptions(TypedDict, total=False):
     """`AttentionImpl`'s optional keyword arguments, for an impl that adds its own and passes
     these on: ``**options: Unpack[AttentionImplOptions]`` keeps them typed."""
@@ -287,6 +344,9 @@ class AttentionImplOptions(TypedDict, total=False):
     sliding_window: int | None
     logits_soft_cap: float | None
     kv_cache_dtype: str
+    sinks: Sequence[float] | torch.Tensor | None
+    k_scale: float
+    v_scale: float
 
 
 class MetadataBuilder(abc.ABC, Generic[M]):
@@ -388,7 +448,13 @@ class AttentionImpl(abc.ABC, Generic[M]):
     logits_soft_cap:
         Cap ``c`` for ``c * tanh(s / c)``, or None.
     kv_cache_dtype:
-        ``"auto"`` or an fp8 name.
+        ``"auto"`` or an fp8 name (``"fp8"`` means ``"fp8_e4m3"``; stored normalized).
+    sinks:
+        ``[Hq]`` attention-sink logits (a sequence or a tensor; kept as float32), or None.
+    k_scale, v_scale:
+        Per-tensor dequantization scales of this layer's fp8 K and V cache (the cache holds
+        ``x / scale``); ignored with ``kv_cache_dtype="auto"``. `set_kv_scales` changes them
+        later (e.g. after calibrating on the first prefill).
 
     Notes
     -----
@@ -425,6 +491,9 @@ class AttentionImpl(abc.ABC, Generic[M]):
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
         kv_cache_dtype: str = "auto",
+        sinks: Sequence[float] | torch.Tensor | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> None:
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
@@ -441,6 +510,19 @@ class AttentionImpl(abc.ABC, Generic[M]):
             raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
         if logits_soft_cap is not None and logits_soft_cap <= 0:
             raise ValueError(f"logits_soft_cap must be positive or None, got {logits_soft_cap}")
+        kv_cache_dtype = KV_CACHE_DTYPE_ALIASES.get(kv_cache_dtype, kv_cache_dtype)
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype {kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES} "
+                "(or 'fp8' for 'fp8_e4m3')"
+            )
+        sink_list = None if sinks is None else _as_floats(sinks)
+        if sink_list is not None and len(sink_list) != num_heads:
+            raise ValueError(
+                f"sinks has {len(sink_list)} entries, expected one per query head ({num_heads})"
+            )
+        if sink_list is not None and not all(math.isfinite(s) for s in sink_list):
+            raise ValueError("sinks must be finite numbers (one logit per query head)")
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
@@ -450,23 +532,54 @@ class AttentionImpl(abc.ABC, Generic[M]):
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
         self.kv_cache_dtype = kv_cache_dtype
+        self.sinks = sink_list
+        self.k_scale, self.v_scale = _check_scales(k_scale, v_scale)
         self._alibi_on_device: dict[str, torch.Tensor] = {}
+        self._sinks_on_device: dict[str, torch.Tensor] = {}
+        self._scales_on_device: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.check_supported()
         self.setup()
 
     def alibi_slopes_on(self, device: torch.device) -> torch.Tensor | None:
         """The ALiBi slopes as a ``[Hq]`` float32 tensor on `device` (made once per device and
         kept, so a step never copies them again), or None without ALiBi."""
-        if self.alibi_slopes is None:
-            return None
+        return _per_device(self.alibi_slopes, self._alibi_on_device, device)
+
+    def sinks_on(self, device: torch.device) -> torch.Tensor | None:
+        """The sink logits as a ``[Hq]`` float32 tensor on `device` (made once per device),
+        or None without sinks."""
+        return _per_device(self.sinks, self._sinks_on_device, device)
+
+    @property
+    def kv_fp8(self) -> bool:
+        """The cache holds fp8 values that need this layer's scales."""
+        return self.kv_cache_dtype != "auto"
+
+    def kv_scales_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k_scale, v_scale)`` as ``[1]`` float32 tensors on `device`, made once per device
+        and updated in place by `set_kv_scales` (so captured CUDA graphs see new values)."""
         key = str(device)
-        slopes = self._alibi_on_device.get(key)
-        if slopes is None:
+        scales = self._scales_on_device.get(key)
+        if scales is None:
             import torch
 
-            slopes = torch.tensor(self.alibi_slopes, dtype=torch.float32, device=device)
-            self._alibi_on_device[key] = slopes
-        return slopes
+            scales = (
+                torch.tensor([self.k_scale], dtype=torch.float32, device=device),
+                torch.tensor([self.v_scale], dtype=torch.float32, device=device),
+            )
+            self._scales_on_device[key] = scales
+        return scales
+
+    def set_kv_scales(self, k_scale: float, v_scale: float) -> None:
+        """Set this layer's fp8 K/V scales (positive, finite); device copies update in place.
+
+        Values already in the cache were quantized with the old scales: call this before
+        the first cache write (checkpoint scales) or right after calibrating on it.
+        """
+        self.k_scale, self.v_scale = _check_scales(k_scale, v_scale)
+        for k_t, v_t in self._scales_on_device.values():
+            k_t.fill_(self.k_scale)
+            v_t.fill_(self.v_scale)
 
     def check_supported(self) -> None:
         """Raise ValueError if this impl cannot serve its arguments (no-op by default).

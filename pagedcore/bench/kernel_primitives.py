@@ -241,21 +241,38 @@ class PagedKV:
 class BackendUnderTest:
     """One backend's cache (filled by its own cache write), builder and impl for a batch."""
 
-    def __init__(self, backend: type[AttentionBackend], kv: PagedKV) -> None:
+    def __init__(
+        self, backend: type[AttentionBackend], kv: PagedKV, *, kv_cache_dtype: str = "auto",
+        sinks: list[float] | None = None,
+    ) -> None:
         import torch
 
+        from pagedcore.attention.kv_quant import (
+            FP8_MAX,
+            kv_cache_torch_dtype,
+            normalize_kv_cache_dtype,
+        )
         from pagedcore.kv_cache.spec import FullAttentionSpec
 
         dtype, device, block_size = kv.key.dtype, kv.key.device, kv.block_size
         self.backend = backend
-        shape = backend.get_kv_cache_shape(kv.num_blocks, block_size, NUM_KV_HEADS, HEAD_SIZE)
-        self.kv_cache = torch.empty(shape, dtype=dtype, device=device)
+        shape = backend.get_kv_cache_shape(
+            kv.num_blocks, block_size, NUM_KV_HEADS, HEAD_SIZE, kv_cache_dtype
+        )
+        cache_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype)
+        self.kv_cache = torch.empty(shape, dtype=cache_dtype, device=device)
+        k_scale = v_scale = 1.0
+        if cache_dtype != dtype:  # fp8: per-tensor scales from the data (amax / fp8 max)
+            bound = FP8_MAX[normalize_kv_cache_dtype(kv_cache_dtype)]
+            k_scale = float(kv.key.abs().amax()) / bound
+            v_scale = float(kv.value.abs().amax()) / bound
         spec = FullAttentionSpec(
             block_size=block_size, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=dtype
         )
         self.builder = backend.get_builder_cls()(spec, ["bench"], device)
         self.impl = backend.get_impl_cls()(
-            NUM_HEADS, HEAD_SIZE, HEAD_SIZE**-0.5, num_kv_heads=NUM_KV_HEADS
+            NUM_HEADS, HEAD_SIZE, HEAD_SIZE**-0.5, num_kv_heads=NUM_KV_HEADS,
+            kv_cache_dtype=kv_cache_dtype, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
         )
         chunk = 1 << 16
         for start in range(0, kv.key.shape[0], chunk):

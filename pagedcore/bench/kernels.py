@@ -78,12 +78,16 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def bench_uniform(
     kind: str, batch: int, length: int, backends: list[type[AttentionBackend]],
     device: torch.device, copy_gbps: float, *, block_size: int = BLOCK_SIZE,
+    kv_cache_dtype: str = "auto", sinks: bool = False,
 ) -> list[dict[str, Any]]:
     """Decode (one new token over `length`) or causal prefill (`length` new tokens).
 
     One row per implementation (SDPA on contiguous K/V, for decode a naive gather + SDPA over
     the paged cache, then each backend over a cache of `block_size`-token blocks); a backend
-    that raises gets a row with ``error``.
+    that raises gets a row with ``error``. With an fp8 `kv_cache_dtype` the backends' caches
+    are fp8 (per-tensor scales from the data) and their ``kv_GBps`` / ``pct_copy`` count the
+    fp8 bytes; with `sinks` every backend layer carries per-head sink logits (their
+    ``rel_err_vs_sdpa`` is then None: SDPA has no sinks).
     """
     import torch
 
@@ -101,10 +105,11 @@ def bench_uniform(
     shape = f"{batch}x{length}"
     rows: list[dict[str, Any]] = []
 
-    def row(name: str, ms: float, err: float | None, **extra: Any) -> None:
+    def row(name: str, ms: float, err: float | None, *, nbytes: int = kv_bytes,
+            **extra: Any) -> None:
         rows.append({
             "case": kind, "shape": shape, "impl": name, "ms": ms,
-            "kv_GBps": kv_bytes / ms / 1e6, "pct_copy": 100 * kv_bytes / ms / 1e6 / copy_gbps,
+            "kv_GBps": nbytes / ms / 1e6, "pct_copy": 100 * nbytes / ms / 1e6 / copy_gbps,
             "TFLOPs": flops / ms / 1e9, "rel_err_vs_sdpa": err, **extra,
         })
 
@@ -123,15 +128,19 @@ def bench_uniform(
 
         row("naive-gather+sdpa", time_ms(naive, device), None)
         del paged
+    sink_logits = [(-1.0 + 0.125 * h) for h in range(NUM_HEADS)] if sinks else None
     for backend in backends:
         try:
-            under = BackendUnderTest(backend, kv)
+            under = BackendUnderTest(backend, kv, kv_cache_dtype=kv_cache_dtype,
+                                     sinks=sink_logits)
+            nbytes = kv_bytes * under.kv_cache.dtype.itemsize // dtype.itemsize
             run = under.runner(kv, [q_len] * batch, list(range(batch)), query)
             out = run()
             host = host_ms(run, device) if device.type == "cuda" else None
-            row(backend.name, time_ms(run, device), _rel(out, ref), host_ms=host)
+            err = None if sinks else _rel(out, ref)
+            row(backend.name, time_ms(run, device), err, host_ms=host, nbytes=nbytes)
             if kind == "decode" and device.type == "cuda":
-                _graph_row(under, kv, query, ref, row)
+                _graph_row(under, kv, query, None if sinks else ref, row, nbytes)
             del under
         except Exception as exc:  # one failing backend must not sink the others' figures
             rows.append(_failure(kind, shape, backend.name, exc))
@@ -143,8 +152,8 @@ def bench_uniform(
 
 
 def _graph_row(
-    under: BackendUnderTest, kv: PagedKV, query: torch.Tensor, ref: torch.Tensor,
-    row: Callable[..., None],
+    under: BackendUnderTest, kv: PagedKV, query: torch.Tensor, ref: torch.Tensor | None,
+    row: Callable[..., None], nbytes: int,
 ) -> None:
     """A "NAME+cudagraph" row: the decode planned for capture, replayed from a CUDA graph."""
     name = f"{under.backend.name}+cudagraph"
@@ -153,7 +162,8 @@ def _graph_row(
         graphed = under.capture_runner(kv, reqs, query, max_seq_len=max(kv.seq_lens))
         if graphed is not None:
             out = graphed()
-            row(name, graph_time_ms(graphed, query.device), _rel(out, ref))
+            err = None if ref is None else _rel(out, ref)
+            row(name, graph_time_ms(graphed, query.device), err, nbytes=nbytes)
     except Exception as exc:
         click.echo(f"{name} failed: {type(exc).__name__}: {exc}", err=True)
         row(name, float("nan"), None, error=f"{type(exc).__name__}: {exc}")
@@ -216,7 +226,8 @@ def _mixed_row(
 
 
 def _pick_backends(
-    names: tuple[str, ...], device: torch.device, *, block_size: int = BLOCK_SIZE
+    names: tuple[str, ...], device: torch.device, *, block_size: int = BLOCK_SIZE,
+    kv_cache_dtype: str = "auto", sinks: bool = False,
 ) -> tuple[list[Any], list[str]]:
     """The backends of `names` (all registered when empty) that accept the bench's config.
 
@@ -230,6 +241,7 @@ def _pick_backends(
     cfg = AttentionConfig(
         head_size=HEAD_SIZE, block_size=block_size, device=device.type,
         dtype="bfloat16" if device.type == "cuda" else "float32",
+        kv_cache_dtype=kv_cache_dtype, has_sink=sinks,
     )
     chosen, skipped = [], []
     for name in wanted:
@@ -275,7 +287,18 @@ def _print_table(rows: list[dict[str, Any]], copy_gbps: float) -> None:
 )
 @click.option("--json", "json_path", type=OutputPath(), help="Write figures here.")
 @click.option("--quick", is_flag=True, help="Tiny shapes (a smoke test, also on CPU).")
-def kernels(names: tuple[str, ...], json_path: str | None, quick: bool) -> None:
+@click.option(
+    "--kv-cache-dtype", type=click.Choice(["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]),
+    default="auto", show_default=True,
+    help="Backends' KV-cache dtype (fp8: per-tensor scales from the data).",
+)
+@click.option("--sinks", is_flag=True, help="Give every layer per-head attention-sink logits.")
+@click.option(
+    "--case", "cases", multiple=True, type=click.Choice(["decode", "prefill", "mixed"]),
+    help="Run only these cases (repeatable; default: all).",
+)
+def kernels(names: tuple[str, ...], json_path: str | None, quick: bool, kv_cache_dtype: str,
+            sinks: bool, cases: tuple[str, ...]) -> None:
     """Time attention kernels (decode, prefill, mixed) against copy bandwidth and torch SDPA."""
     import torch
 
@@ -284,7 +307,9 @@ def kernels(names: tuple[str, ...], json_path: str | None, quick: bool) -> None:
         raise click.UsageError("no CUDA device: the full bench needs a GPU; pass --quick for a "
                                "CPU smoke run")
     torch.manual_seed(0)
-    backends, skipped = _pick_backends(names, device)
+    backends, skipped = _pick_backends(names, device, kv_cache_dtype=kv_cache_dtype,
+                                       sinks=sinks)
+    wanted = set(cases) or {"decode", "prefill", "mixed"}
     for s in skipped:
         click.echo(f"skipped {s}", err=True)
     shapes = QUICK if quick else FULL
@@ -293,18 +318,23 @@ def kernels(names: tuple[str, ...], json_path: str | None, quick: bool) -> None:
     advance = click.get_current_context().with_resource(progress_bar(
         "bench kernels", sum(len(shapes[k]) for k in ("decode", "prefill", "mixed"))))
     for kind in ("decode", "prefill"):
-        for batch, length in shapes[kind]:
-            rows += bench_uniform(kind, batch, length, backends, device, copy_gbps)
+        for batch, length in shapes[kind] if kind in wanted else []:
+            rows += bench_uniform(kind, batch, length, backends, device, copy_gbps,
+                                  kv_cache_dtype=kv_cache_dtype, sinks=sinks)
             advance(1)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    for decodes, ctx, chunk, prefix in shapes["mixed"]:
-        rows += bench_mixed(decodes, ctx, chunk, prefix, backends, device)
-        advance(1)
+    if kv_cache_dtype == "auto" and not sinks and "mixed" in wanted:
+        for decodes, ctx, chunk, prefix in shapes["mixed"]:
+            rows += bench_mixed(decodes, ctx, chunk, prefix, backends, device)
+            advance(1)
     _print_table(rows, copy_gbps)
     if json_path:
         command = ["pagedcore bench kernels"]
         command += [f"--backend {n}" for n in names] + (["--quick"] if quick else [])
+        command += [f"--case {c}" for c in cases]
+        command += [f"--kv-cache-dtype {kv_cache_dtype}"] if kv_cache_dtype != "auto" else []
+        command += ["--sinks"] if sinks else []
         command.append(f"--json {json_path}")
         info = {
             "command": " ".join(command),
@@ -312,6 +342,7 @@ def kernels(names: tuple[str, ...], json_path: str | None, quick: bool) -> None:
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
             "torch": torch.__version__,
             "config": {"dtype": "bfloat16" if device.type == "cuda" else "float32",
+                       "kv_cache_dtype": kv_cache_dtype, "sinks": sinks,
                        "num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS,
                        "head_size": HEAD_SIZE, "block_size": BLOCK_SIZE,
                        "sdpa": "torch SDPA on contiguous [B, H, S, D], enable_gqa=True",

@@ -236,6 +236,10 @@ def memory(small: bool, device: str | None, model_name: str, budget_mib: int, ma
     base = _kv_config(config, block_size=16, dtype=dtype, budget_bytes=budget,
                       max_model_len=max_model_len)
     paged = paged_admission(base, lengths, max_model_len=max_model_len)
+    # The same budget with an fp8 (e4m3) KV cache: a block takes half the bytes.
+    fp8_cfg = _kv_config(config, block_size=16, dtype=torch.float8_e4m3fn, budget_bytes=budget,
+                         max_model_len=max_model_len)
+    paged_fp8 = paged_admission(fp8_cfg, lengths, max_model_len=max_model_len)
     contig = contiguous_admission(base.num_blocks * 16, lengths, max_model_len=max_model_len)
     blocks = [8, 16, 32, 64, 128, 256]
     sweep = []
@@ -272,6 +276,8 @@ def memory(small: bool, device: str | None, model_name: str, budget_mib: int, ma
         "paged": paged,
         "contiguous": contig,
         "concurrency_gain": paged["max_concurrency"] / max(1, contig["max_concurrency"]),
+        "paged_fp8_kv": paged_fp8,
+        "fp8_kv_concurrency_gain": paged_fp8["max_concurrency"] / max(1, paged["max_concurrency"]),
         "block_size_sweep": sweep,
         "kernel_speed": speed,
     }
@@ -293,7 +299,10 @@ def _print(report: dict[str, Any]) -> None:
                         f"max_model_len {report['max_model_len']}")
     for col in ("layout", "max concurrency", "live / allocated slots", "live / budget"):
         table.add_column(col, justify="right")
-    for name, r in (("contiguous", c), (f"paged (block {p['block_size']})", p)):
+    layouts = [("contiguous", c), (f"paged (block {p['block_size']})", p)]
+    if "paged_fp8_kv" in report:
+        layouts.append((f"paged, fp8 KV (block {p['block_size']})", report["paged_fp8_kv"]))
+    for name, r in layouts:
         table.add_row(name, str(r["max_concurrency"]),
                       f"{100 * r['live_fraction_of_allocated']:.1f}%",
                       f"{100 * r['live_fraction_of_budget']:.1f}%")

@@ -11,6 +11,7 @@ from typing import TypeVar
 import attrs
 
 from pagedcore.attention.backend import AttentionBackend, MultipleOf
+from pagedcore.attention.kv_quant import FP8_UNIT_ROUNDOFF
 
 __all__ = [
     "ANY_HEAD_SIZES",
@@ -32,6 +33,14 @@ _T = TypeVar("_T")
 #: being rounded to the model dtype before the P·V product. Any indexing or masking bug costs
 #: O(1) relative error, far above all three.
 TOLERANCES: dict[str, float] = {"float32": 1e-3, "float16": 5e-3, "bfloat16": 2e-2}
+
+#: Extra relative error an fp8 case allows, as a fraction of the fp8 dtype's unit roundoff
+#: ``u`` (e4m3: 2**-4, e5m2: 2**-3). The reference quantizes the same inputs with the same
+#: scales, so a conforming backend stores the same fp8 bits; what remains is a single-step
+#: rounding difference where a kernel divides in a different precision, which moves one
+#: element by at most ``2u`` and the output (a weighted mean over keys) by far less. A backend
+#: that ignores a scale is off by the scale itself (O(1) or more), far above ``u / 4``.
+FP8_TOLERANCE_FRACTION = 0.25
 
 #: Query heads per KV head that every backend is tried with (Hq = ratio * 2 KV heads).
 GQA_RATIOS = (1, 4, 7, 8)
@@ -144,6 +153,8 @@ class CaseSpec:
     repeat_forward: bool = False
     optional: bool = False
     skip: str | None = None
+    kv_cache_dtype: str = "auto"
+    sinks: bool = False
 
     @property
     def seed(self) -> int:
@@ -152,7 +163,10 @@ class CaseSpec:
 
     @property
     def tolerance(self) -> float:
-        return TOLERANCES[self.dtype]
+        tol = TOLERANCES[self.dtype]
+        if self.kv_cache_dtype != "auto":
+            tol += FP8_TOLERANCE_FRACTION * FP8_UNIT_ROUNDOFF[self.kv_cache_dtype]
+        return tol
 
 
 def _block_sizes(backend: type[AttentionBackend]) -> list[int]:
@@ -191,6 +205,10 @@ def _suffix(case: dict[str, object]) -> str:
         parts.append("alibi")
     if case.get("logits_soft_cap") is not None:
         parts.append(f"softcap{case['logits_soft_cap']:g}")
+    if case.get("sinks"):
+        parts.append("sinks")
+    if case.get("kv_cache_dtype", "auto") != "auto":
+        parts.append(str(case["kv_cache_dtype"]))
     if case.get("large_offsets"):
         parts.append("int32_overflow")
     return "".join("/" + p for p in parts)
@@ -270,6 +288,25 @@ def build_cases(
     if backend.supports_logits_soft_cap:
         variants.append({"logits_soft_cap": 1.0})
         combo["logits_soft_cap"] = 2.0
+    if backend.supports_sink:
+        variants.append({"sinks": True})
+        variants.append({"batch": "decode", "sinks": True, "use_output_buffer": True})
+        if backend.supports_sliding_window:
+            variants.append({"sinks": True, "sliding_window": 8})
+        if not quick:
+            variants.append({"batch": "chunked_prefill", "sinks": True})
+        combo["sinks"] = True
+    fp8 = [k for k in backend.supported_kv_cache_dtypes if k != "auto"]
+    for kv in fp8:
+        variants += [
+            {"batch": b, "kv_cache_dtype": kv} for b in BATCHES if b in QUICK_BATCHES or not quick
+        ]
+    variants += [{"dtype": dt, "kv_cache_dtype": fp8[0]} for dt in other_dtypes[:1] if fp8]
+    if fp8 and backend.supports_sink and not quick:
+        variants.append({"batch": "long", "kv_cache_dtype": fp8[0], "sinks": True})
+    if fp8 and backend.supports_sink:
+        variants.append({"batch": "chunked_prefill", "kv_cache_dtype": fp8[0], "sinks": True,
+                         "sliding_window": 8 if backend.supports_sliding_window else None})
     if len(combo) > 1 and not quick:
         variants.append(
             {"batch": "chunked_prefill", "num_heads": 14, "optional": True, **combo}

@@ -18,12 +18,21 @@ import attrs
 import torch
 
 from pagedcore.attention.backend import AttentionBackend, AttentionConfig
+from pagedcore.attention.kv_quant import kv_cache_torch_dtype
 from pagedcore.attention.metadata import CommonAttentionMetadata, decode_first_order
 from pagedcore.conformance.cases import BATCHES, CaseSpec
 from pagedcore.conformance.report import CaseResult
 from pagedcore.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec
 
-__all__ = ["Batch", "alibi_slopes", "make_batch", "run_case", "softmax_scale"]
+__all__ = [
+    "FP8_SCALES",
+    "Batch",
+    "alibi_slopes",
+    "make_batch",
+    "run_case",
+    "sink_logits",
+    "softmax_scale",
+]
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 #: Element offsets the large-offset case must exceed (every referenced block lies above).
@@ -44,6 +53,18 @@ def alibi_slopes(num_heads: int) -> list[float]:
     base = [2.0 ** (-8.0 * (i + 1) / closest) for i in range(closest)]
     extra = [2.0 ** (-4.0 * (2 * i + 1) / closest) for i in range(num_heads - closest)]
     return base + extra
+
+
+#: ``(k_scale, v_scale)`` of every fp8 case: about ``max|x| / 448`` for the suite's N(0, 1)
+#: inputs (so e4m3 uses its range and the largest values saturate), and different from each
+#: other and from 1, so that a backend which ignores one, or swaps them, fails.
+FP8_SCALES = (0.0123, 0.0171)
+
+
+def sink_logits(num_heads: int) -> list[float]:
+    """The sink logit of each query head in sink cases: spread over ``[-1, 3)`` (golden-ratio
+    steps), so some heads' sinks dominate short contexts and others barely matter."""
+    return [-1.0 + 4.0 * ((h * 0.6180339887) % 1.0) for h in range(num_heads)]
 
 
 @attrs.frozen(kw_only=True)
@@ -223,6 +244,11 @@ def run_backend(
     engine reuses one plan for every layer)."""
     hq, hkv, d, bsz = case.num_heads, case.num_kv_heads, case.head_size, case.block_size
     slopes = alibi_slopes(hq) if case.alibi else None
+    fp8: dict[str, Any] = {}
+    if case.kv_cache_dtype != "auto":
+        fp8 = {"k_scale": FP8_SCALES[0], "v_scale": FP8_SCALES[1]}
+    if case.sinks:
+        fp8["sinks"] = sink_logits(hq)
     impl = backend.get_impl_cls()(
         hq,
         d,
@@ -231,10 +257,12 @@ def run_backend(
         alibi_slopes=slopes,
         sliding_window=case.sliding_window,
         logits_soft_cap=case.logits_soft_cap,
-        kv_cache_dtype="auto",
+        kv_cache_dtype=case.kv_cache_dtype,
+        **fp8,
     )
-    shape = backend.get_kv_cache_shape(num_blocks, bsz, hkv, d, "auto")
-    kv_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    shape = backend.get_kv_cache_shape(num_blocks, bsz, hkv, d, case.kv_cache_dtype)
+    cache_dtype = kv_cache_torch_dtype(case.kv_cache_dtype, dtype)
+    kv_cache = torch.full(shape, float("nan"), dtype=cache_dtype, device=device)
     paged = attrs.evolve(batch, block_ids=block_ids, num_blocks=num_blocks)
 
     hist = [(r, c) for r, c in enumerate(batch.contexts) if c > 0]
@@ -320,9 +348,11 @@ def _memory_shortfall(
     if not case.large_offsets or device.type != "cuda":
         return None
     shape = backend.get_kv_cache_shape(
-        batch.num_blocks, case.block_size, case.num_kv_heads, case.head_size, "auto"
+        batch.num_blocks, case.block_size, case.num_kv_heads, case.head_size,
+        case.kv_cache_dtype,
     )
-    need = math.prod(shape) * _DTYPES[case.dtype].itemsize
+    need = math.prod(shape) * kv_cache_torch_dtype(case.kv_cache_dtype,
+                                                   _DTYPES[case.dtype]).itemsize
     free, _total = torch.cuda.mem_get_info(device)
     if need > 0.9 * free:
         return f"the int32-overflow cache needs {need / 2**30:.1f} GiB, {free / 2**30:.1f} free"
@@ -340,6 +370,7 @@ def run_case(backend: type[AttentionBackend], case: CaseSpec, *, device: str) ->
         head_size=case.head_size, dtype=case.dtype, block_size=case.block_size,
         sliding_window=case.sliding_window, use_alibi=case.alibi,
         logits_soft_cap=case.logits_soft_cap, device=device,
+        kv_cache_dtype=case.kv_cache_dtype, has_sink=case.sinks,
     )
     reasons = backend.validate_configuration(cfg)
     if reasons:

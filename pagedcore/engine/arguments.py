@@ -142,6 +142,9 @@ def check_engine_args(**args: Any) -> None:
     seed = args.get("hash_seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, bytes))):
         p.type(f"hash_seed must be an int, bytes or None, got {describe(seed)}")
+    kv = args.get("kv_cache_dtype", "auto")
+    if not isinstance(kv, str) or kv.strip().lower() not in _KV_CACHE_DTYPES:
+        p.value(f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES}, got {describe(kv)}")
     tokenizer = args.get("tokenizer")
     if tokenizer is not None and not all(
         callable(getattr(tokenizer, m, None)) for m in ("encode", "decode")

@@ -83,12 +83,6 @@ def build_engine(args: EngineArgs) -> EngineParts:
     from pagedcore.kv_cache.config import kv_cache_specs_from_hf_config, make_kv_cache_config
     from pagedcore.kv_cache.manager import KVCacheManager
 
-    if args.kv_cache_dtype != "auto":
-        # Accepted by EngineArgs (vLLM's names); refused here until the runner stores fp8.
-        raise ValueError(
-            f"kv_cache_dtype={args.kv_cache_dtype!r}: this engine stores the KV cache in the "
-            "model dtype only so far; use kv_cache_dtype='auto'"
-        )
     model = args.model
     block_size, max_model_len = args.block_size, args.max_model_len
     max_num_seqs, max_num_batched_tokens = args.max_num_seqs, args.max_num_batched_tokens
@@ -98,6 +92,13 @@ def build_engine(args: EngineArgs) -> EngineParts:
     cudagraph_capture_sizes = args.cudagraph_capture_sizes
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
+    kv_cache_dtype = args.resolved_kv_cache_dtype
+    if kv_cache_dtype != "auto" and tensor_parallel_size != 1:
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} with tensor_parallel_size="
+            f"{tensor_parallel_size} is not supported yet (the workers would keep a model-dtype "
+            "cache); use kv_cache_dtype='auto' or tensor_parallel_size=1"
+        )
     tp: TensorParallelExecutor | None = None
     if tensor_parallel_size != 1:
         from pagedcore.engine.distributed.executor import TensorParallelExecutor
@@ -132,7 +133,10 @@ def build_engine(args: EngineArgs) -> EngineParts:
             policy=args.scheduling_policy,
         )
         rank_config = config if tp is None else tp.rank_config(config)
-        specs = kv_cache_specs_from_hf_config(rank_config, block_size=block_size, dtype=dtype)
+        from pagedcore.attention.kv_quant import kv_cache_torch_dtype
+
+        kv_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype)  # block bytes follow it
+        specs = kv_cache_specs_from_hf_config(rank_config, block_size=block_size, dtype=kv_dtype)
         if kv_cache_memory_bytes is None:
             kv_cache_memory_bytes = default_kv_cache_bytes(device, config, gpu_memory_utilization)
         if tp is not None:
@@ -158,6 +162,8 @@ def build_engine(args: EngineArgs) -> EngineParts:
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             num_heads=None if tp is None else int(rank_config.num_attention_heads),
+            kv_cache_dtype=kv_cache_dtype,
+            kv_scales=loaded.kv_scales,
         )
         if args.enforce_eager:
             local.cudagraph_disabled_reason = "enforce_eager=True"

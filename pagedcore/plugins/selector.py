@@ -25,7 +25,12 @@ from typing import Any
 
 import attrs
 
-from pagedcore.attention.backend import AttentionBackend, AttentionConfig, MultipleOf
+from pagedcore.attention.backend import (
+    KV_CACHE_DTYPE_ALIASES,
+    AttentionBackend,
+    AttentionConfig,
+    MultipleOf,
+)
 from pagedcore.plugins.errors import PluginError
 from pagedcore.plugins.records import PluginFailure
 from pagedcore.plugins.registry import PLUGINS_ENV, BackendRegistry, get_registry
@@ -49,7 +54,7 @@ _DTYPE_ALIASES = {
     "bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
     "float": "float32",
 }
-_KV_DTYPE_ALIASES = {"fp8": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}
+_KV_DTYPE_ALIASES = KV_CACHE_DTYPE_ALIASES
 _MAX_HINTS = 6
 #: The reason every backend gets for ``device="cuda"`` when torch sees no CUDA device.
 NO_CUDA_REASON = "no CUDA device is available here"
@@ -190,6 +195,7 @@ def describe_config(cfg: AttentionConfig) -> str:
         "sliding_window": cfg.sliding_window,
         "use_alibi": cfg.use_alibi or None,
         "logits_soft_cap": cfg.logits_soft_cap,
+        "has_sink": cfg.has_sink or None,
     }
     return text + "".join(f", {k}={v}" for k, v in extras.items() if v is not None)
 
@@ -238,6 +244,7 @@ def make_config(
     use_alibi: bool = False,
     logits_soft_cap: float | None = None,
     device: Any = None,
+    has_sink: bool = False,
 ) -> AttentionConfig:
     """The `AttentionConfig` the selector validates against (names, aliases, torch objects)."""
     return AttentionConfig.create(
@@ -250,6 +257,7 @@ def make_config(
         use_alibi=use_alibi,
         logits_soft_cap=logits_soft_cap,
         device=_default_device() if device is None else device,
+        has_sink=has_sink,
     )
 
 
@@ -285,7 +293,8 @@ def _hints(
     changes += [("block_size", b) for b in _nearest(blocks, cfg.block_size)]
     changes += [("dtype", d) for d in ("bfloat16", "float16", "float32")]
     changes += [("kv_cache_dtype", "auto"), ("device", "cuda"), ("device", "cpu")]
-    changes += [("sliding_window", None), ("use_alibi", False), ("logits_soft_cap", None)]
+    changes += [("sliding_window", None), ("use_alibi", False), ("logits_soft_cap", None),
+                ("has_sink", False)]
     hints: list[str] = []
     for field, value in changes:
         if getattr(cfg, field) == value:
@@ -338,6 +347,7 @@ def explain_selection(
     logits_soft_cap: float | None = None,
     device: Any = None,
     backend: str | None = None,
+    has_sink: bool = False,
 ) -> SelectionReport:
     """Every backend's verdict on a configuration, and the choice `select_backend` makes.
 
@@ -350,6 +360,7 @@ def explain_selection(
         head_size=head_size, dtype=dtype, block_size=block_size,
         kv_cache_dtype=kv_cache_dtype, use_mla=use_mla, sliding_window=sliding_window,
         use_alibi=use_alibi, logits_soft_cap=logits_soft_cap, device=device,
+        has_sink=has_sink,
     )
     forced: str | None = backend
     forced_by: str | None = "backend="
@@ -379,6 +390,7 @@ def select_backend(
     logits_soft_cap: float | None = None,
     device: Any = None,
     backend: str | None = None,
+    has_sink: bool = False,
 ) -> type[AttentionBackend]:
     """The attention backend to use for a configuration.
 
@@ -392,8 +404,9 @@ def select_backend(
         Tokens per KV-cache block.
     kv_cache_dtype:
         ``"auto"`` (the model dtype) or an fp8 name (``"fp8"`` = ``"fp8_e4m3"``).
-    use_mla, sliding_window, use_alibi, logits_soft_cap:
-        Features the layers need (None / False: not used).
+    use_mla, sliding_window, use_alibi, logits_soft_cap, has_sink:
+        Features the layers need (None / False: not used); ``has_sink``: per-head
+        attention-sink logits (GPT-OSS).
     device:
         ``"cpu"``, ``"cuda"`` or a ``torch.device``; None picks ``"cuda"`` when available.
         ``"cuda"`` without a CUDA device here is refused (every backend gets the reason
@@ -418,6 +431,7 @@ def select_backend(
         head_size=head_size, dtype=dtype, block_size=block_size,
         kv_cache_dtype=kv_cache_dtype, use_mla=use_mla, sliding_window=sliding_window,
         use_alibi=use_alibi, logits_soft_cap=logits_soft_cap, device=device, backend=backend,
+        has_sink=has_sink,
     )
     if report.chosen is None:
         raise BackendSelectionError(report.error_message(), report=report)

@@ -27,7 +27,10 @@ def write_slots(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.T
     flat = cache.view(-1, *cache.shape[2:])
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].to(torch.int64)
-    flat.index_copy_(0, slots, values[keep].to(cache.dtype))
+    rows = values[keep].to(cache.dtype)
+    if cache.dtype.itemsize == 1:  # fp8: torch has no index_copy_ for it on every device
+        flat, rows = flat.view(torch.uint8), rows.view(torch.uint8)
+    flat.index_copy_(0, slots, rows)
 
 
 def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -46,7 +49,11 @@ def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         ``[N, L, H, D]`` float32.
     """
     flat = cache.view(-1, *cache.shape[2:])
-    out = flat.index_select(0, slots.reshape(-1)).to(torch.float32)
+    if cache.dtype.itemsize == 1:  # fp8: gather the bytes, then reinterpret
+        rows = flat.view(torch.uint8).index_select(0, slots.reshape(-1)).view(cache.dtype)
+    else:
+        rows = flat.index_select(0, slots.reshape(-1))
+    out = rows.to(torch.float32)
     return out.view(*slots.shape, *cache.shape[2:])
 
 
@@ -62,6 +69,7 @@ def attend(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     overwrite_kv: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Masked attention of ``N`` requests that share a query length ``Lq``.
 
@@ -91,6 +99,9 @@ def attend(
     overwrite_kv:
         Zero the invisible rows of `key` and `value` in place instead of copying them (for
         callers that own those tensors, e.g. fresh gathers).
+    sinks:
+        ``[Hq]`` float32 attention-sink logits: each joins its head's softmax denominator
+        (unscaled, never masked) and contributes no value; or None.
 
     Returns
     -------
@@ -131,6 +142,12 @@ def attend(
     bias = torch.zeros(n, 1, 1, lq, lk, device=device).masked_fill_(
         ~visible[:, None, None], float("-inf")
     )
-    probs = torch.softmax(scores.add_(bias), dim=-1).view(n, hkv, group * lq, lk)
+    scores = scores.add_(bias)
+    if sinks is not None:
+        sink = sinks.to(device=device, dtype=torch.float32).view(1, hkv, group, 1, 1)
+        scores = torch.cat([scores, sink.expand(n, hkv, group, lq, 1)], dim=-1)
+        probs = torch.softmax(scores, dim=-1)[..., :lk].reshape(n, hkv, group * lq, lk)
+    else:
+        probs = torch.softmax(scores, dim=-1).view(n, hkv, group * lq, lk)
     out = torch.matmul(probs, value.permute(0, 2, 1, 3))  # [N, Hkv, G*Lq, D]
     return out.view(n, hkv, group, lq, d).permute(0, 3, 1, 2, 4).reshape(n, lq, hq, d)

@@ -85,3 +85,32 @@ def test_cli_quick_writes_json(no_timing: None, tmp_path: Path) -> None:
     assert info["config"]["block_size"] == 16
     cases = {(r["case"], r["impl"]) for r in info["results"] if "error" not in r}
     assert {("decode", "reference"), ("prefill", "reference"), ("mixed", "reference")} <= cases
+
+
+def test_fp8_decode_counts_fp8_bytes_and_stays_close_to_sdpa(no_timing: None) -> None:
+    torch.manual_seed(0)
+    (auto,) = [r for r in kernels.bench_uniform("decode", 2, 40, [ReferenceBackend], CPU, 1.0)
+               if r["impl"] == "reference"]
+    (fp8,) = [r for r in kernels.bench_uniform("decode", 2, 40, [ReferenceBackend], CPU, 1.0,
+                                               kv_cache_dtype="fp8")
+              if r["impl"] == "reference"]
+    assert fp8["kv_GBps"] == pytest.approx(auto["kv_GBps"] / 4)  # float32 -> 1 byte, same ms
+    assert 1e-3 < fp8["rel_err_vs_sdpa"] < 0.1  # quantized, by about e4m3's precision
+    (sinks,) = [r for r in kernels.bench_uniform("decode", 2, 40, [ReferenceBackend], CPU, 1.0,
+                                                 sinks=True) if r["impl"] == "reference"]
+    assert sinks["rel_err_vs_sdpa"] is None  # SDPA has no sinks to compare with
+
+
+def test_cli_records_the_fp8_and_sink_flags(no_timing: None, tmp_path: Path) -> None:
+    from pagedcore.cli import main
+
+    out = tmp_path / "k.json"
+    res = CliRunner().invoke(main, [
+        "bench", "kernels", "--backend", "reference", "--quick", "--case", "decode",
+        "--kv-cache-dtype", "fp8", "--sinks", "--json", str(out),
+    ])
+    assert res.exit_code == 0, res.output
+    info = json.loads(out.read_text())
+    assert info["config"]["kv_cache_dtype"] == "fp8" and info["config"]["sinks"] is True
+    assert "--kv-cache-dtype fp8" in info["command"] and "--sinks" in info["command"]
+    assert {r["case"] for r in info["results"]} == {"decode"}

@@ -74,3 +74,16 @@ def test_workload_lengths_are_seeded_and_clipped() -> None:
     assert a == workload_lengths(500, max_model_len=1024, seed=4)
     assert a != workload_lengths(500, max_model_len=1024, seed=5)
     assert min(a) >= 16 and max(a) == 1024  # the long tail is clipped
+
+
+def test_fp8_kv_blocks_take_a_quarter_of_float32_and_admit_more() -> None:
+    per_block = 2 * 16 * 2 * 16 * 4 * 2  # float32
+    budget = 41 * per_block
+    f32 = _kv_config(CONFIG, block_size=16, dtype=torch.float32, budget_bytes=budget,
+                     max_model_len=256)
+    fp8 = _kv_config(CONFIG, block_size=16, dtype=torch.float8_e4m3fn, budget_bytes=budget,
+                     max_model_len=256)
+    assert fp8.num_blocks == 4 * 41
+    lengths = [17] * 200
+    assert paged_admission(fp8, lengths, max_model_len=256)["max_concurrency"] == 81
+    assert paged_admission(f32, lengths, max_model_len=256)["max_concurrency"] == 20

@@ -184,6 +184,33 @@ class _MutatesPlanImpl(ReferenceImpl):
         return out
 
 
+class _IgnoresKVScaleImpl(ReferenceImpl):
+    """(m) Quantizes the fp8 cache with the layer's scales but reads it without them (a
+    kernel that forgot the dequantization multiply)."""
+
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        kv_cache: torch.Tensor, metadata: ReferenceMetadata, *,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        scales = self.kv_scales_on(kv_cache.device)
+        saved = [t.clone() for t in scales]
+        for t in scales:
+            t.fill_(1.0)
+        try:
+            return super().forward(query, key, value, kv_cache, metadata, output=output)
+        finally:
+            for t, old in zip(scales, saved, strict=True):
+                t.copy_(old)
+
+
+class _DropsSinkImpl(ReferenceImpl):
+    """(n) Accepts attention-sink logits and never adds them to the softmax."""
+
+    def sinks_on(self, device: torch.device) -> torch.Tensor | None:
+        return None
+
+
 class _ClaimsMoreBackend(ReferenceBackend):
     """(l) Declares an extra head size its validate_configuration then rejects."""
 
@@ -239,4 +266,6 @@ BROKEN: dict[str, type[AttentionBackend]] = {
     "wrong_below_head_size_32": _backend("wrong_below_head_size_32", impl=_WrongBelow32Impl),
     "consumes_plan": _backend("consumes_plan", impl=_MutatesPlanImpl),
     "claims_more_than_it_serves": _ClaimsMoreBackend,
+    "ignores_kv_scale": _backend("ignores_kv_scale", impl=_IgnoresKVScaleImpl),
+    "drops_sink": _backend("drops_sink", impl=_DropsSinkImpl),
 }

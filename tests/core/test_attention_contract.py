@@ -205,7 +205,9 @@ def test_default_hooks_refuse_nothing_and_add_nothing() -> None:
     assert set(vars(impl)) == {
         "num_heads", "head_size", "scale", "num_kv_heads", "num_queries_per_kv",
         "alibi_slopes", "sliding_window", "logits_soft_cap", "kv_cache_dtype",
-        "_alibi_on_device",  # the (empty) per-device cache behind alibi_slopes_on
+        "sinks", "k_scale", "v_scale",
+        # the (empty) per-device caches behind alibi_slopes_on, sinks_on, kv_scales_on
+        "_alibi_on_device", "_sinks_on_device", "_scales_on_device",
     }
     assert impl._alibi_on_device == {}
 
@@ -222,3 +224,25 @@ def test_default_hooks_refuse_nothing_and_add_nothing() -> None:
 def test_common_checks_run_before_the_hooks(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         _Recording(8, 64, 0.1, **kwargs)
+
+
+def test_fp8_and_sink_declarations_reach_the_selector() -> None:
+    """``has_sink`` and an fp8 ``kv_cache_dtype`` are validated against the declarations
+    (``supports_sink``, ``supported_kv_cache_dtypes``), with reasons naming them."""
+    cfg = AttentionConfig(head_size=64, dtype="bfloat16", block_size=16, kv_cache_dtype="fp8",
+                          has_sink=True, device="cuda")
+    assert cfg.kv_cache_dtype == "fp8_e4m3"
+
+    class _Plain(_Backend):
+        supported_devices = ("cuda",)
+
+    class _Fp8Sinks(_Plain):
+        supported_kv_cache_dtypes = ("auto", "fp8_e4m3")
+        supports_sink = True
+
+    reasons = _Plain.validate_configuration(cfg)
+    assert "attention sinks not supported" in reasons
+    assert any("kv_cache_dtype fp8_e4m3 not supported" in r for r in reasons)
+    assert _Fp8Sinks.validate_configuration(cfg) == []
+    with pytest.raises(ValueError, match="has_sink must be True or False"):
+        AttentionConfig(head_size=64, dtype="bfloat16", block_size=16, has_sink="yes")

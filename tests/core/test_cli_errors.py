@@ -39,6 +39,7 @@ def _usage_error(args: list[str], needle: str) -> Result:
     (["demo", "--threads", "0"], "--threads"),
     (["demo", "--device", "cdua"], "'cdua' is not a device"),
     (["generate", "--prompt", "x", "--dtype", "float64"], "--dtype"),
+    (["generate", "--prompt", "x", "--kv-cache-dtype", "int8"], "--kv-cache-dtype"),
     (["bench", "engine", "--num-prompts", "-1"], "--num-prompts"),
     (["bench", "engine", "--max-new", "0"], "--max-new"),
     (["bench", "memory", "--budget-mib", "0"], "--budget-mib"),

@@ -42,12 +42,12 @@ def test_plain_impls_inherit_the_constructor(module: str, name: str) -> None:
 
 #: (module, class, constructor kwargs, error type, message) -- the messages from before the hooks.
 REFUSALS = [
-    ("pagedcore.reference.impl", "ReferenceImpl", {"kv_cache_dtype": "fp8_e4m3"}, ValueError,
-     "the reference backend stores the KV cache in the model dtype only"),
+    ("pagedcore.reference.impl", "ReferenceImpl", {"kv_cache_dtype": "int8"}, ValueError,
+     r"kv_cache_dtype 'int8' is not one of"),
     ("pagedcore_triton.impl", "TritonAttentionImpl", {"head_size": 72}, ValueError,
      "the triton backend does not serve head size 72"),
-    ("pagedcore_triton.impl", "TritonAttentionImpl", {"kv_cache_dtype": "fp8_e5m2"}, ValueError,
-     r"the triton backend stores the KV cache in the model dtype only \(kv_cache_dtype 'auto'\)"),
+    ("pagedcore_triton.impl", "TritonAttentionImpl", {"sinks": [0.0] * 3}, ValueError,
+     r"sinks has 3 entries, expected one per query head \(8\)"),
     ("pagedcore_cuda_paged.impl", "CudaPagedImpl", {"head_size": 72}, ValueError,
      "cuda_paged has kernels for head sizes .*, not 72; choose another backend"),
     ("pagedcore_cuda_paged.impl", "CudaPagedImpl", {"kv_cache_dtype": "fp8_e4m3"}, ValueError,

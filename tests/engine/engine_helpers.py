@@ -38,6 +38,22 @@ def hf_greedy(model: Any, prompt: list[int], max_new: int) -> tuple[list[int], t
     return tokens, logprobs
 
 
+def check_outputs_against_hf(ref: Any, prompts: list[list[int]], outs: list[Any],
+                             max_new: int) -> None:
+    """Each output's greedy tokens equal transformers' and its logprobs are within 1e-4."""
+    for prompt, out in zip(prompts, outs, strict=True):
+        tokens, logprobs = hf_greedy(ref, prompt, max_new)
+        got = out.outputs[0]
+        assert got.token_ids == tokens, f"prompt of {len(prompt)} tokens diverged"
+        assert got.logprobs is not None
+        for step, entry in enumerate(got.logprobs):
+            for token, value in entry.items():
+                expected = float(logprobs[step, token])
+                assert abs(value - expected) < 1e-4 * max(1.0, abs(expected)), (
+                    f"step {step} token {token}: logprob {value} vs transformers {expected}"
+                )
+
+
 def random_prompts(lengths: list[int], *, vocab: int = 128, seed: int = 1) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]

@@ -8,7 +8,12 @@ from typing import Any
 
 import pytest
 import torch
-from engine_helpers import assert_no_leak, hf_greedy, make_models, random_prompts
+from engine_helpers import (
+    assert_no_leak,
+    check_outputs_against_hf,
+    make_models,
+    random_prompts,
+)
 
 from pagedcore import LLM, SamplingParams
 from pagedcore.kv_cache.config import (
@@ -32,17 +37,7 @@ def kv_bytes_for(config: Any, *, block_size: int, max_model_len: int, batched: i
 
 
 def check_against_hf(llm: LLM, ref: Any, prompts: list[list[int]], outs: list[Any]) -> None:
-    for prompt, out in zip(prompts, outs, strict=True):
-        tokens, logprobs = hf_greedy(ref, prompt, MAX_NEW)
-        got = out.outputs[0]
-        assert got.token_ids == tokens, f"prompt of {len(prompt)} tokens diverged"
-        assert got.logprobs is not None
-        for step, entry in enumerate(got.logprobs):
-            for token, value in entry.items():
-                expected = float(logprobs[step, token])
-                assert abs(value - expected) < 1e-4 * max(1.0, abs(expected)), (
-                    f"step {step} token {token}: logprob {value} vs transformers {expected}"
-                )
+    check_outputs_against_hf(ref, prompts, outs, MAX_NEW)
 
 
 def test_greedy_mixed_lengths_chunked_prefill(arch: str) -> None:

@@ -216,7 +216,7 @@ def test_padding_slots_are_skipped_and_nan_cache_is_harmless() -> None:
 
 def test_bad_input_errors_are_clear() -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        ReferenceBackend.get_impl_cls()(2, 4, 1.0, kv_cache_dtype="fp8_e4m3")
+        ReferenceBackend.get_impl_cls()(2, 4, 1.0, kv_cache_dtype="int4")
     with pytest.raises(ValueError, match="num_blocks"):
         ReferenceBackend.get_kv_cache_shape(0, 16, 1, 4)
     impl = ReferenceBackend.get_impl_cls()(2, 4, 1.0)

@@ -12,6 +12,7 @@ from pagedcore.attention import (
     MetadataBuilder,
     MultipleOf,
 )
+from pagedcore.attention.kv_quant import normalize_kv_cache_dtype
 from pagedcore_triton._env import interpreting, triton_unavailable_reason
 from pagedcore_triton.capabilities import HEAD_SIZES, KV_CACHE_DTYPES
 from pagedcore_triton.metadata import (
@@ -41,8 +42,9 @@ class _TritonBackendMeta(abc.ABCMeta):
 class TritonAttentionBackend(AttentionBackend, metaclass=_TritonBackendMeta):
     """Paged attention in Triton: one kernel for mixed decode/prefill/chunked-prefill batches.
 
-    Runs on CUDA GPUs; with ``TRITON_INTERPRET=1`` (set before the kernels are first
-    imported) it also serves CPU tensors through Triton's interpreter (slow; for tests), and
+    Serves fp8 KV caches (quantized in the cache write, dequantized in registers) and
+    attention sinks. Runs on CUDA GPUs; with ``TRITON_INTERPRET=1`` (set before the kernels are
+    first imported) it also serves CPU tensors through Triton's interpreter (slow; for tests), and
     then ``supported_devices`` (read at each access) lists ``"cpu"`` too.
     """
 
@@ -55,6 +57,7 @@ class TritonAttentionBackend(AttentionBackend, metaclass=_TritonBackendMeta):
     supports_sliding_window: ClassVar[bool] = True
     supports_alibi: ClassVar[bool] = True
     supports_logits_soft_cap: ClassVar[bool] = True
+    supports_sink: ClassVar[bool] = True
     #: Uniform decode batches and mixed token buckets, planned by
     #: `TritonMetadataBuilder.build_for_cudagraph_capture`.
     cudagraph_support: ClassVar[CudaGraphSupport] = CudaGraphSupport.ALWAYS
@@ -82,10 +85,13 @@ class TritonAttentionBackend(AttentionBackend, metaclass=_TritonBackendMeta):
         head_size: int,
         cache_dtype: str = "auto",
     ) -> tuple[int, ...]:
-        """``(2, num_blocks, block_size, num_kv_heads, head_size)``; index 0 is K, 1 is V."""
-        if cache_dtype not in cls.supported_kv_cache_dtypes:
+        """``(2, num_blocks, block_size, num_kv_heads, head_size)``; index 0 is K, 1 is V.
+
+        The same shape for every `cache_dtype`; an fp8 cache is allocated in
+        ``torch.float8_e4m3fn`` / ``float8_e5m2`` (`pagedcore.attention.kv_quant`)."""
+        if normalize_kv_cache_dtype(cache_dtype) not in cls.supported_kv_cache_dtypes:
             raise ValueError(
-                f"the triton backend stores the KV cache in the model dtype only "
-                f"(cache_dtype 'auto'), got {cache_dtype!r}"
+                f"the triton backend stores the KV cache as "
+                f"{', '.join(cls.supported_kv_cache_dtypes)}, got cache_dtype {cache_dtype!r}"
             )
         return (2, num_blocks, block_size, num_kv_heads, head_size)

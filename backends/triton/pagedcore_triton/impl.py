@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from pagedcore.attention import AttentionImpl
+from pagedcore.attention.kv_quant import kv_cache_torch_dtype
 from pagedcore_triton._env import interpreting
 from pagedcore_triton.capabilities import HEAD_SIZES, KV_CACHE_DTYPES
 from pagedcore_triton.metadata import TritonAttentionMetadata
@@ -18,7 +19,9 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
     """One attention layer over the paged cache ``[2, num_blocks, block_size, Hkv, D]``.
 
     See `pagedcore.attention.AttentionImpl` for the parameters. Raises ValueError for a head
-    size, KV-cache dtype or soft-cap the kernels do not serve.
+    size, KV-cache dtype or soft-cap the kernels do not serve. With an fp8 ``kv_cache_dtype``
+    the cache is ``float8_e4m3fn`` / ``float8_e5m2``, quantized by the cache-write kernel
+    with this layer's ``k_scale`` / ``v_scale`` and dequantized in the attention kernels.
     """
 
     def check_supported(self) -> None:
@@ -30,8 +33,9 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
-                f"the triton backend stores the KV cache in the model dtype only "
-                f"(kv_cache_dtype 'auto'), got {self.kv_cache_dtype!r}"
+                f"the triton backend stores the KV cache as "
+                f"{', '.join(KV_CACHE_DTYPES)}, got "
+                f"kv_cache_dtype {self.kv_cache_dtype!r}"
             )
 
     def setup(self) -> None:
@@ -39,6 +43,8 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             self.alibi_slopes is not None,
             self.sliding_window is not None,
             self.logits_soft_cap is not None,
+            self.kv_fp8,
+            self.sinks is not None,
         )
 
     def _check(self, query: torch.Tensor, kv_cache: torch.Tensor) -> None:
@@ -56,9 +62,11 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
                 f"(2, num_blocks, block_size, {self.num_kv_heads}, {self.head_size}) as "
                 "TritonAttentionBackend.get_kv_cache_shape gives"
             )
-        if kv_cache.dtype != query.dtype:
+        expected_dtype = kv_cache_torch_dtype(self.kv_cache_dtype, query.dtype)
+        if kv_cache.dtype != expected_dtype:
             raise ValueError(
-                f"kv_cache dtype {kv_cache.dtype} differs from the query dtype {query.dtype}"
+                f"kv_cache dtype {kv_cache.dtype} does not match this layer's kv_cache_dtype "
+                f"{self.kv_cache_dtype!r} with {query.dtype} queries (expected {expected_dtype})"
             )
         if not kv_cache.is_contiguous():
             raise ValueError("kv_cache must be contiguous")
@@ -76,7 +84,9 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         from pagedcore_triton.ops import write_kv_cache
 
         num_tokens = min(key.shape[0], slot_mapping.shape[0])
-        write_kv_cache(key[:num_tokens], value[:num_tokens], kv_cache, slot_mapping)
+        scales = self.kv_scales_on(kv_cache.device) if self.kv_fp8 else None
+        write_kv_cache(key[:num_tokens], value[:num_tokens], kv_cache, slot_mapping,
+                       kv_scales=scales)
 
     def forward(
         self,
@@ -100,6 +110,8 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         elif output.stride(-1) != 1:
             raise ValueError("output must have a contiguous last dimension")
         slopes = self.alibi_slopes_on(query.device)
+        sinks = self.sinks_on(query.device)
+        scales = self.kv_scales_on(query.device) if self.kv_fp8 else None
         # The first layer of a step prepares each launch; the others reuse it (no device reads,
         # so this also holds under CUDA-graph capture and replay).
         shape_key = (query.shape[1], query.dtype, kv_cache.shape, self._features)
@@ -118,6 +130,8 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
                     use_alibi=slopes is not None,
                     sliding_window=self.sliding_window,
                     logits_soft_cap=self.logits_soft_cap,
+                    kv_fp8=self.kv_fp8,
+                    use_sinks=sinks is not None,
                 )
                 metadata.launches[(i, shape_key)] = launch
             run_launch(
@@ -129,5 +143,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
                 alibi_slopes=slopes,
                 sliding_window=self.sliding_window,
                 logits_soft_cap=self.logits_soft_cap,
+                kv_scales=scales,
+                sinks=sinks,
             )
         return output

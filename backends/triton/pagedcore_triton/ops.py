@@ -44,6 +44,8 @@ def prepare_launch(
     sliding_window: int | None,
     logits_soft_cap: float | None,
     tiles: TileConfig | None = None,
+    kv_fp8: bool = False,
+    use_sinks: bool = False,
 ) -> PreparedLaunch:
     """Plan one launch of `paged_attention_kernel` for `part` (see `paged_attention`)."""
     _, _, block_size, num_kv_heads, head_size = kv_cache_shape
@@ -53,7 +55,7 @@ def prepare_launch(
     cfg = tiles or tile_config(
         part.max_query_len, qpk, head_size, interpreting=interp,
         prefill_override=os.environ.get(PREFILL_TILES_ENV), prefill_only=part.prefill_only,
-        itemsize=dtype.itemsize,
+        itemsize=dtype.itemsize, kv_itemsize=1 if kv_fp8 else dtype.itemsize,
     )
     head_pad = triton.next_power_of_2(head_size)
     if part.balanced_programs is not None:
@@ -62,6 +64,7 @@ def prepare_launch(
             kv_cache_shape=kv_cache_shape, query_start_loc=query_start_loc,
             seq_lens=seq_lens, block_table=block_table, use_alibi=use_alibi,
             sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+            kv_fp8=kv_fp8, use_sinks=use_sinks,
         )
     segments = part.num_segments
     if segments & (segments - 1):
@@ -133,6 +136,8 @@ def prepare_launch(
             "FLAT": flat,
             "MIN_SEGMENT_TILES": max(1, part.min_segment_tokens // cfg.tile_n),
             "REQ_PAD": triton.next_power_of_2(part.num_reqs + 1) if flat else 1,
+            "KV_FP8": kv_fp8,
+            "USE_SINKS": use_sinks,
             "num_warps": cfg.num_warps,
             "num_stages": cfg.num_stages,
         },
@@ -149,14 +154,22 @@ def run_launch(
     alibi_slopes: torch.Tensor | None,
     sliding_window: int | None,
     logits_soft_cap: float | None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Run a prepared launch for one layer (see `paged_attention` for the tensors)."""
     grid = launch.grid
     if grid is None:
         return
+    if launch.constexprs["KV_FP8"] and kv_scales is None:
+        raise ValueError("an fp8 KV cache needs kv_scales=(k_scale, v_scale)")
+    if launch.constexprs["USE_SINKS"] and sinks is None:
+        raise ValueError("the launch was prepared with sinks; pass sinks=[Hq] float32")
+    k_scale, v_scale = (query, query) if kv_scales is None else kv_scales
     if launch.info is not None:
         run_balanced(launch, query, kv_cache, output, scale=scale, alibi_slopes=alibi_slopes,
-                      sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+                      sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                      k_scale=k_scale, v_scale=v_scale, sinks=query if sinks is None else sinks)
         return
     v_offset, stride_cb, stride_cs, stride_ch, stride_bt = launch.static_args
     part_acc = output if launch.part_acc is None else launch.part_acc
@@ -172,6 +185,9 @@ def run_launch(
         query if alibi_slopes is None else alibi_slopes,
         part_acc,
         part_ml,
+        k_scale,
+        v_scale,
+        query if sinks is None else sinks,
         launch.num_reqs,
         launch.token_begin,
         scale,
@@ -224,6 +240,8 @@ def paged_attention(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     tiles: TileConfig | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Attention for the requests of `part`, written into `output` (prepare + run, once).
 
@@ -232,7 +250,8 @@ def paged_attention(
     query:
         ``[T, Hq, D]`` fp16/bf16/fp32, last dimension contiguous.
     kv_cache:
-        ``[2, num_blocks, block_size, Hkv, D]`` contiguous, same dtype as `query`.
+        ``[2, num_blocks, block_size, Hkv, D]`` contiguous, same dtype as `query`, or fp8
+        (``float8_e4m3fn`` / ``float8_e5m2``) with `kv_scales`.
     output:
         ``[T, Hq, D]``, last dimension contiguous; rows of `part`'s tokens are written.
     query_start_loc:
@@ -251,6 +270,11 @@ def paged_attention(
         Cap ``c`` of ``c * tanh(s / c)`` or None.
     tiles:
         Tile shape override (for tuning); None picks `tile_config`'s.
+    kv_scales:
+        ``(k_scale, v_scale)``, each ``[1]`` float32 on the device: an fp8 cache is read as
+        ``fp8 * scale``. Required for (and only read with) an fp8 cache.
+    sinks:
+        ``[Hq]`` float32 attention-sink logits, or None.
     """
     launch = prepare_launch(
         part,
@@ -265,6 +289,8 @@ def paged_attention(
         sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap,
         tiles=tiles,
+        kv_fp8=kv_cache.dtype.itemsize == 1,
+        use_sinks=sinks is not None,
     )
     run_launch(
         launch,
@@ -275,4 +301,6 @@ def paged_attention(
         alibi_slopes=alibi_slopes,
         sliding_window=None if sliding_window is None else int(sliding_window),
         logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+        kv_scales=kv_scales,
+        sinks=sinks,
     )

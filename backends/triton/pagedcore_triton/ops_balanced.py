@@ -40,6 +40,8 @@ def prepare_balanced(
     use_alibi: bool,
     sliding_window: int | None,
     logits_soft_cap: float | None,
+    kv_fp8: bool = False,
+    use_sinks: bool = False,
 ) -> PreparedLaunch:
     """`prepare_launch` of a length-balanced decode part (``kernels/balanced.py``)."""
     assert part.balanced_programs is not None
@@ -102,6 +104,8 @@ def prepare_balanced(
             "REQ_PAD": triton.next_power_of_2(max(part.num_reqs, 2)),
             "HEADS_FIRST": heads_first,
             "ROUND_ROBIN": round_robin,
+            "KV_FP8": kv_fp8,
+            "USE_SINKS": use_sinks,
             "num_warps": cfg.num_warps,
             "num_stages": cfg.num_stages,
         },
@@ -118,6 +122,9 @@ def run_balanced(
     alibi_slopes: torch.Tensor | None,
     sliding_window: int | None,
     logits_soft_cap: float | None,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    sinks: torch.Tensor,
 ) -> None:
     """`run_launch` of a balanced part: the decode, then the merge of the split requests."""
     grid, info = launch.grid, launch.info
@@ -130,7 +137,8 @@ def run_balanced(
     balanced_decode_kernel[kernel_grid](
         output, query, kv_cache, v_offset, launch.block_table, launch.seq_lens, launch.qsl,
         query if alibi_slopes is None else alibi_slopes, launch.part_acc, launch.part_ml, info,
-        launch.num_reqs, scale, 1.0 if logits_soft_cap is None else logits_soft_cap,
+        k_scale, v_scale, sinks, launch.num_reqs, scale,
+        1.0 if logits_soft_cap is None else logits_soft_cap,
         0 if sliding_window is None else sliding_window, query.stride(0), query.stride(1),
         output.stride(0), output.stride(1), stride_cb, stride_cs, stride_ch, stride_bt,
         **c,

@@ -5,6 +5,8 @@ Pure Python (no triton import): the metadata builder calls it once per step.
 
 from __future__ import annotations
 
+import os
+
 import attrs
 
 __all__ = [
@@ -36,6 +38,8 @@ PREFILL_TILES_ENV = "PAGEDCORE_TRITON_PREFILL_TILES"
 #: ``balanced:N`` too with at least ``N`` tokens per segment (tests), ``uniform`` on the
 #: uniform split-KV plan; unset follows ``SplitRule.balanced`` (see `decode_plan`).
 DECODE_PLAN_ENV = "PAGEDCORE_TRITON_DECODE_PLAN"
+#: Tuning only: K/V tokens per tile of decode launches (default 64 for head sizes <= 128).
+DECODE_TILE_N_ENV = "PAGEDCORE_TRITON_DECODE_TILE_N"
 
 #: An eager decode step runs on the balanced grid only when that cuts its longest program
 #: (in K/V tiles) by more than this factor against the uniform plan (`balanced_pays`).
@@ -331,6 +335,7 @@ def tile_config(
     prefill_override: str | None = None,
     prefill_only: bool = False,
     itemsize: int = 2,
+    kv_itemsize: int | None = None,
 ) -> TileConfig:
     """Tile shape for a launch: rows = query tokens x the GQA group, a power of two >= 16.
 
@@ -345,7 +350,10 @@ def tile_config(
     decode's K/V stream compute-bound. All were the fastest of the variants swept on the
     H200 (``docs/benchmarks/triton.md``). Prefill tiles launch their q-blocks longest-first.
     `prefill_override` (the ``PAGEDCORE_TRITON_PREFILL_TILES`` text, see `parse_tiles`)
-    replaces the prefill shape.
+    replaces the prefill shape. Decodes over an fp8 cache (`kv_itemsize` 1) take 128-token
+    tiles: 1.17x-1.34x faster than 64 on the H200 at 64x4096 / 8x32768 / 256x1024, 256 no
+    better (``docs/benchmarks/fp8_h200.json``); ``PAGEDCORE_TRITON_DECODE_TILE_N`` overrides
+    the decode tile length (tuning).
     """
     if prefill_override and max_query_len > 1:
         return parse_tiles(prefill_override, num_queries_per_kv)
@@ -364,6 +372,11 @@ def tile_config(
         tile_n = 64
     else:
         tile_n = 32
+    if kv_itemsize == 1 and head_pad <= 128 and max_query_len <= 1 and not interpreting:
+        tile_n = 128
+    decode_tile_n = os.environ.get(DECODE_TILE_N_ENV)
+    if decode_tile_n and max_query_len <= 1 and not interpreting:
+        tile_n = int(decode_tile_n)
     return TileConfig(
         block_m=block_m,
         block_q=block_q,

@@ -1,4 +1,5 @@
-"""The balanced decode kernels compile for sm_90 (Triton's front end and ptxas, no GPU needed).
+"""The balanced decode kernels (with and without fp8 caches and sinks) compile for sm_90
+(Triton's front end and ptxas, no GPU needed).
 
 Triton's interpreter runs the kernels as Python and misses what only the compiler checks (a
 variable that is a vector in one ``constexpr`` branch and a scalar in another failed to
@@ -27,15 +28,20 @@ types = {"out_ptr": "*bf16", "q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_offset
          "alibi_ptr": "*fp32", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32",
          "scale": "fp32", "soft_cap": "fp32"}
 
-def sig(fn, consts):
-    return {n: "constexpr" if n in consts else types.get(n, "*i32" if n.endswith("_ptr")
+def sig(fn, consts, **extra):
+    t = {**types, **extra}
+    return {n: "constexpr" if n in consts else t.get(n, "*i32" if n.endswith("_ptr")
             else "i32") for n in fn.arg_names}
 
 for heads_first, rr, features in itertools.product([False, True], [False, True], [False, True]):
     c = dict(HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=16, QPK=4, BLOCK_M=16, TILE_N=64,
              USE_ALIBI=features, USE_SOFTCAP=features, USE_WINDOW=features, DOT_FP32=False,
-             OFF32=False, MIN_TILES=4, REQ_PAD=32, HEADS_FIRST=heads_first, ROUND_ROBIN=rr)
-    triton.compile(ASTSource(balanced_decode_kernel, sig(balanced_decode_kernel, c), c),
+             OFF32=False, MIN_TILES=4, REQ_PAD=32, HEADS_FIRST=heads_first, ROUND_ROBIN=rr,
+             KV_FP8=features, USE_SINKS=features)
+    # With the features: an fp8 (e4m3) cache with its float32 scales, and float32 sinks.
+    fp8 = dict(k_cache_ptr="*fp8e4nv", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
+               sinks_ptr="*fp32") if features else {}
+    triton.compile(ASTSource(balanced_decode_kernel, sig(balanced_decode_kernel, c, **fp8), c),
                    target=target, options={"num_warps": 4, "num_stages": 3})
     print("ok decode", heads_first, rr, features, flush=True)
 c = dict(HEAD_SIZE=128, HEAD_PAD=128, SEG_CHUNK=16)

@@ -148,7 +148,7 @@ def test_bad_input_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="head size 72"):
         TritonAttentionBackend.get_impl_cls()(4, 72, 0.1)
     with pytest.raises(ValueError, match="cache_dtype"):
-        TritonAttentionBackend.get_kv_cache_shape(4, 16, 2, 64, "fp8_e4m3")
+        TritonAttentionBackend.get_kv_cache_shape(4, 16, 2, 64, "int8")
     impl = TritonAttentionBackend.get_impl_cls()(4, 64, 0.1, num_kv_heads=2)
     cache = torch.zeros((2, 4, 16, 4, 64), device=DEVICE)
     key = torch.zeros((1, 2, 64), device=DEVICE)

@@ -26,13 +26,42 @@ ATTN_IMPLEMENTATION = "pagedcore"
 _registered = False
 
 
+@attrs.define
+class KVScaleCalibration:
+    """An fp8 layer whose K/V scales are still to be computed from its first real cache
+    write (the first prefill): ``max|x| / fp8 max`` per tensor."""
+
+    kv_cache_dtype: str
+    pending: bool = True
+
+    def maybe_calibrate(self, impl: AttentionImpl[Any], key: torch.Tensor,
+                        value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Set `impl`'s scales from the real rows (slot >= 0) of this write, once; never
+        while a CUDA graph is being captured (no host reads there) nor on padding only."""
+        import torch
+
+        from pagedcore.attention.kv_quant import calibrated_scale
+
+        if key.is_cuda and torch.cuda.is_current_stream_capturing():
+            return
+        n = min(key.shape[0], slot_mapping.shape[0])
+        real = slot_mapping[:n] >= 0
+        if not bool(real.any()):
+            return
+        impl.set_kv_scales(calibrated_scale(key[:n][real], self.kv_cache_dtype),
+                           calibrated_scale(value[:n][real], self.kv_cache_dtype))
+        self.pending = False
+
+
 @attrs.frozen
 class LayerBinding:
-    """What one attention layer uses: its impl, its cache tensor and its KV-cache group."""
+    """What one attention layer uses: its impl, its cache tensor and its KV-cache group
+    (and, for an fp8 cache awaiting its scales, their calibration)."""
 
     impl: AttentionImpl[Any]
     kv_cache: torch.Tensor
     group: int
+    calibration: KVScaleCalibration | None = None
 
 
 @attrs.frozen
@@ -106,7 +135,10 @@ def pagedcore_attention(
     q = query[0].transpose(0, 1).contiguous()
     k = key[0].transpose(0, 1).contiguous()
     v = value[0].transpose(0, 1).contiguous()
-    impl.do_kv_cache_update(k, v, binding.kv_cache, pagedcore_ctx.slot_mappings[binding.group])
+    slots = pagedcore_ctx.slot_mappings[binding.group]
+    if binding.calibration is not None and binding.calibration.pending:
+        binding.calibration.maybe_calibrate(impl, k, v, slots)
+    impl.do_kv_cache_update(k, v, binding.kv_cache, slots)
     out = impl.forward(q, k, v, binding.kv_cache, pagedcore_ctx.metadata[binding.group])
     return out.unsqueeze(0), None
 

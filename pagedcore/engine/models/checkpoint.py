@@ -166,6 +166,11 @@ def load_checkpoint(
             f"be random): {_names(info['missing_keys'])}; is config.json (e.g. "
             "num_hidden_layers) the one these weights were saved with?", strict=strict_checks,
         )
+    from pagedcore.engine.models.kv_scales import is_kv_scale_key
+
+    # fp8 KV-cache scales have no place in transformers' modules: read_kv_scales reads them.
+    info["unexpected_keys"] = [k for k in info.get("unexpected_keys") or ()
+                               if not is_kv_scale_key(k)]
     if info.get("unexpected_keys"):
         _refuse(
             f"{root}: the weight files hold tensors config.json has no place for (they would be "

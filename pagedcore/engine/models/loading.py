@@ -38,6 +38,7 @@ __all__ = [
 TESTED_MODEL_TYPES = (
     "llama", "qwen2", "qwen3", "mistral", "gemma2", "deepseek_v2", "deepseek_v3",
     "phi3", "olmo2", "granite", "qwen3_moe", "gemma", "starcoder2", "cohere",
+    "gpt_oss",
 )
 #: Former name of `TESTED_MODEL_TYPES` (no longer an allowlist: see `model_support`).
 SUPPORTED_MODEL_TYPES = TESTED_MODEL_TYPES
@@ -68,6 +69,8 @@ class LoadedModel:
     name: str
     #: Why there is no tokenizer (which files a checkpoint lacks); None when there is one.
     no_tokenizer_reason: str | None = None
+    #: Per layer ``(k_scale, v_scale)`` of an fp8 KV cache from the checkpoint, or None.
+    kv_scales: dict[int, tuple[float, float]] | None = None
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -87,6 +90,9 @@ _TINY_EXTRAS: dict[str, dict[str, Any]] = {
     "cohere": dict(logit_scale=0.5),
     "starcoder2": dict(sliding_window=12),
     "phi3": dict(partial_rotary_factor=0.5),
+    # Alternating windowed / full layers with per-head sinks; a 4-expert top-2 MoE.
+    "gpt_oss": dict(sliding_window=12, num_local_experts=4, num_experts_per_tok=2,
+                    layer_types=["sliding_attention", "full_attention"]),
 }
 
 
@@ -285,8 +291,15 @@ def _load_directory(
     tokenizer = load_tokenizer(root, trust_remote_code=trust_remote_code)
     loaded = load_checkpoint(root, dtype=dtype, device=device, strict=strict,
                              trust_remote_code=trust_remote_code)
+    from pagedcore.engine.models.kv_scales import read_kv_scales
+
+    try:
+        scales = read_kv_scales(root, int(config.num_hidden_layers))
+    except ValueError as err:
+        raise CheckpointError(str(err)) from err
     return LoadedModel(loaded, tokenizer, name,
-                       None if tokenizer is not None else _no_tokenizer_reason(root))
+                       None if tokenizer is not None else _no_tokenizer_reason(root),
+                       kv_scales=scales)
 
 
 def load_model(

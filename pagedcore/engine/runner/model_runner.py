@@ -73,6 +73,12 @@ class ModelRunner:
     num_heads:
         Query heads this process computes (None: the config's; tensor parallelism passes the
         rank's share).
+    kv_cache_dtype:
+        ``"auto"`` or an fp8 name; with fp8 the KV-cache specs must carry the fp8 dtype (their
+        page sizes follow it), and each layer's K/V scales are computed on the first prefill
+        (`attention_hook.KVScaleCalibration`) unless `kv_scales` gives them.
+    kv_scales:
+        Per layer index ``(k_scale, v_scale)`` from the checkpoint (fp8 only), or None.
     """
 
     def __init__(
@@ -87,6 +93,8 @@ class ModelRunner:
         max_num_batched_tokens: int,
         max_model_len: int,
         num_heads: int | None = None,
+        kv_cache_dtype: str = "auto",
+        kv_scales: dict[int, tuple[float, float]] | None = None,
     ) -> None:
         from pagedcore.engine.models.fused_ops import (
             fused_kernels_disabled_reason,
@@ -132,6 +140,9 @@ class ModelRunner:
                 use_mla=isinstance(spec, MLAAttentionSpec),
                 device=device.type,
                 backend=backend,
+                kv_cache_dtype=kv_cache_dtype,
+                has_sink=any(self._sinks_of(layer_index(n)) is not None
+                             for n in group.layer_names),
             )
             self.backends.append(chosen)
             self.builders.append(chosen.get_builder_cls()(spec, group.layer_names, device))
@@ -154,9 +165,21 @@ class ModelRunner:
                     num_kv_heads=spec.num_kv_heads,
                     sliding_window=window,
                     logits_soft_cap=soft_cap,
+                    kv_cache_dtype=kv_cache_dtype,
+                    sinks=self._sinks_of(idx),
                     **mla_impl_kwargs(spec),
                 )
-                self.layers[idx] = attention_hook.LayerBinding(impl, self.kv_caches[name], g)
+                calibration = None
+                if kv_cache_dtype != "auto" and kv_scales is not None:
+                    impl.set_kv_scales(*kv_scales[idx])
+                elif kv_cache_dtype != "auto":
+                    calibration = attention_hook.KVScaleCalibration(impl.kv_cache_dtype)
+                self.layers[idx] = attention_hook.LayerBinding(
+                    impl, self.kv_caches[name], g, calibration
+                )
+        #: ``"auto"`` or the fp8 name every layer's cache is stored in.
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_scales_source = "checkpoint" if kv_scales is not None else "first prefill"
         self.input_batch = InputBatch(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -186,6 +209,34 @@ class ModelRunner:
     def _attention_module(self, idx: int) -> Any:
         return self.base_model.layers[idx].self_attn
 
+    def _sinks_of(self, idx: int) -> Any:
+        """Layer `idx`'s ``[Hq]`` attention-sink logits (GPT-OSS ``self_attn.sinks``), or None."""
+        sinks = getattr(self._attention_module(idx), "sinks", None)
+        return None if sinks is None else sinks.detach()
+
+    @staticmethod
+    def _kv_cache_dtype_name(spec_dtype: str) -> str:
+        """The backend's ``cache_dtype`` for a spec dtype (fp8 torch names -> fp8 names)."""
+        from pagedcore.attention.kv_quant import FP8_KV_CACHE_DTYPES
+
+        for name, torch_name in FP8_KV_CACHE_DTYPES.items():
+            if spec_dtype in (name, torch_name):
+                return name
+        return "auto"
+
+    def kv_scale_status(self) -> dict[str, Any]:
+        """``{"kv_cache_dtype", "kv_scales"}``: where the fp8 scales come from (``"first
+        prefill"``, or ``"pending (first prefill)"`` before it) and their ranges."""
+        if self.kv_cache_dtype == "auto":
+            return {"kv_cache_dtype": "auto", "kv_scales": None}
+        pending = any(b.calibration is not None and b.calibration.pending
+                      for b in self.layers.values())
+        ks = [b.impl.k_scale for b in self.layers.values()]
+        vs = [b.impl.v_scale for b in self.layers.values()]
+        return {"kv_cache_dtype": self.kv_cache_dtype, "kv_scales": {
+            "source": "pending (first prefill)" if pending else self.kv_scales_source,
+            "k_scale_range": [min(ks), max(ks)], "v_scale_range": [min(vs), max(vs)]}}
+
     def _allocate_kv_caches(self) -> dict[str, torch.Tensor]:
         import torch
 
@@ -195,7 +246,8 @@ class ModelRunner:
         def shape_of(name: str) -> tuple[tuple[int, ...], torch.dtype]:
             spec = cfg.groups[layer_group[name]].spec
             shape = self.backends[layer_group[name]].get_kv_cache_shape(
-                cfg.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size
+                cfg.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size,
+                self._kv_cache_dtype_name(spec.dtype),
             )
             return shape, _torch_dtype(spec.dtype)
 

@@ -83,10 +83,12 @@ def _attend_tile(
         k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
     else:
         k = tl.load(k_ptrs)
+    # An fp8 cache is dequantized here, in registers: upcast to the query's dtype (exact for
+    # e4m3 and e5m2); the scales are folded into the softmax scale and the final output.
     if DOT_FP32:
         s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
     else:
-        s = tl.dot(q, k)
+        s = tl.dot(q, k.to(q.dtype))
     # Without soft-cap and ALiBi, s stays unscaled and the scale (with log2 e) is folded into
     # the exponent: exp2(s * qk_scale - m) is one fused multiply-add per score.
     if USE_SOFTCAP:
@@ -129,8 +131,36 @@ def _attend_tile(
     if DOT_FP32:
         acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
     else:
-        acc = tl.dot(p.to(v.dtype), v, acc)
+        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _initial_state(sinks_ptr, head, row_ok, with_sink, USE_SINKS: tl.constexpr,
+                   BLOCK_M: tl.constexpr):
+    """``(m, l)`` before the first tile: empty, or (in the one program per row that starts at
+    the sink, `with_sink`) the sink as a first score, ``m = sink * log2 e`` and ``l = 1``:
+    it joins the denominator and, with no value, adds nothing to the accumulator."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    if USE_SINKS:
+        if with_sink:
+            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+            m_i = sink * 1.4426950408889634
+            l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+    return m_i, l_i
+
+
+@triton.jit
+def _kv_scales(k_scale_ptr, v_scale_ptr, KV_FP8: tl.constexpr):
+    """This layer's fp8 dequantization scales (1.0 for a model-dtype cache)."""
+    if KV_FP8:
+        k_scale = tl.load(k_scale_ptr).to(tl.float32)
+        v_scale = tl.load(v_scale_ptr).to(tl.float32)
+    else:
+        k_scale = 1.0
+        v_scale = 1.0
+    return k_scale, v_scale
 
 
 @triton.jit
@@ -145,6 +175,9 @@ def paged_attention_kernel(
     alibi_ptr,
     part_acc_ptr,
     part_ml_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    sinks_ptr,
     num_reqs,
     token_base,
     scale,
@@ -178,6 +211,8 @@ def paged_attention_kernel(
     FLAT: tl.constexpr = False,
     MIN_SEGMENT_TILES: tl.constexpr = 1,
     REQ_PAD: tl.constexpr = 1,
+    KV_FP8: tl.constexpr = False,
+    USE_SINKS: tl.constexpr = False,
 ):
     """Grid ``(q_blocks, Hkv, NUM_SEGMENTS)``, or ``(P, Hkv, 1)`` with ``FLAT``.
 
@@ -195,6 +230,10 @@ def paged_attention_kernel(
     used q-blocks exit after that read. Segments hold at least ``MIN_SEGMENT_TILES`` tiles; an
     empty one only marks its partial rows empty (max -inf) for the merge, and with ``S == 1``
     the output is written directly.
+
+    ``KV_FP8``: the cache holds fp8, read as ``fp8 * scale`` with the ``[1]`` float32 scales
+    at `k_scale_ptr` / `v_scale_ptr`. ``USE_SINKS``: `sinks_ptr` holds ``[Hq]`` float32 sink
+    logits, which the first segment of each row starts its softmax with.
     """
     kv_head = tl.program_id(1)
     if FLAT:
@@ -276,9 +315,10 @@ def paged_attention_kernel(
         slope = tl.load(alibi_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
     else:
         slope = tl.zeros([BLOCK_M], tl.float32)
+    k_scale, v_scale = _kv_scales(k_scale_ptr, v_scale_ptr, KV_FP8)
+    scale = scale * k_scale
     qk_scale = scale * 1.4426950408889634  # fold log2(e): the softmax runs in base 2
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    m_i, l_i = _initial_state(sinks_ptr, head, row_ok, segment == 0, USE_SINKS, BLOCK_M)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
     v_cache_ptr = k_cache_ptr + v_offset
@@ -333,6 +373,8 @@ def paged_attention_kernel(
                 USE_SOFTCAP, USE_WINDOW, DOT_FP32, True, OFF32,
             )
 
+    if KV_FP8:
+        acc = acc * v_scale
     if FLAT:
         if NUM_SEGMENTS == 1:
             _store_output(

@@ -34,7 +34,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pagedcore_triton.kernels.attention import _attend_tile, _load_q, _store_output
+from pagedcore_triton.kernels.attention import (
+    _attend_tile,
+    _initial_state,
+    _kv_scales,
+    _load_q,
+    _store_output,
+)
 
 __all__ = ["balanced_decode_kernel", "balanced_merge_kernel"]
 
@@ -83,6 +89,9 @@ def balanced_decode_kernel(
     part_acc_ptr,
     part_ml_ptr,
     info_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    sinks_ptr,
     num_reqs,
     scale,
     soft_cap,
@@ -110,6 +119,8 @@ def balanced_decode_kernel(
     REQ_PAD: tl.constexpr,
     HEADS_FIRST: tl.constexpr = False,
     ROUND_ROBIN: tl.constexpr = False,
+    KV_FP8: tl.constexpr = False,
+    USE_SINKS: tl.constexpr = False,
 ):
     """Grid ``(P, Hkv)``, or ``(Hkv, P)`` with ``HEADS_FIRST`` (the KV heads of one segment
     launched next to each other): program ``p`` serves one segment of one single-token
@@ -193,9 +204,10 @@ def balanced_decode_kernel(
         slope = tl.load(alibi_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
     else:
         slope = tl.zeros([BLOCK_M], tl.float32)
+    k_scale, v_scale = _kv_scales(k_scale_ptr, v_scale_ptr, KV_FP8)
+    scale = scale * k_scale
     qk_scale = scale * 1.4426950408889634  # fold log2(e): the softmax runs in base 2
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    m_i, l_i = _initial_state(sinks_ptr, head, row_ok, segment == 0, USE_SINKS, BLOCK_M)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
     v_cache_ptr = k_cache_ptr + v_offset
@@ -210,6 +222,8 @@ def balanced_decode_kernel(
             soft_cap, window, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, False, USE_ALIBI,
             USE_SOFTCAP, USE_WINDOW, DOT_FP32, True, OFF32,
         )
+    if KV_FP8:
+        acc = acc * v_scale
     if n_seg == 1:
         _store_output(out_ptr, acc, l_i, q_rows, head, d, row_ok, d_ok, stride_ot, stride_oh)
     else:

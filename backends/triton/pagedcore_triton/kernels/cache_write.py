@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedcore_triton._env import interpreting
+
 __all__ = ["write_kv_cache"]
 
 
@@ -17,6 +19,8 @@ def _cache_write_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -29,8 +33,13 @@ def _cache_write_kernel(
     HEADS_PAD: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    QUANT_MAX: tl.constexpr = None,
 ):
-    """One program per token: all KV heads of its K and V row."""
+    """One program per token: all KV heads of its K and V row.
+
+    With ``QUANT_MAX`` (an fp8 cache) the rows are stored as ``clamp(x / scale, -QUANT_MAX,
+    QUANT_MAX)`` rounded to the cache's fp8 dtype, with the ``[1]`` float32 scales at
+    `k_scale_ptr` / `v_scale_ptr`."""
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:  # padding token
@@ -42,6 +51,9 @@ def _cache_write_kernel(
     mask = (h < NUM_KV_HEADS)[:, None] & (d < HEAD_SIZE)[None, :]
     k = tl.load(key_ptr + token * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
     v = tl.load(value_ptr + token * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    if QUANT_MAX is not None:
+        k = tl.clamp(k.to(tl.float32) / tl.load(k_scale_ptr), -QUANT_MAX, QUANT_MAX)
+        v = tl.clamp(v.to(tl.float32) / tl.load(v_scale_ptr), -QUANT_MAX, QUANT_MAX)
     dst = block * stride_cb + offset * stride_cs + h[:, None] * stride_ch + d[None, :]
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
@@ -52,6 +64,8 @@ def write_kv_cache(
     value: torch.Tensor,
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Scatter ``key``/``value`` rows into ``kv_cache`` at ``slot_mapping`` (``-1`` skipped).
 
@@ -63,12 +77,33 @@ def write_kv_cache(
         ``[2, num_blocks, block_size, Hkv, D]`` contiguous; index 0 holds K, 1 holds V.
     slot_mapping:
         ``[>= T]`` int64; ``slot = block_id * block_size + offset``; ``-1`` marks padding.
+    kv_scales:
+        ``(k_scale, v_scale)``, ``[1]`` float32 each, for an fp8 `kv_cache` (required then):
+        rows are quantized in the kernel (`pagedcore.attention.kv_quant`).
+
+    Under Triton's interpreter the fp32 -> fp8 conversion rounds wrongly (125.0 becomes 64 in
+    e4m3 with triton 3.9), so there the rows are quantized by torch first and the kernel
+    scatters their bytes; on a GPU the kernel quantizes.
     """
     num_tokens = key.shape[0]
     if num_tokens == 0:
         return
     _, _, block_size, num_kv_heads, head_size = kv_cache.shape
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    quant_max = None
+    k_scale = v_scale = slot_mapping
+    if kv_cache.dtype.itemsize == 1:
+        if kv_scales is None:
+            raise ValueError("an fp8 kv_cache needs kv_scales=(k_scale, v_scale)")
+        k_scale, v_scale = kv_scales
+        if interpreting():
+            from pagedcore.attention.kv_quant import quantize_fp8
+
+            key = quantize_fp8(key, k_scale, kv_cache.dtype).view(torch.uint8)
+            value = quantize_fp8(value, v_scale, kv_cache.dtype).view(torch.uint8)
+            k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+        else:
+            quant_max = float(torch.finfo(kv_cache.dtype).max)
     if key.stride(-1) != 1:
         key = key.contiguous()
     if value.stride(-1) != 1:
@@ -79,6 +114,8 @@ def write_kv_cache(
         k_cache,
         v_cache,
         slot_mapping,
+        k_scale,
+        v_scale,
         key.stride(0),
         key.stride(1),
         value.stride(0),
@@ -91,5 +128,6 @@ def write_kv_cache(
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_PAD=triton.next_power_of_2(head_size),
         BLOCK_SIZE=block_size,
+        QUANT_MAX=quant_max,
         num_warps=4,
     )
