@@ -100,6 +100,9 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         elif output.stride(-1) != 1:
             raise ValueError("output must have a contiguous last dimension")
         slopes = self.alibi_slopes_on(query.device)
+        if metadata.cascade is not None and slopes is None and self.sliding_window is None:
+            self._forward_cascade(query, kv_cache, metadata, output)
+            return output
         # The first layer of a step prepares each launch; the others reuse it (no device reads,
         # so this also holds under CUDA-graph capture and replay).
         shape_key = (query.shape[1], query.dtype, kv_cache.shape, self._features)
@@ -131,3 +134,36 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
                 logits_soft_cap=self.logits_soft_cap,
             )
         return output
+
+    def _forward_cascade(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: TritonAttentionMetadata,
+        output: torch.Tensor,
+    ) -> None:
+        """The step through `pagedcore_triton.cascade` (shared prefix once, suffixes, merge)."""
+        from pagedcore_triton.cascade import run_cascade
+        from pagedcore_triton.ops import prepare_launch
+
+        plan = metadata.cascade
+        assert plan is not None
+        key = ("cascade", query.shape[1], query.dtype, kv_cache.shape, self._features)
+        launch = metadata.launches.get(key)
+        if launch is None:
+            launch = prepare_launch(
+                plan.suffix_part,
+                query_shape=(query.shape[0], query.shape[1], query.shape[2]),
+                dtype=query.dtype,
+                kv_cache_shape=tuple(kv_cache.shape),
+                query_start_loc=metadata.query_start_loc,
+                seq_lens=plan.suffix_seq_lens,
+                block_table=plan.suffix_table,
+                causal=metadata.causal,
+                use_alibi=False,
+                sliding_window=None,
+                logits_soft_cap=self.logits_soft_cap,
+            )
+            metadata.launches[key] = launch
+        run_cascade(plan, launch, query, kv_cache, output, scale=self.scale,
+                    logits_soft_cap=self.logits_soft_cap)
