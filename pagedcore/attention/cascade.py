@@ -119,7 +119,7 @@ def merge_attention_states(
     out_a, out_b:
         ``[T, H, D]`` each normalized over its own keys (any float dtype).
     lse_a, lse_b:
-        ``[T, H]`` float32 natural-log sum of ``exp(score)`` over those keys; ``-inf`` where a
+        ``[T, H]`` float natural-log sum of ``exp(score)`` over those keys; ``-inf`` where a
         part saw no key (it then weighs nothing).
 
     Returns
@@ -130,15 +130,17 @@ def merge_attention_states(
     """
     import torch
 
+    acc = torch.promote_types(out_a.dtype, torch.float32)  # at least float32
+    lse_a, lse_b = lse_a.to(acc), lse_b.to(acc)
     m = torch.maximum(lse_a, lse_b)
     m = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)
-    w_a = torch.exp(lse_a.float() - m)
-    w_b = torch.exp(lse_b.float() - m)
+    w_a = torch.exp(lse_a - m)
+    w_b = torch.exp(lse_b - m)
     total = w_a + w_b
     total = torch.where(total > 0, total, torch.ones_like(total))
     # A part that saw no key may hold NaN (0/0): weigh it by a select, not by a product.
-    a = torch.where((w_a > 0)[..., None], out_a.float() * (w_a / total)[..., None], 0.0)
-    b = torch.where((w_b > 0)[..., None], out_b.float() * (w_b / total)[..., None], 0.0)
+    a = torch.where((w_a > 0)[..., None], out_a.to(acc) * (w_a / total)[..., None], 0.0)
+    b = torch.where((w_b > 0)[..., None], out_b.to(acc) * (w_b / total)[..., None], 0.0)
     return (a + b).to(out_a.dtype)
 
 
