@@ -71,7 +71,7 @@ def _engine(mode: str, monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> LLM:
     config = tiny_config("llama", head_dim=64)
     model = random_model(copy.deepcopy(config), dtype=torch.float32,
                          device=torch.device(DEVICE), seed=0)
-    return LLM(model, device=DEVICE, backend="triton", block_size=16, max_model_len=128,
+    return LLM(model, device=DEVICE, backend="triton", block_size=16, max_model_len=64,
                max_num_batched_tokens=64, enforce_eager=True, **kwargs)
 
 
@@ -111,3 +111,28 @@ def test_engine_shared_system_prompt_cascade_equals_plain(
         monkeypatch.undo()
     _assert_same(results["always"][0], results["off"][0])
     _assert_same(results["always"][1], results["off"][1])
+
+
+def test_engine_cascade_with_preempted_and_resumed_requests(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Five requests sharing a 34-token prompt in a KV budget too small for all of them:
+    requests are preempted and resumed (recomputing onto other blocks), cascade runs on the
+    steps whose tables still share blocks, and the outputs equal the plain engine's."""
+    g = torch.Generator().manual_seed(5)
+    system = torch.randint(3, 128, (34,), generator=g).tolist()
+    prompts = [system + torch.randint(3, 128, (n,), generator=g).tolist()
+               for n in (2, 6, 4, 8, 3)]
+    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, logprobs=1)
+    # 2 layers x K/V x 16 tokens x 2 KV heads x 64 x float32 per block; 1 null + 8 blocks.
+    budget = 9 * 2 * 2 * 16 * 2 * 64 * 4
+    results, preemptions = {}, {}
+    for mode in ("always", "off"):
+        seen = _count_cascades(monkeypatch)
+        llm = _engine(mode, monkeypatch, kv_cache_memory_bytes=budget)
+        results[mode] = _run(llm, prompts, params)
+        preemptions[mode] = llm.stats()["preemptions"]
+        assert bool(seen) == (mode == "always"), seen
+        monkeypatch.undo()
+    assert preemptions["always"] >= 1, preemptions
+    _assert_same(results["always"], results["off"])
