@@ -46,6 +46,7 @@ def _features(cls: type[AttentionBackend]) -> list[str]:
         "sliding_window": cls.supports_sliding_window,
         "alibi": cls.supports_alibi,
         "soft_cap": cls.supports_logits_soft_cap,
+        "cascade": cls.supports_cascade,
         "mla_only" if cls.mla_only else "mla": cls.supports_mla or cls.mla_only,
     }
     names = [name for name, on in flags.items() if on]
