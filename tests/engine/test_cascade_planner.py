@@ -24,8 +24,8 @@ class _NoCascade(ReferenceBackend):
 
 def _planner(monkeypatch: pytest.MonkeyPatch, mode: str, *groups: Any) -> CascadePlanner:
     monkeypatch.setenv(CASCADE_ENV, mode)
-    specs = [KVCacheGroupSpec(layer_names=(f"model.layers.{i}.attn",), spec=spec) for i, (spec, _) in
-             enumerate(groups)]
+    specs = [KVCacheGroupSpec(layer_names=(f"model.layers.{i}.attn",), spec=spec)
+             for i, (spec, _) in enumerate(groups)]
     return CascadePlanner(specs, [b for _, b in groups])
 
 
@@ -41,7 +41,7 @@ def test_shared_blocks_per_group_and_who_may_cascade(monkeypatch: pytest.MonkeyP
 
     def block_ids(rid: str) -> tuple[list[int], ...]:
         own = 100 + int(rid[1:])
-        table = shared_ids[:65] + [own]
+        table = [*shared_ids[:65], own]
         return (table, table, table)
 
     shared, use = planner.plan(_decodes(4, 1050), block_ids)
@@ -53,7 +53,7 @@ def test_shared_blocks_per_group_and_who_may_cascade(monkeypatch: pytest.MonkeyP
 
 def test_auto_follows_the_rule_and_off_never_cascades(monkeypatch: pytest.MonkeyPatch) -> None:
     def block_ids(rid: str) -> tuple[list[int], ...]:
-        return (list(range(1, 300)) + [1000 + int(rid[1:])],)
+        return ([*range(1, 300), 1000 + int(rid[1:])],)
 
     auto = _planner(monkeypatch, "auto", (FULL, ReferenceBackend))
     assert auto.plan(_decodes(64, 4352), block_ids) == ((4352,), (4352,))

@@ -41,6 +41,13 @@ class CascadePlanner:
         ]
         self.enabled = self.mode != "off" and any(self.eligible)
 
+    def set_mode(self, mode: str) -> None:
+        """Switch between ``auto``, ``off`` and ``always`` (benchmarks compare them)."""
+        if mode not in ("auto", "off", "always"):
+            raise ValueError(f"cascade mode {mode!r} is not one of auto, off, always")
+        self.mode = mode
+        self.enabled = mode != "off" and any(self.eligible)
+
     def plan(
         self,
         scheduled: Sequence[ScheduledRequest],
