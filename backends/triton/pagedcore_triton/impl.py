@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from pagedcore.attention import AttentionImpl
 from pagedcore_triton._env import interpreting
 from pagedcore_triton.capabilities import HEAD_SIZES, KV_CACHE_DTYPES
+from pagedcore_triton.launch import PreparedLaunch
 from pagedcore_triton.metadata import TritonAttentionMetadata
+from pagedcore_triton.plan import LaunchPart
 
 __all__ = ["TritonAttentionImpl"]
 
@@ -91,7 +95,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         """Attention for the step's ``[T, Hq, D]`` queries over the paged cache (which already
         holds this step's K/V); `key`/`value` are not read. Returns ``[T, Hq, D]``."""
         self._check(query, kv_cache)
-        from pagedcore_triton.ops import prepare_launch, run_launch
+        from pagedcore_triton.ops import run_launch
 
         if query.stride(-1) != 1:
             query = query.contiguous()
@@ -107,22 +111,11 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         # so this also holds under CUDA-graph capture and replay).
         shape_key = (query.shape[1], query.dtype, kv_cache.shape, self._features)
         for i, part in enumerate(metadata.parts):
-            launch = metadata.launches.get((i, shape_key))
-            if launch is None:
-                launch = prepare_launch(
-                    part,
-                    query_shape=(query.shape[0], query.shape[1], query.shape[2]),
-                    dtype=query.dtype,
-                    kv_cache_shape=tuple(kv_cache.shape),
-                    query_start_loc=metadata.query_start_loc,
-                    seq_lens=metadata.seq_lens,
-                    block_table=metadata.block_table,
-                    causal=metadata.causal,
-                    use_alibi=slopes is not None,
-                    sliding_window=self.sliding_window,
-                    logits_soft_cap=self.logits_soft_cap,
-                )
-                metadata.launches[(i, shape_key)] = launch
+            launch = self._prepared(
+                metadata, (i, shape_key), part, query, kv_cache, seq_lens=metadata.seq_lens,
+                block_table=metadata.block_table, use_alibi=slopes is not None,
+                sliding_window=self.sliding_window,
+            )
             run_launch(
                 launch,
                 query,
@@ -144,26 +137,48 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
     ) -> None:
         """The step through `pagedcore_triton.cascade` (shared prefix once, suffixes, merge)."""
         from pagedcore_triton.cascade import run_cascade
-        from pagedcore_triton.ops import prepare_launch
 
         plan = metadata.cascade
         assert plan is not None
         key = ("cascade", query.shape[1], query.dtype, kv_cache.shape, self._features)
-        launch = metadata.launches.get(key)
+        launch = self._prepared(
+            metadata, key, plan.suffix_part, query, kv_cache, seq_lens=plan.suffix_seq_lens,
+            block_table=plan.suffix_table, use_alibi=False, sliding_window=None,
+        )
+        run_cascade(plan, launch, query, kv_cache, output, scale=self.scale,
+                    logits_soft_cap=self.logits_soft_cap)
+
+    def _prepared(
+        self,
+        metadata: TritonAttentionMetadata,
+        key: tuple[Any, ...],
+        part: LaunchPart,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        *,
+        seq_lens: torch.Tensor,
+        block_table: torch.Tensor,
+        use_alibi: bool,
+        sliding_window: int | None,
+    ) -> PreparedLaunch:
+        """`part`'s launch for this layer shape: prepared by the step's first layer, then
+        reused (no device reads, so this also holds under CUDA-graph capture and replay)."""
+        from pagedcore_triton.ops import prepare_launch
+
+        launch: PreparedLaunch | None = metadata.launches.get(key)
         if launch is None:
             launch = prepare_launch(
-                plan.suffix_part,
+                part,
                 query_shape=(query.shape[0], query.shape[1], query.shape[2]),
                 dtype=query.dtype,
                 kv_cache_shape=tuple(kv_cache.shape),
                 query_start_loc=metadata.query_start_loc,
-                seq_lens=plan.suffix_seq_lens,
-                block_table=plan.suffix_table,
+                seq_lens=seq_lens,
+                block_table=block_table,
                 causal=metadata.causal,
-                use_alibi=False,
-                sliding_window=None,
+                use_alibi=use_alibi,
+                sliding_window=sliding_window,
                 logits_soft_cap=self.logits_soft_cap,
             )
             metadata.launches[key] = launch
-        run_cascade(plan, launch, query, kv_cache, output, scale=self.scale,
-                    logits_soft_cap=self.logits_soft_cap)
+        return launch

@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pagedcore_triton.kernels.attention import _attend_tile
+from pagedcore_triton.kernels.attention import _attend_tile, _load_q, _store_partials
 
 __all__ = ["cascade_merge_kernel", "cascade_prefix_kernel"]
 
@@ -58,13 +58,7 @@ def cascade_prefix_kernel(
     d = tl.arange(0, HEAD_PAD)
     d_ok = d < HEAD_SIZE
     q_rows = tok.to(tl.int64)
-    q = tl.load(
-        q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-        mask=row_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )
-    if DOT_FP32:
-        q = q.to(tl.float32)
+    q = _load_q(q_ptr, q_rows, head, d, row_ok, d_ok, stride_qt, stride_qh, DOT_FP32)
     qk_scale = scale * 1.4426950408889634
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -84,9 +78,7 @@ def cascade_prefix_kernel(
             False, USE_SOFTCAP, False, DOT_FP32, True,
         )
     prow = (q_rows * (QPK * tl.num_programs(1)) + head) * NUM_SEGMENTS + segment
-    tl.store(part_acc_ptr + prow[:, None] * HEAD_PAD + d[None, :], acc, mask=row_ok[:, None])
-    tl.store(part_ml_ptr + prow * 2, m_i, mask=row_ok)
-    tl.store(part_ml_ptr + prow * 2 + 1, l_i, mask=row_ok)
+    _store_partials(part_acc_ptr, part_ml_ptr, acc, m_i, l_i, prow, d, row_ok, HEAD_PAD)
 
 
 @triton.jit
