@@ -188,6 +188,10 @@ class AttentionBackend(abc.ABC):
     supports_mla: ClassVar[bool] = False
     #: True when the backend serves *only* MLA layers.
     mla_only: ClassVar[bool] = False
+    #: MLA backends: the ``(kv_lora_rank, rope_head_dim)`` latent widths the kernels serve
+    #: (``((512, 64),)`` for DeepSeek's); None means any. The MLA conformance cases run at
+    #: these widths.
+    supported_mla_dims: ClassVar[tuple[tuple[int, int], ...] | None] = None
     supports_alibi: ClassVar[bool] = False
     supports_logits_soft_cap: ClassVar[bool] = False
     #: True when `MetadataBuilder.build` may be given ``common_prefix_len > 0`` (cascade
@@ -357,6 +361,21 @@ class MetadataBuilder(abc.ABC, Generic[M]):
         request, have ``slot_mapping`` -1 and position 0, and their outputs are discarded.
         """
         return self.build(common)
+
+    def prepare_replay(self, metadata: M, common: CommonAttentionMetadata) -> None:
+        """Refresh a captured plan's fixed buffers before its decode graph is replayed.
+
+        Called by the engine before every replay of a decode graph (``cudagraph_support`` at
+        least ``UNIFORM_SINGLE_TOKEN_DECODE``), after the step's inputs were written into the
+        persistent buffers. `metadata` is what `build_for_cudagraph_capture` returned for that
+        graph; `common` is the step being replayed (``num_reqs`` = the graph's bucket, padding
+        requests as described there), with its host arrays (``seq_lens_cpu``,
+        ``query_start_loc_cpu``) filled. A backend whose plan keeps its own arrays (a library's
+        ``use_cuda_graph`` wrappers with preallocated indptr / indices / last-page buffers)
+        rewrites them here, *in place*: same tensors, same shapes, nothing the graph's
+        kernels were launched with may move. The default does nothing (plans that read the
+        engine's buffers at run time need no refresh). Not called for mixed-step graphs.
+        """
 
 
 class AttentionImpl(abc.ABC, Generic[M]):

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from pagedcore.cli_types import OutputPath
+
+if TYPE_CHECKING:
+    from pagedcore.conformance.report import CaseResult
 
 
 @click.command()
@@ -22,6 +27,8 @@ from pagedcore.cli_types import OutputPath
               help="Run only cases whose name contains this substring.")
 @click.option("--list", "list_only", is_flag=True, help="Only list the cases.")
 @click.option("-x", "--exitfirst", is_flag=True, help="Stop at the first failing case.")
+@click.option("--progress", is_flag=True,
+              help="Print each case's result to stderr as it finishes, with the time so far.")
 @click.option("--allow-unavailable", is_flag=True,
               help="Exit 0 when the backend cannot run here (the report says why).")
 def conformance(
@@ -32,6 +39,7 @@ def conformance(
     case_filter: str | None,
     list_only: bool,
     exitfirst: bool,
+    progress: bool,
     allow_unavailable: bool,
 ) -> None:
     """Check backend NAME against the reference on every case its declarations call for."""
@@ -59,9 +67,17 @@ def conformance(
             click.echo(case.name + (f"  (skipped: {case.skip})" if case.skip else ""))
         return
 
+    start = time.perf_counter()
+
+    def show(result: CaseResult) -> None:
+        err = "" if result.max_rel_error is None else f" {result.max_rel_error:.2e}"
+        click.echo(f"[{time.perf_counter() - start:6.1f} s] {result.status} {result.name}{err}",
+                   err=True)
+
     try:
         report = run_suite(
-            name, quick=quick, device=device, case_filter=case_filter, exitfirst=exitfirst
+            name, quick=quick, device=device, case_filter=case_filter, exitfirst=exitfirst,
+            on_result=show if progress else None,
         )
     except (KeyError, LookupError, ValueError, ImportError) as exc:
         raise click.ClickException(str(exc)) from exc

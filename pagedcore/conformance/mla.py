@@ -288,10 +288,23 @@ def run_mla_suite(
     for spec in specs:
         if not backend.supports_block_size(spec.block_size):
             spec = attrs.evolve(spec, block_size=_claimed_block_size(backend))
+        spec = _at_claimed_dims(backend, spec)
         for name in names:
             case = build_mla_case(spec, dtype=getattr(torch, name), device=dev)
             results.append(run_mla_case(backend, case, device=dev))
     return results
+
+
+def _at_claimed_dims(backend: type[AttentionBackend], spec: MLABatchSpec) -> MLABatchSpec:
+    """`spec` at latent widths the backend declares (`supported_mla_dims`): unchanged when it
+    declares any or these; else at the declared pair nearest in size, named ``NAME/L{L}R{R}``."""
+    dims = backend.supported_mla_dims
+    here = (spec.kv_lora_rank, spec.rope_head_dim)
+    if dims is None or here in dims:
+        return spec
+    lat, rope = min(dims, key=lambda d: (abs(d[0] - here[0]) + abs(d[1] - here[1]), d))
+    return attrs.evolve(spec, name=f"{spec.name}/L{lat}R{rope}", kv_lora_rank=lat,
+                        rope_head_dim=rope)
 
 
 def _claimed_block_size(backend: type[AttentionBackend]) -> int:

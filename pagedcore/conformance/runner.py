@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 
 from pagedcore.attention.backend import AttentionBackend
 from pagedcore.conformance.cases import CaseSpec, build_cases
@@ -94,6 +95,7 @@ def run_suite(
     device: str | None = None,
     case_filter: str | None = None,
     exitfirst: bool = False,
+    on_result: Callable[[CaseResult], None] | None = None,
 ) -> ConformanceReport:
     """Run the conformance suite on one backend.
 
@@ -110,6 +112,9 @@ def run_suite(
         Run only cases whose name contains this substring.
     exitfirst:
         Stop at the first failing case.
+    on_result:
+        Called with each case's result as soon as it is known (progress; the CLI's
+        ``--progress``), MLA cases included.
 
     Returns
     -------
@@ -137,8 +142,13 @@ def run_suite(
     for case in list_cases(cls, quick=quick, device=dev):
         if case_filter is None or case_filter in case.name:
             report.results.append(run_case(cls, case, device=dev))
+            if on_result is not None:
+                on_result(report.results[-1])
             if exitfirst and report.failures:
                 return report
     if case_filter is None or "mla" in case_filter:
-        report.results.extend(mla_results(cls, quick=quick, device=dev))
+        for result in mla_results(cls, quick=quick, device=dev):
+            report.results.append(result)
+            if on_result is not None:
+                on_result(result)
     return report

@@ -124,6 +124,12 @@ def _is_positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
+def _is_dims_pair(value: Any) -> bool:
+    return (
+        isinstance(value, tuple) and len(value) == 2 and all(_is_positive_int(v) for v in value)
+    )
+
+
 def _checks() -> dict[str, Callable[[Any], str | None]]:
     def names(field: str, allowed: tuple[str, ...]) -> Callable[[Any], str | None]:
         return lambda v: _sequence_problem(
@@ -155,6 +161,10 @@ def _checks() -> dict[str, Callable[[Any], str | None]]:
         "supported_block_sizes": lambda v: _sequence_problem(
             "supported_block_sizes", v, "positive ints or MultipleOf(n)", None,
             lambda b: isinstance(b, MultipleOf) or _is_positive_int(b),
+        ),
+        "supported_mla_dims": lambda v: _sequence_problem(
+            "supported_mla_dims", v, "(kv_lora_rank, rope_head_dim) pairs of positive ints",
+            None, _is_dims_pair, none_ok=True,
         ),
         "cudagraph_support": cudagraph,
     }

@@ -44,6 +44,21 @@ def test_cli_passes_reference_and_writes_json(tmp_path: Path) -> None:
     assert data["results"] and all(r["status"] == "PASS" for r in data["results"])
 
 
+def test_cli_progress_prints_each_case_as_it_finishes() -> None:
+    result = CliRunner().invoke(
+        conformance, ["reference", "--quick", "--device", "cpu", "-k", "mixed", "--progress"]
+    )
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.stderr.splitlines() if line.startswith("[")]
+    names = [c.name for c in list_cases(ReferenceBackend, quick=True, device="cpu")
+             if "mixed" in c.name]
+    assert len(lines) == len(names) > 1
+    assert all(" PASS " in line for line in lines) and names[0] in lines[0]
+    quiet = CliRunner().invoke(
+        conformance, ["reference", "--quick", "--device", "cpu", "-k", "mixed"])
+    assert not [line for line in quiet.stderr.splitlines() if line.startswith("[")]
+
+
 def test_cli_unknown_backend_exits_nonzero() -> None:
     result = CliRunner().invoke(conformance, ["no_such_backend_xyz", "--quick"])
     assert result.exit_code != 0

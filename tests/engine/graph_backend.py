@@ -51,6 +51,31 @@ class GraphDecodeBuilder(ReferenceMetadataBuilder):
         return plan
 
 
+@attrs.frozen
+class SnapshotGraphMetadata(GraphDecodeMetadata):
+    """A capture plan that keeps its own copy of ``seq_lens`` (as a library's graph wrappers
+    keep their own page arrays): stale unless `MetadataBuilder.prepare_replay` refreshes it."""
+
+    seq_lens: torch.Tensor
+
+
+class SnapshotGraphBuilder(GraphDecodeBuilder):
+    """Plans capture from a snapshot of the lengths; `prepare_replay` rewrites it in place."""
+
+    num_refreshes: ClassVar[int] = 0
+
+    def build_for_cudagraph_capture(self, common: CommonAttentionMetadata) -> Any:
+        plan = super().build_for_cudagraph_capture(common)
+        return SnapshotGraphMetadata(plan.common, common.seq_lens.clone())
+
+    def prepare_replay(self, metadata: Any, common: CommonAttentionMetadata) -> None:
+        assert isinstance(metadata, SnapshotGraphMetadata)
+        n = metadata.seq_lens.shape[0]
+        assert common.num_reqs == n and int(common.seq_lens_cpu[:n].min()) >= 1
+        metadata.seq_lens.copy_(common.seq_lens[:n])
+        SnapshotGraphBuilder.num_refreshes += 1
+
+
 class GraphDecodeImpl(ReferenceImpl):
     """Decode attention over the whole block table, masked by the live ``seq_lens``; a cache
     write without host syncs (the reference one selects valid slots with a boolean mask)."""
@@ -86,7 +111,8 @@ class GraphDecodeImpl(ReferenceImpl):
         common = metadata.common
         table = common.block_table.long()  # [B, M]
         pos = torch.arange(table.shape[1] * kv_cache.shape[2], device=query.device)
-        seq = common.seq_lens.long()
+        seq = (metadata.seq_lens if isinstance(metadata, SnapshotGraphMetadata)
+               else common.seq_lens).long()
         visible = pos[None, :] < seq[:, None]
         return attend_rows(self, query, kv_cache, table, seq - 1, visible, output)
 
@@ -143,6 +169,16 @@ class GraphDecodeBackend(ReferenceBackend):
     @classmethod
     def get_impl_cls(cls) -> type[AttentionImpl[Any]]:
         return GraphDecodeImpl
+
+
+class SnapshotGraphBackend(GraphDecodeBackend):
+    """`GraphDecodeBackend` whose capture plans need `prepare_replay` before each replay."""
+
+    name: ClassVar[str] = "graph_snapshot_test"
+
+    @classmethod
+    def get_builder_cls(cls) -> type[MetadataBuilder[Any]]:
+        return SnapshotGraphBuilder
 
 
 @contextmanager

@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 import torch
 from engine_helpers import assert_no_leak, make_models, random_prompts
-from graph_backend import GraphDecodeBuilder, graph_backend_registered
+from graph_backend import (
+    GraphDecodeBuilder,
+    SnapshotGraphBackend,
+    SnapshotGraphBuilder,
+    backend_registered,
+    graph_backend_registered,
+)
 
 from pagedcore import LLM, SamplingParams
 from pagedcore.engine.runner.cuda_graph import (
@@ -300,3 +306,20 @@ def test_capture_keeps_the_forward_and_its_plans_alive() -> None:
         plans = GraphDecodeBuilder.plans
         assert len(plans) == 6  # 3 buckets x 2 KV-cache groups
         assert all(ref() is not None for ref in plans)
+
+
+def test_prepare_replay_refreshes_a_plan_that_keeps_its_own_arrays() -> None:
+    """A capture plan with its own copy of the lengths replays like eager steps only because
+    the runner calls `prepare_replay` before each replay (without it: stale lengths)."""
+    with backend_registered(SnapshotGraphBackend, "graph-snapshot-test") as name:
+        eager, graphs, capturer = _engines("qwen2", name, "cpu", torch.float32)
+        before = SnapshotGraphBuilder.num_refreshes
+        prompts = random_prompts([5, 9, 13, 3, 21])
+        params = [SamplingParams(max_tokens=4 + 3 * i, temperature=0.0, ignore_eos=True)
+                  for i in range(len(prompts))]
+        expected = eager.generate(prompts, params)
+        got = graphs.generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+        assert capturer is not None and capturer.num_replays >= 8
+        assert SnapshotGraphBuilder.num_refreshes - before == capturer.num_replays * len(
+            graphs.kv_cache_config.groups)

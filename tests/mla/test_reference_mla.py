@@ -166,3 +166,41 @@ def test_needles_catch_one_misread_position_in_16_bit_tolerances() -> None:
         assert misread(needle) > 1.5 * TOLERANCE["bfloat16"], needle
     for ordinary in (5, 200):
         assert misread(ordinary) < 0.1 * TOLERANCE["bfloat16"], ordinary
+
+
+def test_mla_cases_run_at_the_widths_a_backend_declares() -> None:
+    """A backend that serves only 128/64 gets every spec at 128/64 (named so), not the
+    fixed 64/16 and 48/8 it would refuse; a backend declaring any width keeps the specs."""
+
+    class Only128x64(MLAImpl):
+        def check_supported(self) -> None:
+            super().check_supported()
+            if (self.kv_lora_rank, self.head_size - self.kv_lora_rank) != (128, 64):
+                raise ValueError("serves kv_lora_rank 128 with rope_head_dim 64 only")
+
+    class Wide(ReferenceMLABackend):
+        name = "wide_mla"
+        supported_mla_dims = ((128, 64),)
+
+        @classmethod
+        def get_impl_cls(cls) -> Any:
+            return Only128x64
+
+    specs = [s for s in MLA_SPECS if s.name in ("decode", "block1_odd_dims")]
+    results = run_mla_suite(Wide, specs=specs)
+    assert [r.spec for r in results] == ["decode/L128R64", "block1_odd_dims/L128R64"]
+    assert all(r.passed for r in results), [r.detail for r in results]
+    plain = run_mla_suite(ReferenceMLABackend, specs=specs)
+    assert [r.spec for r in plain] == ["decode", "block1_odd_dims"]
+
+
+def test_a_bad_mla_widths_declaration_is_reported() -> None:
+    from pagedcore.plugins.validation import declaration_problems
+
+    class Bad(ReferenceMLABackend):
+        name = "bad_dims"
+        supported_mla_dims = (512, 64)  # type: ignore[assignment]
+
+    problems = declaration_problems(Bad)
+    assert any("supported_mla_dims" in p and "pairs" in p for p in problems), problems
+    assert declaration_problems(ReferenceMLABackend) == []

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 from pagedcore_flashinfer.backend import FlashInferBackend
+from pagedcore_flashinfer.mla_backend import FlashInferMLABackend
 
-__all__ = ["FlashInferBackend"]
+__all__ = ["FlashInferBackend", "FlashInferMLABackend"]
 __version__ = "0.1.0"

@@ -42,8 +42,9 @@ class FlashInferBackend(AttentionBackend):
     supports_sliding_window: ClassVar[bool] = True
     supports_alibi: ClassVar[bool] = False
     supports_logits_soft_cap: ClassVar[bool] = True
-    #: FlashInfer's plan() schedules on the host from the step's lengths; pagedcore captures a
-    #: graph once and never re-plans before a replay, so graphs would replay a stale schedule.
+    #: The builder has a decode-graph path (``use_cuda_graph=True`` decode wrappers over fixed
+    #: buffers, re-planned in `prepare_replay` before each replay; CPU-tested through the
+    #: test double), but no GPU run has confirmed it yet, so no graph level is declared.
     cudagraph_support: ClassVar[CudaGraphSupport] = CudaGraphSupport.NEVER
 
     @classmethod

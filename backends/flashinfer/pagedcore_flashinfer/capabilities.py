@@ -17,6 +17,7 @@ __all__ = [
     "HEAD_SIZES",
     "INSTALL_HINT",
     "MIN_VERSION",
+    "MLA_DIMS",
     "availability_problem",
     "device_capability",
     "installed_version",
@@ -35,6 +36,9 @@ HEAD_SIZES: tuple[int, ...] = (64, 128, 256)
 #: Page sizes declared (FlashInfer takes any page size; these are the ones the conformance suite
 #: is asked to confirm on a GPU).
 BLOCK_SIZES: tuple[int, ...] = (1, 16, 32, 64)
+#: ``(kv_lora_rank, rope_head_dim)`` pairs FlashInfer 0.7.2's FA2/FA3 MLA kernels are built
+#: for (``flashinfer/mla/_batch_mla/_backends/_fa_common.py``); the flashinfer_mla backend.
+MLA_DIMS: tuple[tuple[int, int], ...] = ((512, 64),)
 #: FlashInfer's bf16 kernels and the FA2 templates need Ampere or newer.
 MIN_CAPABILITY: tuple[int, int] = (8, 0)
 

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from pagedcore_flashinfer import capabilities
 
-__all__ = ["FlashInferAPI", "load_flashinfer"]
+__all__ = ["FlashInferAPI", "FlashInferMLAAPI", "load_flashinfer", "load_flashinfer_mla"]
 
 
 class FlashInferAPI(Protocol):
@@ -33,6 +33,40 @@ class FlashInferAPI(Protocol):
 
     BatchDecodeWithPagedKVCacheWrapper: Any
     BatchPrefillWithPagedKVCacheWrapper: Any
+
+
+class FlashInferMLAAPI(Protocol):
+    """The part of FlashInfer the ``flashinfer_mla`` backend uses (``flashinfer.mla``):
+    ``BatchMLAPagedAttentionWrapper(workspace, backend=...)`` whose
+    ``plan(metadata=MLAPlanMetadata.csr(qo_indptr, kv_indptr, kv_indices, kv_len_arr),
+    num_heads, head_dim_ckv, head_dim_kpe, page_size, causal, sm_scale, q_data_type,
+    kv_data_type)`` and ``run(query=[T, H, L + R], kv_cache=[N, page, L + R], out=[T, H, L])``
+    take the packed layouts (all keywords)."""
+
+    BatchMLAPagedAttentionWrapper: Any
+    MLAPlanMetadata: Any
+
+
+def load_flashinfer_mla() -> FlashInferMLAAPI:
+    """Import ``flashinfer.mla`` (as `load_flashinfer` does ``flashinfer``).
+
+    Raises
+    ------
+    RuntimeError
+        When it cannot be imported, with the import error and what to do.
+    """
+    load_flashinfer()
+    try:
+        import flashinfer.mla as mla
+    except Exception as err:
+        reason = (
+            f"flashinfer.mla failed to import ({type(err).__name__}: {err}); reinstall "
+            f"FlashInfer with `{capabilities.INSTALL_HINT}` or pick backend='triton_mla'"
+        )
+        capabilities.record_load_failure(reason)
+        raise RuntimeError(reason) from err
+    api: FlashInferMLAAPI = mla
+    return api
 
 
 def load_flashinfer() -> FlashInferAPI:

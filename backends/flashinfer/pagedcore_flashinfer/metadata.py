@@ -21,7 +21,7 @@ import torch
 from pagedcore.attention.backend import MetadataBuilder
 from pagedcore.attention.metadata import split_decodes_and_prefills
 from pagedcore_flashinfer import fi_api
-from pagedcore_flashinfer.planning import PagedKV, paged_kv
+from pagedcore_flashinfer.planning import PagedKV, check_table_capacity, paged_kv, workspace
 
 if TYPE_CHECKING:
     from pagedcore.attention.metadata import CommonAttentionMetadata
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MIXED_MODE_ENV",
+    "PREFILL_KERNELS_ENV",
     "FlashInferMetadata",
     "FlashInferMetadataBuilder",
     "LayerParams",
@@ -39,8 +40,10 @@ __all__ = [
 #: prefill wrapper; ``prefill``: the whole step through the prefill wrapper.
 MIXED_MODE_ENV = "PAGEDCORE_FLASHINFER_MIXED"
 _MIXED_MODES = ("split", "prefill")
-#: FlashInfer's recommended float workspace (split-KV partial results).
-WORKSPACE_BYTES = 128 * 1024 * 1024
+#: Which kernels the prefill wrapper asks for: ``auto`` (default: FlashInfer's pick, FA3 on
+#: Hopper), ``fa2`` or ``fa3``. The tensor-core decode always runs FlashInfer's FA2 kernels.
+PREFILL_KERNELS_ENV = "PAGEDCORE_FLASHINFER_PREFILL"
+_PREFILL_KERNELS = ("auto", "fa2", "fa3")
 
 
 def mixed_mode_from_env() -> str:
@@ -58,6 +61,23 @@ def mixed_mode_from_env() -> str:
             "('split': decode wrapper + prefill wrapper, 'prefill': prefill wrapper alone)"
         )
     return mode
+
+
+def prefill_kernels_from_env() -> str:
+    """The prefill wrapper's ``backend=`` named by ``PAGEDCORE_FLASHINFER_PREFILL``.
+
+    Raises
+    ------
+    ValueError
+        When the variable holds anything but ``auto``, ``fa2`` or ``fa3``.
+    """
+    kernels = os.environ.get(PREFILL_KERNELS_ENV, "auto").strip().lower() or "auto"
+    if kernels not in _PREFILL_KERNELS:
+        raise ValueError(
+            f"{PREFILL_KERNELS_ENV}={kernels!r} is not a FlashInfer prefill backend; use one "
+            f"of {_PREFILL_KERNELS} ('auto': FlashInfer's pick, FA3 on Hopper)"
+        )
+    return kernels
 
 
 @attrs.frozen
@@ -111,6 +131,9 @@ class FlashInferMetadata:
     causal: bool
     generation: int
     planner: FlashInferMetadataBuilder = attrs.field(repr=False, eq=False)
+    #: The decode-graph bucket this capture plan serves (None for an eager step): its
+    #: wrappers are FlashInfer's ``use_cuda_graph=True`` ones over the bucket's fixed buffers.
+    graph_bucket: int | None = None
 
 
 class _Wrappers:
@@ -139,9 +162,12 @@ class FlashInferMetadataBuilder(MetadataBuilder[FlashInferMetadata]):
     ) -> None:
         super().__init__(kv_cache_spec, layer_names, device)
         self.mixed_mode = mixed_mode_from_env()
+        self.prefill_kernels = prefill_kernels_from_env()
         self._generation = 0
         self._workspace: torch.Tensor | None = None
-        self._wrappers: dict[LayerParams, _Wrappers] = {}
+        self._wrappers: dict[tuple[LayerParams, int | None], _Wrappers] = {}
+        #: Per decode-graph bucket: the fixed (indptr, indices, last_page_len) device buffers.
+        self._graph_buffers: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._api: fi_api.FlashInferAPI | None = None
 
     def build(
@@ -156,13 +182,7 @@ class FlashInferMetadataBuilder(MetadataBuilder[FlashInferMetadata]):
         """
         block_size = self.kv_cache_spec.block_size
         block_table = common.block_table
-        capacity = block_table.shape[1] * block_size
-        if common.num_reqs > 0 and common.max_seq_len > capacity:
-            raise ValueError(
-                f"block_table has {block_table.shape[1]} columns of {block_size} tokens "
-                f"({capacity} tokens) but max_seq_len is {common.max_seq_len}; the engine "
-                "must give every request enough block-table columns for its whole sequence"
-            )
+        check_table_capacity(block_table, block_size, common.num_reqs, common.max_seq_len)
         num_reqs = common.num_reqs
         query_lens = common.query_lens_cpu[:num_reqs]
         num_decodes = self._num_decodes(common, query_lens)
@@ -188,6 +208,49 @@ class FlashInferMetadataBuilder(MetadataBuilder[FlashInferMetadata]):
             planner=self,
         )
 
+    def build_for_cudagraph_capture(self, common: CommonAttentionMetadata) -> FlashInferMetadata:
+        """A decode-graph plan: the whole bucket through the tensor-core decode wrapper, whose
+        ``use_cuda_graph=True`` instances (one per `LayerParams`) own fixed buffers sized for
+        the bucket (``indices`` for ``block_table.shape[1]`` pages per request). The warm-up
+        run plans them; `prepare_replay` re-plans them before each replay."""
+        bucket = common.num_reqs
+        pages = paged_kv(common.block_table, common.seq_lens_cpu[:bucket],
+                         self.kv_cache_spec.block_size, 0, bucket)
+        if bucket not in self._graph_buffers:
+            dev = common.block_table.device
+            self._graph_buffers[bucket] = (
+                torch.zeros(bucket + 1, dtype=torch.int32, device=dev),
+                torch.zeros(bucket * common.block_table.shape[1], dtype=torch.int32, device=dev),
+                torch.zeros(bucket, dtype=torch.int32, device=dev),
+            )
+        self._generation += 1
+        return FlashInferMetadata(
+            num_reqs=bucket, num_actual_tokens=common.num_actual_tokens, num_decodes=bucket,
+            num_decode_tokens=bucket, decode=pages, prefill_qo_indptr=None, prefill=None,
+            causal=common.causal, generation=self._generation, planner=self,
+            graph_bucket=bucket,
+        )
+
+    def prepare_replay(self, metadata: FlashInferMetadata, common: CommonAttentionMetadata) -> None:
+        """Re-plan the bucket's graph wrappers for the step about to be replayed: FlashInfer's
+        graph-mode ``plan()`` writes the new page arrays into the wrappers' fixed buffers."""
+        bucket = metadata.graph_bucket
+        if bucket is None:
+            return
+        pages = paged_kv(common.block_table, common.seq_lens_cpu[:bucket],
+                         self.kv_cache_spec.block_size, 0, bucket)
+        for (params, key_bucket), wrappers in self._wrappers.items():
+            if key_bucket == bucket and wrappers.decode is not None:
+                self._plan_decode(wrappers.decode, pages, params)
+
+    def _plan_decode(self, wrapper: Any, pages: PagedKV, params: LayerParams) -> None:
+        wrapper.plan(
+            pages.indptr, pages.indices, pages.last_page_len, params.num_qo_heads,
+            params.num_kv_heads, params.head_dim, self.kv_cache_spec.block_size,
+            window_left=params.window_left, logits_soft_cap=params.logits_soft_cap,
+            sm_scale=params.sm_scale, q_data_type=params.q_dtype, kv_data_type=params.kv_dtype,
+        )
+
     def _num_decodes(self, common: CommonAttentionMetadata, query_lens: torch.Tensor) -> int:
         """Leading requests of exactly one query token, when the decode wrapper runs them."""
         if self.mixed_mode == "prefill" or common.num_reqs == 0:
@@ -208,9 +271,10 @@ class FlashInferMetadataBuilder(MetadataBuilder[FlashInferMetadata]):
         A part the step does not have is None. Plans only when the wrapper was last planned
         for another step (so once per step per distinct `params`).
         """
-        wrappers = self._wrappers.get(params)
+        key = (params, metadata.graph_bucket)
+        wrappers = self._wrappers.get(key)
         if wrappers is None:
-            wrappers = self._wrappers[params] = _Wrappers()
+            wrappers = self._wrappers[key] = _Wrappers()
         api = self._load()
         common_kwargs: dict[str, Any] = dict(
             window_left=params.window_left,
@@ -224,20 +288,23 @@ class FlashInferMetadataBuilder(MetadataBuilder[FlashInferMetadata]):
         decode = prefill = None
         if metadata.decode is not None:
             if wrappers.decode is None:
+                graph: dict[str, Any] = {}
+                if metadata.graph_bucket is not None:
+                    indptr, indices, last = self._graph_buffers[metadata.graph_bucket]
+                    graph = dict(use_cuda_graph=True, paged_kv_indptr_buffer=indptr,
+                                 paged_kv_indices_buffer=indices,
+                                 paged_kv_last_page_len_buffer=last)
                 wrappers.decode = api.BatchDecodeWithPagedKVCacheWrapper(
-                    self._workspace_buffer(), "NHD", use_tensor_cores=True
+                    self._workspace_buffer(), "NHD", use_tensor_cores=True, **graph
                 )
             if wrappers.decode_generation != metadata.generation:
-                d = metadata.decode
-                wrappers.decode.plan(
-                    d.indptr, d.indices, d.last_page_len, *heads, **common_kwargs
-                )
+                self._plan_decode(wrappers.decode, metadata.decode, params)
                 wrappers.decode_generation = metadata.generation
             decode = wrappers.decode
         if metadata.prefill is not None:
             if wrappers.prefill is None:
                 wrappers.prefill = api.BatchPrefillWithPagedKVCacheWrapper(
-                    self._workspace_buffer(), "NHD"
+                    self._workspace_buffer(), "NHD", backend=self.prefill_kernels
                 )
             if wrappers.prefill_generation != metadata.generation:
                 p = metadata.prefill
@@ -261,6 +328,5 @@ class FlashInferMetadataBuilder(MetadataBuilder[FlashInferMetadata]):
 
     def _workspace_buffer(self) -> torch.Tensor:
         if self._workspace is None:
-            size = WORKSPACE_BYTES if self.device.type == "cuda" else 1024 * 1024
-            self._workspace = torch.zeros(size, dtype=torch.uint8, device=self.device)
+            self._workspace = workspace(self.device)
         return self._workspace

@@ -11,7 +11,29 @@ from __future__ import annotations
 import attrs
 import torch
 
-__all__ = ["PagedKV", "paged_kv"]
+__all__ = ["WORKSPACE_BYTES", "PagedKV", "check_table_capacity", "paged_kv", "workspace"]
+
+
+#: FlashInfer's recommended float workspace (split-KV partial results).
+WORKSPACE_BYTES = 128 * 1024 * 1024
+
+
+def workspace(device: torch.device) -> torch.Tensor:
+    """A zeroed uint8 float workspace for FlashInfer's wrappers (128 MiB on CUDA, 1 MiB else)."""
+    size = WORKSPACE_BYTES if device.type == "cuda" else 1024 * 1024
+    return torch.zeros(size, dtype=torch.uint8, device=device)
+
+
+def check_table_capacity(block_table: torch.Tensor, block_size: int, num_reqs: int,
+                         max_seq_len: int) -> None:
+    """Raise ValueError when the block table has too few columns for the longest sequence."""
+    capacity = block_table.shape[1] * block_size
+    if num_reqs > 0 and max_seq_len > capacity:
+        raise ValueError(
+            f"block_table has {block_table.shape[1]} columns of {block_size} tokens "
+            f"({capacity} tokens) but max_seq_len is {max_seq_len}; the engine "
+            "must give every request enough block-table columns for its whole sequence"
+        )
 
 
 @attrs.frozen(kw_only=True)

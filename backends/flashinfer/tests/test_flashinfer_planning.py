@@ -10,6 +10,7 @@ from pagedcore_flashinfer import FlashInferBackend, fi_api
 from pagedcore_flashinfer.impl import FlashInferImpl
 from pagedcore_flashinfer.metadata import (
     MIXED_MODE_ENV,
+    PREFILL_KERNELS_ENV,
     FlashInferMetadata,
     FlashInferMetadataBuilder,
 )
@@ -141,3 +142,24 @@ def test_stale_plan_is_replanned(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_bad_mixed_mode_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match=MIXED_MODE_ENV):
         _builder(monkeypatch, "both")
+
+
+@pytest.mark.parametrize("kernels", ["", "fa2", "FA3"])
+def test_prefill_kernels_reach_the_prefill_wrapper(
+    monkeypatch: pytest.MonkeyPatch, kernels: str
+) -> None:
+    monkeypatch.setenv(PREFILL_KERNELS_ENV, kernels)
+    builder = _builder(monkeypatch, "prefill")
+    cache = torch.randn(64, 2, 16, 2, 64, dtype=torch.bfloat16)
+    common = _common(MIXED, 16, 64, seed=0)
+    query = torch.randn(common.num_actual_tokens, 4, 64, dtype=torch.bfloat16)
+    FlashInferImpl(4, 64, 0.125, num_kv_heads=2).forward(
+        query, query, query, cache, builder.build(common))
+    (wrapper,) = fi_double.REGISTRY
+    assert wrapper.kwargs["backend"] == (kernels.lower() or "auto")
+
+
+def test_bad_prefill_kernels_name_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(PREFILL_KERNELS_ENV, "fa4")
+    with pytest.raises(ValueError, match=f"{PREFILL_KERNELS_ENV}='fa4'.*'fa2'"):
+        _builder(monkeypatch, "split")

@@ -174,6 +174,8 @@ class ModelRunner:
         self.mixed_graphs_disabled_reason: str | None = "not enabled"
         #: Captured decode graphs (None: every step runs eagerly).
         self.graphs: DecodeGraphs | None = None
+        #: Each decode bucket's captured plans (one per KV-cache group), for `prepare_replay`.
+        self._graph_plans: dict[int, tuple[Any, ...]] = {}
         #: Why decode steps run eagerly (None while graphs are in use).
         self.cudagraph_disabled_reason: str | None = "not enabled"
 
@@ -301,6 +303,7 @@ class ModelRunner:
             self.mixed_graphs_disabled_reason = "graphs released"
         self.graphs = None
         self.mixed_graphs = None
+        self._graph_plans.clear()
 
     def _graph_forward(self, bucket: int) -> Callable[[], torch.Tensor]:
         """The forward a bucket's graph records, over the persistent buffers."""
@@ -311,6 +314,7 @@ class ModelRunner:
         metadata = tuple(
             b.build_for_cudagraph_capture(c) for b, c in zip(self.builders, common, strict=True)
         )
+        self._graph_plans[bucket] = metadata
         ctx = attention_hook.StepContext(
             layers=self.layers,
             metadata=metadata,
@@ -385,7 +389,13 @@ class ModelRunner:
         with torch.inference_mode():
             if inputs.cudagraph_bucket is not None:
                 assert self.graphs is not None
-                hidden = self.graphs.replay(inputs.cudagraph_bucket)
+                bucket = inputs.cudagraph_bucket
+                self.graphs.capture(bucket)
+                for builder, plan, common in zip(
+                    self.builders, self._graph_plans[bucket], inputs.common, strict=True
+                ):
+                    builder.prepare_replay(plan, common)
+                hidden = self.graphs.replay(bucket)
             elif (
                 not any(inputs.cascade_prefix_lens)
                 and self.mixed_graphs is not None
