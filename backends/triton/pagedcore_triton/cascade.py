@@ -93,7 +93,7 @@ def _prefix_grid(
     block_m = min(16 if interpreting() else 128, max(16, triton.next_power_of_2(rows)))
     m_tiles = -(-rows // block_m)
     tiles = -(-plan.prefix_len // tile_n)
-    segments = 1
+    segments = 2  # at least 2: the merge reduces over a segment axis (an empty one weighs 0)
     while (
         m_tiles * num_kv_heads * segments * 2 <= TARGET_PREFIX_PROGRAMS
         and tiles // (segments * 2) >= MIN_PREFIX_TILES_PER_SEGMENT
