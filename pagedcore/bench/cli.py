@@ -11,6 +11,7 @@ BENCHES: dict[str, str] = {
     "kv": "pagedcore.bench.kv:kv",
     "kernels": "pagedcore.bench.kernels:kernels",
     "engine": "pagedcore.bench.engine:engine",
+    "step": "pagedcore.bench.step:step",
     "mla": "pagedcore.bench.mla:mla",
     "prefix": "pagedcore.bench.prefix:prefix",
     "chunked": "pagedcore.bench.chunked:chunked",

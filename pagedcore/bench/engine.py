@@ -67,6 +67,9 @@ def _tok_s(value: Any) -> str:
 
 @click.command()
 @click.option("--small", is_flag=True, help="Tiny Qwen2 on CPU-friendly sizes (CI / laptops).")
+@click.option("--model", "model_name", default="qwen2-0.5b", show_default=True,
+              type=click.Choice(["qwen2-0.5b", "llama3-8b"]),
+              help="Model shape (seeded random weights); with --small its tiny version.")
 @click.option("--device", default=None, type=DEVICE,
               help="cpu or cuda (default: cuda when available).")
 @click.option("--backend", default=None, type=BACKEND, help="Force an attention backend.")
@@ -93,7 +96,8 @@ def _tok_s(value: Any) -> str:
 @click.option("--host-profile", default=None, type=click.Path(dir_okay=False),
               help="Write a cProfile (top 30) of 16 more steps at 256 running (graphs) here.")
 @click.option("--json", "json_path", default=None, type=OutputPath())
-def engine(small: bool, device: str | None, backend: str | None, num_prompts: int | None,
+def engine(small: bool, model_name: str, device: str | None, backend: str | None,
+           num_prompts: int | None,
            max_new: int | None, big_num_prompts: int | None, hf_big_num_prompts: int | None,
            stress_requests: int | None, parity_prompts: int | None, skip_hf: bool,
            skip_eager: bool, enforce_eager: bool, only: str | None, parity_new: int | None,
@@ -102,8 +106,8 @@ def engine(small: bool, device: str | None, backend: str | None, num_prompts: in
     graph parity, host share at 256 running, a larger workload, preemption stress."""
     stages = _stages(only)
     _run_engine_bench(
-        small=small, device=device, backend=backend, num_prompts=num_prompts,
-        max_new=max_new, big_num_prompts=big_num_prompts,
+        small=small, model_name=model_name, device=device, backend=backend,
+        num_prompts=num_prompts, max_new=max_new, big_num_prompts=big_num_prompts,
         hf_big_num_prompts=hf_big_num_prompts, stress_requests=stress_requests,
         parity_prompts=parity_prompts, skip_hf=skip_hf or "hf" not in stages,
         skip_eager=skip_eager, enforce_eager=enforce_eager, stages=stages,
@@ -127,6 +131,7 @@ def _stages(only: str | None) -> frozenset[str]:
 def _run_engine_bench(
     *, small: bool, device: str | None, backend: str | None, num_prompts: int | None,
     max_new: int | None, big_num_prompts: int | None, hf_big_num_prompts: int | None,
+    model_name: str = "qwen2-0.5b",
     stress_requests: int | None, parity_prompts: int | None, skip_hf: bool,
     skip_eager: bool, enforce_eager: bool, stages: frozenset[str], parity_new: int | None,
     host_profile: str | None, json_path: str | None,
@@ -137,7 +142,7 @@ def _run_engine_bench(
 
     from pagedcore.bench.report import engine_bench_model, environment
 
-    dev, dtype, config = engine_bench_model(small, device)
+    dev, dtype, config = engine_bench_model(small, device, model_name)
     if small:
         lo, hi = 16, 96
         # None (not given) takes the default; 0 is refused by the option types.
@@ -161,7 +166,8 @@ def _run_engine_bench(
         "environment": environment(dev),
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "dtype": str(dtype).removeprefix("torch."),
-        "model": "tiny qwen2 (small)" if small else "Qwen2-0.5B-shaped, random weights",
+        "model": f"tiny {model_name} (small)" if small
+        else f"{model_name}-shaped, random weights",
         "prompt_len": [lo, hi],
         "max_new_tokens": max_new,
     })

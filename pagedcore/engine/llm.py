@@ -17,6 +17,7 @@ from pagedcore.engine.engine_builder import build_engine
 from pagedcore.engine.errors import EngineStepError
 from pagedcore.engine.llm_failures import FailureIsolation
 from pagedcore.engine.llm_offline import OfflineGeneration
+from pagedcore.engine.llm_overlap import InflightStep, OverlapStep
 from pagedcore.engine.output_builder import (
     ParentRequest,
     PromptType,
@@ -25,6 +26,7 @@ from pagedcore.engine.output_builder import (
 )
 from pagedcore.engine.outputs import RequestOutput
 from pagedcore.engine.request_checks import check_request, check_unique_ids
+from pagedcore.engine.runner.overlap import InputFence, async_scheduling_setting
 from pagedcore.engine.sampling.sampler import Sampler
 from pagedcore.engine.sampling.sampling_params import SamplingParams
 from pagedcore.engine.scheduling.request import Request, RequestStatus, get_request_id
@@ -42,7 +44,7 @@ __all__ = ["LLM", "EngineStepError", "PromptType"]
 _get_params = attrgetter("params")
 
 
-class LLM(FailureIsolation, OfflineGeneration):
+class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
     """A continuous-batching engine over a transformers causal LM and pagedcore backends.
 
     Parameters
@@ -104,6 +106,12 @@ class LLM(FailureIsolation, OfflineGeneration):
     hash_algo, hash_seed:
         Prefix-cache block hashing: ``"sha256"`` (default) or ``"xxhash"``, and the seed of
         the hash chain (an int or bytes; None: random per process).
+    async_scheduling:
+        Overlap scheduling: schedule and prepare step N+1 while step N runs on the device;
+        sampled ids feed the next step on the device, and reach the host (stop checks,
+        outputs) one step behind (`pagedcore.engine.llm_overlap`). None: on with CUDA, off
+        on the CPU; ``PAGEDCORE_ASYNC_SCHEDULING=0/1`` overrides. Outputs are the same
+        either way (``stats()["async_scheduling"]`` says whether it is on, and why not).
 
     Raises
     ------
@@ -145,7 +153,15 @@ class LLM(FailureIsolation, OfflineGeneration):
         max_n: int = DEFAULT_MAX_N,
         hash_algo: str = "sha256",
         hash_seed: bytes | int | None = None,
+        async_scheduling: bool | None = None,
     ) -> None:
+        if async_scheduling is not None and not isinstance(async_scheduling, bool):
+            raise InvalidArgumentTypeError(
+                f"async_scheduling must be True, False or None (the device's default), got "
+                f"{describe(async_scheduling)}"
+            )
+        # A bad PAGEDCORE_ASYNC_SCHEDULING is reported before anything loads.
+        async_scheduling_setting(async_scheduling, device_type="cpu")
         check_engine_args(
             block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -201,7 +217,9 @@ class LLM(FailureIsolation, OfflineGeneration):
         #: Seconds per phase of the steps: ``schedule``, ``prepare``, ``execute`` (the
         #: forward and sampling, which waits for the device), ``update`` (appending tokens,
         #: retiring requests, building outputs).
-        self.phase_time = dict.fromkeys(("schedule", "prepare", "execute", "update"), 0.0)
+        #: With overlap, ``wait``: the host waiting for the previous step's sampled ids.
+        self.phase_time = dict.fromkeys(
+            ("schedule", "prepare", "execute", "update", "wait"), 0.0)
         self.num_steps = 0
         #: Tokens the scheduler gave the last step (prompt chunks + decodes; 0 before any).
         self.last_step_num_scheduled_tokens = 0
@@ -210,6 +228,15 @@ class LLM(FailureIsolation, OfflineGeneration):
         self._prev_tokens: list[int] | None = None
         # Requests whose own sampling setup failed in the last `_run` (id -> reason).
         self._row_failures: dict[str, str] = {}
+        # Overlap scheduling (`OverlapStep`): the step in flight and the input-buffer fence.
+        self._inflight: InflightStep | None = None
+        self._fence = InputFence()
+        self._tensor_parallel = int(getattr(self.runner, "world_size", 1)) > 1
+        self._async_requested = async_scheduling
+        self.async_scheduling = False
+        #: Why overlap scheduling is off (None while it is on).
+        self.async_scheduling_reason: str | None = None
+        self.set_async_scheduling(async_scheduling)
 
     # ---- properties ------------------------------------------------------------------------
 
@@ -235,7 +262,19 @@ class LLM(FailureIsolation, OfflineGeneration):
             "host_time_s": self.host_time,
             "step_time_s": self.step_time,
             "cudagraph": self.cudagraph_status(),
+            "async_scheduling": {"enabled": self.async_scheduling,
+                                 "reason": self.async_scheduling_reason},
         }
+
+    def set_async_scheduling(self, enabled: bool | None) -> bool:
+        """Turn overlap scheduling on or off (None: the device's default; the environment
+        variable ``PAGEDCORE_ASYNC_SCHEDULING`` still overrides). A step in flight is
+        finished first (its outputs are lost to the caller: switch between requests).
+        Returns whether it is on; ``async_scheduling_reason`` says why not."""
+        self.drain()
+        self.async_scheduling, self.async_scheduling_reason = async_scheduling_setting(
+            enabled, device_type=self.device.type)
+        return self.async_scheduling
 
     def cudagraph_status(self) -> dict[str, Any]:
         """Whether decode steps replay CUDA graphs: ``{"enabled", "reason", "sizes",
@@ -337,6 +376,10 @@ class LLM(FailureIsolation, OfflineGeneration):
     def step(self, *, finished_only: bool = False) -> list[RequestOutput]:
         """Run one engine step; return the outputs of the requests that changed.
 
+        With overlap scheduling (``async_scheduling``) a call launches the next step and
+        returns what the step launched by the previous call produced: outputs arrive one
+        call later, and the same tokens arrive as without overlap.
+
         Parameters
         ----------
         finished_only:
@@ -352,6 +395,8 @@ class LLM(FailureIsolation, OfflineGeneration):
             engine keeps serving everything else. A `TensorParallelError` (a rank failed: the
             engine is stopped) is raised as is, after finishing every request with an error.
         """
+        if self.async_scheduling:
+            return self._step_overlap(finished_only=finished_only)
         t0 = time.perf_counter()
         scheduled = self.scheduler.schedule()
         self.last_step_num_scheduled_tokens = int(scheduled.num_scheduled_tokens)
@@ -372,17 +417,30 @@ class LLM(FailureIsolation, OfflineGeneration):
         for request in changed:
             if request.status.finished:
                 self.sampler.forget(request.request_id)
+        return self._end_step(changed, finished_only=finished_only, t0=t0, t_update=t_update)
+
+    def _end_step(
+        self, changed: list[Request], *, finished_only: bool, t0: float, t_update: float
+    ) -> list[RequestOutput]:
+        """A step's outputs (`_collect_outputs`), its update time and count recorded."""
+        outputs = self._collect_outputs(changed, finished_only=finished_only)
+        t_end = time.perf_counter()
+        self.phase_time["update"] += t_end - t_update
+        self.step_time += t_end - t0
+        self.num_steps += 1
+        return outputs
+
+    def _collect_outputs(
+        self, changed: list[Request], *, finished_only: bool
+    ) -> list[RequestOutput]:
+        """The outputs of the user requests `changed` touched (with `finished_only`: of those
+        whose every sample finished)."""
         if finished_only:
             done = self._parents_of(r for r in changed if r.status.finished).values()
             parents = [p for p in done if all(c.status.finished for c in p.children)]
         else:
             parents = list(self._parents_of(changed).values())
-        outputs = [self._output(p) for p in parents]
-        t_end = time.perf_counter()
-        phases["update"] += t_end - t_update
-        self.step_time += t_end - t0
-        self.num_steps += 1
-        return outputs
+        return [self._output(p) for p in parents]
 
     def _run(
         self, scheduled: SchedulerOutput, t0: float

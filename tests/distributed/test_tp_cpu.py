@@ -55,6 +55,11 @@ def test_two_ranks_match_one(arch: str, kv_bytes: int) -> None:
         assert stats["prefix_hit_tokens"] > 0, stats
         kv = two.kv_cache_manager
         assert kv.num_free_blocks == two.kv_cache_config.num_blocks - 1
+        # Overlap scheduling: the workers resolve the placeholders from the ids rank 0
+        # broadcasts; the outputs stay the same (preemptions and prefix hits included).
+        assert two.set_async_scheduling(True) is True
+        assert_same_outputs(expected, two.generate(prompts, params()))
+        assert kv.num_free_blocks == two.kv_cache_config.num_blocks - 1
     finally:
         _executor(two).shutdown()
     assert all(not p.is_alive() for p in ex._pool.procs.values())

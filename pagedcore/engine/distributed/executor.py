@@ -260,16 +260,27 @@ class TensorParallelExecutor:
         self,
         scheduled: Sequence[ScheduledRequest],
         block_ids: Callable[[str], tuple[list[int], ...]],
+        *,
+        sampled: torch.Tensor | None = None,
     ) -> StepInputs:
-        """Prepare rank 0's inputs, then broadcast the step's plan to the workers."""
+        """Prepare rank 0's inputs, then broadcast the step's plan to the workers.
+
+        `sampled` (overlap scheduling): ``[R]`` int64 on rank 0's device, the ids the step in
+        flight sampled; broadcast after the plan over the compute group (device to device, no
+        host sync), so every rank resolves the plan's placeholders itself.
+        """
         import torch.distributed as dist
 
         from pagedcore.engine.distributed.plan import make_plan
 
         self._check_alive()
         inputs = self._runner.prepare(scheduled, block_ids)
-        plan = make_plan(self._step, scheduled, block_ids)
+        count = 0 if sampled is None else int(sampled.numel())
+        plan = make_plan(self._step, scheduled, block_ids, num_sampled_ids=count)
         self._guard(lambda: dist.broadcast_object_list([plan], src=0, group=self.groups.control))
+        if sampled is not None and count:
+            ids = sampled.contiguous()
+            self._guard(lambda: dist.broadcast(ids, src=0, group=self.groups.compute))
         self._step += 1
         return inputs
 

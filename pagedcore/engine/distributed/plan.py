@@ -44,29 +44,41 @@ class PlannedRequest:
 
 @attrs.frozen
 class StepPlan:
-    """The whole step, in the scheduler's order; `step` counts plans from 0."""
+    """The whole step, in the scheduler's order; `step` counts plans from 0.
+
+    With overlap scheduling a planned token may be a placeholder (a negative id standing for
+    a token the previous step sampled on rank 0's device); `num_sampled_ids` is then how many
+    ids that step sampled: rank 0 broadcasts them over the compute group right after the
+    plan, and every rank resolves the placeholders from them on its device.
+    """
 
     step: int
     requests: tuple[PlannedRequest, ...]
+    num_sampled_ids: int = 0
 
 
 def make_plan(
     step: int,
     scheduled: Sequence[ScheduledRequest],
     block_ids: Callable[[str], tuple[list[int], ...]],
+    *,
+    num_sampled_ids: int = 0,
 ) -> StepPlan:
-    """The plan of a scheduler step (rank 0)."""
+    """The plan of a scheduler step (rank 0); tokens still on the device are placeholders."""
+    from pagedcore.engine.scheduling.request import token_slice
+
     return StepPlan(
         step,
         tuple(
             PlannedRequest(
                 s.request.request_id,
                 s.start,
-                tuple(s.request.all_token_ids[s.start : s.end]),
+                tuple(token_slice(s.request, s.start, s.end)),
                 tuple(tuple(g) for g in block_ids(s.request.request_id)),
             )
             for s in scheduled
         ),
+        num_sampled_ids,
     )
 
 

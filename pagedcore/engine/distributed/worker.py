@@ -148,6 +148,7 @@ def _run(args: WorkerArgs, conn: Connection) -> None:
     from pagedcore.engine.models.loading import load_model
     from pagedcore.engine.resources import default_kv_cache_bytes
     from pagedcore.engine.runner.model_runner import ModelRunner
+    from pagedcore.engine.runner.overlap import resolve_placeholders
 
     torch.set_num_threads(args.num_threads)
     fault = parse_fault(os.environ.get(FAULT_ENV))
@@ -194,7 +195,14 @@ def _run(args: WorkerArgs, conn: Connection) -> None:
         if fault == (args.rank, plan.step):
             raise RuntimeError(f"injected fault at step {plan.step} ({FAULT_ENV})")
         scheduled, block_ids = scheduled_from_plan(plan)
-        runner.execute(runner.prepare(scheduled, block_ids))
+        sampled = None
+        if plan.num_sampled_ids:  # overlap scheduling: rank 0's last sampled ids
+            sampled = torch.empty(plan.num_sampled_ids, dtype=torch.int64, device=device)
+            dist.broadcast(sampled, src=0, group=groups.compute)
+        inputs = runner.prepare(scheduled, block_ids)
+        if sampled is not None:
+            resolve_placeholders(inputs.input_ids, sampled)
+        runner.execute(inputs)
     runner.release_graphs()  # before the communicator they captured goes
     destroy_groups()
     conn.send(("bye", args.rank))

@@ -11,7 +11,12 @@ import numpy as np
 
 from pagedcore.engine.runner.host_buffers import index_in
 from pagedcore.engine.runner.step_buffers import StepBuffers, StepInputs
-from pagedcore.engine.scheduling.request import Request, get_request_id, get_token_list
+from pagedcore.engine.scheduling.request import (
+    Request,
+    get_request_id,
+    get_token_list,
+    token_slice,
+)
 from pagedcore.engine.scheduling.scheduler_types import DecodeBatch
 
 if TYPE_CHECKING:
@@ -85,6 +90,8 @@ def prepare_padded_decode(
     # (Requests index like lists; a tensor-parallel worker's planned views do too.)
     ids = ib._ids.np
     ids[:n] = (token_ids if token_ids is not None
+               else [token_slice(r, s, s + 1)[0] for r, s in zip(reqs, start_list, strict=True)]
+               if any(getattr(r, "placeholder", None) is not None for r in reqs)
                else list(map(getitem, map(get_token_list, reqs), start_list)))
     ids[n:bucket] = 0
     ib._pos.np[:n] = starts

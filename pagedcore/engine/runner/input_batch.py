@@ -19,6 +19,7 @@ import numpy as np
 from pagedcore.attention.metadata import CommonAttentionMetadata, decode_first_order
 from pagedcore.engine.runner import decode_inputs
 from pagedcore.engine.runner.step_buffers import StepBuffers, StepInputs
+from pagedcore.engine.scheduling.request import token_slice
 from pagedcore.engine.scheduling.scheduler_types import DecodeBatch
 
 if TYPE_CHECKING:
@@ -74,7 +75,7 @@ class InputBatch(StepBuffers):
             )
 
         flat = itertools.chain.from_iterable(
-            s.request.all_token_ids[s.start : s.end] for s in order
+            token_slice(s.request, s.start, s.end) for s in order
         )
         self._ids.np[:num_tokens] = np.fromiter(flat, np.int64, num_tokens)
         req_of_token = np.repeat(np.arange(num_reqs), query_lens)

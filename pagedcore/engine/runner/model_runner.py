@@ -382,7 +382,9 @@ class ModelRunner:
         Returns
         -------
         torch.Tensor
-            ``[S, V]`` float32 logits, one row per entry of ``inputs.sample_rows``.
+            ``[S, V]`` logits in the model's dtype (the sampler converts the rows that need
+            float32; greedy rows take their argmax as they are), one row per entry of
+            ``inputs.sample_rows``.
         """
         import torch
 
@@ -419,7 +421,7 @@ class ModelRunner:
             cap = self.final_logit_softcap
             if cap is not None:
                 logits = torch.tanh(logits / cap) * cap
-        return logits.float()
+        return logits
 
 
 class _Alloc:

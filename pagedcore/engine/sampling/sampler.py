@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from pagedcore.engine.sampling.device_sample import SampledTokens
     from pagedcore.engine.sampling.sampling_params import SamplingParams
 
 __all__ = ["Sampler", "apply_top_k_top_p_min_p"]
@@ -39,13 +40,13 @@ def apply_top_k_top_p_min_p(
     logits = logits.clone()
     vocab = logits.shape[1]
     if any(k is not None and k < vocab for k in top_k):
-        ks = torch.tensor([vocab if k is None else min(k, vocab) for k in top_k],
-                          device=logits.device)
+        ks = _to_device([vocab if k is None else min(k, vocab) for k in top_k], torch.int64,
+                        logits.device)
         sorted_desc = logits.sort(dim=-1, descending=True).values
         kth = sorted_desc.gather(1, (ks - 1).unsqueeze(1))
         logits.masked_fill_(logits < kth, float("-inf"))
     if any(p < 1.0 for p in top_p):
-        ps = torch.tensor(list(top_p), device=logits.device, dtype=torch.float32)
+        ps = _to_device(list(top_p), torch.float32, logits.device)
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(dim=-1)
         # Mass strictly before each token; a token is kept while that mass is below p, so the
@@ -55,7 +56,7 @@ def apply_top_k_top_p_min_p(
         drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
         logits.masked_fill_(drop, float("-inf"))
     if any(m > 0.0 for m in min_p):
-        ms = torch.tensor(list(min_p), device=logits.device, dtype=torch.float32)
+        ms = _to_device(list(min_p), torch.float32, logits.device)
         probs = logits.softmax(dim=-1)
         threshold = probs.max(dim=-1, keepdim=True).values * ms.unsqueeze(1)
         logits.masked_fill_(probs < threshold, float("-inf"))
@@ -109,7 +110,7 @@ class Sampler:
         params: Sequence[SamplingParams],
         request_ids: Sequence[str],
     ) -> tuple[list[int], list[dict[int, float] | None]]:
-        """Sample one token per row.
+        """Sample one token per row (`sample_device`, then its tokens on the host).
 
         Parameters
         ----------
@@ -125,19 +126,41 @@ class Sampler:
             whose own setup raised (its seeded generator) is listed in `row_errors` instead
             of failing the call.
         """
+        return self.sample_device(logits, params, request_ids).to_host()
+
+    def sample_device(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        request_ids: Sequence[str],
+    ) -> SampledTokens:
+        """Sample one token per row, leaving the result on the logits' device.
+
+        Nothing here waits for the device: per-row settings reach it from pinned memory
+        (`_to_device`), the tokens and log-probabilities stay device tensors
+        (`SampledTokens.to_host` brings them over). Parameters as for `sample`; rows whose
+        own setup raised are in ``row_errors`` (of the result and of this sampler).
+        """
         import torch
+
+        from pagedcore.engine.sampling.device_sample import SampledTokens
 
         row_errors: dict[str, str] = {}
         self.row_errors = row_errors
-        logits = logits.float()
+        device = logits.device
         num_rows = logits.shape[0]
+        # Greedy rows: the argmax of the logits as they are (a bf16 -> float32 copy of a
+        # [256, 152K] batch costs more than the argmax; the order of the values is the same).
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i in range(num_rows) if not params[i].greedy]
+        wanted = [i for i in range(num_rows) if params[i].logprobs is not None]
+        if random_rows or wanted:
+            logits = logits.float()
         if random_rows:
-            idx = torch.tensor(random_rows, device=logits.device)
+            idx = _to_device(random_rows, torch.int64, device)
             sub = logits.index_select(0, idx)
-            temps = torch.tensor([params[i].temperature for i in random_rows],
-                                 device=logits.device, dtype=torch.float32)
+            temps = _to_device([params[i].temperature for i in random_rows], torch.float32,
+                               device)
             sub = sub / temps.unsqueeze(1)
             sub = apply_top_k_top_p_min_p(
                 sub,
@@ -148,7 +171,7 @@ class Sampler:
             probs = sub.softmax(dim=-1)
             for row, i in enumerate(random_rows):
                 try:
-                    gen = self._generator(logits.device, request_ids[i], params[i].seed)
+                    gen = self._generator(device, request_ids[i], params[i].seed)
                 except Exception as exc:  # a bad seed fails its own request, not the step
                     row_errors[request_ids[i]] = (
                         f"sampler setup failed: {type(exc).__name__}: {exc}")
@@ -156,18 +179,30 @@ class Sampler:
                 # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p.
                 noise = torch.empty_like(probs[row]).exponential_(generator=gen)
                 tokens[i] = (probs[row] / noise).argmax()
-        token_list = [int(t) for t in tokens.tolist()]
-        logprob_rows: list[dict[int, float] | None] = [None] * num_rows
-        wanted = [i for i in range(num_rows) if params[i].logprobs is not None]
-        if wanted:
-            logprobs = logits.index_select(0, torch.tensor(wanted, device=logits.device))
-            logprobs = logprobs.log_softmax(dim=-1)
-            for row, i in enumerate(wanted):
-                count = params[i].logprobs or 0
-                entry: dict[int, float] = {}
-                if count:
-                    top = logprobs[row].topk(min(count, logprobs.shape[1]))
-                    entry = dict(zip(top.indices.tolist(), top.values.tolist(), strict=True))
-                entry[token_list[i]] = float(logprobs[row, token_list[i]])
-                logprob_rows[i] = entry
-        return token_list, logprob_rows
+        if not wanted:
+            return SampledTokens(tokens, row_errors=row_errors)
+        counts = [min(params[i].logprobs or 0, logits.shape[1]) for i in wanted]
+        rows_t = _to_device(wanted, torch.int64, device)
+        logprobs = logits.index_select(0, rows_t).log_softmax(dim=-1)
+        sampled_lp = logprobs.gather(1, tokens.index_select(0, rows_t).unsqueeze(1)).squeeze(1)
+        top_ids = top_values = None
+        if max(counts):
+            top = logprobs.topk(max(counts), dim=-1)
+            top_ids, top_values = top.indices, top.values
+        return SampledTokens(
+            tokens, logprob_rows=wanted, logprob_counts=counts, top_ids=top_ids,
+            top_values=top_values, sampled_logprobs=sampled_lp, row_errors=row_errors,
+        )
+
+
+def _to_device(values: Sequence[float] | Sequence[int], dtype: torch.dtype,
+               device: torch.device) -> torch.Tensor:
+    """A small host list on `device` without a host sync (on CUDA: staged in pinned memory
+    and copied asynchronously; a plain ``torch.tensor(..., device=cuda)`` waits for the
+    stream, which would stall a step launched while the previous one runs)."""
+    import torch
+
+    if device.type != "cuda":
+        return torch.tensor(list(values), dtype=dtype, device=device)
+    host = torch.tensor(list(values), dtype=dtype).pin_memory()
+    return host.to(device, non_blocking=True)

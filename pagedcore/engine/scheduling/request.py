@@ -17,8 +17,11 @@ __all__ = [
     "RequestStatus",
     "get_block_capacity",
     "get_num_computed",
+    "get_num_tokens",
+    "get_placeholder",
     "get_request_id",
     "get_token_list",
+    "token_slice",
 ]
 
 
@@ -84,6 +87,7 @@ class Request:
         "num_cached_tokens",
         "num_computed_tokens",
         "params",
+        "placeholder",
         "request_id",
         "sample_index",
         "status",
@@ -114,6 +118,11 @@ class Request:
         self.cache_salt = params.cache_salt
         self.lora_name: str | None = None
         self.num_computed_tokens = 0
+        #: With overlap scheduling: the input id standing for the token the step in flight
+        #: samples for this request (negative, see `pagedcore.engine.runner.overlap`), until
+        #: that token reaches the host; counted by `num_tokens`, absent from the token ids.
+        #: None: no token in flight.
+        self.placeholder: int | None = None
         #: Tokens the request's KV blocks can hold (kept by the scheduler's `RequestBlocks`
         #: when its decode fast path is on; 0 while it holds no blocks).
         self.block_capacity = 0
@@ -151,7 +160,8 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self._all_token_ids)
+        """Known tokens, plus the one in flight (see `placeholder`)."""
+        return len(self._all_token_ids) + (self.placeholder is not None)
 
     @property
     def num_output_tokens(self) -> int:
@@ -180,5 +190,21 @@ get_token_list = attrgetter("_all_token_ids")
 get_num_computed = attrgetter("num_computed_tokens")
 #: ``get_request_id(request)``: ``request.request_id`` (for `map`).
 get_request_id = attrgetter("request_id")
+#: ``get_placeholder(request)``: ``request.placeholder`` (for `map`).
+get_placeholder = attrgetter("placeholder")
+#: ``get_num_tokens(request)``: ``request.num_tokens``, the in-flight token included (for `map`).
+get_num_tokens = attrgetter("num_tokens")
+
+
+def token_slice(request: Request, start: int, end: int) -> Sequence[int]:
+    """Token ids ``[start, end)`` of `request`, its placeholder standing for the token in
+    flight (the last one) when the range reaches it."""
+    tokens = request.all_token_ids
+    mark = getattr(request, "placeholder", None)  # (a TP worker's planned view has none)
+    if mark is None or end <= len(tokens):
+        return tokens[start:end]
+    return [*tokens[start:end], mark]
+
+
 #: ``get_block_capacity(request)``: ``request.block_capacity`` (for `map`).
 get_block_capacity = attrgetter("block_capacity")

@@ -31,7 +31,7 @@ from pagedcore.engine.scheduling.request import (
     RequestStatus,
     get_block_capacity,
     get_num_computed,
-    get_token_list,
+    get_num_tokens,
 )
 from pagedcore.engine.scheduling.request_blocks import (
     LOOKAHEAD_BLOCKS,
@@ -350,7 +350,7 @@ class Scheduler(SchedulerResults):
         # C-speed passes (map) instead of a Python loop per request.
         starts = list(map(get_num_computed, running))
         ends = list(map(_plus_one, starts))
-        if list(map(len, map(get_token_list, running))) != ends:
+        if list(map(get_num_tokens, running)) != ends:
             return None
         for i in compress(range(n), map(gt, ends, map(get_block_capacity, running))):
             if not self._allocate(running[i], 1):
@@ -400,6 +400,8 @@ class Scheduler(SchedulerResults):
         """Admit waiting requests into the remaining `budget`; returns what is left."""
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self._peek_waiting()
+            if request.placeholder is not None:
+                break  # preempted with a token in flight: admitted once it landed
             try:
                 computed_blocks, num_cached = self.kv.get_computed_blocks(request)
             except Exception as exc:  # this request's own hashes (its cache salt, ...)

@@ -1,0 +1,335 @@
+"""`pagedcore bench step`: one decode step against what its bytes cost.
+
+For a model shape (seeded random weights) and each batch size, `batch` requests with
+`--context`-token prompts are prefilled until every one decodes; then `--steps` decode steps
+are timed (synchronised at both ends: the steady-state time per step) with CUDA graphs and
+eagerly, with overlap scheduling on and off. The bytes floor of a step is the weights it reads
+(every parameter but an untied input embedding, of which a step reads `batch` rows) plus the
+batch's KV cache, read once at the device's copy bandwidth ((read + write) / time of a large
+device-to-device copy). Per row: the host's time per step (schedule, prepare, update, and the
+time it waited for the device), the host share on the critical path (without overlap all of
+the host time; with overlap the time the GPU sat idle, which is when the host was late), and
+the GPU idle time between steps (from a profiled window of steps: the span not covered by any
+kernel or copy). ``--profile-json`` adds a kernel-by-kernel summary of one graph step per
+batch size. On a machine without CUDA the same loop runs (no graphs, no device timeline).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from pagedcore.cli_types import BACKEND, DEVICE, OutputPath, positive_int
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["bytes_floor", "gpu_idle", "measure_step", "step"]
+
+#: `--model-shape` choices: the engine experiments' shapes and a tiny CPU-friendly one.
+SHAPES = ("qwen2-0.5b", "llama3-8b", "tiny")
+
+
+def _sync(device: torch.device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def weight_bytes(model: Any) -> int:
+    """Bytes of the weights one decode step reads: every parameter, except an input
+    embedding that is not tied to the output head (a step reads only its batch's rows)."""
+    embed = model.get_input_embeddings()
+    tied = embed.weight is getattr(model.get_output_embeddings(), "weight", None)
+    total = 0
+    for p in model.parameters():
+        if p is embed.weight and not tied:
+            continue
+        total += p.numel() * p.element_size()
+    return total
+
+
+def kv_bytes_per_token(llm: Any) -> int:
+    """KV-cache bytes per token over all layers (K and V)."""
+    total = 0
+    for group in llm.kv_cache_config.groups:
+        total += len(group.layer_names) * group.spec.page_size_bytes // group.spec.block_size
+    return int(total)
+
+
+def bytes_floor(*, weights: int, kv_per_token: int, context_tokens: int,
+                copy_gbps: float | None) -> dict[str, Any]:
+    """The bytes one step reads and the time they take at `copy_gbps` (None: unknown)."""
+    total = weights + kv_per_token * context_tokens
+    ms = total / (copy_gbps * 1e6) if copy_gbps else None
+    return {"weight_bytes": weights, "kv_bytes": kv_per_token * context_tokens,
+            "bytes": total, "floor_ms": ms}
+
+
+def gpu_idle(intervals: Sequence[tuple[float, float]]) -> dict[str, float] | None:
+    """GPU time covered by device activity over the span of `intervals` (microsecond
+    ``(start, end)`` pairs of kernels and copies): busy and idle microseconds."""
+    if not intervals:
+        return None
+    spans = sorted(intervals)
+    busy = 0.0
+    cur_start, cur_end = spans[0]
+    for start, end in spans[1:]:
+        if start > cur_end:
+            busy += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy += cur_end - cur_start
+    span = spans[-1][1] - spans[0][0]
+    span = max(span, max(e for _s, e in spans) - spans[0][0])
+    return {"span_us": span, "busy_us": busy, "idle_us": max(span - busy, 0.0)}
+
+
+def _device_intervals(prof: Any) -> list[tuple[float, float]]:
+    out = []
+    for ev in prof.events():
+        if ev.device_type.name == "CUDA":
+            out.append((float(ev.time_range.start), float(ev.time_range.end)))
+    return out
+
+
+def _kernel_summary(prof: Any, steps: int, top: int = 25) -> list[dict[str, Any]]:
+    rows = []
+    for ev in prof.key_averages():
+        if ev.device_type.name != "CUDA" or ev.self_device_time_total <= 0:
+            continue
+        rows.append({"name": ev.key[:120], "us_per_step": ev.self_device_time_total / steps,
+                     "calls_per_step": ev.count / steps})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return rows[:top]
+
+
+def _fill(llm: Any, batch: int, context: int, max_new: int, vocab: int, seed: int) -> list[str]:
+    import torch
+
+    from pagedcore import SamplingParams
+
+    gen = torch.Generator().manual_seed(seed)
+    params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
+    ids = []
+    for i in range(batch):
+        rid = f"s{seed}-{i}"
+        llm.add_request(rid, torch.randint(3, vocab, (context,), generator=gen).tolist(), params)
+        ids.append(rid)
+    # Prefill until every request decodes (one token per step).
+    for _ in range(10_000):
+        running = llm.scheduler.running
+        if (len(running) == batch and not llm.scheduler.waiting
+                and all(r.num_computed_tokens >= r.num_prompt_tokens for r in running)):
+            break
+        llm.step()
+    return ids
+
+
+def measure_step(llm: Any, *, batch: int, context: int, steps: int, overlap: bool,
+                 profile: bool = False, warmup: int = 3, seed: int = 0) -> dict[str, Any]:
+    """Time `steps` decode steps of `batch` requests (prompts of `context` tokens).
+
+    Returns the wall time per step, the host phases per step, the mean context, and with
+    `profile` (CUDA only) the GPU idle time and a kernel summary of a few profiled steps.
+    """
+    llm.set_async_scheduling(overlap)
+    device = llm.device
+    vocab = min(1000, int(llm.model.config.vocab_size))
+    # Requests decode while later ones prefill: give them all the room max_model_len leaves.
+    ids = _fill(llm, batch, context, llm.max_model_len - context, vocab, seed)
+    for _ in range(warmup):
+        llm.step()
+    _sync(device)
+    before = dict(llm.phase_time)
+    marks = StepMarks(llm) if device.type == "cuda" else None
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        llm.step()
+    _sync(device)
+    wall = (time.perf_counter() - t0) / steps
+    if marks is not None:
+        marks.remove()
+    phases = {k: (v - before.get(k, 0.0)) / steps * 1e3 for k, v in llm.phase_time.items()}
+    seq = [r.num_computed_tokens for r in llm.scheduler.running]
+    row: dict[str, Any] = {
+        "batch": batch, "overlap": bool(llm.async_scheduling), "step_ms": wall * 1e3,
+        "host_ms": {k: round(v, 4) for k, v in phases.items()},
+        "mean_context": sum(seq) / max(len(seq), 1),
+    }
+    # (With overlap, "update" includes waiting for the previous step: not host work.)
+    phases["update"] = phases.get("update", 0.0) - phases.get("wait", 0.0)
+    row["host_ms"]["update"] = round(phases["update"], 4)
+    host = sum(phases.get(k, 0.0) for k in ("schedule", "prepare", "update"))
+    row["host_ms_total"] = host
+    if marks is not None:
+        row.update(marks.summary())
+    if profile and device.type == "cuda":
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        n = 6
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(n):
+                llm.step()
+            _sync(device)
+        idle = gpu_idle(_device_intervals(prof))
+        if idle is not None:  # (the profiler slows the host: an upper bound)
+            row["profiled_gpu_idle_pct"] = 100.0 * idle["idle_us"] / max(idle["span_us"], 1e-9)
+            row["profiled_gpu_busy_ms_per_step"] = idle["busy_us"] / n / 1e3
+        row["kernels"] = _kernel_summary(prof, n)
+    for rid in ids:
+        if rid in llm._parents:
+            llm.abort(rid)
+    llm.drain()
+    return row
+
+
+class StepMarks:
+    """CUDA events at the start of each step's device work (before its input upload) and at
+    its end (after sampling), recorded by wrapping the runner's `prepare` and the sampler:
+    the device's gaps between steps, unprofiled."""
+
+    def __init__(self, llm: Any) -> None:
+        import torch
+
+        self._llm = llm
+        self.starts: list[Any] = []
+        self.ends: list[Any] = []
+        runner, sampler = llm.runner, llm.sampler
+        prepare, sample = runner.prepare, sampler.sample_device
+
+        def marked_prepare(*args: Any, **kw: Any) -> Any:
+            event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            event.record()
+            self.starts.append(event)
+            return prepare(*args, **kw)
+
+        def marked_sample(*args: Any, **kw: Any) -> Any:
+            out = sample(*args, **kw)
+            event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            event.record()
+            self.ends.append(event)
+            return out
+
+        runner.prepare = marked_prepare
+        sampler.sample_device = marked_sample
+
+    def remove(self) -> None:
+        del self._llm.runner.prepare
+        del self._llm.sampler.sample_device
+
+    def summary(self) -> dict[str, float]:
+        """Mean device time per step from its start to its end mark, and the idle time
+        between one step's end and the next one's start (a share of the wall per step)."""
+        pairs = list(zip(self.starts, self.ends, strict=False))
+        if len(pairs) < 2:
+            return {}
+        busy = [s.elapsed_time(e) for s, e in pairs]
+        gaps = [max(0.0, pairs[i][1].elapsed_time(pairs[i + 1][0]))
+                for i in range(len(pairs) - 1)]
+        span = pairs[0][0].elapsed_time(pairs[-1][1])
+        return {"gpu_step_ms": sum(busy) / len(busy),
+                "gpu_idle_ms_per_step": sum(gaps) / len(gaps),
+                "gpu_idle_pct": 100.0 * sum(gaps) / max(span, 1e-9)}
+
+
+def _critical_host_pct(row: dict[str, Any]) -> float | None:
+    if not row["overlap"]:
+        return 100.0 * float(row["host_ms_total"]) / float(row["step_ms"])
+    idle: float | None = row.get("gpu_idle_pct")
+    return idle
+
+
+@click.command("step")
+@click.option("--model-shape", "shape", default="qwen2-0.5b", show_default=True,
+              type=click.Choice(SHAPES), help="Model shape (seeded random weights).")
+@click.option("--batch-sizes", default="1,64,256", show_default=True,
+              help="Comma-separated running-request counts.")
+@click.option("--context", default=512, show_default=True, type=positive_int(),
+              help="Prompt tokens per request.")
+@click.option("--steps", default=20, show_default=True, type=positive_int(),
+              help="Timed decode steps per row.")
+@click.option("--device", default=None, type=DEVICE, help="cpu or cuda (default: CUDA if any).")
+@click.option("--backend", default=None, type=BACKEND, help="Force an attention backend.")
+@click.option("--no-eager", is_flag=True, help="Skip the eager (no CUDA graph) rows.")
+@click.option("--profile", is_flag=True,
+              help="Profile a few steps per row: GPU idle time and kernel summary (CUDA).")
+@click.option("--json", "json_path", default=None, type=OutputPath())
+def step(shape: str, batch_sizes: str, context: int, steps: int, device: str | None,
+         backend: str | None, no_eager: bool, profile: bool, json_path: str | None) -> None:
+    """Decode-step time vs the bytes floor: graphs and eager, overlap on and off."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from pagedcore.bench.kernel_primitives import copy_bandwidth_gbps
+    from pagedcore.bench.report import engine_bench_model, environment, model_shape, write_json
+    from pagedcore.engine.llm import LLM
+
+    try:
+        sizes = sorted({int(s) for s in batch_sizes.split(",") if s.strip()})
+    except ValueError:
+        raise click.BadParameter(f"{batch_sizes!r} is not a comma-separated list of "
+                                 "integers, e.g. 1,64,256", param_hint="--batch-sizes") from None
+    if not sizes or sizes[0] < 1:
+        raise click.BadParameter("give at least one batch size >= 1", param_hint="--batch-sizes")
+    small = shape == "tiny"
+    dev, dtype, config = engine_bench_model(small, device, "qwen2-0.5b" if small else shape)
+    # Room for every request to decode while the last ones prefill, then the timed steps.
+    max_len = context + 512
+    config.max_position_embeddings = max(int(config.max_position_embeddings), max_len)
+    cuda = dev.type == "cuda"
+    copy_gbps = copy_bandwidth_gbps(dev, quick=not cuda) if cuda else None
+    kv_budget = None if cuda else 64 << 20
+    report: dict[str, Any] = {"environment": environment(dev), "copy_bandwidth_GBps": copy_gbps,
+                              "context": context, "steps": steps, "rows": []}
+    modes = [("graphs", False)] + ([] if no_eager or not cuda else [("eager", True)])
+    llm = LLM(config, device=dev, dtype=dtype, backend=backend, max_model_len=max_len,
+              max_num_seqs=max(sizes), kv_cache_memory_bytes=kv_budget,
+              max_num_batched_tokens=max(2048, max(sizes)),
+              cudagraph_capture_sizes=sizes if cuda else None)
+    report["model"] = model_shape(config, dtype=dtype, kv_dtype=dtype, name=shape)
+    report["backends"] = llm.backend_names
+    weights = weight_bytes(llm.model)
+    kv_tok = kv_bytes_per_token(llm)
+    for mode, eager in modes:
+        if eager:
+            runner: Any = llm.runner  # (one process: a ModelRunner)
+            runner.release_graphs()
+        for batch in sizes:
+            for overlap in (True, False):
+                row = measure_step(llm, batch=batch, context=context, steps=steps,
+                                   overlap=overlap, profile=profile and cuda)
+                row["mode"] = mode if llm.cudagraph_status()["enabled"] else "eager"
+                row.update(bytes_floor(weights=weights, kv_per_token=kv_tok,
+                                       context_tokens=int(row["mean_context"] * batch),
+                                       copy_gbps=copy_gbps))
+                floor = row["floor_ms"]
+                row["ratio"] = row["step_ms"] / floor if floor else None
+                row["critical_host_pct"] = _critical_host_pct(row)
+                report["rows"].append(row)
+                click.echo(f"  {row['mode']} batch {batch} overlap {overlap}: "
+                           f"{row['step_ms']:.3f} ms", err=True)
+                if json_path:
+                    write_json(json_path, report)
+    table = Table(title=f"decode step vs bytes floor: {shape}, context ~{context}")
+    for col in ("mode", "batch", "overlap", "step ms", "floor ms", "ratio", "host ms",
+                "critical host %", "GPU idle %"):
+        table.add_column(col, justify="right")
+
+    def fmt(v: Any, spec: str = ".2f") -> str:
+        return "-" if v is None else format(v, spec)
+
+    for r in report["rows"]:
+        table.add_row(r["mode"], str(r["batch"]), "on" if r["overlap"] else "off",
+                      fmt(r["step_ms"], ".3f"), fmt(r["floor_ms"], ".3f"), fmt(r["ratio"]),
+                      fmt(r["host_ms_total"], ".3f"), fmt(r["critical_host_pct"], ".1f"),
+                      fmt(r.get("gpu_idle_pct"), ".1f"))
+    Console(width=140).print(table)
+    if json_path:
+        write_json(json_path, report)

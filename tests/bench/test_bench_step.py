@@ -1,0 +1,73 @@
+"""`pagedcore bench step` on a tiny CPU shape: rows for overlap on and off, the bytes floor,
+the host phases, and the GPU-idle arithmetic on known intervals."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from click.testing import CliRunner
+
+from pagedcore.bench.step import bytes_floor, gpu_idle, measure_step, weight_bytes
+
+
+def test_gpu_idle_merges_overlapping_intervals() -> None:
+    idle = gpu_idle([(0.0, 10.0), (5.0, 12.0), (20.0, 30.0), (29.0, 31.0)])
+    assert idle == {"span_us": 31.0, "busy_us": 23.0, "idle_us": 8.0}
+    assert gpu_idle([]) is None
+
+
+def test_bytes_floor_counts_weights_and_kv_once() -> None:
+    floor = bytes_floor(weights=4_000_000, kv_per_token=1000, context_tokens=2000,
+                        copy_gbps=2.0)
+    assert floor["bytes"] == 6_000_000 and floor["floor_ms"] == 3.0
+    assert bytes_floor(weights=1, kv_per_token=1, context_tokens=1, copy_gbps=None)[
+        "floor_ms"] is None
+
+
+def test_measure_step_with_and_without_overlap(make_llm: Callable[..., Any]) -> None:
+    llm = make_llm(max_num_seqs=4)
+    embed = llm.model.get_input_embeddings().weight
+    tied = embed is llm.model.get_output_embeddings().weight
+    total = sum(p.numel() * 4 for p in llm.model.parameters())
+    assert weight_bytes(llm.model) == (total if tied else total - embed.numel() * 4)
+    rows = [measure_step(llm, batch=3, context=24, steps=3, overlap=o) for o in (True, False)]
+    for row, overlap in zip(rows, (True, False), strict=True):
+        assert row["overlap"] is overlap and row["batch"] == 3 and row["step_ms"] > 0
+        # Every request decoded through the timed steps: context past the prompt.
+        assert row["mean_context"] > 24
+        assert set(row["host_ms"]) >= {"schedule", "prepare", "execute", "update"}
+    # Nothing is left behind between rows.
+    assert not llm.has_unfinished_requests() and llm._inflight is None
+
+
+def test_cli_writes_a_row_per_batch_and_overlap(tmp_path: Path) -> None:
+    from pagedcore.bench.cli import bench
+
+    out = tmp_path / "step.json"
+    result = CliRunner().invoke(bench, ["step", "--model-shape", "tiny", "--device", "cpu",
+                                        "--batch-sizes", "1,2", "--steps", "2",
+                                        "--context", "16", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert [(r["batch"], r["overlap"]) for r in report["rows"]] == [
+        (1, True), (1, False), (2, True), (2, False)]
+    assert all(r["floor_ms"] is None and r["bytes"] > r["weight_bytes"] > 0
+               for r in report["rows"])
+    bad = CliRunner().invoke(bench, ["step", "--batch-sizes", "a,b"])
+    assert bad.exit_code == 2 and "comma-separated list of integers" in bad.output
+
+
+def test_engine_bench_takes_the_model_shape(monkeypatch: Any) -> None:
+    import pagedcore.bench.engine as engine_bench
+    from pagedcore.bench.cli import bench
+
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(engine_bench, "_run_engine_bench", lambda **kw: seen.update(kw))
+    ok = CliRunner().invoke(bench, ["engine", "--model", "llama3-8b", "--small"])
+    assert ok.exit_code == 0, ok.output
+    assert seen["model_name"] == "llama3-8b" and seen["small"] is True
+    bad = CliRunner().invoke(bench, ["engine", "--model", "gpt2"])
+    assert bad.exit_code == 2 and "qwen2-0.5b" in bad.output
