@@ -213,6 +213,9 @@ class AttentionBackend(abc.ABC):
     supports_logits_soft_cap: ClassVar[bool] = False
     #: Per-head attention-sink logits (`AttentionImpl`'s ``sinks``).
     supports_sink: ClassVar[bool] = False
+    #: True when `MetadataBuilder.build` may be given ``common_prefix_len > 0`` (cascade
+    #: attention, `pagedcore.attention.cascade`); the engine passes 0 to the others.
+    supports_cascade: ClassVar[bool] = False
     cudagraph_support: ClassVar[CudaGraphSupport] = CudaGraphSupport.NEVER
 
     def __init__(self) -> None:  # pragma: no cover - guard
@@ -378,7 +381,14 @@ class MetadataBuilder(abc.ABC, Generic[M]):
 
     @abc.abstractmethod
     def build(self, common: CommonAttentionMetadata, *, common_prefix_len: int = 0) -> M:
-        """Plan this step. `common_prefix_len` tokens are shared by every request (cascade)."""
+        """Plan this step.
+
+        `common_prefix_len` (tokens, a multiple of the block size, at most every request's
+        context length) is the cascade request: that many leading tokens sit in the same
+        physical blocks for every request of the step, so a backend declaring
+        ``supports_cascade`` may attend them once for all queries and merge (see
+        `pagedcore.attention.cascade`). Backends without it always get 0.
+        """
 
     def build_for_cudagraph_capture(self, common: CommonAttentionMetadata) -> M:
         """Plan a uniform decode batch once, for CUDA-graph capture and every later replay.

@@ -51,6 +51,12 @@ class CommonAttentionMetadata:
         ``[T]`` int64 on the device; each new token's position in its sequence.
     causal:
         True for decoder self-attention.
+    common_prefix_len:
+        Leading tokens that every request of the step holds in the *same physical blocks*
+        (a multiple of the block size, at most the smallest context length, 0 = none; the
+        runner computes it from the block tables with `pagedcore.attention.cascade`). What is
+        shared, not what a backend must do: `MetadataBuilder.build`'s ``common_prefix_len``
+        argument says whether cascade is used this step.
     """
 
     query_start_loc: torch.Tensor
@@ -65,6 +71,7 @@ class CommonAttentionMetadata:
     slot_mapping: torch.Tensor
     positions: torch.Tensor
     causal: bool = True
+    common_prefix_len: int = 0
 
     @property
     def query_lens_cpu(self) -> torch.Tensor:

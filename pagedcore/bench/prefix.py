@@ -246,13 +246,17 @@ def _plot(report: dict[str, Any], path: str) -> None:
               help="Write the plot to this image file (png, svg, ...).")
 @click.option("--phases/--no-phases", default=True, show_default=True,
               help="Also break cold and warm requests down by engine phase (synced).")
+@click.option("--shared-decode", is_flag=True,
+              help="Also run the shared-prefix decode workload (64 requests x 4,096 shared + "
+                   "256 own tokens; --small: 8 x 512 + 32), cascade attention off vs on.")
 @click.option("--profile-dir", default=None, type=click.Path(file_okay=False),
               help="With --phases: also profile one cold and one warm request per length "
                    "(torch.profiler tables written here).")
 @engine_options(model=None, overrides=True, exclude=("enable_prefix_caching",))
 def prefix(small: bool, model_name: str, lengths: list[int] | None,
            reps: int | None, json_path: str | None, plot_path: str | None,
-           phases: bool, profile_dir: str | None, engine_overrides: dict[str, Any]) -> None:
+           phases: bool, shared_decode: bool, profile_dir: str | None,
+           engine_overrides: dict[str, Any]) -> None:
     """Prefix caching: cold vs warm TTFT at shared system prompts, and a multi-turn chat.
 
     The engine options given apply to both engines (prefix caching on and off)."""
@@ -358,6 +362,18 @@ def prefix(small: bool, model_name: str, lengths: list[int] | None,
               f"hits_proven {r['hits_proven']}", flush=True)
     save()
     advance(1)
+    if shared_decode:
+        from pagedcore.bench.prefix_shared import measure_shared_decode
+
+        shape = dict(num_reqs=8, shared=512, own=32, max_tokens=8) if small else dict(
+            num_reqs=64, shared=4096, own=256, max_tokens=32)
+        row = measure_shared_decode(llm, vocab=vocab, sync=sync, **shape)
+        report["shared_prefix_decode"] = row
+        print(f"KEY shared-prefix decode {row['workload']}: cascade off "
+              f"{row['cascade_off']['decode_tokens_per_s']:.0f} tok/s, on "
+              f"{row['cascade_on']['decode_tokens_per_s']:.0f} tok/s "
+              f"(x{row['speedup']:.2f})", flush=True)
+        save()
     report["chat_trace"]["caching_on"] = chat_trace(llm, vocab=vocab, prefix="chat-True",
                                                     clock=clock, **chat)
     progress("chat trace (caching on) done")

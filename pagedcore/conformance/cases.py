@@ -17,6 +17,7 @@ __all__ = [
     "ANY_HEAD_SIZES",
     "BATCHES",
     "GQA_RATIOS",
+    "SHARED_PREFIX_BATCHES",
     "SMALL_ANY_HEAD_SIZES",
     "TOLERANCES",
     "BatchSpec",
@@ -70,12 +71,22 @@ class BatchSpec:
     #: `pagedcore.conformance.harness.make_batch`), in every request whose context holds them;
     #: a negative position counts from the end of the context (-1: its last position).
     needles: tuple[int, ...] = ()
+    #: Leading context tokens every request shares (same K/V; the same physical blocks for
+    #: the full blocks among them, a copy for a last partial block), for cascade attention.
+    shared_prefix: int = 0
+
+    def _factor(self, block_size: int) -> int:
+        return max(1, block_size // 16) if self.stretch else 1
 
     def scaled(self, block_size: int) -> tuple[tuple[int, int], ...]:
         """Contexts stretched with the block size (when `stretch`), so large blocks still
         span several."""
-        factor = max(1, block_size // 16) if self.stretch else 1
+        factor = self._factor(block_size)
         return tuple((c * factor, q) for c, q in self.requests)
+
+    def scaled_shared_prefix(self, block_size: int) -> int:
+        """`shared_prefix` stretched like the contexts."""
+        return self.shared_prefix * self._factor(block_size)
 
 
 #: The batches of quick mode (the others run only in the full suite).
@@ -115,8 +126,27 @@ BATCHES: dict[str, BatchSpec] = {
             needles=(0, 15, 16, 31, 32, 63, 64, 127, 128, 255, 256, 511, 512, 1023, 1024, 2047,
                      -2, -1),
         ),
+        BatchSpec(
+            "shared_decode",
+            ((40, 1), (45, 1), (37, 1), (64, 1), (36, 1)),
+            2,
+            "decodes sharing a 35-token prefix (cascade: 2 full shared blocks of 16, the "
+            "prefix ending mid-block)",
+            shared_prefix=35,
+        ),
+        BatchSpec(
+            "shared_mixed",
+            ((40, 1), (50, 1), (36, 12), (48, 5)),
+            1,
+            "decodes and prefill chunks continuing one shared 36-token prefix (cascade in a "
+            "mixed step)",
+            shared_prefix=36,
+        ),
     )
 }
+
+#: Batches run only for backends that declare ``supports_cascade``.
+SHARED_PREFIX_BATCHES = ("shared_decode", "shared_mixed")
 
 
 @attrs.frozen(kw_only=True)
@@ -254,8 +284,12 @@ def build_cases(
             "repeat_forward": b == "chunked_prefill",
         }
         for b in BATCHES
-        if b in QUICK_BATCHES or not quick
+        if (b in QUICK_BATCHES or not quick) and b not in SHARED_PREFIX_BATCHES
     ]
+    if backend.supports_cascade:
+        # Cascade attention: shared physical prefix blocks, the plan reused by two layers.
+        variants.append({"batch": "shared_decode", "use_output_buffer": True})
+        variants.append({"batch": "shared_mixed", "repeat_forward": True})
     other_dtypes = [d for d in dtypes if d != base_dtype]
     variants += [{"dtype": d} for d in other_dtypes]
     other_heads = [h for h in head_sizes if h != base_head]
@@ -285,9 +319,13 @@ def build_cases(
     if backend.supports_alibi:
         variants.append({"alibi": True})
         combo["alibi"] = True
+        if backend.supports_cascade:
+            variants.append({"batch": "shared_mixed", "alibi": True})
     if backend.supports_logits_soft_cap:
         variants.append({"logits_soft_cap": 1.0})
         combo["logits_soft_cap"] = 2.0
+        if backend.supports_cascade:
+            variants.append({"batch": "shared_decode", "logits_soft_cap": 1.0})
     if backend.supports_sink:
         variants.append({"sinks": True})
         variants.append({"batch": "decode", "sinks": True, "use_output_buffer": True})
@@ -299,7 +337,8 @@ def build_cases(
     fp8 = [k for k in backend.supported_kv_cache_dtypes if k != "auto"]
     for kv in fp8:
         variants += [
-            {"batch": b, "kv_cache_dtype": kv} for b in BATCHES if b in QUICK_BATCHES or not quick
+            {"batch": b, "kv_cache_dtype": kv} for b in BATCHES
+            if (b in QUICK_BATCHES or not quick) and b not in SHARED_PREFIX_BATCHES
         ]
     variants += [{"dtype": dt, "kv_cache_dtype": fp8[0]} for dt in other_dtypes[:1] if fp8]
     if fp8 and backend.supports_sink and not quick:

@@ -18,6 +18,7 @@ import attrs
 import torch
 
 from pagedcore.attention.backend import AttentionBackend, AttentionConfig
+from pagedcore.attention.cascade import common_prefix_len
 from pagedcore.attention.kv_quant import kv_cache_torch_dtype
 from pagedcore.attention.metadata import CommonAttentionMetadata, decode_first_order
 from pagedcore.conformance.cases import BATCHES, CaseSpec
@@ -144,7 +145,16 @@ def make_batch(case: CaseSpec, reorder_threshold: int) -> Batch:
         num_blocks = low + used + _SPARE_BLOCKS
     else:
         low, num_blocks = 1, 1 + used + _SPARE_BLOCKS
-    block_ids = _assign_blocks(gen, counts, full, num_blocks, low)
+    shared = spec.scaled_shared_prefix(bsz)
+    shared_blocks = shared // bsz
+    if shared_blocks:
+        # Requests after the first reuse its first blocks: fewer distinct blocks, same layout.
+        counts_own = [counts[0]] + [n - shared_blocks for n in counts[1:]]
+        full_own = [full[0]] + [f[shared_blocks:] for f in full[1:]]
+        own = _assign_blocks(gen, counts_own, full_own, num_blocks, low)
+        block_ids = [own[0]] + [own[0][:shared_blocks] + ids for ids in own[1:]]
+    else:
+        block_ids = _assign_blocks(gen, counts, full, num_blocks, low)
     dtype = _DTYPES[case.dtype]
 
     def rnd(*shape: int) -> torch.Tensor:
@@ -154,6 +164,8 @@ def make_batch(case: CaseSpec, reorder_threshold: int) -> Batch:
     keys = [rnd(c + q, hkv, d) for c, q in reqs]
     values = [rnd(c + q, hkv, d) for c, q in reqs]
     queries = [rnd(q, hq, d) for _, q in reqs]
+    for k, v in zip(keys[1:], values[1:], strict=True):
+        k[:shared], v[:shared] = keys[0][:shared], values[0][:shared]
     if spec.needles:
         _plant_needles(spec.needles, [c for c, _ in reqs], keys, queries, gen, dtype)
     return Batch(
@@ -292,7 +304,11 @@ def run_backend(
         spec_cls, extra = SlidingWindowSpec, {"sliding_window": case.sliding_window}
     spec = spec_cls(block_size=bsz, num_kv_heads=hkv, head_size=d, dtype=case.dtype, **extra)
     builder = backend.get_builder_cls()(spec, ["conformance.layer"], device)
-    metadata = builder.build(common)
+    # Cascade as the engine requests it: shared full blocks, never with a window.
+    prefix = 0
+    if backend.supports_cascade and case.sliding_window is None:
+        prefix = common_prefix_len(block_ids, batch.contexts, bsz)
+    metadata = builder.build(common, common_prefix_len=prefix)
     outputs = []
     for _ in range(2 if repeat_forward else 1):
         if use_output_buffer:

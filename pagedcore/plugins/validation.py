@@ -41,7 +41,7 @@ _DTYPES = ("float16", "bfloat16", "float32")
 _DEVICES = ("cpu", "cuda")
 _FLAGS = (
     "supports_sliding_window", "supports_mla", "mla_only", "supports_alibi",
-    "supports_logits_soft_cap", "supports_sink",
+    "supports_logits_soft_cap", "supports_sink", "supports_cascade",
 )
 T = TypeVar("T")
 

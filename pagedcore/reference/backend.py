@@ -37,6 +37,8 @@ class ReferenceBackend(AttentionBackend):
     supports_alibi: ClassVar[bool] = True
     supports_logits_soft_cap: ClassVar[bool] = True
     supports_sink: ClassVar[bool] = True
+    #: Accepts any valid ``common_prefix_len`` and computes the step the plain way (the oracle).
+    supports_cascade: ClassVar[bool] = True
     cudagraph_support: ClassVar[CudaGraphSupport] = CudaGraphSupport.NEVER
 
     @classmethod

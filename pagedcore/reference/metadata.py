@@ -10,6 +10,7 @@ import attrs
 import torch
 
 from pagedcore.attention.backend import MetadataBuilder
+from pagedcore.attention.cascade import check_common_prefix_len
 from pagedcore.attention.metadata import CommonAttentionMetadata
 
 if TYPE_CHECKING:
@@ -104,12 +105,18 @@ class ReferenceMetadataBuilder(MetadataBuilder[ReferenceMetadata]):
             The step's common metadata; only its CPU copies are read on the host, so building
             never synchronises with the device.
         common_prefix_len:
-            Ignored (no cascade attention here).
+            Checked (`check_common_prefix_len`), then computed the plain way: the reference
+            is the oracle that cascade attention must equal.
 
         Returns
         -------
         ReferenceMetadata
         """
+        check_common_prefix_len(
+            common_prefix_len,
+            block_size=self.block_size,
+            context_lens=common.context_lens_cpu[: common.num_reqs].tolist(),
+        )
         starts = common.query_start_loc_cpu.tolist()
         seq_lens = common.seq_lens_cpu.tolist()
         query_lens = [starts[i + 1] - starts[i] for i in range(common.num_reqs)]

@@ -53,3 +53,23 @@ def test_chat_turns_reuse_the_whole_history_including_replies(
     assert on[1]["num_cached_tokens"] == ((50 + 6 - 1) // 16) * 16
     assert on[2]["num_cached_tokens"] == ((66 + 6 - 1) // 16) * 16
     assert all(a["ttft_s"] < b["ttft_s"] for a, b in zip(on[1:], off[1:], strict=True))
+
+
+def test_shared_prefix_decode_workload_runs_both_modes(make_llm: Callable[..., Any]) -> None:
+    from pagedcore.bench.prefix_shared import measure_shared_decode
+
+    llm = make_llm(max_num_batched_tokens=512)
+    seen: list[tuple[int, ...]] = []
+    real = llm.runner.cascade.plan
+
+    def spy(*args: Any) -> Any:
+        shared, use = real(*args)
+        seen.append(use)
+        return shared, use
+
+    llm.runner.cascade.plan = spy
+    row = measure_shared_decode(llm, num_reqs=3, shared=40, own=5, max_tokens=2, vocab=128)
+    assert row["cascade_on"]["num_cached_tokens_min"] == 32  # the shared prompt's full blocks
+    assert row["cascade_off"]["decode_tokens_per_s"] > 0 and row["speedup"] > 0
+    assert any(any(u) for u in seen)  # the forced-on run cascaded (the reference: plainly)
+    assert llm.runner.cascade.mode == "auto"  # restored

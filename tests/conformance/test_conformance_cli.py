@@ -177,7 +177,7 @@ def test_pytest_plugin_reports_a_broken_backend(pytester: pytest.Pytester) -> No
     """``module:Class`` names an unregistered backend; its failing cases fail as tests."""
     result = pytester.runpytest_inprocess(
         "-p", "no:cacheprovider", "--pagedcore-backend", "broken_backends:IgnoresBlockTable",
-        "--pagedcore-quick", "--pagedcore-device", "cpu", "-k", "decode",
+        "--pagedcore-quick", "--pagedcore-device", "cpu", "-k", "decode and not shared",
     )
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*IgnoresBlockTable: decode*NaN in*"])

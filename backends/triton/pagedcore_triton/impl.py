@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from pagedcore.attention import AttentionImpl
 from pagedcore.attention.kv_quant import kv_cache_torch_dtype
 from pagedcore_triton._env import interpreting
 from pagedcore_triton.capabilities import HEAD_SIZES, KV_CACHE_DTYPES
+from pagedcore_triton.launch import PreparedLaunch
 from pagedcore_triton.metadata import TritonAttentionMetadata
+from pagedcore_triton.plan import LaunchPart
 
 __all__ = ["TritonAttentionImpl"]
 
@@ -101,7 +105,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         """Attention for the step's ``[T, Hq, D]`` queries over the paged cache (which already
         holds this step's K/V); `key`/`value` are not read. Returns ``[T, Hq, D]``."""
         self._check(query, kv_cache)
-        from pagedcore_triton.ops import prepare_launch, run_launch
+        from pagedcore_triton.ops import run_launch
 
         if query.stride(-1) != 1:
             query = query.contiguous()
@@ -112,28 +116,20 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         slopes = self.alibi_slopes_on(query.device)
         sinks = self.sinks_on(query.device)
         scales = self.kv_scales_on(query.device) if self.kv_fp8 else None
+        if (metadata.cascade is not None and slopes is None and self.sliding_window is None
+                and sinks is None and not self.kv_fp8):
+            self._forward_cascade(query, kv_cache, metadata, output)
+            return output
         # The first layer of a step prepares each launch; the others reuse it (no device reads,
         # so this also holds under CUDA-graph capture and replay).
         shape_key = (query.shape[1], query.dtype, kv_cache.shape, self._features)
         for i, part in enumerate(metadata.parts):
-            launch = metadata.launches.get((i, shape_key))
-            if launch is None:
-                launch = prepare_launch(
-                    part,
-                    query_shape=(query.shape[0], query.shape[1], query.shape[2]),
-                    dtype=query.dtype,
-                    kv_cache_shape=tuple(kv_cache.shape),
-                    query_start_loc=metadata.query_start_loc,
-                    seq_lens=metadata.seq_lens,
-                    block_table=metadata.block_table,
-                    causal=metadata.causal,
-                    use_alibi=slopes is not None,
-                    sliding_window=self.sliding_window,
-                    logits_soft_cap=self.logits_soft_cap,
-                    kv_fp8=self.kv_fp8,
-                    use_sinks=sinks is not None,
-                )
-                metadata.launches[(i, shape_key)] = launch
+            launch = self._prepared(
+                metadata, (i, shape_key), part, query, kv_cache, seq_lens=metadata.seq_lens,
+                block_table=metadata.block_table, use_alibi=slopes is not None,
+                sliding_window=self.sliding_window, kv_fp8=self.kv_fp8,
+                use_sinks=sinks is not None,
+            )
             run_launch(
                 launch,
                 query,
@@ -147,3 +143,62 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
                 sinks=sinks,
             )
         return output
+
+    def _forward_cascade(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: TritonAttentionMetadata,
+        output: torch.Tensor,
+    ) -> None:
+        """The step through `pagedcore_triton.cascade` (shared prefix once, suffixes, merge)."""
+        from pagedcore_triton.cascade import run_cascade
+
+        plan = metadata.cascade
+        assert plan is not None
+        key = ("cascade", query.shape[1], query.dtype, kv_cache.shape, self._features)
+        launch = self._prepared(
+            metadata, key, plan.suffix_part, query, kv_cache, seq_lens=plan.suffix_seq_lens,
+            block_table=plan.suffix_table, use_alibi=False, sliding_window=None,
+        )
+        run_cascade(plan, launch, query, kv_cache, output, scale=self.scale,
+                    logits_soft_cap=self.logits_soft_cap)
+
+    def _prepared(
+        self,
+        metadata: TritonAttentionMetadata,
+        key: tuple[Any, ...],
+        part: LaunchPart,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        *,
+        seq_lens: torch.Tensor,
+        block_table: torch.Tensor,
+        use_alibi: bool,
+        sliding_window: int | None,
+        kv_fp8: bool = False,
+        use_sinks: bool = False,
+    ) -> PreparedLaunch:
+        """`part`'s launch for this layer shape: prepared by the step's first layer, then
+        reused (no device reads, so this also holds under CUDA-graph capture and replay)."""
+        from pagedcore_triton.ops import prepare_launch
+
+        launch: PreparedLaunch | None = metadata.launches.get(key)
+        if launch is None:
+            launch = prepare_launch(
+                part,
+                query_shape=(query.shape[0], query.shape[1], query.shape[2]),
+                dtype=query.dtype,
+                kv_cache_shape=tuple(kv_cache.shape),
+                query_start_loc=metadata.query_start_loc,
+                seq_lens=seq_lens,
+                block_table=block_table,
+                causal=metadata.causal,
+                use_alibi=use_alibi,
+                sliding_window=sliding_window,
+                logits_soft_cap=self.logits_soft_cap,
+                kv_fp8=kv_fp8,
+                use_sinks=use_sinks,
+            )
+            metadata.launches[key] = launch
+        return launch

@@ -13,6 +13,7 @@ from pagedcore.attention import (
     MetadataBuilder,
     split_decodes_and_prefills,
 )
+from pagedcore.attention.cascade import check_common_prefix_len
 from pagedcore_triton._env import interpreting
 from pagedcore_triton.plan import (
     DECODE_PLAN_ENV,
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     import torch
 
     from pagedcore.kv_cache.spec import AttentionSpec
+    from pagedcore_triton.cascade import CascadePlan
 
 __all__ = [
     "DECODE_PLAN_ENV",
@@ -74,6 +76,10 @@ class TritonAttentionMetadata:
     launches:
         Launches prepared by the first layer that ran this plan, reused by the others (keyed
         by part and layer shape; holds the split-KV scratch). Filled by the impl.
+    cascade:
+        The cascade plan when the step's requests share a prefix (`build`'s
+        ``common_prefix_len``), else None. Layers that cannot cascade (ALiBi, a window) run
+        `parts`.
     """
 
     query_start_loc: torch.Tensor
@@ -83,6 +89,7 @@ class TritonAttentionMetadata:
     causal: bool
     parts: tuple[LaunchPart, ...]
     launches: dict[tuple[Any, ...], Any] = attrs.field(factory=dict, eq=False, repr=False)
+    cascade: CascadePlan | None = None
 
     @classmethod
     def from_common(
@@ -186,7 +193,10 @@ class TritonMetadataBuilder(MetadataBuilder[TritonAttentionMetadata]):
     def build(
         self, common: CommonAttentionMetadata, *, common_prefix_len: int = 0
     ) -> TritonAttentionMetadata:
-        """Plan one step (``common_prefix_len`` is accepted and ignored: no cascade kernel).
+        """Plan one step.
+
+        With ``common_prefix_len > 0`` (the engine's cascade request) the metadata also holds
+        a `CascadePlan` (``pagedcore_triton.cascade``) over the shared prefix blocks.
 
         With the balanced decode plan (`balanced_decode`), a decode launch runs on the
         length-balanced grid when that shortens its longest program by more than
@@ -206,7 +216,19 @@ class TritonMetadataBuilder(MetadataBuilder[TritonAttentionMetadata]):
                 parts.append(self._part(common, num_decodes, num_reqs, allow_split=False))
             else:
                 parts.append(self._part(common, 0, num_reqs, allow_split=True))
-        return TritonAttentionMetadata.from_common(common, parts)
+        meta = TritonAttentionMetadata.from_common(common, parts)
+        if common_prefix_len and num_reqs > 1:
+            check_common_prefix_len(
+                common_prefix_len,
+                block_size=self.kv_cache_spec.block_size,
+                context_lens=common.context_lens_cpu[:num_reqs].tolist(),
+            )
+            from pagedcore_triton.cascade import plan_cascade
+
+            whole = self._part(common, 0, num_reqs, allow_split=True)
+            plan = plan_cascade(common, common_prefix_len, self.kv_cache_spec.block_size, whole)
+            meta = attrs.evolve(meta, cascade=plan)
+        return meta
 
     def build_for_cudagraph_capture(
         self, common: CommonAttentionMetadata

@@ -156,8 +156,13 @@ def run_launch(
     logits_soft_cap: float | None,
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     sinks: torch.Tensor | None = None,
+    merge: bool = True,
 ) -> None:
-    """Run a prepared launch for one layer (see `paged_attention` for the tensors)."""
+    """Run a prepared launch for one layer (see `paged_attention` for the tensors).
+
+    ``merge=False`` leaves a split launch's partials unmerged in ``launch.part_acc`` /
+    ``launch.part_ml`` (cascade attention merges them with the prefix's).
+    """
     grid = launch.grid
     if grid is None:
         return
@@ -203,7 +208,7 @@ def run_launch(
         stride_bt,
         **launch.constexprs,
     )
-    if launch.part_acc is not None:
+    if launch.part_acc is not None and merge:
         c = launch.constexprs
         merge_segments_kernel[(launch.num_tokens, query.shape[1])](
             output,

@@ -8,8 +8,11 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import attrs
+
 from pagedcore.engine.models import attention_hook
 from pagedcore.engine.models.support import output_logit_scale
+from pagedcore.engine.runner.cascade_plan import CascadePlanner
 from pagedcore.engine.runner.cuda_graph import (
     DecodeGraphs,
     GraphCapturer,
@@ -147,6 +150,8 @@ class ModelRunner:
             self.backends.append(chosen)
             self.builders.append(chosen.get_builder_cls()(spec, group.layer_names, device))
 
+        #: Shared prefixes per step and whether to cascade (`pagedcore.attention.cascade`).
+        self.cascade = CascadePlanner(kv_cache_config.groups, self.backends)
         self.kv_caches = self._allocate_kv_caches()
         self.layers: dict[int, attention_hook.LayerBinding] = {}
         if num_heads is None:
@@ -399,12 +404,21 @@ class ModelRunner:
     ) -> StepInputs:
         """Flatten the step into tensors and per-group metadata (padded to a CUDA-graph
         bucket when the step is all single-token decodes and graphs are enabled)."""
-        bucket = self._graph_bucket(scheduled)
+        shared, use = self.cascade.plan(scheduled, block_ids)
+        # A cascade plan follows this step's lengths: such a step is never a graph replay.
+        bucket = None if any(use) else self._graph_bucket(scheduled)
         if bucket is not None:
             assert self.graphs is not None
             # Capture (which fills the buffers with padding) before this step's inputs land.
             self.graphs.capture(bucket)
-        return self.input_batch.prepare(scheduled, block_ids, pad_to=bucket)
+        inputs = self.input_batch.prepare(scheduled, block_ids, pad_to=bucket)
+        if not any(shared):
+            return inputs
+        common = tuple(
+            attrs.evolve(c, common_prefix_len=p) for c, p in zip(inputs.common, shared,
+                                                                  strict=True)
+        )
+        return attrs.evolve(inputs, common=common, cascade_prefix_lens=use)
 
     def _hidden(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: attention_hook.StepContext
@@ -440,12 +454,18 @@ class ModelRunner:
                 ):
                     builder.prepare_replay(plan, common)
                 hidden = self.graphs.replay(bucket)
-            elif self.mixed_graphs is not None and self.mixed_graphs.bucket_for(inputs):
+            elif (
+                not any(inputs.cascade_prefix_lens)
+                and self.mixed_graphs is not None
+                and self.mixed_graphs.bucket_for(inputs)
+            ):
                 hidden = self.mixed_graphs.run(inputs)
             else:
+                prefix = inputs.cascade_prefix_lens or (0,) * len(self.builders)
                 metadata = tuple(
-                    builder.build(common)
-                    for builder, common in zip(self.builders, inputs.common, strict=True)
+                    builder.build(common, common_prefix_len=p)
+                    for builder, common, p in zip(self.builders, inputs.common, prefix,
+                                                  strict=True)
                 )
                 ctx = attention_hook.StepContext(
                     layers=self.layers,

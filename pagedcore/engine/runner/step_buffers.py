@@ -50,6 +50,9 @@ class StepInputs:
     cudagraph_bucket:
         For a step padded to a CUDA-graph bucket: the bucket (``input_ids`` and the metadata
         cover ``bucket`` requests, the real ones first); None for an eager step.
+    cascade_prefix_lens:
+        Per group, the ``common_prefix_len`` the builders get (cascade attention; empty or
+        zeros: none). A step that cascades runs eagerly (never from a CUDA graph).
     """
 
     input_ids: torch.Tensor
@@ -59,6 +62,7 @@ class StepInputs:
     sample_rows: Sequence[ScheduledRequest]
     order: Sequence[ScheduledRequest]
     cudagraph_bucket: int | None = None
+    cascade_prefix_lens: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:

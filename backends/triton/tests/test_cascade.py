@@ -1,0 +1,138 @@
+"""Cascade attention on the triton backend: conformance, a planted bug the suite catches, and
+the engine with cascade on equal to cascade off (tokens and logprobs)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import attrs
+import pytest
+import torch
+
+from pagedcore import LLM, SamplingParams
+from pagedcore.attention.cascade import CASCADE_ENV
+from pagedcore.conformance import run_suite
+from pagedcore.engine.models.loading import random_model, tiny_config
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _count_cascades(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Record the prefix length of every cascade launch the impl makes."""
+    import pagedcore_triton.cascade as cascade
+
+    seen: list[int] = []
+    real = cascade.run_cascade
+
+    def spy(plan: Any, *args: Any, **kwargs: Any) -> None:
+        seen.append(plan.prefix_len)
+        real(plan, *args, **kwargs)
+
+    monkeypatch.setattr(cascade, "run_cascade", spy)
+    return seen
+
+
+def test_shared_prefix_conformance(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shared-prefix cases pass and really take the cascade path (soft-cap included;
+    ALiBi layers fall back to the plain plan)."""
+    seen = _count_cascades(monkeypatch)
+    report = run_suite("triton", quick=True, device=DEVICE, case_filter="shared_")
+    names = [r.name for r in report.results]
+    assert len(names) == 4 and all(n.startswith("shared_") for n in names), names
+    assert report.passed, report.summary()
+    # shared_decode: 2 full blocks of 16 (35 shared tokens); shared_mixed: 2 (36 shared).
+    assert seen and set(seen) == {32}, seen
+
+
+def test_conformance_catches_prefix_counted_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A planted bug: the suffix launch is not shifted past the prefix, so the prefix is
+    attended twice (once in each part). The shared-prefix cases must fail."""
+    import pagedcore_triton.cascade as cascade
+
+    real = cascade.plan_cascade
+
+    def twice(common: Any, prefix_len: int, block_size: int, part: Any) -> Any:
+        plan = real(common, prefix_len, block_size, part)
+        n = common.num_reqs
+        return attrs.evolve(plan, suffix_seq_lens=common.seq_lens[:n],
+                            suffix_table=common.block_table[:n])
+
+    monkeypatch.setattr(cascade, "plan_cascade", twice)
+    report = run_suite("triton", quick=True, device=DEVICE,
+                       case_filter="shared_decode/float32/hs128/bs16/h8kv2/out_buffer")
+    assert len(report.results) == 1
+    assert not report.passed, report.summary()
+    assert "error" in (report.results[0].message or "")
+
+
+def _engine(mode: str, monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> LLM:
+    monkeypatch.setenv(CASCADE_ENV, mode)
+    config = tiny_config("llama", head_dim=64)
+    model = random_model(copy.deepcopy(config), dtype=torch.float32,
+                         device=torch.device(DEVICE), seed=0)
+    return LLM(model, device=DEVICE, backend="triton", block_size=16, max_model_len=64,
+               max_num_batched_tokens=64, enforce_eager=True, **kwargs)
+
+
+def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[Any]:
+    outs = llm.generate(prompts, params)
+    return [(c.token_ids, c.logprobs) for o in outs for c in o.outputs]
+
+
+def _assert_same(on: list[Any], off: list[Any]) -> None:
+    for (tok_a, lp_a), (tok_b, lp_b) in zip(on, off, strict=True):
+        assert tok_a == tok_b
+        for a, b in zip(lp_a, lp_b, strict=True):
+            assert a.keys() == b.keys()
+            for t in a:
+                assert abs(a[t] - b[t]) < 1e-4 * max(1.0, abs(b[t])), (t, a[t], b[t])
+
+
+def test_engine_shared_system_prompt_cascade_equals_plain(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A shared 37-token system prompt (2 full shared blocks, ending mid-block), three
+    requests, then n=2 samples of one prompt: tokens and logprobs with cascade (forced)
+    equal those without, and cascade really ran."""
+    g = torch.Generator().manual_seed(3)
+    system = torch.randint(3, 128, (37,), generator=g).tolist()
+    prompts = [system + torch.randint(3, 128, (n,), generator=g).tolist() for n in (3, 9, 5)]
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=2)
+    samples = SamplingParams(n=2, max_tokens=3, temperature=1.0, seed=11, ignore_eos=True,
+                             logprobs=2)
+    results = {}
+    for mode in ("always", "off"):
+        seen = _count_cascades(monkeypatch)
+        llm = _engine(mode, monkeypatch)
+        llm.generate(prompts[:1], greedy)  # warm the prefix cache: later prompts share blocks
+        results[mode] = (_run(llm, prompts, greedy), _run(llm, [prompts[1]], samples))
+        assert bool(seen) == (mode == "always"), seen
+        monkeypatch.undo()
+    _assert_same(results["always"][0], results["off"][0])
+    _assert_same(results["always"][1], results["off"][1])
+
+
+def test_engine_cascade_with_preempted_and_resumed_requests(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Five requests sharing a 34-token prompt in a KV budget too small for all of them:
+    requests are preempted and resumed (recomputing onto other blocks), cascade runs on the
+    steps whose tables still share blocks, and the outputs equal the plain engine's."""
+    g = torch.Generator().manual_seed(5)
+    system = torch.randint(3, 128, (34,), generator=g).tolist()
+    prompts = [system + torch.randint(3, 128, (n,), generator=g).tolist()
+               for n in (2, 6, 4, 8, 3)]
+    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, logprobs=1)
+    # 2 layers x K/V x 16 tokens x 2 KV heads x 64 x float32 per block; 1 null + 8 blocks.
+    budget = 9 * 2 * 2 * 16 * 2 * 64 * 4
+    results, preemptions = {}, {}
+    for mode in ("always", "off"):
+        seen = _count_cascades(monkeypatch)
+        llm = _engine(mode, monkeypatch, kv_cache_memory_bytes=budget)
+        results[mode] = _run(llm, prompts, params)
+        preemptions[mode] = llm.stats()["preemptions"]
+        assert bool(seen) == (mode == "always"), seen
+        monkeypatch.undo()
+    assert preemptions["always"] >= 1, preemptions
+    _assert_same(results["always"], results["off"])

@@ -1,0 +1,35 @@
+"""``docs/benchmarks/run_cascade_h200.sh --smoke``: the script the H200 run uses, on tiny shapes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the smoke mode is the CPU interpreter's")
+def test_run_cascade_script_smoke(tmp_path: Path) -> None:
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
+    proc = subprocess.run(
+        ["bash", str(ROOT / "docs/benchmarks/run_cascade_h200.sh"), "--smoke"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    conf = json.loads((tmp_path / "cascade_conformance.json").read_text())
+    assert conf["passed"], conf
+    result = json.loads((tmp_path / "cascade_h200.json").read_text())
+    assert result["interpreter"]
+    target = result["target"]
+    assert target["common_prefix_len"] == 32 and not target["nan"]
+    assert target["rel_err_cascade_vs_plain"] < 1e-4, target
+    assert result["unshared"]["common_prefix_len"] == 0
+    assert not result["unshared"]["cascade_planned"]
+    assert [r["num_reqs"] for r in result["sweep"]] == [2, 4]
+    assert all(r["rel_err_cascade_vs_plain"] < 1e-4 for r in result["sweep"])
