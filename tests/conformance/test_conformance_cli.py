@@ -115,7 +115,7 @@ def test_pytest_plugin_generates_one_test_per_case(pytester: pytest.Pytester) ->
     pytester.makepyfile(test_other="def test_other():\n    pass\n")
     result = pytester.runpytest_inprocess(
         "-p", "no:cacheprovider", "--pagedcore-backend", "reference", "--pagedcore-quick",
-        "--pagedcore-device", "cpu", "--pagedcore-only", "-k", "prefill",
+        "--pagedcore-device", "cpu", "--pagedcore-only", "-k", "prefill and not fp8",
     )
     result.assert_outcomes(passed=2)
     result.stdout.no_fnmatch_line("*test_other*PASSED*")
@@ -177,7 +177,8 @@ def test_pytest_plugin_reports_a_broken_backend(pytester: pytest.Pytester) -> No
     """``module:Class`` names an unregistered backend; its failing cases fail as tests."""
     result = pytester.runpytest_inprocess(
         "-p", "no:cacheprovider", "--pagedcore-backend", "broken_backends:IgnoresBlockTable",
-        "--pagedcore-quick", "--pagedcore-device", "cpu", "-k", "decode and not shared",
+        "--pagedcore-quick", "--pagedcore-device", "cpu",
+        "-k", "decode and not shared and not fp8 and not sinks",
     )
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*IgnoresBlockTable: decode*NaN in*"])
