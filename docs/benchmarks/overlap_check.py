@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from pagedcore import LLM, SamplingParams
-from pagedcore.engine.models import qwen2_0_5b_config
+from pagedcore.engine.models.loading import qwen2_0_5b_config
 
 
 def workload(stops: list[int]) -> list[list[tuple[str, list[int], SamplingParams]]]:
