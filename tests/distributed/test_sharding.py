@@ -95,7 +95,8 @@ def _assert_same_step_inputs(got: Any, ref: Any) -> None:
 
 def test_plan_rebuilds_identical_inputs_without_logits() -> None:
     params = SamplingParams(max_tokens=4)
-    reqs = [Request(f"r{i}", list(range(3 + i, 40 + 7 * i)), params, arrival_index=i) for i in range(3)]
+    reqs = [Request(f"r{i}", list(range(3 + i, 40 + 7 * i)), params, arrival_index=i)
+            for i in range(3)]
     # A decode (1 token at 36), a chunk in the middle of a prompt, a whole prompt.
     scheduled = [ScheduledRequest(reqs[0], 36, 1), ScheduledRequest(reqs[1], 8, 12),
                  ScheduledRequest(reqs[2], 0, 49)]
@@ -125,7 +126,8 @@ def test_plan_rebuilds_a_padded_decode_step() -> None:
     # A CUDA-graph decode step (inputs padded to a bucket): the worker's planned views go
     # through the decode fast path, which indexes the token list by position.
     params = SamplingParams(max_tokens=4)
-    reqs = [Request(f"r{i}", list(range(5 + i, 30 + 3 * i)), params, arrival_index=i) for i in range(3)]
+    reqs = [Request(f"r{i}", list(range(5 + i, 30 + 3 * i)), params, arrival_index=i)
+            for i in range(3)]
     scheduled = [ScheduledRequest(r, r.num_tokens - 1, 1) for r in reqs]
     blocks = {f"r{i}": ([3 * i + 1, 3 * i + 2, 3 * i + 3, 20 + 3 * i, 21 + 3 * i,
                          22 + 3 * i, 30 + 2 * i, 31 + 2 * i],) for i in range(3)}

@@ -16,9 +16,13 @@ def test_conformance_quick() -> None:
 
 def test_conformance_needles() -> None:
     """The full suite's `needles` batch (2,100-token contexts with needle keys on block, tile
-    and split edges): the split-KV decode must read every edge position right."""
+    and split edges), in the model dtype and in each fp8 cache dtype: the split-KV decode must
+    read every edge position right."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     report = run_suite("triton", device=device, case_filter="needles/")
     assert report.skipped is None, report.skipped
-    assert [r.name.split("/")[0] for r in report.results] == ["needles"]
+    names = [r.name for r in report.results]
+    # The model-dtype batch, and one per declared fp8 cache dtype (the same edges, dequantized).
+    assert {n.split("/")[0] for n in names} == {"needles"}
+    assert "needles/float32/hs128/bs16/h8kv2" in names and len(names) == 3, names
     assert report.passed, report.summary()
