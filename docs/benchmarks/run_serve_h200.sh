@@ -9,13 +9,17 @@
 #     httpx` here
 #   OUT=/some/dir bash docs/benchmarks/run_serve_h200.sh [qwen2-0.5b] [llama3-8b]
 #
-# Environment: NUM_REQUESTS (1000), RATES (4,8,16,32,64,inf), PORT (8011), INPUT_LEN
-# (128:2048), OUTPUT_LEN (128:512), MAX_MODEL_LEN (4096), SERVE_ARGS (extra `pagedcore serve`
-# flags). A CPU smoke test of the script: NUM_REQUESTS=4 RATES=inf INPUT_LEN=8:16
-# OUTPUT_LEN=4 MAX_MODEL_LEN=256 SERVE_ARGS="--device cpu" OUT=/tmp/s bash ... llama Results in ${OUT:-docs/benchmarks/serve_h200}/:
+# Environment: NUM_REQUESTS (1000), RATES (4,8,16,32,64,inf; RATES_<model> with - for . in
+# the name, e.g. RATES_llama3_8b, overrides it per model), PORT (8011), INPUT_LEN (128:2048),
+# OUTPUT_LEN (128:512), MAX_MODEL_LEN (4096), SERVE_ARGS (extra `pagedcore serve` flags, e.g.
+# --no-engine-process), GENERATE (1: run the LLM.generate baseline), DEADLINE (epoch seconds:
+# skip what would start after it). A CPU smoke test of the script: NUM_REQUESTS=4 RATES=inf
+# INPUT_LEN=8:16 OUTPUT_LEN=4 MAX_MODEL_LEN=256 SERVE_ARGS="--device cpu" OUT=/tmp/s bash ...
+# llama. Results in ${OUT:-docs/benchmarks/serve_h200}/:
 #   bench_serve_<model>.json/.png  the sweep (TTFT/TPOT/ITL/e2e percentiles, goodput, errors)
-#   generate_<model>.json          LLM.generate on the same 1,000 requests, and the ratio
+#   generate_<model>.json          LLM.generate on the same requests, and the ratio
 #   metrics_<model>.txt            /metrics after the sweep; serve_<model>.log the server log
+#   cpu_<model>.json               CPU seconds of the server, its engine process and the client
 # Workload: input 128-2,048 tokens, output 128-512 (ignore_eos, greedy). Targets (issue 23):
 # throughput at saturation (rate inf) >= 90 % of LLM.generate, TTFT p99 < 1 s below
 # saturation, zero errors.
@@ -25,15 +29,19 @@ D="${OUT:-docs/benchmarks/serve_h200}"
 mkdir -p "$D"
 MODELS="${*:-qwen2-0.5b}"
 N="${NUM_REQUESTS:-1000}"
-RATES="${RATES:-4,8,16,32,64,inf}"
 PORT="${PORT:-8011}"
 IN="${INPUT_LEN:-128:2048}"
 OUTLEN="${OUTPUT_LEN:-128:512}"
 MML="${MAX_MODEL_LEN:-4096}"
+DEADLINE="${DEADLINE:-9999999999}"
 ENGINE_ARGS="--max-model-len $MML --max-num-seqs 256 --max-num-batched-tokens 8192"
+cpu() { awk '{print ($14+$15)/100}' "/proc/$1/stat" 2>/dev/null || echo 0; }
 rc=0
 for m in $MODELS; do
-  echo "== pagedcore serve random:$m"
+  var="RATES_${m//[-.]/_}"
+  RATES="${!var:-${RATES:-4,8,16,32,64,inf}}"
+  if [ "$(date +%s)" -ge "$DEADLINE" ]; then echo "SKIPPED $m: past the deadline"; continue; fi
+  echo "== pagedcore serve random:$m ($(date +%T))"
   # shellcheck disable=SC2086
   pagedcore serve "random:$m" --port "$PORT" $ENGINE_ARGS --max-waiting 4096 \
     --log-level warning ${SERVE_ARGS:-} > "$D/serve_$m.log" 2>&1 &
@@ -52,24 +60,40 @@ while time.monotonic() < deadline:
             sys.exit(0)
     except httpx.HTTPError:
         pass
-    time.sleep(2)
+    time.sleep(0.5)
 sys.exit("the server did not come up in 900 s")
 PY
   then
     echo "FAILED: pagedcore serve random:$m (log: $D/serve_$m.log)" >&2
+    tail -20 "$D/serve_$m.log" >&2
     kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; rc=1; continue
   fi
-  echo "== pagedcore bench serve ($N requests at $RATES req/s)"
-  if ! pagedcore bench serve --base-url "http://127.0.0.1:$PORT" --num-requests "$N" \
+  child=$(pgrep -P "$pid" -f spawn_main | head -1); child=${child:-$pid}
+  echo "== up at $(date +%T); pagedcore bench serve ($N requests at $RATES req/s)"
+  s0=$(cpu "$pid"); e0=$(cpu "$child"); t0=$(date +%s.%N)
+  TIMEFORMAT="%U %S"
+  { time pagedcore bench serve --base-url "http://127.0.0.1:$PORT" --num-requests "$N" \
       --input-len "$IN" --output-len "$OUTLEN" --token-id-range 3:120 --request-rate "$RATES" \
       --slo-ttft-ms 1000 --json "$D/bench_serve_$m.json" --plot "$D/bench_serve_$m.png" \
-      --no-progress; then
-    echo "FAILED: pagedcore bench serve on $m" >&2; rc=1
-  fi
+      --no-progress > "$D/bench_serve_$m.txt" 2>&1 ; } 2> "$D/client_time_$m.txt" \
+    || { echo "FAILED: pagedcore bench serve on $m" >&2; rc=1; }
+  cat "$D/bench_serve_$m.txt"
+  python - "$D/cpu_$m.json" "$(cpu "$pid")" "$s0" "$(cpu "$child")" "$e0" "$t0" "$D/client_time_$m.txt" <<'PY'
+import json, sys, time
+out, s1, s0, e1, e0, t0, client = sys.argv[1:]
+u, s = (open(client).read().split() + ["0", "0"])[:2]
+rep = {"wall_s": time.time() - float(t0), "server_cpu_s": float(s1) - float(s0),
+       "engine_process_cpu_s": float(e1) - float(e0), "client_cpu_s": float(u) + float(s)}
+json.dump(rep, open(out, "w"), indent=1); print("cpu:", rep)
+PY
   python -c "import httpx, sys; open(sys.argv[2], 'w').write(httpx.get(
       f'http://127.0.0.1:{sys.argv[1]}/metrics').text)" "$PORT" "$D/metrics_$m.txt"
+  grep -E "^pagedcore:(engine_step|generation_tokens_total)" "$D/metrics_$m.txt"
   kill -TERM "$pid"; wait "$pid"
-  echo "== LLM.generate on the same workload"
+  if [ "${GENERATE:-1}" != 1 ] || [ "$(date +%s)" -ge "$DEADLINE" ]; then
+    echo "SKIPPED: LLM.generate baseline on $m"; continue
+  fi
+  echo "== LLM.generate on the same workload ($(date +%T))"
   # shellcheck disable=SC2086
   if ! python - "$m" "$N" "$D/generate_$m.json" "$D/bench_serve_$m.json" "$IN" "$OUTLEN" \
       "$MML" <<'PY'
@@ -86,12 +110,14 @@ work = make_workload(n, input_len=rng(sys.argv[5]), output_len=rng(sys.argv[6]),
                      token_range=(3, 120))
 llm.generate([w.prompt for w in work[:8]], SamplingParams(max_tokens=16, ignore_eos=True))
 params = [SamplingParams(max_tokens=w.output_len, temperature=0, ignore_eos=True) for w in work]
+s0, h0 = llm.num_steps, llm.step_time
 t0 = time.perf_counter()
 outs = llm.generate([w.prompt for w in work], params)
 elapsed = time.perf_counter() - t0
 tokens = sum(len(o.outputs[0].token_ids) for o in outs)
 report = {"model": model, "requests": n, "elapsed_s": elapsed, "output_tokens": tokens,
-          "request_throughput": n / elapsed, "output_throughput": tokens / elapsed}
+          "request_throughput": n / elapsed, "output_throughput": tokens / elapsed,
+          "steps": llm.num_steps - s0, "step_time_s": llm.step_time - h0}
 try:
     runs = json.load(open(served))["runs"]
     sat = [r for r in runs if r["request_rate"] == "inf"]

@@ -364,6 +364,8 @@ class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
         request_id: str,
         prompt: PromptType,
         params: SamplingParams | None = None,
+        *,
+        delta: bool = False,
     ) -> None:
         """Queue a request for `step()`.
 
@@ -372,6 +374,9 @@ class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
         params:
             How to sample (None: `default_sampling_params`, from the checkpoint's
             ``generation_config``; the output's ``sampling_defaults`` lists what it took).
+        delta:
+            Its outputs hold only what is new since its previous output (as `LLM.stream`'s
+            do); else each holds everything so far.
 
         Raises
         ------
@@ -390,6 +395,7 @@ class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
         text, ids = self._tokenize(prompt)
         params, used, bad_words = self._resolve(params, len(ids))
         parent = ParentRequest(request_id, text, ids, sampling_defaults=used)
+        parent.delta = delta
         children = make_children(
             parent, params, arrivals=self._arrivals, eos_token_ids=self.eos_token_ids,
             now=time.perf_counter(), tokenizer=self.tokenizer, bad_words_token_ids=bad_words,

@@ -46,7 +46,8 @@ class OfflineGeneration:
         ) -> tuple[SamplingParams, dict[str, Any], list[list[int]]]: ...
 
         def add_request(
-            self, request_id: str, prompt: PromptType, params: SamplingParams | None = None
+            self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+            *, delta: bool = False,
         ) -> None: ...
 
         def abort(self, request_id: str) -> RequestOutput: ...
@@ -70,8 +71,7 @@ class OfflineGeneration:
         ids_out = []
         for prompt, params in zip(prompt_list, params_list, strict=True):
             request_id = f"gen-{next(self._ids)}"
-            self.add_request(request_id, prompt, params)
-            self._parents[request_id].delta = delta
+            self.add_request(request_id, prompt, params, delta=delta)
             ids_out.append(request_id)
         return ids_out
 

@@ -118,7 +118,7 @@ def build_app(
         raise ValueError("model_names must name at least one model")
     serving = OpenAIServing(
         engine, model_names=model_names,
-        max_n=max_n if max_n is not None else int(engine.llm.scheduler_config.max_num_seqs),
+        max_n=max_n if max_n is not None else engine.max_num_seqs,
     )
 
     @asynccontextmanager
@@ -188,7 +188,7 @@ def build_app(
         check_key(request)
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": created, "owned_by": "pagedcore",
-             "root": engine.llm.model_name, "max_model_len": engine.max_model_len}
+             "root": engine.model_name, "max_model_len": engine.max_model_len}
             for name in model_names]}
 
     @app.get("/health")

@@ -1,18 +1,21 @@
-"""`AsyncEngine`: one engine loop on a background thread, async iterators per request.
+"""`AsyncEngine`: one engine loop on a background thread or process, async iterators per request.
 
-The loop thread owns the `LLM`: every engine call (`add_request`, `step`, `abort`) happens on
-it, so the scheduler and the KV-cache manager are never touched concurrently. Coroutines talk
-to it through a command queue (``add`` / ``abort`` / ``stop``) and receive each step's outputs on
-their own `asyncio.Queue` (handed over with `loop.call_soon_threadsafe`).
+The engine loop (`pagedcore.serve.core_loop.CoreLoop`) owns the `LLM`: every engine call
+(`add_request`, `step`, `abort`) happens there, so the scheduler and the KV-cache manager are
+never touched concurrently. It runs on a thread of this process (``AsyncEngine(llm)``) or in
+a process of its own (``AsyncEngine.spawn(engine_args)``, what `pagedcore serve` does: the
+engine then never waits for the event loop's GIL). Coroutines talk to it through commands
+(``add`` / ``abort`` / ``stop``) and receive each step's `StreamDelta`s on their own
+`asyncio.Queue`.
 
-`generate()` turns the cumulative engine outputs of one sequence into `StreamDelta`s: the new
-tokens, their text, and a finish reason as OpenAI defines it. The text and the stop strings are
-the engine's own (`pagedcore.engine.detokenizer`, driven by the request's `SamplingParams`):
-the engine detokenizes incrementally and stops a request when its text matches. A
-consumer that goes away (the iterator closed, its task cancelled: a client disconnect) aborts
-its engine request at once, which frees its KV blocks. Admission control bounds the requests in
-flight: past ``max_num_seqs + max_waiting`` new ones get `QueueFullError` (HTTP 503 with
-``Retry-After``); nothing admitted is ever dropped for it.
+`generate()` yields the deltas of one sequence: the new tokens, their text, and a finish
+reason as OpenAI defines it; when its consumer fell behind, the deltas waiting are merged into
+one. The text and the stop strings are the engine's own (`pagedcore.engine.detokenizer`,
+driven by the request's `SamplingParams`): the engine detokenizes incrementally and stops a
+request when its text matches. A consumer that goes away (the iterator closed, its task
+cancelled: a client disconnect) aborts its engine request at once, which frees its KV blocks.
+Admission control bounds the requests in flight: past ``max_num_seqs + max_waiting`` new ones
+get `QueueFullError` (HTTP 503 with ``Retry-After``); nothing admitted is ever dropped for it.
 """
 
 from __future__ import annotations
@@ -25,71 +28,37 @@ import time
 from collections.abc import AsyncGenerator, Sequence
 from typing import TYPE_CHECKING, Any
 
-import attrs
-
+from pagedcore.serve.deltas import CoreError, StreamDelta, merge_deltas
 from pagedcore.serve.engine_thread import EngineThread, RequestStream
 from pagedcore.serve.errors import (
     BadRequestError,
     EngineDeadError,
     QueueFullError,
-    RequestFailedError,
     ShuttingDownError,
 )
 
 if TYPE_CHECKING:
+    from pagedcore.engine.engine_args import EngineArgs
     from pagedcore.engine.llm import LLM
-    from pagedcore.engine.outputs import Logprob, RequestOutput
     from pagedcore.engine.sampling.sampling_params import SamplingParams
+    from pagedcore.engine.scheduling.fits import RequestFit
+    from pagedcore.serve.core_loop import Command
+    from pagedcore.serve.engine_process import EngineProcess
     from pagedcore.serve.metrics import ServeMetrics
 
 __all__ = ["AsyncEngine", "StreamDelta"]
 
 
-@attrs.frozen(kw_only=True)
-class StreamDelta:
-    """What one sequence produced since the previous delta.
-
-    Attributes
-    ----------
-    request_id:
-        The engine request id.
-    text:
-        New text (complete characters only; the part that could still become a stop string is
-        held back).
-    token_ids:
-        New token ids.
-    logprobs:
-        Per new token ``{token_id: Logprob}`` (the sampled token and the top ones), or None.
-    finish_reason:
-        None while running; then ``"stop"`` (EOS, a stop token or a stop string), ``"length"``
-        (max_tokens or the model length) or ``"abort"`` (the server stopped it).
-    stop_reason:
-        The EOS / stop token id or the stop string that ended the sequence, or None.
-    num_prompt_tokens, num_cached_tokens, num_generated_tokens:
-        Prompt tokens, those served from the prefix cache, tokens generated so far (all of the
-        sequence, not only this delta's).
-    """
-
-    request_id: str
-    text: str
-    token_ids: list[int]
-    logprobs: list[dict[int, Logprob]] | None
-    finish_reason: str | None
-    stop_reason: int | str | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    num_generated_tokens: int
-
-
 class AsyncEngine(EngineThread):
-    """An `LLM` driven by a background thread, for asyncio servers.
+    """An `LLM` driven by a background thread (or process), for asyncio servers.
 
     Parameters
     ----------
     llm:
-        The engine. The `AsyncEngine` owns it from now on (call nothing on it directly); its
-        tokenizer stays with it (the engine detokenizes) and is shared as
-        `AsyncEngine.tokenizer` (chat templates, logprob token texts).
+        The engine, run on a thread of this process. The `AsyncEngine` owns it from now on
+        (call nothing on it directly); its tokenizer stays with it (the engine detokenizes)
+        and is shared as `AsyncEngine.tokenizer` (chat templates, logprob token texts).
+        Use `AsyncEngine.spawn` instead to run the engine in its own process.
     max_waiting:
         Requests admitted beyond ``max_num_seqs`` (those wait in the queue); past it new
         requests are refused with `QueueFullError`.
@@ -107,22 +76,40 @@ class AsyncEngine(EngineThread):
 
     def __init__(
         self,
-        llm: LLM,
+        llm: LLM | None,
         *,
         max_waiting: int = 1024,
         metrics: ServeMetrics | None = None,
         retry_after: int = 1,
+        process: EngineProcess | None = None,
     ) -> None:
         if not isinstance(max_waiting, int) or max_waiting < 0:
             raise ValueError(f"max_waiting must be an integer >= 0, got {max_waiting!r}")
+        if (llm is None) == (process is None):
+            raise ValueError("give AsyncEngine an LLM, or use AsyncEngine.spawn(engine_args)")
         self.llm = llm
-        self.tokenizer: Any = llm.tokenizer
-        self.max_model_len = int(llm.max_model_len)
-        self.capacity = int(llm.scheduler_config.max_num_seqs) + max_waiting
+        self._process = process
+        if llm is not None:
+            self.tokenizer: Any = llm.tokenizer
+            self.model_name = str(llm.model_name)
+            self.max_model_len = int(llm.max_model_len)
+            self.max_num_seqs = int(llm.scheduler_config.max_num_seqs)
+            self.vocab_size = int(llm.model.config.vocab_size)
+            self._fit: RequestFit = llm.scheduler.fit
+        else:
+            assert process is not None
+            info = process.info
+            self.tokenizer = info.tokenizer
+            self.model_name = info.model_name
+            self.max_model_len = info.max_model_len
+            self.max_num_seqs = info.max_num_seqs
+            self.vocab_size = info.vocab_size
+            self._fit = info.fit
+        self.capacity = self.max_num_seqs + max_waiting
         self.metrics = metrics
         self.retry_after = retry_after
-        self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}  # requests in flight, by engine id
         self._lock = threading.Lock()
         self._in_flight = 0
         self._accepting = True
@@ -131,20 +118,93 @@ class AsyncEngine(EngineThread):
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stats: dict[str, Any] = {"running": 0, "waiting": 0}
-        self._stats_time = 0.0
+
+    @classmethod
+    def spawn(cls, args: EngineArgs, *, threads: int | None = None,
+              max_waiting: int = 1024, metrics: ServeMetrics | None = None,
+              retry_after: int = 1) -> AsyncEngine:
+        """An `AsyncEngine` whose engine runs in a process of its own, built from `args`
+        (blocks until the model is loaded; see `pagedcore.serve.engine_process`).
+
+        `start` must then be called on the event loop that serves the requests (a FastAPI
+        lifespan does), and every request must come from that loop.
+
+        Raises
+        ------
+        ValueError
+            The engine refused `args` (a model, length or KV budget; the message says why).
+        RuntimeError
+            The engine process failed otherwise.
+        """
+        from pagedcore.serve.engine_process import EngineProcess
+
+        return cls(None, process=EngineProcess(args, threads=threads), max_waiting=max_waiting,
+                   metrics=metrics, retry_after=retry_after)
+
+    @property
+    def backend_names(self) -> tuple[str, ...]:
+        """The attention backends the engine runs."""
+        if self.llm is not None:
+            return tuple(sorted(set(self.llm.backend_names)))
+        assert self._process is not None
+        return self._process.info.backend_names
+
+    @property
+    def device(self) -> str:
+        """The engine's device."""
+        if self.llm is not None:
+            return str(self.llm.device)
+        assert self._process is not None
+        return self._process.info.device
 
     # ---- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the engine thread (idempotent)."""
+        """Start the engine thread, or with an engine process start reading it on the running
+        event loop (idempotent)."""
+        if self._process is not None:
+            if self._process._loop is None:
+                try:
+                    loop = asyncio.get_running_loop()
+                except RuntimeError:
+                    raise RuntimeError("AsyncEngine.spawn(...).start() must be called on the "
+                                       "event loop that serves the requests") from None
+                self._process.attach(loop, self._on_message)
+            return
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="pagedcore-engine",
                                             daemon=True)
             self._thread.start()
 
+    def _on_message(self, message: tuple[Any, ...]) -> None:
+        """On the event loop: one message of the engine process."""
+        kind = message[0]
+        if kind == "step":
+            if message[2] is not None:
+                self._stats = message[2]
+            streams = self._streams
+            for rid, item in message[1]:
+                stream = streams.get(rid)
+                if stream is not None:
+                    stream.queue.put_nowait(item)
+            return
+        if kind == "dead":
+            self._dead = str(message[1])
+            error = CoreError("dead", f"the engine stopped after a failure: {self._dead}")
+        elif kind == "eof" and not self._loop_done:
+            self._dead = f"the engine process exited (code {message[1]})"
+            error = CoreError("dead", f"the engine stopped after a failure: {self._dead}")
+        else:  # "stopped", or the end of a process that stopped
+            error = CoreError("shutdown", "the server shut down")
+        self._loop_done = True
+        for stream in list(self._streams.values()):
+            stream.queue.put_nowait(error)
+
     @property
     def is_running(self) -> bool:
-        """True while the engine thread serves requests."""
+        """True while the engine loop serves requests."""
+        if self._process is not None:
+            return self._process.alive and self._dead is None and not self._loop_done
         return self._thread is not None and self._thread.is_alive() and self._dead is None
 
     @property
@@ -166,22 +226,34 @@ class AsyncEngine(EngineThread):
 
     async def shutdown(self, *, timeout: float = 30.0) -> None:
         """Stop admitting, let in-flight requests finish for up to `timeout` seconds, abort
-        the rest, and stop the engine thread (and tensor-parallel workers)."""
+        the rest, and stop the engine loop (and tensor-parallel workers)."""
         self._accepting = False
         deadline = time.monotonic() + timeout
         while self._in_flight and time.monotonic() < deadline and self.is_running:
             await asyncio.sleep(0.02)
         await asyncio.get_running_loop().run_in_executor(None, self.close)
+        if self._process is not None:
+            self._process.detach()
 
     def close(self) -> None:
-        """Abort whatever is in flight and stop the engine thread now (blocking)."""
+        """Abort whatever is in flight and stop the engine loop now (blocking)."""
         self._accepting = False
+        if self._process is not None:
+            self._process.close()
+            return
         if self._thread is not None and self._thread.is_alive():
             self._commands.put(("stop",))
             self._thread.join()
+        assert self.llm is not None
         shutdown = getattr(self.llm.runner, "shutdown", None)
         if callable(shutdown):
             shutdown()
+
+    def _send(self, command: Command) -> None:
+        if self._process is not None:
+            self._process.send(command)
+        else:
+            self._commands.put(command)
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -218,7 +290,7 @@ class AsyncEngine(EngineThread):
     def check_prompt(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         """BadRequestError when a prompt of this length can never be served."""
         try:
-            self.llm.scheduler.check_fits(num_prompt_tokens, max_tokens)  # config only
+            self._fit.check(num_prompt_tokens, max_tokens)
         except ValueError as exc:
             raise BadRequestError(str(exc), param="prompt", code="context_length_exceeded") \
                 from exc
@@ -264,57 +336,42 @@ class AsyncEngine(EngineThread):
         stream = RequestStream(asyncio.get_running_loop())
         start = time.perf_counter()
         first_token: float | None = None
-        seen = 0
-        seen_chars = 0
         done = False
         try:
-            self._commands.put(("add", rid, list(prompt_token_ids), params, stream))
+            self._streams[rid] = stream
+            self._send(("add", rid, list(prompt_token_ids), params))
             if self._loop_done:
                 # The loop ended before or while we queued: it may never read the command
-                # (it sets the flag before its final drain, so one of the two answers).
+                # (it sets the flag before answering the streams, so one of the two answers).
                 done = True
                 raise EngineDeadError(f"the engine stopped after a failure: {self._dead}") \
                     if self._dead else ShuttingDownError("the server shut down")
             while True:
-                item = await stream.queue.get()
-                while not stream.queue.empty():  # outputs are cumulative: the latest is enough
-                    newer = stream.queue.get_nowait()
-                    if not isinstance(item, BaseException):
-                        item = newer
-                if isinstance(item, BaseException):
+                raw = await stream.queue.get()
+                if isinstance(raw, CoreError):
                     done = True
-                    raise item
-                out: RequestOutput = item
-                completion = out.outputs[0]
-                new_ids = completion.token_ids[seen:]
-                new_logprobs = None
-                if completion.logprobs is not None:
-                    new_logprobs = completion.logprobs[seen : len(completion.token_ids)]
-                seen = len(completion.token_ids)
-                if new_ids and first_token is None:
+                    raise raw.to_exception()
+                item = StreamDelta._make(raw)
+                # Behind the engine (a slow client): what waits is merged into one delta.
+                while not stream.queue.empty() and item.finish_reason is None:
+                    raw = stream.queue.get_nowait()
+                    if isinstance(raw, CoreError):
+                        done = True
+                        raise raw.to_exception()
+                    item = merge_deltas(item, StreamDelta._make(raw))
+                if item.token_ids and first_token is None:
                     first_token = time.perf_counter()
-                text = completion.text[seen_chars:]
-                seen_chars = len(completion.text)
-                reason = completion.finish_reason
-                if reason is not None:
+                if item.finish_reason is not None:
                     done = True
-                    if reason == "error":
-                        raise RequestFailedError(
-                            f"the engine failed while computing request {rid!r}: "
-                            f"{out.error or 'unknown error'}")
-                if done:
-                    self._record(start, first_token, len(out.prompt_token_ids), seen, reason)
-                yield StreamDelta(
-                    request_id=rid, text=text, token_ids=list(new_ids), logprobs=new_logprobs,
-                    finish_reason=reason, stop_reason=completion.stop_reason,
-                    num_prompt_tokens=len(out.prompt_token_ids),
-                    num_cached_tokens=out.num_cached_tokens, num_generated_tokens=seen,
-                )
+                    self._record(start, first_token, item.num_prompt_tokens,
+                                 item.num_generated_tokens, item.finish_reason)
+                yield item
                 if done:
                     return
         finally:
+            self._streams.pop(rid, None)
             if not done:  # the consumer went away (client disconnect, task cancelled)
-                self._commands.put(("abort", rid))
+                self._send(("abort", rid))
                 if self.metrics is not None:
                     self.metrics.finished("abort")
             self.release(1)

@@ -29,12 +29,16 @@ __all__ = ["serve"]
               help="Seconds in-flight requests get to finish on SIGTERM before being aborted.")
 @click.option("--threads", default=None, type=click.IntRange(min=1),
               help="torch CPU threads (CPU serving).")
+@click.option("--engine-process/--no-engine-process", default=True, show_default=True,
+              help="Run the engine in a process of its own (else on a thread of the server's; "
+                   "that shares the GIL with the HTTP event loop and is slower under load).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               help="uvicorn's log level.")
 def serve(host: str, port: int, served_model_names: tuple[str, ...], api_key: str | None,
           max_waiting: int, max_request_bytes: int, shutdown_timeout: float,
-          threads: int | None, log_level: str, engine_args: EngineArgs) -> None:
+          threads: int | None, engine_process: bool, log_level: str,
+          engine_args: EngineArgs) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API (a checkpoint directory, a Hugging Face
     model id, 'demo' or 'random:<type>'): /v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics."""
@@ -54,24 +58,30 @@ def serve(host: str, port: int, served_model_names: tuple[str, ...], api_key: st
     from pagedcore.serve.metrics import ServeMetrics
     from pagedcore.serve.server import run_server
 
-    if threads is not None:
-        torch.set_num_threads(threads)
     configure_cli_logging(engine_args)
     model = str(engine_args.model)
-    try:
-        llm = LLM.from_engine_args(engine_args)
-    except ValueError as exc:  # a user mistake (model, lengths, KV budget): exit status 2
-        raise click.UsageError(str(exc)) from exc
     names = list(served_model_names) or [model]
     engine_ref: list[AsyncEngine] = []
     metrics = ServeMetrics(names[0], lambda: engine_ref[0].stats())
-    engine = AsyncEngine(llm, max_waiting=max_waiting, metrics=metrics)
+    try:
+        if engine_process:
+            engine = AsyncEngine.spawn(engine_args, threads=threads, max_waiting=max_waiting,
+                                       metrics=metrics)
+        else:
+            if threads is not None:
+                torch.set_num_threads(threads)
+            engine = AsyncEngine(LLM.from_engine_args(engine_args), max_waiting=max_waiting,
+                                 metrics=metrics)
+    except ValueError as exc:  # a user mistake (model, lengths, KV budget): exit status 2
+        raise click.UsageError(str(exc)) from exc
     engine_ref.append(engine)
     app = build_app(engine, model_names=names, api_key=api_key, metrics=metrics,
                     max_body_bytes=max_request_bytes, shutdown_timeout=shutdown_timeout,
                     on_shutdown=lambda line: click.echo(f"pagedcore serve: {line}", err=True))
-    click.echo(f"pagedcore serve: {names[0]} ({llm.model_name}, backend "
-               f"{', '.join(sorted(set(llm.backend_names)))}, device {llm.device}, "
-               f"max_model_len {llm.max_model_len}) on http://{host}:{port}", err=True)
+    where = "its own process" if engine_process else "a thread"
+    click.echo(f"pagedcore serve: {names[0]} ({engine.model_name}, backend "
+               f"{', '.join(engine.backend_names)}, device {engine.device}, "
+               f"max_model_len {engine.max_model_len}, engine in {where}) on "
+               f"http://{host}:{port}", err=True)
     run_server(app, host=host, port=port, log_level=log_level,
                shutdown_timeout=shutdown_timeout)

@@ -58,6 +58,8 @@ class _EngineCollector:
         yield counter("pagedcore:prefix_cache_hit_tokens", "Prompt tokens served from the "
                       "prefix cache.", "prefix_hit_tokens")
         yield counter("pagedcore:engine_steps", "Engine steps run.", "steps")
+        yield counter("pagedcore:engine_step_seconds", "Seconds the engine spent in its steps "
+                      "(host time, GPU waits included).", "step_time_s")
 
 
 class ServeMetrics:

@@ -131,7 +131,7 @@ class OpenAIServing:
         self.engine = engine
         self.model_names = list(model_names)
         self.limits = SamplingLimits(max_model_len=engine.max_model_len, max_n=max_n)
-        self.vocab_size = int(engine.llm.model.config.vocab_size)
+        self.vocab_size = engine.vocab_size
 
     @property
     def tokenizer(self) -> Any:

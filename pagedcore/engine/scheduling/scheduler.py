@@ -26,6 +26,7 @@ from typing import Any
 
 from pagedcore.engine.request_checks import check_schedulable
 from pagedcore.engine.scheduling.bucket_align import align_to_bucket
+from pagedcore.engine.scheduling.fits import RequestFit
 from pagedcore.engine.scheduling.request import (
     Request,
     RequestStatus,
@@ -48,7 +49,7 @@ from pagedcore.engine.scheduling.scheduler_types import (
     SchedulerOutput,
     SchedulerStats,
 )
-from pagedcore.kv_cache.spec import KVCacheConfig, cdiv
+from pagedcore.kv_cache.spec import KVCacheConfig
 
 __all__ = [
     "LOOKAHEAD_BLOCKS",
@@ -108,35 +109,21 @@ class Scheduler(SchedulerResults):
 
     # ---- admission -------------------------------------------------------------------------
 
+    @property
+    def fit(self) -> RequestFit:
+        """The limits every request must fit (config only; see `RequestFit`)."""
+        return RequestFit.of(max_model_len=self.config.max_model_len,
+                             max_num_batched_tokens=self.config.max_num_batched_tokens,
+                             kv_cache_config=self.kv_cache_config)
+
     def blocks_needed(self, num_tokens: int) -> int:
         """KV blocks (summed over groups) one request of `num_tokens` tokens holds at most."""
-        total = 0
-        for group in self.kv_cache_config.groups:
-            spec = group.spec
-            need = spec.max_memory_usage_bytes(num_tokens, self.config.max_num_batched_tokens)
-            total += cdiv(need, spec.page_size_bytes)
-        return total
+        return self.fit.blocks_needed(num_tokens)
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         """Raise ValueError when a request of this shape could never be served (``max_tokens``
         None: up to ``max_model_len``)."""
-        limit = self.config.max_model_len
-        if num_prompt_tokens == 0:
-            raise ValueError("the prompt is empty; give at least one token")
-        if num_prompt_tokens > limit:
-            raise ValueError(
-                f"the prompt has {num_prompt_tokens} tokens, more than max_model_len={limit}; "
-                "shorten the prompt or raise max_model_len"
-            )
-        # The last sampled token is never fed back, so it needs no KV slot.
-        tokens = limit if max_tokens is None else min(num_prompt_tokens + max_tokens - 1, limit)
-        need = self.blocks_needed(tokens)
-        usable = self.kv_cache_config.num_blocks - 1  # block 0 is the null block
-        if need > usable:
-            raise ValueError(
-                f"a request of {tokens} tokens needs {need} KV blocks but the cache has only "
-                f"{usable}; raise kv_cache_memory_bytes, or lower max_tokens / the prompt length"
-            )
+        self.fit.check(num_prompt_tokens, max_tokens)
 
     def add_request(self, request: Request) -> None:
         """Queue a request; ValueError (and nothing queued) if it could never be served."""

@@ -1,0 +1,144 @@
+"""`CoreLoop`: the loop that owns the `LLM`, whether it runs on a thread or in its own process.
+
+It blocks on its command source while idle, else drains the commands waiting (``add`` /
+``abort`` / ``stop``) and runs one `LLM.step`; after each it emits one list of
+``(request_id, raw delta | CoreError)`` for the step (and a stats snapshot every
+`STATS_INTERVAL` seconds); a raw delta is a plain tuple of `StreamDelta`'s fields, which the
+consumer turns into one (`StreamDelta._make`): a step's hundreds of them pickle several times
+faster than objects. Requests are added with delta outputs, so what a step emits is only what
+it produced: cheap to build, to pickle and to hand over. An exception out of `run` means
+the loop is dead; its owner fails every request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from pagedcore.serve.deltas import CoreError
+
+if TYPE_CHECKING:
+    from pagedcore.engine.llm import LLM
+    from pagedcore.engine.outputs import RequestOutput
+
+__all__ = ["STATS_INTERVAL", "Command", "CoreLoop", "Emit", "Item"]
+
+#: Seconds between two stats snapshots of the loop (for /metrics).
+STATS_INTERVAL = 0.05
+
+#: ``("add", request_id, prompt_token_ids, params)``, ``("abort", request_id)``, ``("stop",)``.
+Command = tuple[Any, ...]
+#: A raw delta (`StreamDelta`'s fields, in order) or the error that ended the sequence.
+Item = tuple[Any, ...] | CoreError
+#: Receives a step's items and, when one was taken, a stats snapshot (`LLM.stats` keys).
+Emit = Callable[[list[tuple[str, Item]], "dict[str, Any] | None"], None]
+
+
+class CoreLoop:
+    """Runs the engine for a front end; see the module docstring.
+
+    Parameters
+    ----------
+    llm:
+        The engine (nothing else calls it while the loop runs).
+    emit:
+        Called once per step with its items (and after commands that produced some).
+    """
+
+    def __init__(self, llm: LLM, emit: Emit) -> None:
+        self.llm = llm
+        self.emit = emit
+        self._generated: dict[str, int] = {}  # live request id -> tokens generated so far
+        self._stats_time = 0.0
+
+    def run(self, recv: Callable[[bool], Command | None]) -> None:
+        """Serve commands until ``stop`` (then abort every request and return).
+
+        ``recv(block)`` returns the next command, or None when `block` is False and none is
+        waiting.
+        """
+        llm = self.llm
+        while True:
+            command = recv(not llm.has_unfinished_requests())
+            items: list[tuple[str, Item]] = []
+            while command is not None:
+                if command[0] == "stop":
+                    self.emit(self._abort_all(), self._snapshot(force=True))
+                    return
+                self._handle(command, items)
+                command = recv(False)
+            if llm.has_unfinished_requests():
+                items += self._step()
+            stats = self._snapshot(force=not llm.has_unfinished_requests())
+            if items or stats is not None:
+                self.emit(items, stats)
+
+    def _handle(self, command: Command, items: list[tuple[str, Item]]) -> None:
+        if command[0] == "add":
+            _, rid, ids, params = command
+            try:
+                self.llm.add_request(rid, ids, params, delta=True)
+            except (ValueError, TypeError) as exc:
+                items.append((rid, CoreError("bad_request", str(exc), "prompt")))
+                return
+            self._generated[rid] = 0
+        elif command[0] == "abort":
+            rid = command[1]
+            if self._generated.pop(rid, None) is not None:
+                try:
+                    self.llm.abort(rid)
+                except KeyError:  # it finished in the meantime
+                    pass
+
+    def _step(self) -> list[tuple[str, Item]]:
+        from pagedcore.engine.errors import EngineStepError
+
+        try:
+            outputs = self.llm.step()
+        except EngineStepError as exc:
+            outputs = exc.outputs
+        items: list[tuple[str, Item]] = []
+        generated = self._generated
+        for out in outputs:
+            rid = out.request_id
+            seen = generated.get(rid)
+            if seen is None:
+                continue
+            item = _item(out, seen)
+            if out.finished:
+                del generated[rid]
+            elif not isinstance(item, CoreError):
+                generated[rid] = item[-1]
+            items.append((rid, item))
+        return items
+
+    def _abort_all(self) -> list[tuple[str, Item]]:
+        items: list[tuple[str, Item]] = []
+        for rid, seen in self._generated.items():
+            try:
+                items.append((rid, _item(self.llm.abort(rid), seen)))
+            except KeyError:
+                pass
+        self._generated.clear()
+        return items
+
+    def _snapshot(self, *, force: bool = False) -> dict[str, Any] | None:
+        now = time.monotonic()
+        if not force and now - self._stats_time < STATS_INTERVAL:
+            return None
+        self._stats_time = now
+        stats = self.llm.stats()
+        stats.pop("cudagraph", None)
+        return stats
+
+
+def _item(out: RequestOutput, seen: int) -> Item:
+    """A delta output of one sequence as a raw `StreamDelta` (or the error that ended it)."""
+    completion = out.outputs[0]
+    if completion.finish_reason == "error":
+        return CoreError("failed", f"the engine failed while computing request "
+                                   f"{out.request_id!r}: {out.error or 'unknown error'}")
+    return (out.request_id, completion.text, completion.token_ids, completion.logprobs,
+            completion.finish_reason, completion.stop_reason, len(out.prompt_token_ids),
+            out.num_cached_tokens, seen + len(completion.token_ids))
