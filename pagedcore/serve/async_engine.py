@@ -66,6 +66,8 @@ class AsyncEngine(EngineThread):
         Where to record latencies and token counts (None: nowhere).
     retry_after:
         Seconds the ``Retry-After`` header of a refusal suggests.
+    stream_interval:
+        Steps between two deltas of a running sequence (see `CoreLoop`).
 
     Examples
     --------
@@ -81,14 +83,18 @@ class AsyncEngine(EngineThread):
         max_waiting: int = 1024,
         metrics: ServeMetrics | None = None,
         retry_after: int = 1,
+        stream_interval: int = 1,
         process: EngineProcess | None = None,
     ) -> None:
         if not isinstance(max_waiting, int) or max_waiting < 0:
             raise ValueError(f"max_waiting must be an integer >= 0, got {max_waiting!r}")
         if (llm is None) == (process is None):
             raise ValueError("give AsyncEngine an LLM, or use AsyncEngine.spawn(engine_args)")
+        if not isinstance(stream_interval, int) or stream_interval < 1:
+            raise ValueError(f"stream_interval must be an integer >= 1, got {stream_interval!r}")
         self.llm = llm
         self._process = process
+        self.stream_interval = stream_interval
         if llm is not None:
             self.tokenizer: Any = llm.tokenizer
             self.model_name = str(llm.model_name)
@@ -122,7 +128,7 @@ class AsyncEngine(EngineThread):
     @classmethod
     def spawn(cls, args: EngineArgs, *, threads: int | None = None,
               max_waiting: int = 1024, metrics: ServeMetrics | None = None,
-              retry_after: int = 1) -> AsyncEngine:
+              retry_after: int = 1, stream_interval: int = 1) -> AsyncEngine:
         """An `AsyncEngine` whose engine runs in a process of its own, built from `args`
         (blocks until the model is loaded; see `pagedcore.serve.engine_process`).
 
@@ -138,8 +144,11 @@ class AsyncEngine(EngineThread):
         """
         from pagedcore.serve.engine_process import EngineProcess
 
-        return cls(None, process=EngineProcess(args, threads=threads), max_waiting=max_waiting,
-                   metrics=metrics, retry_after=retry_after)
+        if not isinstance(stream_interval, int) or stream_interval < 1:
+            raise ValueError(f"stream_interval must be an integer >= 1, got {stream_interval!r}")
+        process = EngineProcess(args, threads=threads, stream_interval=stream_interval)
+        return cls(None, process=process, max_waiting=max_waiting, metrics=metrics,
+                   retry_after=retry_after, stream_interval=stream_interval)
 
     @property
     def backend_names(self) -> tuple[str, ...]:

@@ -32,12 +32,16 @@ __all__ = ["serve"]
 @click.option("--engine-process/--no-engine-process", default=True, show_default=True,
               help="Run the engine in a process of its own (else on a thread of the server's; "
                    "that shares the GIL with the HTTP event loop and is slower under load).")
+@click.option("--stream-interval", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Engine steps between two chunks of a running stream (each then carries up "
+                   "to that many tokens); above 1 the engine builds its outputs less often, "
+                   "which raises throughput with hundreds of streams.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               help="uvicorn's log level.")
 def serve(host: str, port: int, served_model_names: tuple[str, ...], api_key: str | None,
           max_waiting: int, max_request_bytes: int, shutdown_timeout: float,
-          threads: int | None, engine_process: bool, log_level: str,
+          threads: int | None, engine_process: bool, stream_interval: int, log_level: str,
           engine_args: EngineArgs) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API (a checkpoint directory, a Hugging Face
     model id, 'demo' or 'random:<type>'): /v1/completions, /v1/chat/completions, /v1/models,
@@ -66,12 +70,12 @@ def serve(host: str, port: int, served_model_names: tuple[str, ...], api_key: st
     try:
         if engine_process:
             engine = AsyncEngine.spawn(engine_args, threads=threads, max_waiting=max_waiting,
-                                       metrics=metrics)
+                                       metrics=metrics, stream_interval=stream_interval)
         else:
             if threads is not None:
                 torch.set_num_threads(threads)
             engine = AsyncEngine(LLM.from_engine_args(engine_args), max_waiting=max_waiting,
-                                 metrics=metrics)
+                                 metrics=metrics, stream_interval=stream_interval)
     except ValueError as exc:  # a user mistake (model, lengths, KV budget): exit status 2
         raise click.UsageError(str(exc)) from exc
     engine_ref.append(engine)

@@ -44,13 +44,22 @@ class CoreLoop:
         The engine (nothing else calls it while the loop runs).
     emit:
         Called once per step with its items (and after commands that produced some).
+    stream_interval:
+        Hand out the running requests' new tokens every this many steps (finished requests
+        every step). The outputs of hundreds of running requests cost the engine host time
+        every step; with an interval of k each stream gets up to k tokens per delta, and the
+        engine builds its outputs once per k steps (SGLang's ``--stream-interval``).
     """
 
-    def __init__(self, llm: LLM, emit: Emit) -> None:
+    def __init__(self, llm: LLM, emit: Emit, *, stream_interval: int = 1) -> None:
+        if not isinstance(stream_interval, int) or stream_interval < 1:
+            raise ValueError(f"stream_interval must be an integer >= 1, got {stream_interval!r}")
         self.llm = llm
         self.emit = emit
+        self.stream_interval = stream_interval
         self._generated: dict[str, int] = {}  # live request id -> tokens generated so far
         self._stats_time = 0.0
+        self._steps = 0
 
     def run(self, recv: Callable[[bool], Command | None]) -> None:
         """Serve commands until ``stop`` (then abort every request and return).
@@ -94,8 +103,11 @@ class CoreLoop:
     def _step(self) -> list[tuple[str, Item]]:
         from pagedcore.engine.errors import EngineStepError
 
+        self._steps += 1
+        # Outputs are deltas: a step that builds none leaves its tokens to the next that does.
+        finished_only = self._steps % self.stream_interval != 0
         try:
-            outputs = self.llm.step()
+            outputs = self.llm.step(finished_only=finished_only)
         except EngineStepError as exc:
             outputs = exc.outputs
         items: list[tuple[str, Item]] = []

@@ -67,7 +67,7 @@ def _write_frame(fd: int, payload: bytes) -> None:
 
 
 def run_engine_core(args: EngineArgs, commands: Connection, out: Connection,
-                    threads: int | None) -> None:
+                    threads: int | None, stream_interval: int) -> None:
     """The engine process: build the `LLM` from `args`, then run `CoreLoop` until told to
     stop or until the command pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -109,7 +109,8 @@ def run_engine_core(args: EngineArgs, commands: Connection, out: Connection,
         return None
 
     try:
-        CoreLoop(llm, lambda items, stats: send(("step", items, stats))).run(recv)
+        CoreLoop(llm, lambda items, stats: send(("step", items, stats)),
+                 stream_interval=stream_interval).run(recv)
         send(("stopped",))
     except BaseException as exc:
         logging.getLogger(__name__).exception("the engine loop stopped")
@@ -132,6 +133,8 @@ class EngineProcess:
         The engine's arguments (`EngineArgs`), as for `LLM.from_engine_args`.
     threads:
         torch CPU threads in the engine process (None: torch's default).
+    stream_interval:
+        See `CoreLoop`.
 
     Raises
     ------
@@ -141,7 +144,8 @@ class EngineProcess:
         The engine process failed otherwise, or exited before it was ready.
     """
 
-    def __init__(self, args: EngineArgs, *, threads: int | None = None) -> None:
+    def __init__(self, args: EngineArgs, *, threads: int | None = None,
+                 stream_interval: int = 1) -> None:
         import multiprocessing
 
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: CUDA-safe
@@ -149,7 +153,7 @@ class EngineProcess:
         self._out, out_send = ctx.Pipe(duplex=False)
         # Not a daemon: the engine may start processes of its own (tensor-parallel workers).
         self.process: BaseProcess = ctx.Process(
-            target=run_engine_core, args=(args, cmd_recv, out_send, threads),
+            target=run_engine_core, args=(args, cmd_recv, out_send, threads, stream_interval),
             name="pagedcore-engine-core")
         self.process.start()
         cmd_recv.close()

@@ -56,6 +56,7 @@ class EngineThread:
     _dead: str | None
     _loop_done: bool
     _stats: dict[str, Any]
+    stream_interval: int
 
     def _run(self) -> None:
         assert self.llm is not None
@@ -68,7 +69,8 @@ class EngineThread:
                 return None
 
         try:
-            CoreLoop(self.llm, self._emit_threaded).run(recv)
+            CoreLoop(self.llm, self._emit_threaded,
+                     stream_interval=self.stream_interval).run(recv)
         except BaseException as exc:
             self._dead = f"{type(exc).__name__}: {exc}"
             self._end(CoreError("dead", f"the engine stopped after a failure: {self._dead}"))
