@@ -13,7 +13,7 @@
 # the name, e.g. RATES_llama3_8b, overrides it per model), PORT (8011), INPUT_LEN (128:2048),
 # OUTPUT_LEN (128:512), MAX_MODEL_LEN (4096), SERVE_ARGS (extra `pagedcore serve` flags, e.g.
 # --no-engine-process), GENERATE (1: run the LLM.generate baseline), DEADLINE (epoch seconds:
-# skip what would start after it). A CPU smoke test of the script: NUM_REQUESTS=4 RATES=inf
+# skip what would start after it; GENERATE_DEADLINE for the baseline, default DEADLINE). A CPU smoke test of the script: NUM_REQUESTS=4 RATES=inf
 # INPUT_LEN=8:16 OUTPUT_LEN=4 MAX_MODEL_LEN=256 SERVE_ARGS="--device cpu" OUT=/tmp/s bash ...
 # llama. Results in ${OUT:-docs/benchmarks/serve_h200}/:
 #   bench_serve_<model>.json/.png  the sweep (TTFT/TPOT/ITL/e2e percentiles, goodput, errors)
@@ -90,7 +90,7 @@ PY
       f'http://127.0.0.1:{sys.argv[1]}/metrics').text)" "$PORT" "$D/metrics_$m.txt"
   grep -E "^pagedcore:(engine_step|generation_tokens_total)" "$D/metrics_$m.txt"
   kill -TERM "$pid"; wait "$pid"
-  if [ "${GENERATE:-1}" != 1 ] || [ "$(date +%s)" -ge "$DEADLINE" ]; then
+  if [ "${GENERATE:-1}" != 1 ] || [ "$(date +%s)" -ge "${GENERATE_DEADLINE:-$DEADLINE}" ]; then
     echo "SKIPPED: LLM.generate baseline on $m"; continue
   fi
   echo "== LLM.generate on the same workload ($(date +%T))"
