@@ -13,7 +13,7 @@ from typing import Any
 from pagedcore.engine.detokenizer import TextState, advance_text
 from pagedcore.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedcore.engine.sampling.sampling_params import SamplingParams
-from pagedcore.engine.scheduling.request import FinishReason, Request
+from pagedcore.engine.scheduling.request import FinishReason, Request, get_token_list
 from pagedcore.engine.validation import (
     MAX_SEED,
     InvalidArgumentError,
@@ -273,10 +273,14 @@ def build_output(
     """
     if tokenizer is not None:
         update_texts(parent)
+    children = parent.children
     completions = []
-    for child in parent.children:
+    # Built once per running request per step when streaming: kept lean (no copy of the
+    # whole output, nothing computed that the request did not ask for).
+    for child in children:
         i = child.sample_index
-        tokens = child.output_token_ids
+        all_ids = get_token_list(child)
+        num_prompt = child.num_prompt_tokens
         state = parent.texts[i] if tokenizer is not None else None
         text = "" if state is None else state.text
         reason = child.finish_reason
@@ -286,36 +290,43 @@ def build_output(
             # Matched in the step that also ended it by length: the stop string wins (vLLM).
             reason, stop_reason = FinishReason.STOP, state.stop_string
         sent_tokens, sent_chars = parent.sent[i] if delta else (0, 0)
-        logprobs, cumulative = _logprobs(parent, child, tokenizer, sent_tokens)
+        logprobs, cumulative = (None, None) if child.logprobs is None else _logprobs(
+            parent, child, tokenizer, sent_tokens)
         if delta:
-            parent.sent[i] = (len(tokens), len(text))
+            parent.sent[i] = (len(all_ids) - num_prompt, len(text))
         completions.append(
             CompletionOutput(
                 index=i,
-                token_ids=tokens[sent_tokens:],
-                text=text[sent_chars:],
+                token_ids=all_ids[num_prompt + sent_tokens:],
+                text=text[sent_chars:] if sent_chars else text,
                 logprobs=logprobs,
                 cumulative_logprob=cumulative,
                 finish_reason=None if reason is None else reason.value,
                 stop_reason=stop_reason if reason is not None else None,
             )
         )
-    finished = all(c.status.finished for c in parent.children)
-    found = [errors.pop(c.request_id) for c in parent.children if c.request_id in errors]
-    metrics = parent.children[0].metrics
-    if len(parent.children) > 1:
-        ends = [c.metrics.finished_time for c in parent.children]
+    first = children[0]
+    metrics = first.metrics
+    if len(children) == 1:
+        finished = first.status.finished
+        num_cached = first.num_cached_tokens or 0
+    else:
+        finished = all(c.status.finished for c in children)
+        num_cached = max(c.num_cached_tokens or 0 for c in children)
+        ends = [c.metrics.finished_time for c in children]
         if finished and all(e is not None for e in ends):
             metrics.finished_time = max(e for e in ends if e is not None)
+    found = [errors.pop(c.request_id) for c in children if c.request_id in errors] \
+        if errors else None
     return RequestOutput(
         request_id=parent.request_id,
         prompt=parent.prompt,
         prompt_token_ids=parent.prompt_token_ids,
         outputs=completions,
         finished=finished,
-        num_cached_tokens=max(c.num_cached_tokens or 0 for c in parent.children),
+        num_cached_tokens=num_cached,
         metrics=metrics,
         error=found[0] if found else None,
-        sampling_defaults=dict(parent.sampling_defaults),
+        sampling_defaults=dict(parent.sampling_defaults) if parent.sampling_defaults else {},
         delta=delta,
     )
