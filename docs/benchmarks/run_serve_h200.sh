@@ -12,7 +12,7 @@
 # Environment: NUM_REQUESTS (1000), RATES (4,8,16,32,64,inf; RATES_<model> with - for . in
 # the name, e.g. RATES_llama3_8b, overrides it per model), PORT (8011), INPUT_LEN (128:2048),
 # OUTPUT_LEN (128:512), MAX_MODEL_LEN (4096), SERVE_ARGS (extra `pagedcore serve` flags, e.g.
-# --no-engine-process), GENERATE (1: run the LLM.generate baseline), DEADLINE (epoch seconds:
+# --no-engine-process), BENCH_WORKERS (4 client processes), GENERATE (1: run the LLM.generate baseline), DEADLINE (epoch seconds:
 # skip what would start after it; GENERATE_DEADLINE for the baseline, default DEADLINE). A CPU smoke test of the script: NUM_REQUESTS=4 RATES=inf
 # INPUT_LEN=8:16 OUTPUT_LEN=4 MAX_MODEL_LEN=256 SERVE_ARGS="--device cpu" OUT=/tmp/s bash ...
 # llama. Results in ${OUT:-docs/benchmarks/serve_h200}/:
@@ -75,7 +75,7 @@ PY
   { time pagedcore bench serve --base-url "http://127.0.0.1:$PORT" --num-requests "$N" \
       --input-len "$IN" --output-len "$OUTLEN" --token-id-range 3:120 --request-rate "$RATES" \
       --slo-ttft-ms 1000 --json "$D/bench_serve_$m.json" --plot "$D/bench_serve_$m.png" \
-      --no-progress > "$D/bench_serve_$m.txt" 2>&1 ; } 2> "$D/client_time_$m.txt" \
+      --num-workers "${BENCH_WORKERS:-4}" --no-progress > "$D/bench_serve_$m.txt" 2>&1 ; } 2> "$D/client_time_$m.txt" \
     || { echo "FAILED: pagedcore bench serve on $m" >&2; rc=1; }
   cat "$D/bench_serve_$m.txt"
   python - "$D/cpu_$m.json" "$(cpu "$pid")" "$s0" "$(cpu "$child")" "$e0" "$t0" "$D/client_time_$m.txt" <<'PY'

@@ -17,13 +17,12 @@ import functools
 import json
 import math
 import random
-import time
 from collections.abc import Sequence
 from typing import Any
 
-import attrs
 import click
 
+from pagedcore.bench.serve_load import RequestResult, WorkItem, run_load
 from pagedcore.cli_types import OutputPath
 
 __all__ = ["RequestResult", "WorkItem", "make_workload", "run_load", "serve", "summarize"]
@@ -31,29 +30,6 @@ __all__ = ["RequestResult", "WorkItem", "make_workload", "run_load", "serve", "s
 _WORDS = ("block", "table", "cache", "page", "token", "query", "key", "value", "batch", "step",
           "prefix", "decode", "prefill", "kernel", "head", "layer", "model", "engine", "slot",
           "window", "stream", "chunk", "graph", "shard")
-
-
-@attrs.frozen
-class WorkItem:
-    """One request of the workload: its prompt and how many tokens to generate."""
-
-    prompt: str | list[int]
-    prompt_len: int
-    output_len: int
-
-
-@attrs.define
-class RequestResult:
-    """What the client saw of one request (seconds, ``time.perf_counter``)."""
-
-    ok: bool = False
-    error: str | None = None
-    start: float = 0.0
-    ttft: float | None = None
-    itl: list[float] = attrs.Factory(list)
-    e2e: float | None = None
-    output_tokens: int = 0
-    prompt_tokens: int = 0
 
 
 def _parse_range(text: str, name: str, *, minimum: int = 1) -> tuple[int, int]:
@@ -111,112 +87,6 @@ def make_workload(
         prompt: str | list[int] = body if prompt_kind == "ids" else " ".join(body)
         work.append(WorkItem(prompt, len(body), rng.randint(*output_len)))
     return work
-
-
-def _body(item: WorkItem, *, model: str, endpoint: str, ignore_eos: bool) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": model, "max_tokens": item.output_len, "stream": True,
-                            "stream_options": {"include_usage": True}, "temperature": 0.0}
-    if ignore_eos:
-        body["ignore_eos"] = True  # vLLM's and pagedcore's extension: exact output lengths
-    if endpoint == "chat":
-        body["messages"] = [{"role": "user", "content": item.prompt}]
-    else:
-        body["prompt"] = item.prompt
-    return body
-
-
-async def _one(client: Any, url: str, body: dict[str, Any], result: RequestResult) -> None:
-    result.start = time.perf_counter()
-    last = result.start
-    chunks = 0
-    try:
-        async with client.stream("POST", url, json=body) as resp:
-            if resp.status_code != 200:
-                text = (await resp.aread()).decode(errors="replace")
-                result.error = f"HTTP {resp.status_code}: {text[:200]}"
-                return
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                event = json.loads(data)
-                if "error" in event:
-                    result.error = str(event["error"].get("message"))
-                    return
-                if event.get("usage"):
-                    result.output_tokens = int(event["usage"]["completion_tokens"])
-                    result.prompt_tokens = int(event["usage"]["prompt_tokens"])
-                if not event.get("choices"):
-                    continue
-                choice = event["choices"][0]
-                if ("delta" in choice and not choice["delta"].get("content")
-                        and choice.get("finish_reason") is None):
-                    continue  # a chat chunk without content (the role)
-                now = time.perf_counter()
-                if result.ttft is None:
-                    result.ttft = now - result.start
-                else:
-                    result.itl.append(now - last)
-                last = now
-                chunks += 1
-        result.e2e = time.perf_counter() - result.start
-        if result.output_tokens == 0:
-            result.output_tokens = chunks
-        result.ok = True
-    except Exception as exc:
-        result.error = f"{type(exc).__name__}: {exc}"
-
-
-async def run_load(
-    work: Sequence[WorkItem],
-    *,
-    base_url: str,
-    model: str,
-    endpoint: str = "completions",
-    request_rate: float = math.inf,
-    arrival: str = "poisson",
-    max_concurrency: int | None = None,
-    ignore_eos: bool = True,
-    api_key: str | None = None,
-    timeout: float = 600.0,
-    seed: int = 0,
-    progress: Any = None,
-) -> tuple[list[RequestResult], float]:
-    """Send `work` against the server; the per-request results and the wall time (s)."""
-    import httpx
-
-    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
-    url = base_url.rstrip("/") + path
-    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-    rng = random.Random(seed + 1)
-    cap = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    results = [RequestResult() for _ in work]
-    limits = httpx.Limits(max_connections=max_concurrency or len(work) or 1,
-                          max_keepalive_connections=max_concurrency or len(work) or 1)
-
-    async with httpx.AsyncClient(timeout=timeout, headers=headers, limits=limits) as client:
-
-        async def send(item: WorkItem, result: RequestResult) -> None:
-            body = _body(item, model=model, endpoint=endpoint, ignore_eos=ignore_eos)
-            if cap is None:
-                await _one(client, url, body, result)
-            else:
-                async with cap:
-                    await _one(client, url, body, result)
-            if progress is not None:
-                progress()
-
-        start = time.perf_counter()
-        tasks = []
-        for item, result in zip(work, results, strict=True):
-            tasks.append(asyncio.ensure_future(send(item, result)))
-            if math.isfinite(request_rate):
-                gap = rng.expovariate(request_rate) if arrival == "poisson" else 1 / request_rate
-                await asyncio.sleep(gap)
-        await asyncio.gather(*tasks)
-        return results, time.perf_counter() - start
 
 
 def _stats(values: Sequence[float]) -> dict[str, float | None]:
@@ -346,13 +216,17 @@ def _fetch_model(base_url: str, api_key: str | None) -> str:
               help="Write the figures to this JSON file.")
 @click.option("--plot", "plot_path", default=None, type=click.Path(dir_okay=False),
               help="Write throughput / latency vs rate (matplotlib).")
+@click.option("--num-workers", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Client processes sharing the load (one Python client tops out at a few "
+                   "tens of thousands of streamed tokens/s).")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def serve(base_url: str, model: str | None, endpoint: str, num_requests: int, request_rate: str,
           arrival: str, max_concurrency: int | None, input_len: str, output_len: str,
           prompt_kind: str, token_id_range: str, shared_prefix_len: int,
           shared_prefix_fraction: float, ignore_eos: bool, slo_ttft_ms: float | None,
           slo_tpot_ms: float | None, api_key: str | None, timeout: float, seed: int,
-          json_path: str | None, plot_path: str | None, no_progress: bool) -> None:
+          json_path: str | None, plot_path: str | None, num_workers: int,
+          no_progress: bool) -> None:
     """Load-test an OpenAI-compatible server (pagedcore serve, vLLM, ...) and report
     throughput, TTFT / TPOT / ITL / end-to-end percentiles, goodput and errors."""
     from rich.console import Console
@@ -379,11 +253,24 @@ def serve(base_url: str, model: str | None, endpoint: str, num_requests: int, re
                       MofNCompleteColumn(), TimeElapsedColumn(), console=console,
                       transient=True, disable=no_progress) as bar:
             task = bar.add_task(f"rate {rate:g} req/s", total=len(work))
-            results, duration = asyncio.run(run_load(
+            if num_workers > 1:
+                from pagedcore.bench.serve_workers import run_load_workers
+
+                try:
+                    results, duration = run_load_workers(
+                        work, num_workers=num_workers, base_url=base_url, model=name,
+                        endpoint=endpoint, request_rate=rate, arrival=arrival,
+                        max_concurrency=max_concurrency, ignore_eos=ignore_eos,
+                        api_key=api_key, timeout=timeout, seed=seed)
+                except RuntimeError as exc:
+                    raise click.ClickException(str(exc)) from exc
+                bar.advance(task, len(work))
+            else:
+                results, duration = asyncio.run(run_load(
                 work, base_url=base_url, model=name, endpoint=endpoint, request_rate=rate,
                 arrival=arrival, max_concurrency=max_concurrency, ignore_eos=ignore_eos,
-                api_key=api_key, timeout=timeout, seed=seed,
-                progress=functools.partial(bar.advance, task)))
+                    api_key=api_key, timeout=timeout, seed=seed,
+                    progress=functools.partial(bar.advance, task)))
         summary = summarize(results, duration, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms)
         runs.append({"request_rate": rate if math.isfinite(rate) else "inf",
                      "summary": summary})
@@ -411,7 +298,7 @@ def serve(base_url: str, model: str | None, endpoint: str, num_requests: int, re
         "num_requests": num_requests, "arrival": arrival, "max_concurrency": max_concurrency,
         "input_len": input_len, "output_len": output_len, "prompt_kind": prompt_kind,
         "shared_prefix_len": shared_prefix_len, "shared_prefix_fraction": shared_prefix_fraction,
-        "ignore_eos": ignore_eos, "seed": seed, "runs": runs,
+        "ignore_eos": ignore_eos, "seed": seed, "num_workers": num_workers, "runs": runs,
     }
     if json_path:
         with open(json_path, "w") as fh:

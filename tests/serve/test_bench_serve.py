@@ -61,3 +61,18 @@ def test_bench_serve_counts_errors(demo_server: LiveServer, tmp_path: Path) -> N
     s = json.loads(out.read_text())["runs"][0]["summary"]
     assert (s["completed"], s["errors"]) == (0, 3)
     assert "HTTP 404" in s["error_samples"][0]
+
+
+def test_bench_serve_workers_split_and_merge(demo_server: LiveServer) -> None:
+    """--num-workers: the load in several client processes, every request accounted for
+    once, in workload order."""
+    from pagedcore.bench.serve_workers import run_load_workers
+
+    work = make_workload(9, input_len=(8, 16), output_len=(2, 5), seed=3)
+    results, duration = run_load_workers(work, num_workers=2, base_url=demo_server.url,
+                                         model="m", request_rate=300.0)
+    assert all(r.ok for r in results), [r.error for r in results]
+    assert [r.output_tokens for r in results] == [w.output_len for w in work]
+    assert [r.prompt_tokens for r in results] == [w.prompt_len for w in work]
+    starts = sorted(r.start for r in results)
+    assert 0 < max(r.start + (r.e2e or 0) for r in results) - starts[0] <= duration
