@@ -9,11 +9,12 @@
 #     httpx` here
 #   OUT=/some/dir bash docs/benchmarks/run_serve_h200.sh [qwen2-0.5b] [llama3-8b]
 #
-# Environment: NUM_REQUESTS (1000), RATES (4,8,16,32,64,inf; RATES_<model> with - for . in
-# the name, e.g. RATES_llama3_8b, overrides it per model), PORT (8011), INPUT_LEN (128:2048),
-# OUTPUT_LEN (128:512), MAX_MODEL_LEN (4096), SERVE_ARGS (extra `pagedcore serve` flags, e.g.
-# --no-engine-process), BENCH_WORKERS (4 client processes), GENERATE (1: run the LLM.generate baseline), DEADLINE (epoch seconds:
-# skip what would start after it; GENERATE_DEADLINE for the baseline, default DEADLINE). A CPU smoke test of the script: NUM_REQUESTS=4 RATES=inf
+# Environment: NUM_REQUESTS (1000), RATES (4,8,16,32,64,inf), both overridable per model with
+# the model's name in the variable, - and . as _ (NUM_REQUESTS_llama3_8b, RATES_qwen2_0_5b),
+# PORT (8011), INPUT_LEN (128:2048), OUTPUT_LEN (128:512), MAX_MODEL_LEN (4096), SERVE_ARGS
+# (extra `pagedcore serve` flags, e.g. --no-engine-process), BENCH_WORKERS (4 client
+# processes), GENERATE (1: run the LLM.generate baseline), DEADLINE (epoch seconds: skip what
+# would start after it; GENERATE_DEADLINE for the baseline, default DEADLINE). A CPU smoke test of the script: NUM_REQUESTS=4 RATES=inf
 # INPUT_LEN=8:16 OUTPUT_LEN=4 MAX_MODEL_LEN=256 SERVE_ARGS="--device cpu" OUT=/tmp/s bash ...
 # llama. Results in ${OUT:-docs/benchmarks/serve_h200}/:
 #   bench_serve_<model>.json/.png  the sweep (TTFT/TPOT/ITL/e2e percentiles, goodput, errors)
@@ -28,7 +29,6 @@ cd "$(dirname "$0")/../.."
 D="${OUT:-docs/benchmarks/serve_h200}"
 mkdir -p "$D"
 MODELS="${*:-qwen2-0.5b}"
-N="${NUM_REQUESTS:-1000}"
 PORT="${PORT:-8011}"
 IN="${INPUT_LEN:-128:2048}"
 OUTLEN="${OUTPUT_LEN:-128:512}"
@@ -40,6 +40,8 @@ rc=0
 for m in $MODELS; do
   var="RATES_${m//[-.]/_}"
   RATES="${!var:-${RATES:-4,8,16,32,64,inf}}"
+  var="NUM_REQUESTS_${m//[-.]/_}"
+  N="${!var:-${NUM_REQUESTS:-1000}}"
   if [ "$(date +%s)" -ge "$DEADLINE" ]; then echo "SKIPPED $m: past the deadline"; continue; fi
   echo "== pagedcore serve random:$m ($(date +%T))"
   # shellcheck disable=SC2086
