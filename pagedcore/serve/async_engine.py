@@ -28,6 +28,7 @@ import time
 from collections.abc import AsyncGenerator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from pagedcore.serve.core_loop import EngineInfo
 from pagedcore.serve.deltas import CoreError, StreamDelta, merge_deltas
 from pagedcore.serve.engine_thread import EngineThread, RequestStream
 from pagedcore.serve.errors import (
@@ -41,7 +42,6 @@ if TYPE_CHECKING:
     from pagedcore.engine.engine_args import EngineArgs
     from pagedcore.engine.llm import LLM
     from pagedcore.engine.sampling.sampling_params import SamplingParams
-    from pagedcore.engine.scheduling.fits import RequestFit
     from pagedcore.serve.core_loop import Command
     from pagedcore.serve.engine_process import EngineProcess
     from pagedcore.serve.metrics import ServeMetrics
@@ -96,21 +96,16 @@ class AsyncEngine(EngineThread):
         self._process = process
         self.stream_interval = stream_interval
         if llm is not None:
-            self.tokenizer: Any = llm.tokenizer
-            self.model_name = str(llm.model_name)
-            self.max_model_len = int(llm.max_model_len)
-            self.max_num_seqs = int(llm.scheduler_config.max_num_seqs)
-            self.vocab_size = int(llm.model.config.vocab_size)
-            self._fit: RequestFit = llm.scheduler.fit
+            info = EngineInfo.of(llm)
         else:
             assert process is not None
             info = process.info
-            self.tokenizer = info.tokenizer
-            self.model_name = info.model_name
-            self.max_model_len = info.max_model_len
-            self.max_num_seqs = info.max_num_seqs
-            self.vocab_size = info.vocab_size
-            self._fit = info.fit
+        self.info = info
+        self.tokenizer: Any = info.tokenizer
+        self.model_name = info.model_name
+        self.max_model_len = info.max_model_len
+        self.max_num_seqs = info.max_num_seqs
+        self.vocab_size = info.vocab_size
         self.capacity = self.max_num_seqs + max_waiting
         self.metrics = metrics
         self.retry_after = retry_after
@@ -133,7 +128,9 @@ class AsyncEngine(EngineThread):
         (blocks until the model is loaded; see `pagedcore.serve.engine_process`).
 
         `start` must then be called on the event loop that serves the requests (a FastAPI
-        lifespan does), and every request must come from that loop.
+        lifespan does), and every request must come from that loop. The process is started
+        with ``spawn``: as with any spawned process, a script calling this needs the
+        ``if __name__ == "__main__":`` guard (the child imports the script's main module).
 
         Raises
         ------
@@ -153,18 +150,12 @@ class AsyncEngine(EngineThread):
     @property
     def backend_names(self) -> tuple[str, ...]:
         """The attention backends the engine runs."""
-        if self.llm is not None:
-            return tuple(sorted(set(self.llm.backend_names)))
-        assert self._process is not None
-        return self._process.info.backend_names
+        return self.info.backend_names
 
     @property
     def device(self) -> str:
         """The engine's device."""
-        if self.llm is not None:
-            return str(self.llm.device)
-        assert self._process is not None
-        return self._process.info.device
+        return self.info.device
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -299,7 +290,7 @@ class AsyncEngine(EngineThread):
     def check_prompt(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         """BadRequestError when a prompt of this length can never be served."""
         try:
-            self._fit.check(num_prompt_tokens, max_tokens)
+            self.info.fit.check(num_prompt_tokens, max_tokens)
         except ValueError as exc:
             raise BadRequestError(str(exc), param="prompt", code="context_length_exceeded") \
                 from exc

@@ -16,13 +16,16 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import attrs
+
+from pagedcore.engine.scheduling.fits import RequestFit
 from pagedcore.serve.deltas import CoreError
 
 if TYPE_CHECKING:
     from pagedcore.engine.llm import LLM
     from pagedcore.engine.outputs import RequestOutput
 
-__all__ = ["STATS_INTERVAL", "Command", "CoreLoop", "Emit", "Item"]
+__all__ = ["STATS_INTERVAL", "Command", "CoreLoop", "Emit", "EngineInfo", "Item"]
 
 #: Seconds between two stats snapshots of the loop (for /metrics).
 STATS_INTERVAL = 0.05
@@ -33,6 +36,30 @@ Command = tuple[Any, ...]
 Item = tuple[Any, ...] | CoreError
 #: Receives a step's items and, when one was taken, a stats snapshot (`LLM.stats` keys).
 Emit = Callable[[list[tuple[str, Item]], "dict[str, Any] | None"], None]
+
+
+@attrs.frozen(kw_only=True)
+class EngineInfo:
+    """What the front end knows of the engine (picklable: sent by an engine process)."""
+
+    model_name: str
+    tokenizer: Any
+    max_model_len: int
+    max_num_seqs: int
+    vocab_size: int
+    fit: RequestFit
+    backend_names: tuple[str, ...]
+    device: str
+
+    @classmethod
+    def of(cls, llm: LLM) -> EngineInfo:
+        """The facts of `llm`."""
+        return cls(model_name=str(llm.model_name), tokenizer=llm.tokenizer,
+                   max_model_len=int(llm.max_model_len),
+                   max_num_seqs=int(llm.scheduler_config.max_num_seqs),
+                   vocab_size=int(llm.model.config.vocab_size), fit=llm.scheduler.fit,
+                   backend_names=tuple(sorted(set(llm.backend_names))),
+                   device=str(llm.device))
 
 
 class CoreLoop:

@@ -30,34 +30,17 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import attrs
-
-from pagedcore.serve.core_loop import Command, CoreLoop
+from pagedcore.serve.core_loop import Command, CoreLoop, EngineInfo
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
     from multiprocessing.process import BaseProcess
 
     from pagedcore.engine.engine_args import EngineArgs
-    from pagedcore.engine.scheduling.fits import RequestFit
 
-__all__ = ["EngineInfo", "EngineProcess", "run_engine_core"]
+__all__ = ["EngineProcess", "run_engine_core"]
 
 _HEADER = struct.Struct("<Q")
-
-
-@attrs.frozen(kw_only=True)
-class EngineInfo:
-    """What the front end needs to know of the engine in the other process."""
-
-    model_name: str
-    tokenizer: Any
-    max_model_len: int
-    max_num_seqs: int
-    vocab_size: int
-    fit: RequestFit
-    backend_names: tuple[str, ...]
-    device: str
 
 
 def _write_frame(fd: int, payload: bytes) -> None:
@@ -87,13 +70,7 @@ def run_engine_core(args: EngineArgs, commands: Connection, out: Connection,
             torch.set_num_threads(threads)
         configure_cli_logging(args)
         llm = LLM.from_engine_args(args)
-        info = EngineInfo(
-            model_name=llm.model_name, tokenizer=llm.tokenizer,
-            max_model_len=int(llm.max_model_len),
-            max_num_seqs=int(llm.scheduler_config.max_num_seqs),
-            vocab_size=int(llm.model.config.vocab_size), fit=llm.scheduler.fit,
-            backend_names=tuple(sorted(set(llm.backend_names))), device=str(llm.device))
-        send(("ready", info))
+        send(("ready", EngineInfo.of(llm)))
     except BaseException as exc:
         send(("failed", f"{exc}" if isinstance(exc, ValueError)
               else f"{type(exc).__name__}: {exc}", isinstance(exc, ValueError)))
