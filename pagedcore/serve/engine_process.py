@@ -8,13 +8,16 @@ process the engine steps at `LLM.generate`'s pace; the front end's event loop on
 one message per step and feeds the streams, and a stream that falls behind gets the tokens
 waiting for it merged into one chunk.
 
-Wire format: commands go to the process over a `multiprocessing` pipe (small, one per request
-event). Each step's items come back as one pickled frame (an 8-byte length, then the pickle)
-on a second pipe, which the front end reads on its event loop (``loop.add_reader``) without a
-thread: everything available is read in one call and dispatched at once. Messages:
+Wire format: two pipes, each carrying pickled frames (an 8-byte length, then the pickle).
+Commands go to the process (``("add", ...)``, ``("abort", id)``, ``("stop",)``); each step's
+items come back as one frame. The front end never blocks on either pipe: it reads on its
+event loop (``loop.add_reader``: everything available in one call, dispatched at once) and
+writes without blocking (what the pipe does not take waits in a buffer, flushed by
+``loop.add_writer``), so the engine blocking on a full output pipe can never deadlock with
+the front end blocking on a full command pipe. Messages from the process:
 ``("ready", EngineInfo)``, ``("failed", message, is_user_error)`` (the engine could not be
 built), ``("step", items, stats)``, ``("dead", reason)`` (the loop died), ``("stopped",)``.
-The process ignores SIGINT / SIGTERM (the front end owns shutdown) and exits when the command
+The process ignores SIGINT / SIGTERM (the front end owns shutdown) and stops when the command
 pipe closes, so it never outlives the server.
 """
 
@@ -22,11 +25,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 import os
 import pickle
+import select
 import signal
 import struct
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -43,10 +49,46 @@ __all__ = ["EngineProcess", "run_engine_core"]
 _HEADER = struct.Struct("<Q")
 
 
-def _write_frame(fd: int, payload: bytes) -> None:
-    view = memoryview(_HEADER.pack(len(payload)) + payload)
-    while view:
-        view = view[os.write(fd, view):]
+def _frame(message: Any) -> bytes:
+    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return _HEADER.pack(len(payload)) + payload
+
+
+class _Frames:
+    """Reassembles the frames read from a pipe (made non-blocking), whatever the chunks."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        os.set_blocking(fd, False)
+        self._buffer = bytearray()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Until the pipe has something to read (or `timeout` seconds passed)."""
+        select.select([self.fd], [], [], timeout)
+
+    def read(self) -> bool:
+        """Read what the pipe holds now; False at EOF (the other end closed)."""
+        while True:
+            try:
+                chunk = os.read(self.fd, 1 << 22)
+            except BlockingIOError:
+                return True
+            if not chunk:
+                return False
+            self._buffer += chunk
+
+    def pop(self) -> list[Any]:
+        """The complete messages read so far (removed from the buffer)."""
+        buf, messages, start = self._buffer, [], 0
+        while len(buf) - start >= _HEADER.size:
+            (size,) = _HEADER.unpack_from(buf, start)
+            end = start + _HEADER.size + size
+            if len(buf) < end:
+                break
+            messages.append(pickle.loads(memoryview(buf)[start + _HEADER.size:end]))
+            start = end
+        del buf[:start]
+        return messages
 
 
 def run_engine_core(args: EngineArgs, commands: Connection, out: Connection,
@@ -55,10 +97,12 @@ def run_engine_core(args: EngineArgs, commands: Connection, out: Connection,
     stop or until the command pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    fd = out.fileno()
+    out_fd = out.fileno()
 
     def send(message: tuple[Any, ...]) -> None:
-        _write_frame(fd, pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+        view = memoryview(_frame(message))
+        while view:  # blocking: the front end always reads
+            view = view[os.write(out_fd, view):]
 
     try:
         import torch
@@ -76,14 +120,18 @@ def run_engine_core(args: EngineArgs, commands: Connection, out: Connection,
               else f"{type(exc).__name__}: {exc}", isinstance(exc, ValueError)))
         return
 
+    frames = _Frames(commands.fileno())
+    pending: deque[Command] = deque()
+
     def recv(block: bool) -> Command | None:
-        try:
-            if block or commands.poll():
-                command: Command = commands.recv()
-                return command
-        except (EOFError, OSError):  # the front end is gone
-            return ("stop",)
-        return None
+        if not pending:
+            if block:
+                frames.wait()
+            alive = frames.read()
+            pending.extend(frames.pop())
+            if not alive and not pending:
+                return ("stop",)  # the front end is gone
+        return pending.popleft() if pending else None
 
     try:
         CoreLoop(llm, lambda items, stats: send(("step", items, stats)),
@@ -135,9 +183,12 @@ class EngineProcess:
         self.process.start()
         cmd_recv.close()
         out_send.close()
-        self._fd = self._out.fileno()
-        self._buffer = bytearray()
-        self._send_lock = threading.Lock()
+        self._frames = _Frames(self._out.fileno())
+        self._cmd_fd = self._cmd.fileno()
+        os.set_blocking(self._cmd_fd, False)
+        self._wbuf = bytearray()  # commands the pipe has not taken yet
+        self._lock = threading.Lock()
+        self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_message: Callable[[tuple[Any, ...]], None] | None = None
         message = self._read_blocking()
@@ -150,28 +201,15 @@ class EngineProcess:
 
     def _read_blocking(self) -> tuple[Any, ...]:
         while True:
-            messages = self._frames()
+            messages = self._frames.pop()
             if messages:
-                return messages[0]
-            chunk = os.read(self._fd, 1 << 20)
-            if not chunk:
+                message: tuple[Any, ...] = messages[0]
+                return message
+            self._frames.wait()
+            if not self._frames.read():
                 self.process.join(30)
                 raise RuntimeError(f"the engine process exited (code {self.process.exitcode})"
                                    " before it was ready")
-            self._buffer += chunk
-
-    def _frames(self) -> list[tuple[Any, ...]]:
-        """The complete messages in the buffer (removed from it)."""
-        buf, messages, start = self._buffer, [], 0
-        while len(buf) - start >= _HEADER.size:
-            (size,) = _HEADER.unpack_from(buf, start)
-            end = start + _HEADER.size + size
-            if len(buf) < end:
-                break
-            messages.append(pickle.loads(memoryview(buf)[start + _HEADER.size:end]))
-            start = end
-        del buf[:start]
-        return messages
 
     @property
     def alive(self) -> bool:
@@ -183,51 +221,85 @@ class EngineProcess:
         """Read the process's messages on `loop` from now on, calling `on_message` for each
         (``("eof", exitcode)`` once the process is gone)."""
         self._loop, self._on_message = loop, on_message
-        os.set_blocking(self._fd, False)
-        loop.add_reader(self._fd, self._readable)
+        loop.add_reader(self._frames.fd, self._readable)
 
     def _readable(self) -> None:
         assert self._on_message is not None and self._loop is not None
-        eof = False
-        while True:  # everything there is now, in as few calls as it takes
-            try:
-                chunk = os.read(self._fd, 1 << 22)
-            except BlockingIOError:
-                break
-            if not chunk:
-                eof = True
-                break
-            self._buffer += chunk
-        for message in self._frames():
+        alive = self._frames.read()
+        for message in self._frames.pop():
             self._on_message(message)
-        if eof:
-            self._loop.remove_reader(self._fd)
+        if not alive:
+            self._loop.remove_reader(self._frames.fd)
             self.process.join(5)
             self._on_message(("eof", self.process.exitcode))
 
     def send(self, command: Command) -> None:
-        """Queue a command in the engine process (any thread); a gone process is ignored
-        (its end arrives as ``eof``)."""
-        with self._send_lock:
-            try:
-                self._cmd.send(command)
-            except (OSError, ValueError):
-                pass
+        """Queue a command for the engine process without blocking (any thread); after the
+        process is gone it is dropped (its end arrives as ``eof``)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._wbuf += _frame(command)
+            self._flush_locked()
+
+    def _flush_locked(self) -> None:
+        try:
+            while self._wbuf:
+                self._wbuf = self._wbuf[os.write(self._cmd_fd, self._wbuf):]
+        except BlockingIOError:  # the pipe is full: the rest when it drains
+            self._when_writable()
+        except OSError:  # the process is gone
+            self._wbuf.clear()
+
+    def _when_writable(self) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            on_loop = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            loop.add_writer(self._cmd_fd, self._writable)
+        else:
+            loop.call_soon_threadsafe(loop.add_writer, self._cmd_fd, self._writable)
+
+    def _writable(self) -> None:
+        assert self._loop is not None
+        with self._lock:
+            self._loop.remove_writer(self._cmd_fd)
+            if not self._closed:
+                self._flush_locked()
 
     def close(self, *, timeout: float = 60.0) -> None:
         """Ask the process to stop (it aborts what runs), wait for it, then kill it if it has
         not exited within `timeout` seconds (blocking)."""
         self.send(("stop",))
+        loop = self._loop
+        if loop is None or not loop.is_running():
+            # Nobody flushes or reads for us: push the commands out and drain the process's
+            # messages here (dropped) until it exits.
+            with self._lock:
+                os.set_blocking(self._cmd_fd, True)
+                self._flush_locked()
+            deadline = time.monotonic() + timeout
+            while self.process.is_alive() and time.monotonic() < deadline:
+                self._frames.wait(0.1)
+                if not self._frames.read():
+                    break
+                self._frames.pop()
         self.process.join(timeout)
         if self.process.is_alive():
             self.process.kill()
             self.process.join(5)
-        with self._send_lock:
+        with self._lock:
+            self._closed = True
+            self._wbuf.clear()
             self._cmd.close()
 
     def detach(self) -> None:
         """Stop reading (on the loop's thread)."""
         if self._loop is not None and not self._loop.is_closed():
-            self._loop.remove_reader(self._fd)
+            self._loop.remove_reader(self._frames.fd)
+            self._loop.remove_writer(self._cmd_fd)
         self._out.close()
-

@@ -96,6 +96,28 @@ def test_process_streams_equal_generate_and_disconnects_free_blocks(
         in metrics
 
 
+def test_process_full_pipes_do_not_deadlock(
+        process_server: tuple[ServerThread, AsyncEngine]) -> None:
+    """More commands at once than the command pipe holds, while the engine streams more than
+    the output pipe holds: the front end must never block on a pipe (it once did)."""
+    server, engine = process_server
+    prompts = [[3 + (i * 7 + j) % 200 for j in range(200)] for i in range(150)]
+
+    async def one(client: httpx.AsyncClient, prompt: list[int]) -> int:
+        resp = await client.post(server.url + "/v1/completions", json={
+            "model": "m", "prompt": prompt, "max_tokens": 6, "ignore_eos": True})
+        assert resp.status_code == 200, resp.text
+        return int(resp.json()["usage"]["completion_tokens"])
+
+    async def main() -> list[int]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.wait_for(
+                asyncio.gather(*(one(client, p) for p in prompts)), timeout=60)
+
+    assert asyncio.run(main()) == [6] * len(prompts)
+    _wait_idle(engine)
+
+
 def test_process_engine_death_fails_requests(
         process_server: tuple[ServerThread, AsyncEngine]) -> None:
     """Last in this module: the engine process dies mid-stream."""
