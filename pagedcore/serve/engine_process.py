@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
 import os
 import pickle
 import select
@@ -33,6 +32,7 @@ import signal
 import struct
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -242,12 +242,13 @@ class EngineProcess:
             self._wbuf += _frame(command)
             self._flush_locked()
 
-    def _flush_locked(self) -> None:
+    def _flush_locked(self, *, then_wait: bool = True) -> None:
         try:
             while self._wbuf:
                 self._wbuf = self._wbuf[os.write(self._cmd_fd, self._wbuf):]
         except BlockingIOError:  # the pipe is full: the rest when it drains
-            self._when_writable()
+            if then_wait:
+                self._when_writable()
         except OSError:  # the process is gone
             self._wbuf.clear()
 
@@ -278,16 +279,19 @@ class EngineProcess:
         loop = self._loop
         if loop is None or not loop.is_running():
             # Nobody flushes or reads for us: push the commands out and drain the process's
-            # messages here (dropped) until it exits.
-            with self._lock:
-                os.set_blocking(self._cmd_fd, True)
-                self._flush_locked()
+            # messages here (dropped) until it exits, both at once (either pipe may be full).
             deadline = time.monotonic() + timeout
             while self.process.is_alive() and time.monotonic() < deadline:
-                self._frames.wait(0.1)
-                if not self._frames.read():
-                    break
-                self._frames.pop()
+                with self._lock:
+                    writing = [self._cmd_fd] if self._wbuf else []
+                readable, writable, _ = select.select([self._frames.fd], writing, [], 0.1)
+                if writable:
+                    with self._lock:
+                        self._flush_locked(then_wait=False)
+                if readable:
+                    if not self._frames.read():
+                        break
+                    self._frames.pop()
         self.process.join(timeout)
         if self.process.is_alive():
             self.process.kill()

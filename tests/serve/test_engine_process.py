@@ -171,3 +171,36 @@ def test_slow_consumer_gets_merged_deltas() -> None:
     assert "".join(d.text for d in deltas) == ref.text
     assert len(deltas) < len(ref.token_ids) // 2
     assert deltas[-1].finish_reason == "length" and deltas[-1].num_generated_tokens == 24
+
+
+def test_engine_process_send_never_blocks() -> None:
+    """A busy front end (its loop not reading) while the engine fills its output pipe: sending
+    more commands than the command pipe holds must still return at once (buffered), or both
+    sides block on a full pipe for good."""
+    import threading
+
+    from pagedcore.serve.engine_process import EngineProcess
+
+    proc = EngineProcess(EngineArgs(model="demo", device="cpu", **DEMO_KW), threads=1)
+    loop = asyncio.new_event_loop()
+    messages: list[Any] = []
+    proc.attach(loop, messages.append)  # attached, but the loop does not run
+    prompt = [3 + j % 200 for j in range(200)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+
+    def send_all() -> None:
+        for i in range(100):
+            proc.send(("add", f"r{i}", prompt, params))
+        time.sleep(2.0)  # the engine steps them and fills its output pipe, then blocks on it
+        for i in range(100, 400):
+            proc.send(("add", f"r{i}", prompt, params))
+
+    sender = threading.Thread(target=send_all, daemon=True)
+    try:
+        sender.start()
+        sender.join(15)
+        assert not sender.is_alive(), "EngineProcess.send blocked on a full pipe"
+    finally:
+        proc.close(timeout=30)
+        loop.close()
+    assert not proc.alive
