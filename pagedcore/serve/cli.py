@@ -78,6 +78,8 @@ def serve(host: str, port: int, served_model_names: tuple[str, ...], api_key: st
                                  metrics=metrics, stream_interval=stream_interval)
     except ValueError as exc:  # a user mistake (model, lengths, KV budget): exit status 2
         raise click.UsageError(str(exc)) from exc
+    except RuntimeError as exc:  # the engine process failed to start (its log says why)
+        raise click.ClickException(str(exc)) from exc
     engine_ref.append(engine)
     app = build_app(engine, model_names=names, api_key=api_key, metrics=metrics,
                     max_body_bytes=max_request_bytes, shutdown_timeout=shutdown_timeout,
