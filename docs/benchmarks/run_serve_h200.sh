@@ -14,7 +14,10 @@
 # PORT (8011), INPUT_LEN (128:2048), OUTPUT_LEN (128:512), MAX_MODEL_LEN (4096), SERVE_ARGS
 # (extra `pagedcore serve` flags, e.g. --no-engine-process), BENCH_WORKERS (4 client
 # processes), GENERATE (1: run the LLM.generate baseline), DEADLINE (epoch seconds: skip what
-# would start after it; GENERATE_DEADLINE for the baseline, default DEADLINE). A CPU smoke test of the script: NUM_REQUESTS=4 RATES=inf
+# would start after it; GENERATE_DEADLINE for the baseline, default DEADLINE), LOW_RATES and
+# LOW_NUM_REQUESTS (a second, shorter sweep below saturation into bench_serve_<model>_low.json,
+# started before LOW_DEADLINE;
+# the plot then shows both). A CPU smoke test of the script: NUM_REQUESTS=4 RATES=inf
 # INPUT_LEN=8:16 OUTPUT_LEN=4 MAX_MODEL_LEN=256 SERVE_ARGS="--device cpu" OUT=/tmp/s bash ...
 # llama. Results in ${OUT:-docs/benchmarks/serve_h200}/:
 #   bench_serve_<model>.json/.png  the sweep (TTFT/TPOT/ITL/e2e percentiles, goodput, errors)
@@ -88,6 +91,20 @@ rep = {"wall_s": time.time() - float(t0), "server_cpu_s": float(s1) - float(s0),
        "engine_process_cpu_s": float(e1) - float(e0), "client_cpu_s": float(u) + float(s)}
 json.dump(rep, open(out, "w"), indent=1); print("cpu:", rep)
 PY
+  if [ -n "${LOW_RATES:-}" ] && [ "$(date +%s)" -lt "${LOW_DEADLINE:-$DEADLINE}" ]; then
+    echo "== below saturation: ${LOW_NUM_REQUESTS:-300} requests at $LOW_RATES req/s"
+    pagedcore bench serve --base-url "http://127.0.0.1:$PORT" --num-requests "${LOW_NUM_REQUESTS:-300}" \
+      --input-len "$IN" --output-len "$OUTLEN" --token-id-range 3:120 --request-rate "$LOW_RATES" \
+      --slo-ttft-ms 1000 --json "$D/bench_serve_${m}_low.json" --num-workers "${BENCH_WORKERS:-4}" \
+      --no-progress > "$D/bench_serve_${m}_low.txt" 2>&1 || { echo "FAILED: low rates" >&2; rc=1; }
+    cat "$D/bench_serve_${m}_low.txt"
+    python - "$D/bench_serve_$m.json" "$D/bench_serve_${m}_low.json" "$D/bench_serve_$m.png" <<'PY'
+import json, sys
+from pagedcore.bench.serve import _plot
+runs = [r for path in sys.argv[1:3] for r in json.load(open(path))["runs"]]
+_plot(runs, sys.argv[3])
+PY
+  fi
   python -c "import httpx, sys; open(sys.argv[2], 'w').write(httpx.get(
       f'http://127.0.0.1:{sys.argv[1]}/metrics').text)" "$PORT" "$D/metrics_$m.txt"
   grep -E "^pagedcore:(engine_step|generation_tokens_total)" "$D/metrics_$m.txt"
