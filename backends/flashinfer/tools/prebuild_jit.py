@@ -11,6 +11,7 @@ out like FlashInfer's AOT directory (``aot/<module>/<module>.so``): unpacked int
 
     python backends/flashinfer/tools/prebuild_jit.py --list
     MAX_JOBS=16 python backends/flashinfer/tools/prebuild_jit.py --prefill fa2 --mla
+    python backends/flashinfer/tools/prebuild_jit.py --no-conformance --mla --extra bfloat16:64
     python backends/flashinfer/tools/prebuild_jit.py --prefill fa2 --mla --pack fi_aot.tar.xz
 
 ``--prefill`` names the prefill wrapper's kernels (``fa2``, ``fa3`` or both, comma-separated);
@@ -54,14 +55,17 @@ def mla_variants() -> list[tuple[str, int, int]]:
     return [(d, lat, rope) for d in FlashInferMLABackend.supported_dtypes for lat, rope in dims]
 
 
-def jit_specs(prefill: list[str], mla: bool, extra: list[Variant] | None = None) -> list[Any]:
-    """FlashInfer's JitSpec of every module those variants (the conformance ones, then
-    `extra`) load: the FA2 module (decode, fa2 prefill), the FA3 prefill module, MLA."""
+def jit_specs(prefill: list[str], mla: bool, extra: list[Variant] | None = None, *,
+              conformance: bool = True) -> list[Any]:
+    """FlashInfer's JitSpec of every module those variants (the conformance ones unless not
+    `conformance`, then `extra`) load: the FA2 module (decode, fa2 prefill), the FA3 prefill
+    module, MLA."""
     import torch
     from flashinfer.jit.attention import modules
 
     specs: list[Any] = []
-    for dtype_name, head, window, cap in conformance_variants() + list(extra or []):
+    variants = conformance_variants() if conformance else []
+    for dtype_name, head, window, cap in variants + list(extra or []):
         dtype = getattr(torch, dtype_name)
         args = (dtype, dtype, dtype, torch.int32, head, head, 0, window, cap, False)
         # The tensor-core decode wrapper and an fa2 prefill wrapper load the same module.
@@ -97,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill", default="fa2",
                         help="prefill kernels to build: fa2, fa3 or fa2,fa3 (default fa2)")
     parser.add_argument("--mla", action="store_true", help="also the flashinfer_mla modules")
+    parser.add_argument("--no-conformance", action="store_true",
+                        help="leave the conformance variants out (only --extra / --mla)")
     parser.add_argument("--extra", action="append", default=[], metavar="DTYPE:HEAD",
                         help="one more variant without window / soft-cap, e.g. bfloat16:64 "
                              "(a model's); repeatable")
@@ -117,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         if dtype not in ("float16", "bfloat16") or not head.isdigit():
             parser.error(f"--extra takes DTYPE:HEAD (float16 or bfloat16), got {item!r}")
         extra.append((dtype, int(head), False, False))
-    specs = jit_specs(prefill, args.mla, extra)
+    specs = jit_specs(prefill, args.mla, extra, conformance=not args.no_conformance)
     if args.fa3_only:
         dtype, _, head = args.fa3_only.partition(":")
         short = {"float16": "f16", "bfloat16": "bf16"}.get(dtype, dtype)
