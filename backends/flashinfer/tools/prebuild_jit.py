@@ -31,15 +31,17 @@ from typing import Any
 Variant = tuple[str, int, bool, bool]  # dtype, head size, sliding window, soft-cap
 
 
-def conformance_variants() -> list[Variant]:
+def conformance_variants(only: str | None = None) -> list[Variant]:
     """The (dtype, head size, window, soft-cap) kernel variants of the flashinfer backend's
-    full conformance suite on CUDA, in case order."""
+    full conformance suite on CUDA, in case order (of the cases whose name has `only`)."""
     from pagedcore_flashinfer import FlashInferBackend
 
     from pagedcore.conformance.cases import build_cases
 
     seen: list[Variant] = []
     for case in build_cases(FlashInferBackend, quick=False, device="cuda"):
+        if only is not None and only not in case.name:
+            continue
         v = (case.dtype, case.head_size, case.sliding_window is not None,
              case.logits_soft_cap is not None)
         if v not in seen:
@@ -56,7 +58,7 @@ def mla_variants() -> list[tuple[str, int, int]]:
 
 
 def jit_specs(prefill: list[str], mla: bool, extra: list[Variant] | None = None, *,
-              conformance: bool = True) -> list[Any]:
+              conformance: bool = True, only: str | None = None) -> list[Any]:
     """FlashInfer's JitSpec of every module those variants (the conformance ones unless not
     `conformance`, then `extra`) load: the FA2 module (decode, fa2 prefill), the FA3 prefill
     module, MLA."""
@@ -64,7 +66,7 @@ def jit_specs(prefill: list[str], mla: bool, extra: list[Variant] | None = None,
     from flashinfer.jit.attention import modules
 
     specs: list[Any] = []
-    variants = conformance_variants() if conformance else []
+    variants = conformance_variants(only) if conformance else []
     for dtype_name, head, window, cap in variants + list(extra or []):
         dtype = getattr(torch, dtype_name)
         args = (dtype, dtype, dtype, torch.int32, head, head, 0, window, cap, False)
@@ -103,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mla", action="store_true", help="also the flashinfer_mla modules")
     parser.add_argument("--no-conformance", action="store_true",
                         help="leave the conformance variants out (only --extra / --mla)")
+    parser.add_argument("-k", dest="only", default=None, metavar="SUBSTR",
+                        help="only the variants of conformance cases whose name has SUBSTR "
+                             "(as `pagedcore conformance flashinfer -k`)")
     parser.add_argument("--extra", action="append", default=[], metavar="DTYPE:HEAD",
                         help="one more variant without window / soft-cap, e.g. bfloat16:64 "
                              "(a model's); repeatable")
@@ -123,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         if dtype not in ("float16", "bfloat16") or not head.isdigit():
             parser.error(f"--extra takes DTYPE:HEAD (float16 or bfloat16), got {item!r}")
         extra.append((dtype, int(head), False, False))
-    specs = jit_specs(prefill, args.mla, extra, conformance=not args.no_conformance)
+    specs = jit_specs(prefill, args.mla, extra, conformance=not args.no_conformance,
+                      only=args.only)
     if args.fa3_only:
         dtype, _, head = args.fa3_only.partition(":")
         short = {"float16": "f16", "bfloat16": "bf16"}.get(dtype, dtype)
