@@ -92,8 +92,7 @@ def backend_rows(
     ``best_for_shape``."""
     import torch
 
-    from pagedcore.bench.kernel_primitives import time_ms
-    from pagedcore.bench.mla_kernel import _forward_fn, mark_best
+    from pagedcore.bench.mla_kernel import _forward_fn, mark_best, measure_row
     from pagedcore.kv_cache.spec import MLAAttentionSpec
 
     if dtype is None:
@@ -113,15 +112,11 @@ def backend_rows(
                                              device).build(common)
                 impl_cls: Any = cls.get_impl_cls()
                 impl = impl_cls(NUM_HEADS, LATENT + ROPE, SCALE, kv_lora_rank=LATENT)
-                got = impl.forward(query, query, query, cache, meta)[:batch].float()
-                rel = float((got - want).norm() / want.norm())
-                ms = time_ms(_forward_fn(impl, query, cache, meta), device)
-            except Exception as exc:  # a backend that cannot run a case is reported
+            except Exception as exc:  # a backend that cannot plan a case is reported
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             else:
-                gbps = kv_bytes / ms / 1e6
-                row.update(ms=ms, kv_GBps=gbps, rel_err=rel,
-                           pct_copy=None if copy_gbps is None else 100 * gbps / copy_gbps)
+                measure_row(row, _forward_fn(impl, query, cache, meta), want, device,
+                            copy_gbps=copy_gbps)
             rows.append(row)
             if on_row is not None:
                 on_row(row)
