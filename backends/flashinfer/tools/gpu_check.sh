@@ -10,6 +10,7 @@
 # builds a list of them in one ninja pass):
 #   install    FlashInfer into /tmp/fi_target, pagedcore + backends -e                (~15 s)
 #   prebuild   phase A, all cores: the FA2 module of each of the 7 conformance variants
+#              (linked into FlashInfer's AOT directory, `--as-aot`: loaded, not rebuilt)
 #              then, in the background, phase B1 (the 2 MLA modules, bf16/hs64 FA2 for the
 #              engine bench) and B2 (FA3 for float16/hs128 and bfloat16/hs64)
 #   full       `pagedcore conformance flashinfer` with PAGEDCORE_FLASHINFER_PREFILL=fa2,
@@ -24,6 +25,8 @@
 #   fa3        the float16/hs128 cases without window / soft-cap on the default kernels (FA3;
 #              waits for B2), then the flashinfer engine bench with FA3 prefill
 #   flex       the engine bench with flex forced, if time is left
+#   (a short rerun: STEPS="install prebuild_small graphs engine_fi" builds the two head-size-64
+#   FA2 modules only, then the graphs test and the flashinfer engine bench with graphs)
 # STEPS="install prebuild full" runs a subset; CAP_<STEP>=seconds overrides a step's cap;
 # BUDGET (default 405) is the script's own deadline in seconds: every cap is cut to what is left.
 set -u
@@ -83,18 +86,22 @@ nproc >> "$R/versions.txt"
 
 B1=$R/prebuild_b1.done B2=$R/prebuild_b2.done
 if has prebuild; then
-  step prebuild_a 150 $PY $TOOLS/prebuild_jit.py --prefill fa2
+  step prebuild_a 150 $PY $TOOLS/prebuild_jit.py --prefill fa2 --as-aot
   # Niced, on 14 of the 16 cores: the runs beside it keep a core and the CPU first.
   (
     PIDFILE=$R/bg.pid MAX_JOBS=14 step prebuild_b1 120 nice -n 10 $PY $TOOLS/prebuild_jit.py \
-      --no-conformance --mla --extra bfloat16:64
+      --no-conformance --mla --extra bfloat16:64 --as-aot
     touch "$B1"
     PIDFILE=$R/bg.pid MAX_JOBS=14 step prebuild_b2 200 nice -n 10 $PY $TOOLS/prebuild_jit.py \
       --no-conformance --prefill fa2,fa3 --extra float16:128 --extra bfloat16:64 \
-      --skip kv_stride_equal
+      --skip kv_stride_equal --as-aot
     touch "$B2"
   ) &
   bg_pid=$!
+elif has prebuild_small; then  # a short rerun: the two head-size-64 FA2 modules only
+  step prebuild_small 60 $PY $TOOLS/prebuild_jit.py --no-conformance --extra float16:64 \
+    --extra bfloat16:64 --as-aot
+  touch "$B1" "$B2"
 else
   touch "$B1" "$B2"
 fi
@@ -131,6 +138,11 @@ if has engine; then
   PAGEDCORE_FLASHINFER_PREFILL=fa2 step engine_flashinfer_graphs 100 $PY \
     $TOOLS/engine_graphs.py bench engine --only parity,throughput --num-prompts 32 \
     --max-new 32 --parity-prompts 8 --skip-hf --backend flashinfer \
+    --json "$R/engine_flashinfer_graphs.json"
+fi
+if has engine_fi; then  # a short rerun: flashinfer with decode graphs, throughput only
+  PAGEDCORE_FLASHINFER_PREFILL=fa2 step engine_flashinfer_graphs 60 $PY \
+    $TOOLS/engine_graphs.py $ENGINE --backend flashinfer \
     --json "$R/engine_flashinfer_graphs.json"
 fi
 if has fa3; then

@@ -7,7 +7,8 @@ declarations, through the conformance case list) and hands them to FlashInfer's
 ``build_jit_specs`` as one ninja graph, so all their objects compile in parallel
 (``MAX_JOBS``). With ``--pack FILE`` it also writes the built ``.so`` files as a tar.xz laid
 out like FlashInfer's AOT directory (``aot/<module>/<module>.so``): unpacked into
-``<flashinfer>/data/``, FlashInfer loads them without building (see README.md).
+``<flashinfer>/data/``, FlashInfer loads them without building (see README.md); ``--as-aot``
+links them there on this machine, so that their first use does not rebuild them.
 
     python backends/flashinfer/tools/prebuild_jit.py --list
     MAX_JOBS=16 python backends/flashinfer/tools/prebuild_jit.py --prefill fa2 --mla
@@ -87,6 +88,32 @@ def jit_specs(prefill: list[str], mla: bool, extra: list[Variant] | None = None,
     return list(unique.values())
 
 
+def install_as_aot(specs: list[Any]) -> int:
+    """Link each built module into FlashInfer's AOT directory (``<flashinfer>/data/aot/
+    <name>/<name>.so``), where its loader takes it as is; returns how many were linked.
+
+    Why: a module built here through `build_jit_specs` (one top-level ninja graph) is, for
+    the wrapper that loads it later, a JIT module whose own ninja has no dependency log yet,
+    so that ninja rebuilds it from scratch on first use (the H200 run of session 11: ~33 s
+    per variant inside the conformance run, after the prebuild had built them all). An AOT
+    module is loaded without asking ninja.
+    """
+    from flashinfer.jit import env
+
+    linked = 0
+    for spec in specs:
+        so = spec.jit_library_path
+        if not so.exists():
+            continue  # an AOT module already (skipped by the build) or a failed one
+        target = env.FLASHINFER_AOT_DIR / spec.name / f"{spec.name}.so"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if target.is_symlink() or target.exists():
+            target.unlink()
+        target.symlink_to(so)
+        linked += 1
+    return linked
+
+
 def pack(specs: list[Any], path: str) -> None:
     """Write the specs' built ``.so`` files as ``aot/<name>/<name>.so`` into a tar.xz."""
     with tarfile.open(path, "w:xz") as tar:
@@ -117,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip", default="",
                         help="comma-separated substrings: leave modules whose name has one out")
     parser.add_argument("--pack", metavar="FILE", help="write the built .so files as a tar.xz")
+    parser.add_argument("--as-aot", action="store_true",
+                        help="link the built modules into FlashInfer's AOT directory, so "
+                             "their first use loads them instead of rebuilding them")
     args = parser.parse_args(argv)
     prefill = [p.strip() for p in args.prefill.split(",") if p.strip()]
     bad = [p for p in prefill if p not in ("fa2", "fa3")]
@@ -148,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     build_jit_specs(specs, verbose=False, skip_prebuilt=True)
     print(f"built {len(specs)} modules in {time.perf_counter() - start:.0f} s "
           f"(MAX_JOBS={os.environ.get('MAX_JOBS', 'ninja default')})")
+    if args.as_aot:
+        print(f"linked {install_as_aot(specs)} modules into FlashInfer's AOT directory")
     if args.pack:
         pack(specs, args.pack)
     return 0
