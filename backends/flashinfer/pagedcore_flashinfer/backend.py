@@ -32,8 +32,15 @@ class FlashInferBackend(AttentionBackend):
     """
 
     name: ClassVar[str] = "flashinfer"
-    #: Behind the Triton backend (20) until the side-by-side bench says otherwise (issue 21).
+    #: Behind the Triton backend (20): set from the engine bench (`priority_reason`).
     priority: ClassVar[int] = 25
+    priority_reason: ClassVar[str | None] = (
+        "behind triton (20): end to end on the H200 it ran 1,053 tok/s eager against triton's "
+        "9,739 tok/s with CUDA graphs (docs/benchmarks/h200_s11/engine_*.json: its decode "
+        "graphs failed to capture, a cache-write bug fixed since, not re-measured), though "
+        "its kernels lead in prefill (1.27-1.42x triton's TFLOP/s) and at decode over few "
+        "long requests (docs/benchmarks/h200_s9)"
+    )
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float16", "bfloat16")
     supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
     supported_head_sizes: ClassVar[tuple[int, ...] | None] = capabilities.HEAD_SIZES
