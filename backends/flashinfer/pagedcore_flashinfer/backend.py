@@ -51,7 +51,8 @@ class FlashInferBackend(AttentionBackend):
     supports_logits_soft_cap: ClassVar[bool] = True
     #: The builder has a decode-graph path (``use_cuda_graph=True`` decode wrappers over fixed
     #: buffers, re-planned in `prepare_replay` before each replay; CPU-tested through the
-    #: test double), but no GPU run has confirmed it yet, so no graph level is declared.
+    #: test double). Its first GPU run (session 11) failed to capture on the cache write's
+    #: boolean mask, fixed since; no graph level is declared until a GPU run replays them.
     cudagraph_support: ClassVar[CudaGraphSupport] = CudaGraphSupport.NEVER
 
     @classmethod
