@@ -20,8 +20,8 @@
 #   (timings from here on, one at a time on the GPU)
 #   benchmla   `pagedcore bench mla --backend triton_mla --backend flashinfer_mla` (small set)
 #   engine     `pagedcore bench engine --only throughput` at one shape with triton, then
-#              flashinfer as declared (eager) and with decode graphs (tools/engine_graphs.py;
-#              graphs-vs-eager parity included)
+#              flashinfer with decode graphs (tools/engine_graphs.py, which declares them
+#              whatever backend.py says) and eager, with a graphs-vs-eager parity check
 #   fa3        the float16/hs128 cases without window / soft-cap on the default kernels (FA3;
 #              waits for B2), then the flashinfer engine bench with FA3 prefill
 #   flex       the engine bench with flex forced, if time is left
@@ -133,8 +133,8 @@ fi
 if has engine; then
   step engine_triton 75 $PY -m pagedcore.cli $ENGINE --backend triton \
     --json "$R/engine_triton.json"
-  # As declared (CUDA graphs off unless backend.py says otherwise), then with decode graphs
-  # forced on, with a graphs-vs-eager parity check and eager throughput beside it.
+  # With decode graphs (declared for the run even where backend.py does not), then eager,
+  # with a graphs-vs-eager parity check.
   PAGEDCORE_FLASHINFER_PREFILL=fa2 step engine_flashinfer_graphs 100 $PY \
     $TOOLS/engine_graphs.py bench engine --only parity,throughput --num-prompts 32 \
     --max-new 32 --parity-prompts 8 --skip-hf --backend flashinfer \
