@@ -68,6 +68,9 @@ class AsyncEngine(EngineThread):
         Seconds the ``Retry-After`` header of a refusal suggests.
     stream_interval:
         Steps between two deltas of a running sequence (see `CoreLoop`).
+    process:
+        Instead of `llm` (then None): a started engine process (`AsyncEngine.spawn` makes
+        one and passes it here).
 
     Examples
     --------
@@ -163,7 +166,7 @@ class AsyncEngine(EngineThread):
         """Start the engine thread, or with an engine process start reading it on the running
         event loop (idempotent)."""
         if self._process is not None:
-            if self._process._loop is None:
+            if not self._process.attached:
                 try:
                     loop = asyncio.get_running_loop()
                 except RuntimeError:

@@ -212,6 +212,11 @@ class EngineProcess:
                                    " before it was ready")
 
     @property
+    def attached(self) -> bool:
+        """True once `attach` was called."""
+        return self._loop is not None
+
+    @property
     def alive(self) -> bool:
         """True while the process runs."""
         return self.process.is_alive()
