@@ -9,9 +9,10 @@ import pytest
 
 #: "cpu" unless ``PAGEDCORE_TEST_DEVICE`` says otherwise.
 TEST_DEVICE = os.environ.get("PAGEDCORE_TEST_DEVICE", "cpu")
-#: The attention backend of engines on `TEST_DEVICE`: the reference on the CPU, the selector's
-#: choice elsewhere.
-TEST_BACKEND = "reference" if TEST_DEVICE == "cpu" else None
+#: The attention backend of engines on `TEST_DEVICE`: ``PAGEDCORE_TEST_BACKEND`` if set, else the
+#: reference on the CPU and the selector's choice elsewhere.
+TEST_BACKEND = os.environ.get("PAGEDCORE_TEST_BACKEND") or (
+    "reference" if TEST_DEVICE == "cpu" else None)
 
 
 def require_test_device() -> None:
