@@ -55,3 +55,45 @@ def test_mixed_graphs_and_overlap_give_transformers_prompt_logprobs() -> None:
                        eos_token_id=None, pad_token_id=0)
     assert done["b"].outputs[0].token_ids == out[0, len(prompts[0]):].tolist()
     assert_no_leak(llm)
+
+
+def test_one_token_prompt_chunks_skip_decode_graphs_on_every_rank() -> None:
+    """A step of one-token chunks fits a decode graph, unless one chunk's logits give a prompt
+    logprob: rank 0 then runs it eagerly, and its plan tells the TP workers to do the same."""
+    from graph_backend import graph_backend_registered
+
+    from pagedcore.engine.distributed.plan import make_plan, scheduled_from_plan
+    from pagedcore.engine.runner.prompt_rows import prompt_rows_wanted
+    from pagedcore.engine.scheduling.request import Request
+    from pagedcore.engine.scheduling.scheduler_types import ScheduledRequest
+
+    _config, _ref, model = make_models("llama")
+    with graph_backend_registered() as name:
+        llm = LLM(copy.deepcopy(model), device="cpu", backend=name, block_size=4,
+                  max_model_len=32, max_num_seqs=4, kv_cache_memory_bytes=1 << 20)
+        assert llm.runner.enable_cudagraphs(capturer=EagerCapturer(), sizes=[1, 2]) is None
+        runner = llm.runner
+        prompt = list(range(3, 11))
+        wants = Request("w", prompt, SamplingParams(prompt_logprobs=1), arrival_index=0)
+        plain = Request("p", prompt, SamplingParams(), arrival_index=1)
+        blocks = {"w": ([1, 2],), "p": ([3, 4],)}
+        for request in (wants, plain):
+            request.num_computed_tokens = 4
+        step = [ScheduledRequest(wants, 4, 1), ScheduledRequest(plain, 4, 1)]
+        assert prompt_rows_wanted(step)
+        inputs = runner.prepare(step, blocks.__getitem__)
+        assert inputs.cudagraph_bucket is None and inputs.prompt_rows is not None
+        plan = make_plan(0, step, blocks.__getitem__,
+                         decode_graph=not prompt_rows_wanted(step))
+        worker_step, worker_blocks = scheduled_from_plan(plan)
+        assert not plan.decode_graph
+        assert runner.prepare(worker_step, worker_blocks,
+                              decode_graph=plan.decode_graph).cudagraph_bucket is None
+        # Without the flag a worker would replay the bucket-2 graph: the ranks would diverge.
+        assert runner.prepare(worker_step, worker_blocks).cudagraph_bucket == 2
+        # The same step without prompt logprobs replays the graph on rank 0 too.
+        other = Request("o", prompt, SamplingParams(), arrival_index=2)
+        other.num_computed_tokens = 4
+        blocks["o"] = ([5, 6],)
+        assert runner.prepare([ScheduledRequest(other, 4, 1), step[1]],
+                              blocks.__getitem__).cudagraph_bucket == 2

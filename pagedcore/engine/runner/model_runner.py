@@ -392,7 +392,8 @@ class ModelRunner:
         n = len(scheduled)
         if not isinstance(scheduled, DecodeBatch) and (
             [s.num_new_tokens for s in scheduled].count(1) != n
-            # A one-token prompt chunk whose logits give a prompt logprob: the eager path.
+            # A one-token prompt chunk whose logits give a prompt logprob: the eager path
+            # (`pagedcore.engine.distributed.plan.StepPlan.decode_graph` tells TP workers).
             or prompt_rows_wanted(scheduled)
         ):
             return None
@@ -404,12 +405,15 @@ class ModelRunner:
         self,
         scheduled: Sequence[ScheduledRequest],
         block_ids: Callable[[str], tuple[list[int], ...]],
+        *,
+        decode_graph: bool = True,
     ) -> StepInputs:
         """Flatten the step into tensors and per-group metadata (padded to a CUDA-graph
-        bucket when the step is all single-token decodes and graphs are enabled)."""
+        bucket when the step is all single-token decodes and graphs are enabled; never with
+        ``decode_graph=False``: a tensor-parallel worker follows rank 0's choice)."""
         shared, use = self.cascade.plan(scheduled, block_ids)
         # A cascade plan follows this step's lengths: such a step is never a graph replay.
-        bucket = None if any(use) else self._graph_bucket(scheduled)
+        bucket = None if any(use) or not decode_graph else self._graph_bucket(scheduled)
         if bucket is not None:
             assert self.graphs is not None
             # Capture (which fills the buffers with padding) before this step's inputs land.

@@ -68,7 +68,12 @@ def _span(item: ScheduledRequest) -> tuple[int, int] | None:
 
 
 def prompt_rows_wanted(scheduled: Sequence[ScheduledRequest]) -> bool:
-    """True when some request of the step gets prompt-logprob rows."""
+    """True when some request of the step gets prompt-logprob rows (never in a
+    `DecodeBatch`: its requests compute their last token, past the prompt)."""
+    from pagedcore.engine.scheduling.scheduler_types import DecodeBatch
+
+    if isinstance(scheduled, DecodeBatch):
+        return False
     return any(_span(item) is not None for item in scheduled)
 
 
