@@ -154,3 +154,21 @@ def test_rows_skip_entries_a_preempted_request_has() -> None:
 def test_bad_values_name_the_field(llm: LLM, value: Any) -> None:
     with pytest.raises(InvalidArgumentError, match="prompt_logprobs"):
         llm.generate(["Hello"], SamplingParams(temperature=0, prompt_logprobs=value))
+
+
+def test_token_logprobs_in_blocks_equal_one_log_softmax() -> None:
+    from pagedcore.engine.sampling.prompt_logprobs import token_logprobs
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(600, 50, generator=g) * 4  # more rows than one block
+    targets = torch.randint(0, 50, (600,), generator=g)
+    counts = [i % 4 for i in range(600)]
+    got = token_logprobs(logits, targets, counts)
+    full = logits.log_softmax(-1)
+    for i in (0, 255, 256, 599):
+        row, t = full[i], int(targets[i])
+        want = {int(j): float(row[j]) for j in row.topk(counts[i]).indices} if counts[i] else {}
+        want[t] = float(row[t])
+        assert got[i].keys() == want.keys()
+        assert all(abs(got[i][j] - v) < 1e-5 for j, v in want.items())
+        assert got[i].rank == 1 + int((row > row[t]).sum())

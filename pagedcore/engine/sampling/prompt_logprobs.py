@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 
 __all__ = ["record_prompt_logprobs", "token_logprobs"]
 
+#: Rows log-softmaxed at once (a 256 x 152K float32 block is 156 MB).
+_ROWS_PER_BLOCK = 256
+
 
 def token_logprobs(
     logits: torch.Tensor, targets: torch.Tensor, counts: list[int]
@@ -41,17 +44,24 @@ def token_logprobs(
         ``{token: logprob}`` (at most ``counts[i] + 1`` entries) with ``rank``: 1 + the tokens
         strictly more likely than the target.
     """
-    logprobs = logits.float().log_softmax(dim=-1)
-    target_lp = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1)
-    ranks = ((logprobs > target_lp.unsqueeze(1)).sum(dim=1) + 1).tolist()
     k = min(max(counts, default=0), int(logits.shape[1]))
+    target_values: list[float] = []
+    ranks: list[int] = []
     top_ids: list[list[int]] = []
     top_values: list[list[float]] = []
-    if k:
-        top = logprobs.topk(k, dim=-1)
-        top_ids, top_values = top.indices.tolist(), top.values.tolist()
+    # In blocks of rows: a long prompt chunk's float32 log-softmax is never whole in memory.
+    for lo in range(0, int(logits.shape[0]), _ROWS_PER_BLOCK):
+        logprobs = logits[lo : lo + _ROWS_PER_BLOCK].float().log_softmax(dim=-1)
+        target_lp = logprobs.gather(
+            1, targets[lo : lo + _ROWS_PER_BLOCK].unsqueeze(1)).squeeze(1)
+        ranks += ((logprobs > target_lp.unsqueeze(1)).sum(dim=1) + 1).tolist()
+        target_values += target_lp.tolist()
+        if k:
+            top = logprobs.topk(k, dim=-1)
+            top_ids += top.indices.tolist()
+            top_values += top.values.tolist()
     out = []
-    for i, (target, value) in enumerate(zip(targets.tolist(), target_lp.tolist(), strict=True)):
+    for i, (target, value) in enumerate(zip(targets.tolist(), target_values, strict=True)):
         n = counts[i]
         entry = dict(zip(top_ids[i][:n], top_values[i][:n], strict=True)) if n else {}
         entry[target] = float(value)
