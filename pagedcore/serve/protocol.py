@@ -53,6 +53,9 @@ class _SamplingFields(_Body):
     min_p: float | None = None
     n: int = 1
     seed: int | None = None
+    #: vLLM's extension: top log-probabilities of every prompt token (completions: each
+    #: choice's ``prompt_logprobs``; chat: the response's).
+    prompt_logprobs: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -86,9 +89,6 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None
-    #: vLLM's extension: top log-probabilities of every prompt token (the choice's
-    #: ``prompt_logprobs``).
-    prompt_logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None

@@ -188,7 +188,7 @@ class OpenAIServing:
             raise BadRequestError("stop strings need a tokenizer, and this model has none; "
                                   "use stop_token_ids", param="stop")
         seqs = []
-        prompt_logprobs = getattr(body, "prompt_logprobs", None)
+        prompt_logprobs = body.prompt_logprobs
         for p_index, ids in enumerate(prompts):
             params = sampling_params(body, num_prompt_tokens=len(ids), limits=self.limits,
                                      num_logprobs=num_logprobs, prompt_logprobs=prompt_logprobs)
@@ -290,9 +290,12 @@ class OpenAIServing:
                             "message": {"role": "assistant", "content": texts[seq.index]},
                             "logprobs": logprobs, "finish_reason": a["finish"],
                             "stop_reason": a["stop_reason"]})
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
-                "created": int(time.time()), "model": self.model_names[0], "choices": choices,
-                "usage": _usage(prompts, acc, fan)}
+        response = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+                    "created": int(time.time()), "model": self.model_names[0],
+                    "choices": choices, "usage": _usage(prompts, acc, fan)}
+        if body.prompt_logprobs is not None:  # (one prompt: at the top, as vLLM has it)
+            response["prompt_logprobs"] = prompt_logprobs_json(acc[0]["prompt_logprobs"])
+        return response
 
     async def chat_stream(self, body: ChatCompletionRequest, fan: FanIn,
                           prompts: list[list[int]]) -> AsyncIterator[bytes]:
@@ -306,15 +309,17 @@ class OpenAIServing:
                                      {"role": "assistant", "content": ""}, None))
             async for index, d in fan:
                 _accumulate(acc, index, d)
-                if not (d.text or d.finish_reason):
+                if not (d.text or d.finish_reason or d.prompt_logprobs is not None):
                     continue
                 logprobs = None
                 if body.num_logprobs is not None and d.logprobs is not None:
                     logprobs = chat_logprobs(self.tokenizer, d.token_ids, d.logprobs,
                                              k=body.num_logprobs)
                 delta = {"content": d.text} if d.text else {}
-                yield sse(chat_chunk(rid, created, model, index, delta, d.finish_reason,
-                                     logprobs))
+                chunk = chat_chunk(rid, created, model, index, delta, d.finish_reason, logprobs)
+                if d.prompt_logprobs is not None:
+                    chunk["prompt_logprobs"] = prompt_logprobs_json(d.prompt_logprobs)
+                yield sse(chunk)
             if body.include_usage:
                 yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                            "model": model, "choices": [], "usage": _usage(prompts, acc, fan)})

@@ -173,11 +173,18 @@ def test_the_engine_keeps_its_tokenizer_and_serve_uses_its_text(chat_server: Liv
     assert out.choices[0].text == want.outputs[0].text
 
 
-def test_completions_prompt_logprobs_as_vllm_returns_them(chat_server: LiveServer) -> None:
+@pytest.fixture(scope="module")
+def chat_reference(chat_server: LiveServer) -> LLM:
+    """An engine of its own over the served checkpoint (the server's belongs to its thread)."""
+    return LLM(chat_server.model, device="cpu", backend="reference", max_model_len=256)
+
+
+def test_completions_prompt_logprobs_as_vllm_returns_them(chat_server: LiveServer,
+                                                          chat_reference: LLM) -> None:
     tok = chat_server.tokenizer
     prompt = "Paged attention stores the KV cache"
     ids = tok.encode(prompt)
-    want = chat_server.llm.generate([prompt], SamplingParams(
+    want = chat_reference.generate([prompt], SamplingParams(
         max_tokens=2, temperature=0, prompt_logprobs=2))[0].prompt_logprobs
     assert want is not None
     # vLLM's extension field (`extra_body` in the openai client), on every choice.
@@ -200,3 +207,18 @@ def test_completions_prompt_logprobs_as_vllm_returns_them(chat_server: LiveServe
     assert [len(c) for c in carried if c is not None] == [len(ids)]
     plain = _client(chat_server).completions.create(model="m", prompt=prompt, max_tokens=2)
     assert "prompt_logprobs" not in (plain.choices[0].model_extra or {})
+
+
+def test_chat_prompt_logprobs_at_the_top_as_vllm_has_them(chat_server: LiveServer,
+                                                         chat_reference: LLM) -> None:
+    messages = [{"role": "user", "content": "café"}]
+    out = _client(chat_server).chat.completions.create(
+        model="m", messages=messages, max_tokens=2, temperature=0,  # type: ignore[arg-type]
+        extra_body={"prompt_logprobs": 1})
+    got = (out.model_extra or {})["prompt_logprobs"]
+    [want] = chat_reference.chat(messages, SamplingParams(max_tokens=2, temperature=0,
+                                                          prompt_logprobs=1))
+    assert want.prompt_logprobs is not None and len(got) == len(want.prompt_token_ids)
+    assert got[0] is None and all(
+        {int(t) for t in g} == set(w) for g, w in zip(got[1:], want.prompt_logprobs[1:],
+                                                      strict=True))
