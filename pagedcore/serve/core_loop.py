@@ -19,13 +19,16 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from pagedcore.engine.scheduling.fits import RequestFit
-from pagedcore.serve.deltas import CoreError
+from pagedcore.serve.deltas import CoreError, StreamDelta
 
 if TYPE_CHECKING:
     from pagedcore.engine.llm import LLM
     from pagedcore.engine.outputs import RequestOutput
 
 __all__ = ["STATS_INTERVAL", "Command", "CoreLoop", "Emit", "EngineInfo", "Item"]
+
+#: Where a raw delta (`StreamDelta`'s fields, in order) holds ``num_generated_tokens``.
+_NUM_GENERATED = StreamDelta._fields.index("num_generated_tokens")
 
 #: Seconds between two stats snapshots of the loop (for /metrics).
 STATS_INTERVAL = 0.05
@@ -148,7 +151,7 @@ class CoreLoop:
             if out.finished:
                 del generated[rid]
             elif not isinstance(item, CoreError):
-                generated[rid] = item[-1]
+                generated[rid] = item[_NUM_GENERATED]
             items.append((rid, item))
         return items
 
@@ -180,4 +183,4 @@ def _item(out: RequestOutput, seen: int) -> Item:
                                    f"{out.request_id!r}: {out.error or 'unknown error'}")
     return (out.request_id, completion.text, completion.token_ids, completion.logprobs,
             completion.finish_reason, completion.stop_reason, len(out.prompt_token_ids),
-            out.num_cached_tokens, seen + len(completion.token_ids))
+            out.num_cached_tokens, seen + len(completion.token_ids), out.prompt_logprobs)

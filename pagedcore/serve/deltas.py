@@ -48,6 +48,9 @@ class StreamDelta(NamedTuple):
     num_prompt_tokens, num_cached_tokens, num_generated_tokens:
         Prompt tokens, those served from the prefix cache, tokens generated so far (all of the
         sequence, not only this delta's).
+    prompt_logprobs:
+        With ``SamplingParams.prompt_logprobs``: `RequestOutput.prompt_logprobs`, in the first
+        delta after the prompt was computed only; else None.
     """
 
     request_id: str
@@ -59,6 +62,7 @@ class StreamDelta(NamedTuple):
     num_prompt_tokens: int
     num_cached_tokens: int
     num_generated_tokens: int
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 def merge_deltas(first: StreamDelta, later: StreamDelta) -> StreamDelta:
@@ -66,8 +70,11 @@ def merge_deltas(first: StreamDelta, later: StreamDelta) -> StreamDelta:
     logprobs = None
     if first.logprobs is not None or later.logprobs is not None:
         logprobs = (first.logprobs or []) + (later.logprobs or [])
+    prompt_logprobs = first.prompt_logprobs if later.prompt_logprobs is None \
+        else later.prompt_logprobs
     return later._replace(text=first.text + later.text,
-                          token_ids=first.token_ids + later.token_ids, logprobs=logprobs)
+                          token_ids=first.token_ids + later.token_ids, logprobs=logprobs,
+                          prompt_logprobs=prompt_logprobs)
 
 
 #: `CoreError.kind` -> the `ServeError` the consumer raises.

@@ -91,6 +91,19 @@ def test_process_streams_equal_generate_and_disconnects_free_blocks(
         assert events <= MAX_TOKENS // 2 + 2
     stats = _wait_idle(engine)  # the disconnected ones were aborted, every block is free
     assert stats["steps"] > 0
+    # prompt_logprobs cross the pipe too (Logprob objects), in one chunk of the stream.
+    ids = ref_llm.tokenizer.encode(PROMPTS[0])
+    want = ref_llm.generate([PROMPTS[0]], SamplingParams(
+        max_tokens=2, temperature=0, prompt_logprobs=1))[0].prompt_logprobs
+    body = {"model": "m", "prompt": PROMPTS[0], "max_tokens": 2, "temperature": 0,
+            "stream": True, "prompt_logprobs": 1}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as resp:
+        carried = [json.loads(line[6:])["choices"][0].get("prompt_logprobs")
+                   for line in resp.iter_lines()
+                   if line.startswith("data: {") and '"choices":[{' in line]
+    [got] = [c for c in carried if c is not None]
+    assert want is not None and len(got) == len(ids) and got[0] is None
+    assert [sorted(int(t) for t in g) for g in got[1:]] == [sorted(w) for w in want[1:]]
     metrics = httpx.get(server.url + "/metrics").text
     assert 'pagedcore:request_success_total{finished_reason="abort",model_name="m"} 6.0' \
         in metrics
