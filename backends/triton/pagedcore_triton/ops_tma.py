@@ -85,6 +85,7 @@ def prepare_tma(
             "INNER_STAGES": cfg.num_stages,
             "EDGE_STAGES": edge_stages,
             "WARP_SPECIALIZE": cfg.warp_specialize,
+            "DIAG_N": cfg.diag_tile_n if causal else 0,
             "num_warps": cfg.num_warps,
             "num_stages": cfg.num_stages,
         },
@@ -115,11 +116,18 @@ def run_tma(
     box = [c["TILE_N"], c["HEAD_SIZE"]]
     k_desc = TensorDescriptor(key, [token_end, width], [key.stride(0), 1], box)
     v_desc = TensorDescriptor(value, [token_end, width], [value.stride(0), 1], box)
+    kd_desc, vd_desc = k_desc, v_desc
+    if c["DIAG_N"]:
+        box = [c["DIAG_N"], c["HEAD_SIZE"]]
+        kd_desc = TensorDescriptor(key, [token_end, width], [key.stride(0), 1], box)
+        vd_desc = TensorDescriptor(value, [token_end, width], [value.stride(0), 1], box)
     prefill_tma_kernel[grid](
         output,
         query,
         k_desc,
         v_desc,
+        kd_desc,
+        vd_desc,
         kv_cache,
         v_offset,
         launch.block_table,

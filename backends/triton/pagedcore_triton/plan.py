@@ -295,6 +295,9 @@ class TileConfig:
     int32_offsets: bool = False
     #: Hopper prefill kernel only: warp-specialize its unmasked loop (``plan_tma``).
     warp_specialize: bool = False
+    #: Hopper prefill kernel only: keys near the causal diagonal in tiles of this many
+    #: (0: in `tile_n` tiles), so that only the last one is masked.
+    diag_tile_n: int = 0
 
 
 def parse_tiles(text: str, num_queries_per_kv: int) -> TileConfig:

@@ -36,8 +36,10 @@ TMA_TILES_ENV = "PAGEDCORE_TRITON_TMA_TILES"
 #: Head sizes the Hopper kernel serves (a ``[TILE_N, D]`` box of 16-bit rows, no padding).
 TMA_HEAD_SIZES = (64, 128)
 #: Flags of `parse_tma_tiles`: ``ws`` asks Triton to warp-specialize the unmasked loop,
-#: ``fwd`` keeps the natural q-block order, ``e1`` leaves the diagonal loop unpipelined.
-TMA_TILE_FLAGS = ("ws", "fwd", "e1")
+#: ``fwd`` keeps the natural q-block order, ``e1`` leaves the diagonal loop unpipelined,
+#: ``dN`` walks the keys next to the causal diagonal in tiles of ``N`` (16, 32 or 64, at
+#: most the q-block's tokens) so that only the last one is masked.
+TMA_TILE_FLAGS = ("ws", "fwd", "e1", "d16", "d32", "d64")
 
 
 def tma_prefill_device(device: torch.device, *, interpreting: bool) -> bool:
@@ -101,7 +103,7 @@ def parse_tma_tiles(text: str, num_queries_per_kv: int) -> TileConfig:
     """A Hopper-kernel `TileConfig` from ``"BLOCK_M,TILE_N,WARPS,STAGES[,FLAG...]"``.
 
     Flags: ``ws`` (warp-specialize the unmasked loop), ``fwd`` (natural q-block order),
-    ``e1`` (the diagonal loop not pipelined).
+    ``e1`` (the diagonal loop not pipelined), ``dN`` (diagonal keys in tiles of ``N``).
     """
     fields = [f.strip() for f in text.split(",")]
     try:
@@ -111,16 +113,21 @@ def parse_tma_tiles(text: str, num_queries_per_kv: int) -> TileConfig:
     flags = fields[4:]
     ok = len(fields) >= 4 and all(f in TMA_TILE_FLAGS for f in flags)
     pow2 = all(x >= 16 and x & (x - 1) == 0 for x in (block_m, tile_n))
+    block_q = max(1, block_m // num_queries_per_kv)
+    diag = max([int(f[1:]) for f in flags if f.startswith("d")], default=0)
+    if diag and (diag > min(block_q, tile_n) or block_q & (block_q - 1)):
+        ok = False
     if not ok or not pow2 or min(warps, stages) <= 0 or block_m < num_queries_per_kv:
         raise ValueError(
             f"{TMA_TILES_ENV}={text!r}: expected 'BLOCK_M,TILE_N,WARPS,STAGES[,FLAG...]' with "
             "BLOCK_M and TILE_N powers of two >= 16 (BLOCK_M at least the query heads per KV "
-            f"head), positive WARPS and STAGES, flags among {', '.join(TMA_TILE_FLAGS)}; "
-            "e.g. '128,128,8,3'"
+            f"head), positive WARPS and STAGES, flags among {', '.join(TMA_TILE_FLAGS)} (dN: "
+            "N at most TILE_N and BLOCK_M / query heads per KV head, a power of two); e.g. "
+            "'128,128,8,3'"
         )
     return TileConfig(
         block_m=block_m,
-        block_q=max(1, block_m // num_queries_per_kv),
+        block_q=block_q,
         tile_n=tile_n,
         num_warps=warps,
         num_stages=stages,
@@ -129,6 +136,7 @@ def parse_tma_tiles(text: str, num_queries_per_kv: int) -> TileConfig:
         unpipelined_edges="e1" in flags,
         int32_offsets=True,
         warp_specialize="ws" in flags,
+        diag_tile_n=diag,
     )
 
 

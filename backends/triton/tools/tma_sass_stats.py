@@ -44,8 +44,9 @@ def _parse(variant: str) -> dict[str, Any]:
     fields = variant.split(",")
     block_m, tile_n, warps, stages = (int(f) for f in fields[:4])
     flags = fields[4:]
+    diag = max([int(f[1:]) for f in flags if f.startswith("d")], default=0)
     return {"block_m": block_m, "tile_n": tile_n, "warps": warps, "stages": stages,
-            "ws": "ws" in flags, "edge": 1 if "e1" in flags else stages}
+            "ws": "ws" in flags, "edge": 1 if "e1" in flags else stages, "diag": diag}
 
 
 def stats(variant: str, *, prefix: bool = False) -> dict[str, Any]:
@@ -65,7 +66,7 @@ def stats(variant: str, *, prefix: bool = False) -> dict[str, Any]:
         "BLOCK_M": cfg["block_m"], "TILE_N": cfg["tile_n"], "CAUSAL": True,
         "HAS_PREFIX": prefix, "DOT_FP32": False, "LONGEST_FIRST": True, "OFF32": True,
         "INNER_STAGES": cfg["stages"], "EDGE_STAGES": cfg["edge"],
-        "WARP_SPECIALIZE": cfg["ws"],
+        "WARP_SPECIALIZE": cfg["ws"], "DIAG_N": cfg["diag"],
     }
     sig: dict[str, str] = {}
     for name in kernel.arg_names:
@@ -73,6 +74,8 @@ def stats(variant: str, *, prefix: bool = False) -> dict[str, Any]:
             sig[name] = "constexpr"
         elif name in ("k_desc", "v_desc"):
             sig[name] = f"tensordesc<bf16[{cfg['tile_n']}, 128]>"
+        elif name in ("kd_desc", "vd_desc"):
+            sig[name] = f"tensordesc<bf16[{cfg['diag'] or cfg['tile_n']}, 128]>"
         elif name in ("out_ptr", "q_ptr", "k_cache_ptr"):
             sig[name] = "*bf16"
         elif name.endswith("_ptr"):

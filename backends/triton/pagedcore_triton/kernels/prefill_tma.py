@@ -72,6 +72,8 @@ def prefill_tma_kernel(
     q_ptr,
     k_desc,
     v_desc,
+    kd_desc,
+    vd_desc,
     k_cache_ptr,
     v_offset,
     block_table_ptr,
@@ -101,14 +103,19 @@ def prefill_tma_kernel(
     INNER_STAGES: tl.constexpr,
     EDGE_STAGES: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
+    DIAG_N: tl.constexpr = 0,
 ):
     """Grid ``(q_blocks, Hkv)``: q-block numbering as in `paged_attention_kernel`.
 
     `k_desc` / `v_desc`: tensor descriptors over the step's own ``key`` / ``value`` viewed as
     ``[token_end, Hkv * HEAD_SIZE]`` with ``[TILE_N, HEAD_SIZE]`` blocks; row ``t`` is the
-    query token ``t``'s key. ``HAS_PREFIX``: some request has cached context
-    (``seq_len > q_len``), read from the paged cache ``[2, N, BLOCK_SIZE, Hkv, HEAD_SIZE]``
-    (V at `v_offset` elements from K) through the block table.
+    query token ``t``'s key; `kd_desc` / `vd_desc` the same with ``[DIAG_N, HEAD_SIZE]``
+    blocks (``DIAG_N > 0``, causal only: the keys between the last whole ``TILE_N`` tile
+    below the q-block and its first token run in ``DIAG_N`` tiles without a mask, and only
+    the ``DIAG_N`` tiles over the q-block's own tokens are masked). ``HAS_PREFIX``: some
+    request has cached context (``seq_len > q_len``), read from the paged cache
+    ``[2, N, BLOCK_SIZE, Hkv, HEAD_SIZE]`` (V at `v_offset` elements from K) through the
+    block table.
     """
     kv_head = tl.program_id(1)
     if LONGEST_FIRST:
@@ -171,22 +178,44 @@ def prefill_tma_kernel(
 
     # The chunk's own keys j in [0, q_len), at descriptor rows q_begin + j.
     col = kv_head * HEAD_SIZE
-    if CAUSAL:
+    if DIAG_N > 0:
+        # Keys below q_off are visible to every row (q_off is a multiple of DIAG_N).
+        big_hi = q_off // TILE_N
+        for t in tl.range(0, big_hi, num_stages=INNER_STAGES, warp_specialize=WARP_SPECIALIZE):
+            m_i, l_i, acc = _own_tile(
+                q, m_i, l_i, acc, k_desc, v_desc, q_begin, col, t * TILE_N, tok, q_len,
+                qk_scale, TILE_N, CAUSAL, False, DOT_FP32,
+            )
+        for t in tl.range(big_hi * (TILE_N // DIAG_N), q_off // DIAG_N,
+                          num_stages=EDGE_STAGES):
+            m_i, l_i, acc = _own_tile(
+                q, m_i, l_i, acc, kd_desc, vd_desc, q_begin, col, t * DIAG_N, tok, q_len,
+                qk_scale, DIAG_N, CAUSAL, False, DOT_FP32,
+            )
+        last = (tl.minimum(q_off + BLOCK_Q, q_len) - 1) // DIAG_N + 1
+        for t in tl.range(q_off // DIAG_N, last, num_stages=EDGE_STAGES):
+            m_i, l_i, acc = _own_tile(
+                q, m_i, l_i, acc, kd_desc, vd_desc, q_begin, col, t * DIAG_N, tok, q_len,
+                qk_scale, DIAG_N, CAUSAL, True, DOT_FP32,
+            )
+    elif CAUSAL:
         full_hi = (q_off + 1) // TILE_N  # tiles every row of the q-block fully sees
         hi = (tl.minimum(q_off + BLOCK_Q, q_len) - 1) // TILE_N + 1
     else:
         full_hi = q_len // TILE_N
         hi = tl.cdiv(q_len, TILE_N)
-    for t in tl.range(0, full_hi, num_stages=INNER_STAGES, warp_specialize=WARP_SPECIALIZE):
-        m_i, l_i, acc = _own_tile(
-            q, m_i, l_i, acc, k_desc, v_desc, q_begin, col, t * TILE_N, tok, q_len, qk_scale,
-            TILE_N, CAUSAL, False, DOT_FP32,
-        )
-    for t in tl.range(full_hi, hi, num_stages=EDGE_STAGES):
-        m_i, l_i, acc = _own_tile(
-            q, m_i, l_i, acc, k_desc, v_desc, q_begin, col, t * TILE_N, tok, q_len, qk_scale,
-            TILE_N, CAUSAL, True, DOT_FP32,
-        )
+    if DIAG_N == 0:
+        for t in tl.range(0, full_hi, num_stages=INNER_STAGES,
+                          warp_specialize=WARP_SPECIALIZE):
+            m_i, l_i, acc = _own_tile(
+                q, m_i, l_i, acc, k_desc, v_desc, q_begin, col, t * TILE_N, tok, q_len,
+                qk_scale, TILE_N, CAUSAL, False, DOT_FP32,
+            )
+        for t in tl.range(full_hi, hi, num_stages=EDGE_STAGES):
+            m_i, l_i, acc = _own_tile(
+                q, m_i, l_i, acc, k_desc, v_desc, q_begin, col, t * TILE_N, tok, q_len,
+                qk_scale, TILE_N, CAUSAL, True, DOT_FP32,
+            )
 
     out = acc / l_i[:, None]
     tl.store(
