@@ -14,9 +14,10 @@ tiles entirely below the diagonal run without any mask, the one or two tiles on 
 mask; tiles above it are never visited. The softmax runs in base 2 with the scale and log2 e
 folded into one multiply-add per score.
 
-NaN-safety: key rows past the request (the next request's, padding tokens' or, beyond the
-descriptor's ``token_end`` rows, TMA's zero fill) only ever reach masked tiles, where their
-scores become ``-inf`` and their value rows are replaced by 0 before the P·V product.
+NaN-safety: the descriptors end at the launch's last real token (``token_end``), so padding
+tokens' rows (which may hold anything) read as TMA's zero fill; key rows past the request
+(the next request's, finite, or that fill) only reach masked tiles, where their scores
+become ``-inf`` (probability 0).
 """
 
 from __future__ import annotations
@@ -57,8 +58,6 @@ def _own_tile(
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     v = v_desc.load([row0 + j0, col])
-    if MASKED:
-        v = tl.where((j < q_len)[:, None], v, 0.0)  # padding rows may hold NaN
     if DOT_FP32:
         acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
     else:
