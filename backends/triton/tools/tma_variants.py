@@ -22,8 +22,9 @@ and skipped once ``--budget`` seconds (default 115) have passed:
 4. ``conformance.json``: the conformance suite's prefill cases (``prefill`` in the name) on
    the default.
 
-``--warm VARIANT`` only compiles `VARIANT` (or ``gather``) for the timing shapes, so that
-several processes started beside the main one fill Triton's on-disk cache in parallel.
+``--warm VARIANT`` only compiles `VARIANT` (or ``gather``) for the timing shapes, and
+``--warm-mixed`` the mixed step's launches, so that several processes started beside the
+main one (or before ``pagedcore bench kernels``) fill Triton's on-disk cache in parallel.
 
 ``--small`` shrinks every shape for a logic check on CPU (``TRITON_INTERPRET=1`` and
 ``PAGEDCORE_TRITON_PREFILL_KERNEL=tma``).
@@ -240,11 +241,33 @@ def warm(variant: str, small: bool) -> None:
     print(f"warm {variant}: rel_err {err:.3g} at {time.time() - T0:.1f}s", flush=True)
 
 
+def warm_mixed(small: bool) -> None:
+    """Compile what `pagedcore.bench.kernels.bench_mixed` runs (the step and its two parts)."""
+    from pagedcore_triton import TritonAttentionBackend
+
+    from pagedcore.bench import kernels as k
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    decodes, ctx, chunk, prefix = (4, 64, 16, 16) if small else (64, 4096, 2048, 2048)
+    kv = k.PagedKV([ctx] * decodes + [prefix + chunk], dtype, dev)
+    q_lens = [1] * decodes + [chunk]
+    query = torch.randn((sum(q_lens), k.NUM_HEADS, k.HEAD_SIZE), dtype=dtype, device=dev)
+    under = k.BackendUnderTest(TritonAttentionBackend, kv)
+    under.runner(kv, q_lens, list(range(decodes + 1)), query)()
+    under.runner(kv, [1] * decodes, list(range(decodes)), query[:decodes])()
+    under.runner(kv, [chunk], [decodes], query[decodes:])()
+    print(f"warm mixed at {time.time() - T0:.1f}s", flush=True)
+
+
 def main() -> None:
     args = sys.argv[1:]
     small = "--small" in args
     if args and args[0] == "--warm":
         warm(args[1], small)
+        return
+    if args and args[0] == "--warm-mixed":
+        warm_mixed(small)
         return
     budget = 115.0
     if "--budget" in args:
