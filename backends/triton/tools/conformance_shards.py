@@ -45,14 +45,20 @@ def run_shard(out: Path, shards: int, index: int, backend: str, device: str) -> 
     path.write_text(json.dumps(info, indent=1))
 
 
-def merge(out: Path, backend: str) -> None:
+def merge(out: Path, backend: str, device: str) -> None:
+    from pagedcore.conformance.runner import list_cases, resolve_backend
+
+    listed = [c.name for c in list_cases(resolve_backend(backend), device=device)]
     rows = []
     for f in sorted(out.glob("conformance_[0-9]*.json")):
         rows += json.loads(f.read_text())["rows"]
     ran = [r for r in rows if r["skipped"] is None]
     failed = [r["case"] for r in ran if not r["passed"]]
     errs = [r["max_rel_error"] for r in ran if r["max_rel_error"] is not None]
-    summary = {"backend": backend, "cases": len(rows), "ran": len(ran),
+    seen = {r["case"] for r in rows}
+    summary = {"backend": backend, "listed": len(listed),
+               "not_run": [n for n in listed if n not in seen], "cases": len(rows),
+               "ran": len(ran),
                "passed": len(ran) - len(failed), "failed": failed,
                "skipped": [r["case"] for r in rows if r["skipped"] is not None],
                "max_rel_error": max(errs, default=None), "rows": rows}
@@ -69,7 +75,7 @@ def main() -> None:
     out = Path(args[0])
     out.mkdir(parents=True, exist_ok=True)
     if args[1] == "merge":
-        merge(out, args[2] if len(args) > 2 else "triton")
+        merge(out, args[2] if len(args) > 2 else "triton", device)
         return
     t0 = time.time()
     run_shard(out, int(args[1]), int(args[2]), args[3] if len(args) > 3 else "triton", device)
