@@ -9,7 +9,7 @@ OUT=${1:?usage: tma_gpu_round1.sh OUT}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 T=backends/triton/tools/tma_variants.py
-VARIANTS="default 128,128,8,3,d32 128,64,8,3 128,64,8,3,d32 128,128,8,2 64,64,4,2 256,64,8,2 128,128,8,3,e1"
+VARIANTS="default 128,128,8,3,d32 128,64,8,3 128,64,8,3,d32 128,128,8,2 64,64,4,2 64,32,4,3 256,64,8,2 128,128,8,3,e1"
 i=0
 for v in gather $VARIANTS; do
   timeout -k 2 60 python3 $T --warm "$v" > "$OUT/warm_$i.log" 2>&1 &
