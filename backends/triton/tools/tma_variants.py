@@ -32,8 +32,6 @@ main one (or before ``pagedcore bench kernels``) fill Triton's on-disk cache in 
 
 from __future__ import annotations
 
-import functools
-import json
 import os
 import sys
 import time
@@ -45,6 +43,8 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 sys.path.insert(0, str(HERE))
+
+from prefill_variants import _Out, _prefill_case  # noqa: E402  (tools/ is not a package)
 
 TILES = "PAGEDCORE_TRITON_TMA_TILES"
 #: (context, query), decode-first as the engine orders a step: decodes, prefills, chunks.
@@ -58,22 +58,6 @@ def _select(variant: str) -> None:
         os.environ.pop(TILES, None)
     else:
         os.environ[TILES] = variant
-
-
-class _Out:
-    def __init__(self, path: Path) -> None:
-        import triton
-
-        self.path = path
-        dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-        self.info: dict[str, Any] = {"device": dev, "torch": torch.__version__,
-                                     "triton": triton.__version__, "rows": []}
-
-    def add(self, row: dict[str, Any]) -> None:
-        row["t_s"] = round(time.time() - T0, 1)
-        self.info["rows"].append(row)
-        print(json.dumps(row, default=str), flush=True)
-        self.path.write_text(json.dumps(self.info, indent=1, default=str))
 
 
 def _check(variant: str, dtype: torch.dtype, small: bool, features: bool) -> dict[str, Any]:
@@ -128,22 +112,6 @@ def step_check(out_dir: Path, variants: list[str], small: bool) -> None:
             out.add({"variant": variant, "dtype": str(dt), "features": features, "ok": False,
                      "error": f"{type(exc).__name__}: {str(exc)[:600]}"})
     _select("default")
-
-
-def _prefill_case(batch: int, length: int) -> tuple[Any, torch.Tensor, Any, torch.Tensor, int]:
-    from pagedcore.bench import kernels as k
-
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    kv = k.PagedKV([length] * batch, dtype, dev)
-    query = torch.randn((batch * length, k.NUM_HEADS, k.HEAD_SIZE), dtype=dtype, device=dev)
-    q4 = query.view(batch, length, k.NUM_HEADS, k.HEAD_SIZE).transpose(1, 2)
-    k4 = kv.key.view(batch, length, k.NUM_KV_HEADS, k.HEAD_SIZE).transpose(1, 2).contiguous()
-    v4 = kv.value.view(batch, length, k.NUM_KV_HEADS, k.HEAD_SIZE).transpose(1, 2).contiguous()
-    sdpa = functools.partial(k._sdpa, q4, k4, v4, causal=True)
-    ref = sdpa().transpose(1, 2).reshape(query.shape)
-    flops = 4 * k.HEAD_SIZE * k.NUM_HEADS * batch * length * (length + 1) // 2
-    return kv, query, sdpa, ref, flops
 
 
 def step_time(out_dir: Path, variants: list[str], small: bool, budget: float) -> None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pagedcore_triton.kernels.attention import _attend_tile, _find_request
+from pagedcore_triton.kernels.attention import _attend_tile, _grid_q_block
 
 __all__ = ["prefill_tma_kernel"]
 
@@ -117,14 +117,9 @@ def prefill_tma_kernel(
     block table.
     """
     kv_head = tl.program_id(1)
-    if LONGEST_FIRST:
-        q_block_id = tl.num_programs(0) - 1 - tl.program_id(0)
-    else:
-        q_block_id = tl.program_id(0)
-    req = _find_request(qsl_ptr, num_reqs, q_block_id, BLOCK_Q)
-    q_begin = tl.load(qsl_ptr + req)
-    q_len = tl.load(qsl_ptr + req + 1) - q_begin
-    first_block = q_begin // BLOCK_Q - tl.load(qsl_ptr) // BLOCK_Q + req
+    q_block_id, req, q_begin, q_len, first_block = _grid_q_block(
+        qsl_ptr, num_reqs, BLOCK_Q, LONGEST_FIRST
+    )
     q_off = (q_block_id - first_block) * BLOCK_Q
     if q_off >= q_len:  # spare program of the over-provisioned grid
         return
