@@ -146,11 +146,14 @@ def tma_tile_config(
 ) -> TileConfig:
     """Tiles of a Hopper-kernel launch: `override` (``TMA_TILES_ENV``) when given; in the
     interpreter 32 rows x 16 keys; else 128 rows (query tokens x the GQA group) x 128 keys
-    on 8 warps with 3 stages (head size 128), 128 x 64 for head size 64."""
+    on 8 warps, the unmasked loop in 3 stages and the diagonal's masked loop unpipelined
+    (``e1``), 128 x 64 for head size 64. Of the variants timed on the H200
+    (``docs/benchmarks/triton.md``, "Hopper prefill kernel") the fastest at both 4x2048
+    and 4x8192."""
     if override:
         return parse_tma_tiles(override, num_queries_per_kv)
     rows = 1 << max(0, num_queries_per_kv - 1).bit_length()
     if interpreting:
         return parse_tma_tiles(f"{max(32, rows)},16,4,1", num_queries_per_kv)
     tile_n = 128 if head_size == 128 else 64
-    return parse_tma_tiles(f"{max(128, rows)},{tile_n},8,3", num_queries_per_kv)
+    return parse_tma_tiles(f"{max(128, rows)},{tile_n},8,3,e1", num_queries_per_kv)
