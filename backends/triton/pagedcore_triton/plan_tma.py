@@ -147,9 +147,10 @@ def tma_tile_config(
     """Tiles of a Hopper-kernel launch: `override` (``TMA_TILES_ENV``) when given; in the
     interpreter 32 rows x 16 keys; else 128 rows (query tokens x the GQA group) x 128 keys
     on 8 warps, the unmasked loop in 3 stages and the diagonal's masked loop unpipelined
-    (``e1``), 128 x 64 for head size 64. Of the variants timed on the H200
-    (``docs/benchmarks/triton.md``, "Hopper prefill kernel") the fastest at both 4x2048
-    and 4x8192."""
+    (``e1``), 128 x 64 for head size 64 (not timed). Of the variants timed on the H200
+    (``docs/benchmarks/triton.md``, "Hopper prefill kernel") 128 x 128 on 8 warps was the
+    fastest at both 4x2048 and 4x8192; ``e1`` gained 1.6% at 4x2048 and lost 0.6% at
+    4x8192."""
     if override:
         return parse_tma_tiles(override, num_queries_per_kv)
     rows = 1 << max(0, num_queries_per_kv - 1).bit_length()
