@@ -1,6 +1,6 @@
 #!/bin/bash
 # The Hopper prefill default on the H200 (~60 s): bash tools/tma_gpu_round2.sh OUT
-#  1. in parallel: the full triton conformance suite in 12 shards (conformance_shards.py; merge
+#  1. in parallel: the full triton conformance suite in 16 shards (conformance_shards.py; merge
 #     them afterwards with `conformance_shards.py OUT merge triton`) and
 #     the compiles of the bench's prefill and mixed launches (tma_variants.py --warm*),
 #  2. then, alone on the GPU: pagedcore bench kernels --backend triton --case prefill
@@ -12,7 +12,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 t0=$(date +%s)
 T=backends/triton/tools
-S=12
+S=${SHARDS:-16}
 for i in $(seq 0 $((S - 1))); do
   timeout -k 1 "${CONF_CAP:-40}" python3 $T/conformance_shards.py "$OUT" $S $i triton > "$OUT/shard_$i.log" 2>&1 &
 done
