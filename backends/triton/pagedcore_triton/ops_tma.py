@@ -15,7 +15,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from pagedcore_triton._env import interpreting
 from pagedcore_triton.kernels.prefill_tma import prefill_tma_kernel
-from pagedcore_triton.launch import PreparedLaunch
+from pagedcore_triton.launch import PreparedLaunch, cache_strides, part_tensors
 from pagedcore_triton.plan import LaunchPart, TileConfig
 from pagedcore_triton.plan_tma import TMA_TILES_ENV, tma_tile_config
 
@@ -38,38 +38,28 @@ def prepare_tma(
 
     The tensors are the step's (see `pagedcore_triton.ops.paged_attention`); `tiles`
     overrides `tma_tile_config`'s choice (tuning)."""
-    _, num_blocks, block_size, num_kv_heads, head_size = kv_cache_shape
+    _, _, block_size, num_kv_heads, head_size = kv_cache_shape
     qpk = num_heads // num_kv_heads
     interp = interpreting()
     cfg = tiles or tma_tile_config(qpk, head_size, interpreting=interp,
                                    override=os.environ.get(TMA_TILES_ENV))
-    table = block_table[part.req_begin : part.req_end]
-    if table.stride(-1) != 1:
-        table = table.contiguous()
+    views = part_tensors(part, query_start_loc, seq_lens, block_table)
     grid = None
     if part.num_reqs > 0 and part.token_end > part.token_begin:
         q_blocks = part.token_end // cfg.block_q - part.token_begin // cfg.block_q
         grid = (q_blocks + part.num_reqs, num_kv_heads, 1)
-    stride_cs = num_kv_heads * head_size  # the cache is contiguous (checked by the impl)
     edge_stages = 1 if cfg.unpipelined_edges else cfg.num_stages
     return PreparedLaunch(
         grid=grid,
-        qsl=query_start_loc[part.req_begin : part.req_end + 1],
-        seq_lens=seq_lens[part.req_begin : part.req_end],
-        block_table=table,
+        **views,
         part_acc=None,
         part_ml=None,
         num_reqs=part.num_reqs,
         token_begin=part.token_begin,
         num_tokens=part.token_end - part.token_begin,
-        static_args=(
-            num_blocks * block_size * stride_cs,  # v_offset
-            block_size * stride_cs,  # stride_cb
-            stride_cs,
-            head_size,  # stride_ch
-            table.stride(0),
-            part.token_end,
-        ),
+        # The cache is contiguous (checked by the impl).
+        static_args=(*cache_strides(kv_cache_shape), views["block_table"].stride(0),
+                     part.token_end),
         constexprs={
             "HEAD_SIZE": head_size,
             "BLOCK_SIZE": block_size,
