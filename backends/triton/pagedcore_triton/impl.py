@@ -103,7 +103,12 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         output: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention for the step's ``[T, Hq, D]`` queries over the paged cache (which already
-        holds this step's K/V); `key`/`value` are not read. Returns ``[T, Hq, D]``."""
+        holds this step's K/V). Returns ``[T, Hq, D]``.
+
+        `key` / `value` ``[T, Hkv, D]`` (this step's own K/V, the rows written to the cache)
+        are read only by prefill parts planned for the Hopper kernel
+        (`LaunchPart.tma_prefill`); the other parts, and layers that kernel does not serve
+        (`plan_tma.tma_layer_reason`), read the cache."""
         self._check(query, kv_cache)
         from pagedcore_triton.ops import run_launch
 
@@ -124,6 +129,9 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         # so this also holds under CUDA-graph capture and replay).
         shape_key = (query.shape[1], query.dtype, kv_cache.shape, self._features)
         for i, part in enumerate(metadata.parts):
+            if part.tma_prefill and self._tma_serves(part, query, key, value):
+                self._forward_tma(i, part, query, key, value, kv_cache, metadata, output)
+                continue
             launch = self._prepared(
                 metadata, (i, shape_key), part, query, kv_cache, seq_lens=metadata.seq_lens,
                 block_table=metadata.block_table, use_alibi=slopes is not None,
@@ -143,6 +151,44 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
                 sinks=sinks,
             )
         return output
+
+    def _tma_serves(
+        self, part: LaunchPart, query: torch.Tensor, key: torch.Tensor | None,
+        value: torch.Tensor | None,
+    ) -> bool:
+        """Whether this layer runs `part` on the Hopper prefill kernel (`plan_tma`)."""
+        from pagedcore_triton.plan_tma import tma_layer_reason
+
+        plain = not any(self._features)
+        return tma_layer_reason(query, key, value, token_end=part.token_end, plain=plain,
+                                interpreting=interpreting()) is None
+
+    def _forward_tma(
+        self,
+        index: int,
+        part: LaunchPart,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        metadata: TritonAttentionMetadata,
+        output: torch.Tensor,
+    ) -> None:
+        """`part` on the Hopper prefill kernel: own K/V from `key` / `value`, prefix paged."""
+        from pagedcore_triton.ops_tma import prepare_tma, run_tma
+
+        assert key is not None and value is not None
+        cache_key = ("tma", index, query.shape[1], query.dtype, kv_cache.shape)
+        launch: PreparedLaunch | None = metadata.launches.get(cache_key)
+        if launch is None:
+            launch = prepare_tma(
+                part, num_heads=query.shape[1], dtype=query.dtype,
+                kv_cache_shape=tuple(kv_cache.shape), query_start_loc=metadata.query_start_loc,
+                seq_lens=metadata.seq_lens, block_table=metadata.block_table,
+                causal=metadata.causal,
+            )
+            metadata.launches[cache_key] = launch
+        run_tma(launch, query, key, value, kv_cache, output, scale=self.scale)
 
     def _forward_cascade(
         self,

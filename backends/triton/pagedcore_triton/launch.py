@@ -9,7 +9,9 @@ import attrs
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["PreparedLaunch"]
+    from pagedcore_triton.plan import LaunchPart
+
+__all__ = ["PreparedLaunch", "cache_strides", "part_tensors"]
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -50,3 +52,25 @@ class PreparedLaunch:
     static_args: tuple[Any, ...]
     constexprs: dict[str, Any]
     info: torch.Tensor | None = None
+
+
+def part_tensors(
+    part: LaunchPart, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+) -> dict[str, Any]:
+    """`PreparedLaunch`'s ``qsl`` / ``seq_lens`` / ``block_table``: `part`'s views of the
+    step's buffers (the table's rows made contiguous where they are not)."""
+    table = block_table[part.req_begin : part.req_end]
+    if table.stride(-1) != 1:
+        table = table.contiguous()
+    return {"qsl": query_start_loc[part.req_begin : part.req_end + 1],
+            "seq_lens": seq_lens[part.req_begin : part.req_end], "block_table": table}
+
+
+def cache_strides(kv_cache_shape: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """``(v_offset, stride_cb, stride_cs, stride_ch)`` in elements of a contiguous
+    ``[2, num_blocks, block_size, Hkv, D]`` cache: V's distance from K, and the strides of a
+    block, a slot and a KV head."""
+    _, num_blocks, block_size, num_kv_heads, head_size = kv_cache_shape
+    stride_cs = num_kv_heads * head_size
+    return num_blocks * block_size * stride_cs, block_size * stride_cs, stride_cs, head_size

@@ -25,6 +25,7 @@ from pagedcore_triton.plan import (
     decode_plan,
     tile_config,
 )
+from pagedcore_triton.plan_tma import tma_prefill_device, tma_prefill_spec
 
 if TYPE_CHECKING:
     import torch
@@ -119,6 +120,10 @@ class TritonMetadataBuilder(MetadataBuilder[TritonAttentionMetadata]):
         Serve the decodes of a mixed batch in their own launch with 16-row tiles instead of
         the prefill-sized tiles of one unified launch (measured faster on the H200; see
         ``docs/benchmarks/triton.md``).
+    tma_prefill:
+        Prefill-only launches go to the Hopper kernel (``kernels/prefill_tma.py``): set at
+        construction from the device (compute capability 9.x, or
+        ``PAGEDCORE_TRITON_PREFILL_KERNEL``) and the head size (`plan_tma`).
     """
 
     reorder_batch_threshold: ClassVar[int] = 1
@@ -129,6 +134,9 @@ class TritonMetadataBuilder(MetadataBuilder[TritonAttentionMetadata]):
         super().__init__(kv_cache_spec, layer_names, device)
         self.split_rule = SplitRule()
         self.separate_decode_launch = True
+        self.tma_prefill = tma_prefill_spec(kv_cache_spec.head_size) and tma_prefill_device(
+            device, interpreting=interpreting()
+        )
 
     def _part(
         self, common: CommonAttentionMetadata, begin: int, end: int, *, allow_split: bool
@@ -136,7 +144,8 @@ class TritonMetadataBuilder(MetadataBuilder[TritonAttentionMetadata]):
         qsl = common.query_start_loc_cpu
         q_lens = (qsl[begin + 1 : end + 1] - qsl[begin:end]).tolist()
         max_q = max(q_lens, default=0)
-        max_seq = max(common.seq_lens_cpu[begin:end].tolist(), default=0)
+        seq_lens = common.seq_lens_cpu[begin:end].tolist()
+        max_seq = max(seq_lens, default=0)
         segments = 1
         if allow_split:
             segments = choose_num_segments(
@@ -163,6 +172,8 @@ class TritonMetadataBuilder(MetadataBuilder[TritonAttentionMetadata]):
             max_query_len=max_q,
             num_segments=segments,
             prefill_only=min(q_lens, default=0) > 1,
+            tma_prefill=self.tma_prefill and min(q_lens, default=0) > 1 and segments == 1,
+            has_context=any(s > q for s, q in zip(seq_lens, q_lens, strict=True)),
         )
 
     @property

@@ -17,7 +17,7 @@ import triton
 from pagedcore_triton._env import interpreting
 from pagedcore_triton.kernels.attention import merge_segments_kernel, paged_attention_kernel
 from pagedcore_triton.kernels.cache_write import write_kv_cache
-from pagedcore_triton.launch import PreparedLaunch
+from pagedcore_triton.launch import PreparedLaunch, cache_strides, part_tensors
 from pagedcore_triton.ops_balanced import prepare_balanced, run_balanced
 from pagedcore_triton.plan import (
     PREFILL_TILES_ENV,
@@ -70,9 +70,7 @@ def prepare_launch(
     if segments & (segments - 1):
         raise ValueError(f"num_segments must be a power of two, got {segments}")
     num_tokens = part.token_end - part.token_begin
-    table = block_table[part.req_begin : part.req_end]
-    if table.stride(-1) != 1:
-        table = table.contiguous()
+    views = part_tensors(part, query_start_loc, seq_lens, block_table)
     grid = None
     flat = part.flat_programs is not None
     if part.num_reqs > 0 and num_tokens > 0 and part.flat_programs is not None:
@@ -96,25 +94,17 @@ def prepare_launch(
         part_ml = torch.empty(
             (num_tokens, num_heads, segments, 2), dtype=torch.float32, device=device
         )
-    stride_cs = num_kv_heads * head_size  # the cache is contiguous (checked by the impl)
-    num_blocks = kv_cache_shape[1]
     return PreparedLaunch(
         grid=grid,
-        qsl=query_start_loc[part.req_begin : part.req_end + 1],
-        seq_lens=seq_lens[part.req_begin : part.req_end],
-        block_table=table,
+        **views,
         part_acc=part_acc,
         part_ml=part_ml,
         num_reqs=part.num_reqs,
         token_begin=part.token_begin,
         num_tokens=num_tokens,
-        static_args=(
-            num_blocks * block_size * stride_cs,  # v_offset
-            block_size * stride_cs,  # stride_cb
-            stride_cs,
-            head_size,  # stride_ch
-            table.stride(0),
-        ),
+        # (v_offset, stride_cb, stride_cs, stride_ch, stride_bt); the impl checks that the
+        # cache is contiguous.
+        static_args=(*cache_strides(kv_cache_shape), views["block_table"].stride(0)),
         constexprs={
             "HEAD_SIZE": head_size,
             "HEAD_PAD": head_pad,

@@ -92,6 +92,11 @@ class LaunchPart:
         With `flat_programs`: context tokens a segment holds at least (a short context
         leaves the later segments empty; they exit before loading anything). With
         `balanced_programs`: the least tokens per segment (`balanced_segments`).
+    tma_prefill:
+        A prefill-only part planned for the Hopper kernel (``kernels/prefill_tma.py``, see
+        ``plan_tma``); a layer that kernel does not serve runs the gather kernel instead.
+    has_context:
+        Some request of the part continues a cached prefix (``seq_len > query_len``).
     balanced_programs:
         None, or a single-token decode launch on the length-balanced grid of this many
         programs per KV head (`balanced_grid_size`; ``kernels/balanced.py``): the kernel
@@ -108,6 +113,8 @@ class LaunchPart:
     flat_programs: int | None = None
     min_segment_tokens: int = 0
     balanced_programs: int | None = None
+    tma_prefill: bool = False
+    has_context: bool = True
 
     @property
     def num_reqs(self) -> int:
@@ -286,6 +293,11 @@ class TileConfig:
     unpipelined_edges: bool = False
     #: K/V offsets in int32 where the cache allows it (fewer than 2**31 elements).
     int32_offsets: bool = False
+    #: Hopper prefill kernel only: warp-specialize its unmasked loop (``plan_tma``).
+    warp_specialize: bool = False
+    #: Hopper prefill kernel only: keys near the causal diagonal in tiles of this many
+    #: (0: in `tile_n` tiles), so that only the last one is masked.
+    diag_tile_n: int = 0
 
 
 def parse_tiles(text: str, num_queries_per_kv: int) -> TileConfig:

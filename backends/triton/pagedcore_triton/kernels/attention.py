@@ -41,6 +41,22 @@ def _find_request(qsl_ptr, num_reqs, q_block_id, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _grid_q_block(qsl_ptr, num_reqs, BLOCK_Q: tl.constexpr, LONGEST_FIRST: tl.constexpr):
+    """``(q_block_id, req, q_begin, q_len, first_block)`` of this program on the classic grid
+    (axis 0 over q-blocks, last-first with `LONGEST_FIRST`): its request, the request's
+    query tokens and the request's first q-block."""
+    if LONGEST_FIRST:
+        q_block_id = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        q_block_id = tl.program_id(0)
+    req = _find_request(qsl_ptr, num_reqs, q_block_id, BLOCK_Q)
+    q_begin = tl.load(qsl_ptr + req)
+    q_len = tl.load(qsl_ptr + req + 1) - q_begin
+    first_block = q_begin // BLOCK_Q - tl.load(qsl_ptr) // BLOCK_Q + req
+    return q_block_id, req, q_begin, q_len, first_block
+
+
+@triton.jit
 def _attend_tile(
     q, m_i, l_i, acc, t, bt_row, k_cache_ptr, v_cache_ptr, kv_head_off, stride_cb, stride_cs,
     d, d_ok, row_ok, pos_q, kv_begin, kv_end, slope, scale, qk_scale, soft_cap, window,
@@ -256,14 +272,9 @@ def paged_attention_kernel(
     else:
         n_seg = NUM_SEGMENTS
         segment = tl.program_id(2)
-        if LONGEST_FIRST:
-            q_block_id = tl.num_programs(0) - 1 - tl.program_id(0)
-        else:
-            q_block_id = tl.program_id(0)
-        req = _find_request(qsl_ptr, num_reqs, q_block_id, BLOCK_Q)
-        q_begin = tl.load(qsl_ptr + req)
-        q_len = tl.load(qsl_ptr + req + 1) - q_begin
-        first_block = q_begin // BLOCK_Q - tl.load(qsl_ptr) // BLOCK_Q + req
+        q_block_id, req, q_begin, q_len, first_block = _grid_q_block(
+            qsl_ptr, num_reqs, BLOCK_Q, LONGEST_FIRST
+        )
     q_off = (q_block_id - first_block) * BLOCK_Q
     if q_off >= q_len:  # spare program of the over-provisioned grid
         return

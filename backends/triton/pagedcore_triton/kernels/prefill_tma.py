@@ -1,0 +1,219 @@
+# mypy: disable-error-code="untyped-decorator,no-untyped-def"
+"""Prefill attention for Hopper (sm_90): the step's own K/V through tensor descriptors (TMA).
+
+A prefill chunk's own keys and values arrive contiguously in ``forward()``'s `key` / `value`
+arguments (``[T, Hkv, D]``), so this kernel reads them as ``[TILE_N, D]`` boxes of a 2-D
+``[T, Hkv * D]`` tensor descriptor (one bulk copy per tile, software-pipelined by Triton)
+instead of gathering every row through the block table. Only a cached prefix (a chunk that
+continues earlier tokens) is read from the paged cache, with the gather of
+`paged_attention_kernel` (`_attend_tile`).
+
+One program owns ``BLOCK_Q`` query tokens of one request times the ``QPK`` query heads of one
+KV head (``BLOCK_M`` rows, token-major), so each K/V tile serves the whole GQA group. Causal:
+tiles entirely below the diagonal run without any mask, the one or two tiles on it with the
+mask; tiles above it are never visited. The softmax runs in base 2 with the scale and log2 e
+folded into one multiply-add per score.
+
+NaN-safety: the descriptors end at the launch's last real token (``token_end``), so padding
+tokens' rows (which may hold anything) read as TMA's zero fill; key rows past the request
+(the next request's, finite, or that fill) only reach masked tiles, where their scores
+become ``-inf`` (probability 0).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from pagedcore_triton.kernels.attention import _attend_tile, _grid_q_block
+
+__all__ = ["prefill_tma_kernel"]
+
+
+@triton.jit
+def _own_tile(
+    q, m_i, l_i, acc, k_desc, v_desc, row0, col, j0, tok, q_len, qk_scale,
+    TILE_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """One tile of the request's own keys ``[j0, j0 + TILE_N)`` (rows ``row0 + j0 ..`` of the
+    descriptors). ``MASKED=False`` only for tiles that every row of the program fully sees."""
+    k = k_desc.load([row0 + j0, col])
+    if DOT_FP32:
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    if MASKED:
+        j = j0 + tl.arange(0, TILE_N)
+        visible = j[None, :] < q_len
+        if CAUSAL:
+            visible = visible & (j[None, :] <= tok[:, None])
+        s = tl.where(visible, s, float("-inf"))
+    # Every row saw key 0 in the first tile it visited, so m_new is finite from then on.
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    p = tl.exp2(s * qk_scale - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    v = v_desc.load([row0 + j0, col])
+    if DOT_FP32:
+        acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def prefill_tma_kernel(
+    out_ptr,
+    q_ptr,
+    k_desc,
+    v_desc,
+    kd_desc,
+    vd_desc,
+    k_cache_ptr,
+    v_offset,
+    block_table_ptr,
+    seq_lens_ptr,
+    qsl_ptr,
+    num_reqs,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    HEAD_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    QPK: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    LONGEST_FIRST: tl.constexpr,
+    OFF32: tl.constexpr,
+    INNER_STAGES: tl.constexpr,
+    EDGE_STAGES: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+    DIAG_N: tl.constexpr = 0,
+):
+    """Grid ``(q_blocks, Hkv)``: q-block numbering as in `paged_attention_kernel`.
+
+    `k_desc` / `v_desc`: tensor descriptors over the step's own ``key`` / ``value`` viewed as
+    ``[token_end, Hkv * HEAD_SIZE]`` with ``[TILE_N, HEAD_SIZE]`` blocks; row ``t`` is the
+    query token ``t``'s key; `kd_desc` / `vd_desc` the same with ``[DIAG_N, HEAD_SIZE]``
+    blocks (``DIAG_N > 0``, causal only: the keys between the last whole ``TILE_N`` tile
+    below the q-block and its first token run in ``DIAG_N`` tiles without a mask, and only
+    the ``DIAG_N`` tiles over the q-block's own tokens are masked). ``HAS_PREFIX``: some
+    request has cached context (``seq_len > q_len``), read from the paged cache
+    ``[2, N, BLOCK_SIZE, Hkv, HEAD_SIZE]`` (V at `v_offset` elements from K) through the
+    block table.
+    """
+    kv_head = tl.program_id(1)
+    q_block_id, req, q_begin, q_len, first_block = _grid_q_block(
+        qsl_ptr, num_reqs, BLOCK_Q, LONGEST_FIRST
+    )
+    q_off = (q_block_id - first_block) * BLOCK_Q
+    if q_off >= q_len:  # spare program of the over-provisioned grid
+        return
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = q_off + rows // QPK
+    head = kv_head * QPK + rows % QPK
+    row_ok = (rows < BLOCK_Q * QPK) & (tok < q_len)
+    d = tl.arange(0, HEAD_SIZE)
+    q_rows = (q_begin + tok).to(tl.int64)
+    q = tl.load(
+        q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    qk_scale = scale * 1.4426950408889634  # the softmax runs in base 2
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_SIZE], tl.float32)
+
+    if HAS_PREFIX:
+        # The cached context [0, ctx_len): every row sees all of it (it precedes the chunk).
+        ctx_len = tl.load(seq_lens_ptr + req) - q_len
+        bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+        v_cache_ptr = k_cache_ptr + v_offset
+        if OFF32:
+            kv_head_off = kv_head * stride_ch
+        else:
+            kv_head_off = kv_head.to(tl.int64) * stride_ch
+        d_ok = d < HEAD_SIZE
+        pos_q = ctx_len + tok
+        slope = tl.zeros([BLOCK_M], tl.float32)
+        full = ctx_len // TILE_N
+        for t in range(0, full):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, t, bt_row, k_cache_ptr, v_cache_ptr, kv_head_off, stride_cb,
+                stride_cs, d, d_ok, row_ok, pos_q, 0, ctx_len, slope, scale, qk_scale,
+                1.0, 0, HEAD_SIZE, HEAD_SIZE, BLOCK_SIZE, TILE_N, False, False,
+                False, False, DOT_FP32, False, OFF32,
+            )
+        for t in range(full, tl.cdiv(ctx_len, TILE_N)):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, t, bt_row, k_cache_ptr, v_cache_ptr, kv_head_off, stride_cb,
+                stride_cs, d, d_ok, row_ok, pos_q, 0, ctx_len, slope, scale, qk_scale,
+                1.0, 0, HEAD_SIZE, HEAD_SIZE, BLOCK_SIZE, TILE_N, False, False,
+                False, False, DOT_FP32, True, OFF32,
+            )
+
+    # The chunk's own keys j in [0, q_len), at descriptor rows q_begin + j.
+    col = kv_head * HEAD_SIZE
+    if DIAG_N > 0:
+        # Keys below q_off are visible to every row (q_off is a multiple of DIAG_N).
+        big_hi = q_off // TILE_N
+        for t in tl.range(0, big_hi, num_stages=INNER_STAGES, warp_specialize=WARP_SPECIALIZE):
+            m_i, l_i, acc = _own_tile(
+                q, m_i, l_i, acc, k_desc, v_desc, q_begin, col, t * TILE_N, tok, q_len,
+                qk_scale, TILE_N, CAUSAL, False, DOT_FP32,
+            )
+        for t in tl.range(big_hi * (TILE_N // DIAG_N), q_off // DIAG_N,
+                          num_stages=EDGE_STAGES):
+            m_i, l_i, acc = _own_tile(
+                q, m_i, l_i, acc, kd_desc, vd_desc, q_begin, col, t * DIAG_N, tok, q_len,
+                qk_scale, DIAG_N, CAUSAL, False, DOT_FP32,
+            )
+        last = (tl.minimum(q_off + BLOCK_Q, q_len) - 1) // DIAG_N + 1
+        for t in tl.range(q_off // DIAG_N, last, num_stages=EDGE_STAGES):
+            m_i, l_i, acc = _own_tile(
+                q, m_i, l_i, acc, kd_desc, vd_desc, q_begin, col, t * DIAG_N, tok, q_len,
+                qk_scale, DIAG_N, CAUSAL, True, DOT_FP32,
+            )
+    elif CAUSAL:
+        full_hi = (q_off + 1) // TILE_N  # tiles every row of the q-block fully sees
+        hi = (tl.minimum(q_off + BLOCK_Q, q_len) - 1) // TILE_N + 1
+    else:
+        full_hi = q_len // TILE_N
+        hi = tl.cdiv(q_len, TILE_N)
+    if DIAG_N == 0:
+        for t in tl.range(0, full_hi, num_stages=INNER_STAGES,
+                          warp_specialize=WARP_SPECIALIZE):
+            m_i, l_i, acc = _own_tile(
+                q, m_i, l_i, acc, k_desc, v_desc, q_begin, col, t * TILE_N, tok, q_len,
+                qk_scale, TILE_N, CAUSAL, False, DOT_FP32,
+            )
+        for t in tl.range(full_hi, hi, num_stages=EDGE_STAGES):
+            m_i, l_i, acc = _own_tile(
+                q, m_i, l_i, acc, k_desc, v_desc, q_begin, col, t * TILE_N, tok, q_len,
+                qk_scale, TILE_N, CAUSAL, True, DOT_FP32,
+            )
+
+    out = acc / l_i[:, None]
+    tl.store(
+        out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None],
+    )

@@ -1,0 +1,137 @@
+"""Launchers of the Hopper prefill kernel (``kernels/prefill_tma.py``; imports triton).
+
+`prepare_tma` plans a part's launch once per step and layer shape (grid, tiles, the cache's
+strides); `run_tma` builds the two tensor descriptors over the layer's `key` / `value` (they
+change from layer to layer) and launches.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from pagedcore_triton._env import interpreting
+from pagedcore_triton.kernels.prefill_tma import prefill_tma_kernel
+from pagedcore_triton.launch import PreparedLaunch, cache_strides, part_tensors
+from pagedcore_triton.plan import LaunchPart, TileConfig
+from pagedcore_triton.plan_tma import TMA_TILES_ENV, tma_tile_config
+
+__all__ = ["prepare_tma", "run_tma"]
+
+
+def prepare_tma(
+    part: LaunchPart,
+    *,
+    num_heads: int,
+    dtype: torch.dtype,
+    kv_cache_shape: tuple[int, ...],
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    causal: bool,
+    tiles: TileConfig | None = None,
+) -> PreparedLaunch:
+    """Plan `part` (a prefill-only part, `LaunchPart.tma_prefill`) on the Hopper kernel.
+
+    The tensors are the step's (see `pagedcore_triton.ops.paged_attention`); `tiles`
+    overrides `tma_tile_config`'s choice (tuning)."""
+    _, _, block_size, num_kv_heads, head_size = kv_cache_shape
+    qpk = num_heads // num_kv_heads
+    interp = interpreting()
+    cfg = tiles or tma_tile_config(qpk, head_size, interpreting=interp,
+                                   override=os.environ.get(TMA_TILES_ENV))
+    views = part_tensors(part, query_start_loc, seq_lens, block_table)
+    grid = None
+    if part.num_reqs > 0 and part.token_end > part.token_begin:
+        q_blocks = part.token_end // cfg.block_q - part.token_begin // cfg.block_q
+        grid = (q_blocks + part.num_reqs, num_kv_heads, 1)
+    edge_stages = 1 if cfg.unpipelined_edges else cfg.num_stages
+    return PreparedLaunch(
+        grid=grid,
+        **views,
+        part_acc=None,
+        part_ml=None,
+        num_reqs=part.num_reqs,
+        token_begin=part.token_begin,
+        num_tokens=part.token_end - part.token_begin,
+        # The cache is contiguous (checked by the impl).
+        static_args=(*cache_strides(kv_cache_shape), views["block_table"].stride(0),
+                     part.token_end),
+        constexprs={
+            "HEAD_SIZE": head_size,
+            "BLOCK_SIZE": block_size,
+            "QPK": qpk,
+            "BLOCK_Q": cfg.block_q,
+            "BLOCK_M": cfg.block_m,
+            "TILE_N": cfg.tile_n,
+            "CAUSAL": causal,
+            "HAS_PREFIX": part.has_context,
+            "DOT_FP32": interp or dtype == torch.float32,
+            "LONGEST_FIRST": cfg.longest_first,
+            "OFF32": math.prod(kv_cache_shape) < 2**31,
+            "INNER_STAGES": cfg.num_stages,
+            "EDGE_STAGES": edge_stages,
+            "WARP_SPECIALIZE": cfg.warp_specialize,
+            "DIAG_N": cfg.diag_tile_n if causal else 0,
+            "num_warps": cfg.num_warps,
+            "num_stages": cfg.num_stages,
+        },
+    )
+
+
+def run_tma(
+    launch: PreparedLaunch,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    output: torch.Tensor,
+    *,
+    scale: float,
+) -> None:
+    """Run a prepared Hopper-kernel launch for one layer.
+
+    `query` / `output` ``[T, Hq, D]`` (last dimension contiguous), `key` / `value`
+    ``[>= token_end, Hkv, D]`` this step's own K/V (`plan_tma.tma_layer_reason` holds), the
+    paged `kv_cache` for cached prefixes."""
+    grid = launch.grid
+    if grid is None:
+        return
+    v_offset, stride_cb, stride_cs, stride_ch, stride_bt, token_end = launch.static_args
+    c = launch.constexprs
+    width = key.shape[1] * key.shape[2]
+    box = [c["TILE_N"], c["HEAD_SIZE"]]
+    k_desc = TensorDescriptor(key, [token_end, width], [key.stride(0), 1], box)
+    v_desc = TensorDescriptor(value, [token_end, width], [value.stride(0), 1], box)
+    kd_desc, vd_desc = k_desc, v_desc
+    if c["DIAG_N"]:
+        box = [c["DIAG_N"], c["HEAD_SIZE"]]
+        kd_desc = TensorDescriptor(key, [token_end, width], [key.stride(0), 1], box)
+        vd_desc = TensorDescriptor(value, [token_end, width], [value.stride(0), 1], box)
+    prefill_tma_kernel[grid](
+        output,
+        query,
+        k_desc,
+        v_desc,
+        kd_desc,
+        vd_desc,
+        kv_cache,
+        v_offset,
+        launch.block_table,
+        launch.seq_lens,
+        launch.qsl,
+        launch.num_reqs,
+        scale,
+        query.stride(0),
+        query.stride(1),
+        output.stride(0),
+        output.stride(1),
+        stride_cb,
+        stride_cs,
+        stride_ch,
+        stride_bt,
+        **c,
+    )

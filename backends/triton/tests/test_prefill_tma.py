@@ -1,0 +1,140 @@
+"""The Hopper prefill kernel (``kernels/prefill_tma.py``) and when the builder and impl use it.
+
+On CPU the kernel runs in Triton's interpreter (which executes tensor-descriptor loads too),
+forced by ``PAGEDCORE_TRITON_PREFILL_KERNEL=tma``; on an sm_90 GPU it is the default. Each
+batch has padding tokens whose query/key/value rows are NaN, on a NaN-poisoned cache, against
+the float64 formula of the tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import pytest
+import torch
+from _reference import make_batch, reference_attention, rel_error
+from pagedcore_triton import TritonAttentionBackend
+from pagedcore_triton.plan_tma import (
+    PREFILL_KERNEL_ENV,
+    TMA_TILES_ENV,
+    parse_tma_tiles,
+    tma_prefill_device,
+)
+
+from pagedcore.kv_cache.spec import FullAttentionSpec
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def _run(
+    reqs: Sequence[tuple[int, int]],
+    *,
+    heads: tuple[int, int] = (8, 2),
+    head_size: int = 64,
+    dtype: torch.dtype = torch.float32,
+    causal: bool = True,
+    key_layout: str = "contiguous",
+    **features: Any,
+) -> tuple[float, bool]:
+    """``(relative error, whether the Hopper kernel ran)`` for `reqs` = ``[(ctx, q)]``."""
+    num_heads, num_kv_heads = heads
+    batch = make_batch(reqs, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                       head_size=head_size, block_size=16, dtype=dtype, device=DEVICE,
+                       num_padding=2, seed=3)
+    n = batch.common.num_actual_tokens
+    for t in (batch.query, batch.key, batch.value):
+        t[n:] = float("nan")  # padding rows: never read into a real output row
+    common = attrs.evolve(batch.common, causal=causal)
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=num_kv_heads, head_size=head_size,
+                             dtype=dtype)
+    builder = TritonAttentionBackend.get_builder_cls()(spec, ["l0"], torch.device(DEVICE))
+    metadata = builder.build(common)
+    impl = TritonAttentionBackend.get_impl_cls()(num_heads, head_size, 0.125,
+                                                 num_kv_heads=num_kv_heads, **features)
+    impl.do_kv_cache_update(batch.key, batch.value, batch.kv_cache, common.slot_mapping)
+    key, value = batch.key, batch.value
+    if key_layout == "strided":  # [T, Hkv, D] whose heads are not adjacent rows
+        key = torch.cat([key, key], dim=1)[:, ::2]
+    out = torch.full_like(batch.query, float("nan"))
+    impl.forward(batch.query, key, value, batch.kv_cache, metadata, output=out)
+    ref = reference_attention(batch, scale=0.125, causal=causal, **features)
+    ran = any(k[0] == "tma" for k in metadata.launches)
+    return rel_error(out[:n], ref), ran
+
+
+@pytest.fixture
+def tma(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    monkeypatch.setenv(PREFILL_KERNEL_ENV, "tma")
+    return monkeypatch
+
+
+#: Decode-first as the engine orders a step: decodes, fresh prefills, chunks with a prefix
+#: (block-aligned or not), lengths that are not multiples of the tiles.
+MIXED = [(5, 1), (70, 1), (0, 37), (0, 7), (33, 20), (16, 45)]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "heads", "head_size"),
+    [(torch.float32, (8, 2), 64), (torch.bfloat16, (8, 2), 64), (torch.float16, (7, 1), 128)],
+)
+def test_mixed_batch(tma: pytest.MonkeyPatch, dtype: torch.dtype, heads: tuple[int, int],
+                     head_size: int) -> None:
+    err, ran = _run(MIXED, heads=heads, head_size=head_size, dtype=dtype)
+    assert ran
+    assert err < TOL[dtype], err
+
+
+@pytest.mark.parametrize("tiles", ["64,32,4,1,d16", "32,16,4,1,fwd,e1"])
+def test_tile_variants(tma: pytest.MonkeyPatch, tiles: str) -> None:
+    tma.setenv(TMA_TILES_ENV, tiles)
+    err, ran = _run([(0, 70), (20, 45), (0, 3)])
+    assert ran
+    assert err < TOL[torch.float32], err
+
+
+def test_not_causal(tma: pytest.MonkeyPatch) -> None:
+    err, ran = _run([(0, 21), (9, 30)], causal=False)
+    assert ran
+    assert err < TOL[torch.float32], err
+
+
+@pytest.mark.parametrize(
+    "features",
+    [{"sliding_window": 9}, {"logits_soft_cap": 2.0},
+     {"alibi_slopes": [0.5 ** (i + 1) for i in range(8)]}, {"key_layout": "strided"}],
+)
+def test_layers_it_does_not_serve_fall_back(tma: pytest.MonkeyPatch,
+                                            features: dict[str, Any]) -> None:
+    err, ran = _run([(5, 1), (0, 30), (12, 20)], **features)
+    assert not ran
+    assert err < TOL[torch.float32], err
+
+
+def test_selection(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(PREFILL_KERNEL_ENV, raising=False)
+    cpu = torch.device("cpu")
+    assert not tma_prefill_device(cpu, interpreting=True)  # other devices keep the gather
+    monkeypatch.setenv(PREFILL_KERNEL_ENV, "tma")
+    assert tma_prefill_device(cpu, interpreting=True)
+    monkeypatch.setenv(PREFILL_KERNEL_ENV, "gather")
+    assert not tma_prefill_device(torch.device("cuda"), interpreting=False)
+    monkeypatch.setenv(PREFILL_KERNEL_ENV, "fast")
+    with pytest.raises(ValueError, match="expected 'tma'"):
+        tma_prefill_device(cpu, interpreting=False)
+    # Head sizes the kernel has no box for, and decode-only steps, stay on the gather.
+    monkeypatch.setenv(PREFILL_KERNEL_ENV, "tma")
+    err, ran = _run([(0, 30), (4, 9)], head_size=96)
+    assert not ran and err < TOL[torch.float32]
+    err, ran = _run([(30, 1), (4, 1)])
+    assert not ran and err < TOL[torch.float32]
+
+
+def test_parse_tiles() -> None:
+    cfg = parse_tma_tiles("128,128,8,3,d32", 4)
+    assert (cfg.block_q, cfg.diag_tile_n, cfg.longest_first) == (32, 32, True)
+    for bad in ("128,128,8", "128,96,8,3", "128,128,8,3,d64", "128,128,8,3,zz"):
+        with pytest.raises(ValueError, match="PAGEDCORE_TRITON_TMA_TILES"):
+            parse_tma_tiles(bad, 4)
