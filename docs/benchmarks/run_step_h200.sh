@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Issue #22 on one H200 (~95 s): the overlap identity diagnosis (overlap_diff.py: bf16 and
-# fp32 with preemption, bf16 without), then `pagedcore bench step` (CUDA graphs, overlap on and
-# off, profiled) for the Llama-3-8B shape at batch 1/64/256 and the Qwen2-0.5B shape at 256.
-# Results under $OUT. Each part has its own time limit, so one slow part cannot eat the rest.
+# Issue #22 on one H200 (~100 s), most important first, each part under its own time limit:
+# 1. the overlap identity diagnosis (overlap_diff.py: bf16 with and without preemption, fp32
+#    with; main's fused kernels only, PAGEDCORE_FUSED_KERNELS=rms_norm,silu_mul);
+# 2. fused attention vs the modules it replaces (fused_check.py: logits bits, rel. error);
+# 3. `pagedcore bench step` (CUDA graphs, overlap on and off, profiled), Llama-3-8B shape;
+# 4. the same for the Qwen2-0.5B shape at batch 256, then again with main's fused kernels only.
+# Results under $OUT.
 #
 #   OUT=/tmp/step bash docs/benchmarks/run_step_h200.sh      # on the GPU machine, repo root
 set -uo pipefail
@@ -12,18 +15,23 @@ PY=${PYTHON:-python3}
 start=$(date +%s)
 "$PY" -m pip install -q --no-deps --no-build-isolation -e . -e backends/triton > "$OUT/pip.txt" 2>&1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1 || true
-git_commit=${GIT_COMMIT:-unknown}
-echo "commit $git_commit" > "$OUT/commit.txt"
+echo "commit ${GIT_COMMIT:-unknown}" > "$OUT/commit.txt"
 elapsed() { echo "[$(( $(date +%s) - start )) s] $*"; }
 elapsed "installed"
-timeout "${DIFF_S:-34}" "$PY" docs/benchmarks/overlap_diff.py "$OUT/overlap_diff.json" \
+PAGEDCORE_FUSED_KERNELS=rms_norm,silu_mul timeout "${DIFF_S:-28}" "$PY" \
+    docs/benchmarks/overlap_diff.py "$OUT/overlap_diff.json" \
     --cases "${DIFF_CASES:-bf16-preempt,bf16-roomy,fp32-preempt}" > "$OUT/overlap_diff.txt" 2>&1
-elapsed "overlap_diff rc=$?"; grep -v '^ ' "$OUT/overlap_diff.txt" | cut -c1-600 | tail -n 8
-timeout "${LLAMA_S:-36}" "$PY" -m pagedcore.cli bench step --model-shape llama3-8b \
-    --batch-sizes "${LLAMA_BATCHES:-1,64,256}" --steps 10 --no-eager --profile \
-    --json "$OUT/step_llama.json" > "$OUT/step_llama.txt" 2>&1
-elapsed "bench step llama rc=$?"; grep -E "batch|graphs|eager" "$OUT/step_llama.txt" | tail -n 12
-timeout "${QWEN_S:-16}" "$PY" -m pagedcore.cli bench step --model-shape qwen2-0.5b \
-    --batch-sizes "${QWEN_BATCHES:-256}" --steps 15 --no-eager --profile \
-    --json "$OUT/step_qwen.json" > "$OUT/step_qwen.txt" 2>&1
-elapsed "bench step qwen rc=$?"; grep -E "batch|graphs|eager" "$OUT/step_qwen.txt" | tail -n 6
+elapsed "overlap_diff rc=$?"; grep -v '^ ' "$OUT/overlap_diff.txt" | cut -c1-700 | tail -n 8
+timeout "${FUSED_S:-12}" "$PY" docs/benchmarks/fused_check.py "$OUT/fused_check.json" \
+    > "$OUT/fused_check.txt" 2>&1
+elapsed "fused_check rc=$?"; cut -c1-900 "$OUT/fused_check.txt" | tail -n 4
+bench() {  # NAME SECONDS SHAPE BATCHES STEPS [ENV...]
+    local name=$1 secs=$2 shape=$3 batches=$4 steps=$5; shift 5
+    env "$@" timeout "$secs" "$PY" -m pagedcore.cli bench step --model-shape "$shape" \
+        --batch-sizes "$batches" --steps "$steps" --no-eager --profile \
+        --json "$OUT/step_$name.json" > "$OUT/step_$name.txt" 2>&1
+    elapsed "bench step $name rc=$?"; grep -E "overlap (True|False)" "$OUT/step_$name.txt" | tail -n 8
+}
+bench llama "${LLAMA_S:-30}" llama3-8b "${LLAMA_BATCHES:-64,256}" 8
+bench qwen "${QWEN_S:-14}" qwen2-0.5b 256 12
+bench qwen_main_fused "${QWEN_S:-14}" qwen2-0.5b 256 12 PAGEDCORE_FUSED_KERNELS=rms_norm,silu_mul

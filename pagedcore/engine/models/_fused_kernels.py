@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["rms_norm_kernel", "silu_mul_kernel"]
+__all__ = ["rms_norm_kernel", "rotary_kernel", "silu_mul_kernel"]
 
 
 @triton.jit
@@ -61,3 +61,61 @@ def silu_mul_kernel(gate_ptr, up_ptr, out_ptr, numel, BLOCK: tl.constexpr):
     # F.silu returns the gate's dtype; the multiply then happens on that rounded value.
     act = act.to(gate_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + offs, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rotary_kernel(
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    x_tok_stride,
+    cs_tok_stride,
+    num_tokens,
+    first_heads,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROUND: tl.constexpr,
+):
+    """One program per (token, head): ``x * cos + rotate_half(x) * sin`` of one head.
+
+    Input heads lie `HEAD_DIM` apart in a token row (q then k heads of a fused QKV output, or
+    one tensor's heads); heads below `first_heads` go to the first output ``[T, first, D]``,
+    the rest to the second ``[T, rest, D]`` right behind it in `out_ptr`. With `ROUND` each
+    product is rounded to the output dtype before the sum, as torch's separate ops round.
+    """
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    num_heads = tl.num_programs(1).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < HALF
+    src = x_ptr + tok * x_tok_stride + head * HEAD_DIM
+    x1 = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    cs = tok * cs_tok_stride
+    c1 = tl.load(cos_ptr + cs + offs, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + cs + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + cs + offs, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + cs + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    dt = out_ptr.dtype.element_ty
+    a1 = x1 * c1
+    b1 = x2 * s1
+    a2 = x2 * c2
+    b2 = x1 * s2
+    if ROUND:
+        a1 = a1.to(dt).to(tl.float32)
+        b1 = b1.to(dt).to(tl.float32)
+        a2 = a2.to(dt).to(tl.float32)
+        b2 = b2.to(dt).to(tl.float32)
+    o1 = a1 - b1  # x1 * cos + (-x2) * sin: the same rounding
+    o2 = a2 + b2
+    first = tl.minimum(head, first_heads)
+    rest = head - first
+    dst = tl.where(
+        head < first_heads,
+        (tok * first_heads + first) * HEAD_DIM,
+        (num_tokens * first_heads + tok * (num_heads - first_heads) + rest) * HEAD_DIM,
+    )
+    tl.store(out_ptr + dst + offs, o1.to(dt), mask=mask)
+    tl.store(out_ptr + dst + HALF + offs, o2.to(dt), mask=mask)

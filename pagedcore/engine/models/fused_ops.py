@@ -9,8 +9,10 @@ parameters and submodules (same state-dict keys; tensor-parallel shards stay as 
 and round where transformers rounds, so the swapped model computes the same numbers.
 
 The engine swaps when the device is CUDA, Triton imports and ``PAGEDCORE_FUSED_KERNELS`` is
-not ``0`` (see `fused_kernels_disabled_reason`). The kernels are CUDA-graph capturable: no
-host syncs, outputs from torch's caching allocator.
+not ``0`` (see `fused_kernels_disabled_reason`); the variable may also name the kinds to swap
+(`fused_kinds_setting`: ``rms_norm``, ``silu_mul``, and the attention module's ``rotary`` and
+``qkv`` of `pagedcore.engine.models.fused_attention`). The kernels are CUDA-graph capturable:
+no host syncs, outputs from torch's caching allocator.
 """
 
 from __future__ import annotations
@@ -24,19 +26,27 @@ from torch import nn
 
 __all__ = [
     "FUSED_KERNELS_ENV",
+    "FUSED_KINDS",
     "MAX_NORM_SIZE",
     "MLP_CLASSES",
     "RMS_NORM_CLASSES",
     "FusedRMSNorm",
     "FusedSiLUMulMLP",
     "fused_kernels_disabled_reason",
+    "fused_kinds_setting",
     "rms_norm",
     "silu_and_mul",
     "swap_fused_modules",
 ]
 
-#: Environment switch: ``0`` / ``false`` / ``off`` / ``no`` keeps transformers' own modules.
+#: Environment switch: ``0`` / ``false`` / ``off`` / ``no`` keeps transformers' own modules;
+#: ``1`` (the default) swaps every kind; a comma list of `FUSED_KINDS` swaps those only.
 FUSED_KERNELS_ENV = "PAGEDCORE_FUSED_KERNELS"
+#: What can be swapped: the norms, the MLP activation, the attention's rotary embedding, and
+#: (with ``rotary``) its q/k/v projections as one GEMM.
+FUSED_KINDS = ("rms_norm", "silu_mul", "rotary", "qkv")
+_ON = ("1", "true", "on", "yes", "")
+_OFF = ("0", "false", "off", "no")
 #: RMSNorm classes computing ``w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)`` (not Gemma's
 #: ``1 + w``), replaced by `FusedRMSNorm`.
 RMS_NORM_CLASSES = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
@@ -49,12 +59,35 @@ MAX_NORM_SIZE = 32768
 _SILU_BLOCK = 1024
 
 
+def fused_kinds_setting() -> frozenset[str]:
+    """The kinds ``PAGEDCORE_FUSED_KERNELS`` asks for (all when unset).
+
+    Raises
+    ------
+    ValueError
+        The variable names something other than 0/1 or a comma list of `FUSED_KINDS`.
+    """
+    raw = os.environ.get(FUSED_KERNELS_ENV, "1")
+    setting = raw.strip().lower()
+    if setting in _ON:
+        return frozenset(FUSED_KINDS)
+    if setting in _OFF:
+        return frozenset()
+    kinds = {k.strip() for k in setting.split(",") if k.strip()}
+    unknown = sorted(kinds - set(FUSED_KINDS))
+    if unknown:
+        raise ValueError(
+            f"{FUSED_KERNELS_ENV}={raw!r} names {', '.join(unknown)}, which is not a fused "
+            f"kernel kind; set it to 1 (all), 0 (none) or a comma list of {', '.join(FUSED_KINDS)}"
+        )
+    return frozenset(kinds)
+
+
 def fused_kernels_disabled_reason(device: torch.device) -> str | None:
     """Why the engine keeps transformers' modules on `device` (None: swap them)."""
     if device.type != "cuda":
         return f"fused kernels run on CUDA devices only (device is {device.type!r})"
-    setting = os.environ.get(FUSED_KERNELS_ENV, "1").strip().lower()
-    if setting in ("0", "false", "off", "no"):
+    if not fused_kinds_setting():
         return f"turned off by {FUSED_KERNELS_ENV}={os.environ[FUSED_KERNELS_ENV]!r}"
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed"
@@ -221,7 +254,8 @@ def _replacement(module: nn.Module) -> tuple[str, nn.Module] | None:
     return None
 
 
-def swap_fused_modules(model: nn.Module) -> dict[str, int]:
+def swap_fused_modules(model: nn.Module, *,
+                       kinds: frozenset[str] = frozenset(FUSED_KINDS)) -> dict[str, int]:
     """Replace `model`'s Llama-style RMSNorms and SiLU-gated MLPs by fused-kernel modules.
 
     Parameters
@@ -230,6 +264,8 @@ def swap_fused_modules(model: nn.Module) -> dict[str, int]:
         A transformers model (``...ForCausalLM`` or the bare model), already sharded when
         tensor-parallel. Modules of other classes (Gemma's ``1 + w`` norm, non-SiLU MLPs,
         MoE blocks, anything unrecognised) are left untouched, so any model may be passed.
+    kinds:
+        Which of ``rms_norm`` / ``silu_mul`` to swap (other names are ignored here).
 
     Returns
     -------
@@ -240,7 +276,7 @@ def swap_fused_modules(model: nn.Module) -> dict[str, int]:
     targets = [
         (name, found)
         for name, module in model.named_modules()
-        if name and (found := _replacement(module)) is not None
+        if name and (found := _replacement(module)) is not None and found[0] in kinds
     ]
     for name, (kind, new) in targets:
         parent_name, _, attr = name.rpartition(".")

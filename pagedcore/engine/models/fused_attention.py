@@ -1,0 +1,245 @@
+"""Fused rotary embedding and QKV projection for Llama / Qwen2 attention (Triton, CUDA).
+
+transformers' ``apply_rotary_pos_emb`` runs as ten small kernels per layer (four muls, two
+negations, two concatenations, two adds) and the three projections as three GEMMs; in a
+decode step these are launch-bound. `FusedAttention` replaces a `LlamaAttention` /
+`Qwen2Attention` module: one GEMM over the q, k and v weights stacked in one buffer (the
+modules keep their parameters, which become views into it: same state-dict keys, same
+memory), and one `rotary_kernel` launch for the query and key heads. The attention function
+is dispatched as transformers dispatches it (``config._attn_implementation``).
+
+Numbers: the rotary kernel rounds where torch's separate ops round, so the rotated q/k are
+bit-identical to transformers'. The stacked GEMM is one cuBLAS call of another shape than
+the three it replaces, so its bf16 rounding may differ in the last bit (a batch-shape
+effect of the same kind as any other); ``PAGEDCORE_FUSED_KERNELS`` can leave it out.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+__all__ = ["ATTENTION_CLASSES", "FusedAttention", "apply_rotary", "swap_fused_attention"]
+
+#: Attention classes with plain q/k/v/o projections and full-head-dim rotary, replaced by
+#: `FusedAttention` (Qwen3's q/k norms and Mistral's config-level window are not handled).
+ATTENTION_CLASSES = ("LlamaAttention", "Qwen2Attention")
+_MAX_HEAD_DIM = 1024
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                 first_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x * cos + rotate_half(x) * sin`` per head, split into two contiguous outputs.
+
+    Parameters
+    ----------
+    x:
+        ``[T, H, D]`` fp32 / fp16 / bf16 on CUDA (or CPU under ``TRITON_INTERPRET=1``); heads
+        ``D`` apart and contiguous within a head, any token stride (e.g. the q and k part of
+        a fused QKV output).
+    cos, sin:
+        ``[T, D]`` or ``[1, T, D]``, `x`'s dtype (what transformers' rotary module returns).
+    first_heads:
+        The heads ``[0, first_heads)`` form the first output (the query heads).
+
+    Returns
+    -------
+    tuple
+        ``([T, first_heads, D], [T, H - first_heads, D])``, contiguous, `x`'s dtype.
+    """
+    from pagedcore.engine.models import _fused_kernels as kernels
+
+    tokens, heads, dim = x.shape
+    cos = cos.reshape(-1, dim)
+    sin = sin.reshape(-1, dim)
+    if cos.shape[0] != tokens or sin.shape != cos.shape:
+        raise ValueError(f"apply_rotary: cos {tuple(cos.shape)} / sin {tuple(sin.shape)} do not "
+                         f"match x {tuple(x.shape)}; pass one [D] row per token")
+    if dim % 2 or not 0 < dim <= _MAX_HEAD_DIM or not 0 <= first_heads <= heads:
+        raise ValueError(f"apply_rotary: head size {dim} must be even and at most "
+                         f"{_MAX_HEAD_DIM}, first_heads {first_heads} within 0..{heads}")
+    if x.stride(2) != 1 or x.stride(1) != dim:
+        x = x.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    if cos.dtype != x.dtype or sin.dtype != x.dtype:
+        raise ValueError(f"apply_rotary: cos/sin are {cos.dtype}/{sin.dtype}, x is {x.dtype}; "
+                         "cast them to x's dtype (transformers does)")
+    out = torch.empty(tokens * heads * dim, dtype=x.dtype, device=x.device)
+    split = tokens * first_heads * dim
+    first = out[:split].view(tokens, first_heads, dim)
+    rest = out[split:].view(tokens, heads - first_heads, dim)
+    if tokens and heads:
+        half = dim // 2
+        kernels.rotary_kernel[(tokens, heads)](
+            x, cos, sin, out, x.stride(0), cos.stride(0), tokens, first_heads,
+            HEAD_DIM=dim, HALF=half, BLOCK=1 << (half - 1).bit_length(),
+            ROUND=x.dtype != torch.float32, num_warps=1 if dim <= 128 else 2,
+            enable_fp_fusion=False,
+        )
+    return first, rest
+
+
+def _stack_qkv(q: nn.Module, k: nn.Module, v: nn.Module) -> tuple[Any, Any] | None:
+    """Stack three plain `nn.Linear`s' weights (and biases) into one buffer each and make
+    their parameters views into it. None (nothing changed) when they cannot be stacked."""
+    mods = (q, k, v)
+    if any(type(m) is not nn.Linear for m in mods):
+        return None
+    linears: list[Any] = list(mods)
+    weights = [m.weight for m in linears]
+    biases = [m.bias for m in linears]
+    w0 = weights[0]
+    if any(w.dtype != w0.dtype or w.device != w0.device or w.shape[1] != w0.shape[1]
+           for w in weights) or w0.device.type == "meta":
+        return None
+    if any(b is None for b in biases) and any(b is not None for b in biases):
+        return None
+
+    def stack(parts: list[Any], attr: str) -> torch.Tensor:
+        buf = torch.cat([p.detach() for p in parts])
+        start = 0
+        for m, p in zip(mods, parts, strict=True):
+            n = p.shape[0]
+            setattr(m, attr, nn.Parameter(buf[start:start + n], requires_grad=p.requires_grad))
+            start += n
+        return buf
+
+    with torch.no_grad():
+        weight = stack(weights, "weight")
+        bias = None if biases[0] is None else stack(biases, "bias")
+    return weight, bias
+
+
+class FusedAttention(nn.Module):
+    """A Llama / Qwen2 attention module with one QKV GEMM and one rotary launch.
+
+    Parameters
+    ----------
+    orig:
+        One of `ATTENTION_CLASSES`; its projections are reused (possibly tensor-parallel
+        shards: then q, k and v stay three GEMMs) and its attributes copied.
+    fuse_qkv:
+        Stack the q/k/v weights for one GEMM (when they are plain `nn.Linear`s).
+    """
+
+    def __init__(self, orig: nn.Module, *, fuse_qkv: bool = True) -> None:
+        super().__init__()
+        src: Any = orig
+        self.q_proj: nn.Module = src.q_proj
+        self.k_proj: nn.Module = src.k_proj
+        self.v_proj: nn.Module = src.v_proj
+        self.o_proj: nn.Module = src.o_proj
+        self.config: Any = src.config
+        for attr in ("layer_idx", "head_dim", "num_key_value_groups", "scaling",
+                     "attention_dropout", "is_causal", "layer_type", "sliding_window"):
+            if hasattr(src, attr):
+                setattr(self, attr, getattr(src, attr))
+        self.head_dim: int = int(src.head_dim)
+        #: Passed to the attention function by the classes that pass it (Qwen2).
+        self._window_kw: dict[str, Any] = (
+            {"sliding_window": src.sliding_window} if hasattr(src, "sliding_window") else {})
+        self._eager: Callable[..., Any] = sys.modules[type(orig).__module__].eager_attention_forward
+        stacked = _stack_qkv(self.q_proj, self.k_proj, self.v_proj) if fuse_qkv else None
+        # Plain tensors (not buffers): the state dict keeps the three projections' keys.
+        self._qkv_weight: torch.Tensor | None = None if stacked is None else stacked[0]
+        self._qkv_bias: torch.Tensor | None = None if stacked is None else stacked[1]
+        q_out: Any = self.q_proj
+        k_out: Any = self.k_proj
+        #: Output features of q and k (the split points of the stacked GEMM's output).
+        self._qk_sizes = (int(q_out.weight.shape[0]), int(k_out.weight.shape[0]))
+
+    @property
+    def fused_qkv(self) -> bool:
+        """Whether the three projections run as one GEMM (their weights still alias it)."""
+        w = self._qkv_weight
+        q: Any = self.q_proj
+        return w is not None and q.weight.data_ptr() == w.data_ptr()
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """``[..., hidden]`` -> the ``[T, Hq + Hkv, D]`` q-and-k heads, the ``[T, Hkv, D]`` v
+        heads and ``Hq``."""
+        d = self.head_dim
+        if self.fused_qkv:
+            assert self._qkv_weight is not None
+            qkv = F.linear(x, self._qkv_weight, self._qkv_bias).view(-1, self._qkv_weight.shape[0])
+            nq, nk = self._qk_sizes
+            qk = qkv[:, :nq + nk].view(qkv.shape[0], -1, d)
+            v = qkv[:, nq + nk:].view(qkv.shape[0], -1, d)
+            return qk, v, nq // d
+        q = self.q_proj(x).reshape(-1, d)
+        k = self.k_proj(x).reshape(-1, d)
+        v = self.v_proj(x)
+        tokens = v.numel() // v.shape[-1]
+        qk = torch.cat([q.view(tokens, -1, d), k.view(tokens, -1, d)], dim=1)
+        return qk, v.view(tokens, -1, d), q.shape[0] // tokens
+
+    def forward(self, hidden_states: torch.Tensor,
+                position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+                attention_mask: torch.Tensor | None = None, **kwargs: Any,
+                ) -> tuple[torch.Tensor, Any]:
+        """``[B, T, hidden]`` -> (``[B, T, hidden]``, attention weights or None)."""
+        if position_embeddings is None:
+            raise ValueError("FusedAttention needs position_embeddings (cos, sin) from the "
+                             "model's rotary module, as transformers passes them")
+        kwargs.pop("cache", None)
+        kwargs.pop("past_key_values", None)
+        input_shape = hidden_states.shape[:-1]
+        qk, v, num_q_heads = self._project(hidden_states)
+        batch = input_shape[0] if len(input_shape) > 1 else 1
+        tokens = qk.shape[0] // batch
+        cos, sin = position_embeddings
+        if cos.dim() == 3 and cos.shape[0] != batch:  # one row of positions for the batch
+            cos = cos.expand(batch, -1, -1)
+            sin = sin.expand(batch, -1, -1)
+        q, k = apply_rotary(qk, cos, sin, first_heads=num_q_heads)
+
+        def heads_first(t: torch.Tensor) -> torch.Tensor:
+            return t.view(batch, tokens, t.shape[1], t.shape[2]).transpose(1, 2)
+
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        attention: Callable[..., Any] = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, self._eager)
+        out, weights = attention(
+            self, heads_first(q), heads_first(k), heads_first(v), attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling, **self._window_kw, **kwargs,
+        )
+        out = out.reshape(*input_shape, -1).contiguous()
+        return self.o_proj(out), weights
+
+
+def swap_fused_attention(model: nn.Module, *, fuse_qkv: bool = True) -> dict[str, int]:
+    """Replace `model`'s `ATTENTION_CLASSES` modules by `FusedAttention`.
+
+    Parameters
+    ----------
+    model:
+        A transformers model on its device, in its dtype (already sharded when
+        tensor-parallel). Other attention classes are left alone.
+    fuse_qkv:
+        Also stack each layer's q/k/v weights for one GEMM.
+
+    Returns
+    -------
+    dict[str, int]
+        ``{"rotary": n, "qkv": m}``: modules replaced, and those running one QKV GEMM.
+    """
+    counts = {"rotary": 0, "qkv": 0}
+    targets = [(name, module) for name, module in model.named_modules()
+               if name and type(module).__name__ in ATTENTION_CLASSES
+               and int(getattr(module, "head_dim", 0)) % 2 == 0
+               and hasattr(sys.modules[type(module).__module__], "eager_attention_forward")]
+    for name, module in targets:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        new = FusedAttention(module, fuse_qkv=fuse_qkv)
+        setattr(parent, attr, new)
+        counts["rotary"] += 1
+        counts["qkv"] += int(new.fused_qkv)
+    return counts
