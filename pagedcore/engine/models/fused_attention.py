@@ -152,13 +152,17 @@ class FusedAttention(nn.Module):
         k_out: Any = self.k_proj
         #: Output features of q and k (the split points of the stacked GEMM's output).
         self._qk_sizes = (int(q_out.weight.shape[0]), int(k_out.weight.shape[0]))
+        self._stacked_ptrs = self._weight_ptrs() if stacked is not None else ()
+
+    def _weight_ptrs(self) -> tuple[int, ...]:
+        projections: tuple[Any, ...] = (self.q_proj, self.k_proj, self.v_proj)
+        return tuple(p.weight.data_ptr() for p in projections)
 
     @property
     def fused_qkv(self) -> bool:
-        """Whether the three projections run as one GEMM (their weights still alias it)."""
-        w = self._qkv_weight
-        q: Any = self.q_proj
-        return w is not None and q.weight.data_ptr() == w.data_ptr()
+        """Whether the three projections run as one GEMM: stacked, and their weights still
+        views into the stack (a projection whose weight was replaced runs on its own)."""
+        return self._qkv_weight is not None and self._weight_ptrs() == self._stacked_ptrs
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """``[..., hidden]`` -> the ``[T, Hq + Hkv, D]`` q-and-k heads, the ``[T, Hkv, D]`` v
