@@ -4,7 +4,8 @@
 
 For the Qwen2-0.5B shape and a 4-layer Llama-3-8B shape (seeded random weights, bf16,
 initializer_range 0.1): the model with the fused norms and MLP (what main swaps), the same
-plus the fused rotary kernel, plus the one-GEMM QKV. Logits of a 64-token prefill and of a
+plus the fused rotary kernel, plus the one-GEMM QKV; the residual add fused into the norm
+alone; everything. Logits of a 64-token prefill and of a
 batch of 64 single tokens are compared bit for bit and by relative error against the first;
 eager forward time of one decode token (launch-bound) is timed for each.
 """
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from pagedcore.engine.models.fused_attention import swap_fused_attention
+from pagedcore.engine.models.fused_decoder import swap_fused_decoder_layers
 from pagedcore.engine.models.fused_ops import swap_fused_modules
 from pagedcore.engine.models.loading import llama3_8b_config, qwen2_0_5b_config, random_model
 
@@ -45,18 +47,25 @@ def main() -> None:
     for name, config in shapes.items():
         base = random_model(config, dtype=torch.bfloat16, device=dev)
         swap_fused_modules(base, kinds=frozenset({"rms_norm", "silu_mul"}))
-        rot = copy.deepcopy(base)
-        counts_rot = swap_fused_attention(rot, fuse_qkv=False)
-        qkv = copy.deepcopy(base)
-        counts_qkv = swap_fused_attention(qkv, fuse_qkv=True)
+        variants: dict[str, Any] = {}
+        rows: dict[str, Any] = {}
+        for label, rotary, qkv, addnorm in (("rotary", True, False, False),
+                                            ("rotary+qkv", True, True, False),
+                                            ("add_rms_norm", False, False, True),
+                                            ("all", True, True, True)):
+            model = copy.deepcopy(base)
+            if rotary:
+                rows[f"counts/{label}"] = swap_fused_attention(model, fuse_qkv=qkv)
+            if addnorm:
+                rows[f"counts/{label}/add_rms_norm"] = swap_fused_decoder_layers(model)
+            variants[label] = model
         gen = torch.Generator().manual_seed(0)
         prefill = torch.randint(10, 1000, (1, 64), generator=gen).to(dev)
         tokens = torch.randint(10, 1000, (64, 1), generator=gen).to(dev)
         one = prefill[:, :1]
-        rows: dict[str, Any] = {"counts_rotary": counts_rot, "counts_qkv": counts_qkv}
         with torch.no_grad():
             want = {"prefill64": base(prefill).logits, "decode64": base(tokens).logits}
-            for label, model in (("rotary", rot), ("rotary+qkv", qkv)):
+            for label, model in variants.items():
                 for case, ids in (("prefill64", prefill), ("decode64", tokens)):
                     got = model(ids).logits
                     w = want[case]
@@ -67,11 +76,11 @@ def main() -> None:
                         "argmax_equal": float((got.argmax(-1) == w.argmax(-1)).float().mean()),
                         "nan": bool(got.isnan().any()),
                     }
-        for label, model in (("base", base), ("rotary", rot), ("rotary+qkv", qkv)):
+        for label, model in {"base": base, **variants}.items():
             rows[f"eager_decode1_ms/{label}"] = timed(model, one)
         report["shapes"][name] = rows
         print(name, json.dumps(rows), flush=True)
-        del base, rot, qkv
+        del base, variants
         torch.cuda.empty_cache()
         with open(out_path, "w") as fh:
             json.dump(report, fh, indent=1)

@@ -1,5 +1,6 @@
-"""Fused rotary embedding and QKV projection (`pagedcore.engine.models.fused_attention`)
-against transformers' own attention, and the ``PAGEDCORE_FUSED_KERNELS`` kinds.
+"""Fused rotary embedding and QKV projection (`pagedcore.engine.models.fused_attention`) and
+the fused residual add + RMSNorm (`fused_decoder`) against transformers' own modules, and the
+``PAGEDCORE_FUSED_KERNELS`` kinds.
 
 On CUDA the kernel runs compiled (bit-identical to torch's ops); elsewhere in Triton's CPU
 interpreter (exact in fp32; it rounds fp32 -> bf16 toward zero, so bf16 is off by an ulp).
@@ -28,10 +29,16 @@ from pagedcore.engine.models.fused_attention import (  # noqa: E402
     apply_rotary,
     swap_fused_attention,
 )
+from pagedcore.engine.models.fused_decoder import (  # noqa: E402
+    FusedDecoderLayer,
+    swap_fused_decoder_layers,
+)
 from pagedcore.engine.models.fused_ops import (  # noqa: E402
     FUSED_KERNELS_ENV,
     FUSED_KINDS,
+    add_rms_norm,
     fused_kinds_setting,
+    swap_fused_modules,
 )
 from pagedcore.engine.models.loading import random_model, tiny_config  # noqa: E402
 
@@ -141,3 +148,45 @@ def test_kinds_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match=r"names rope, which is not a fused kernel kind; set it "
                                          r"to 1 \(all\), 0 \(none\) or a comma list of rms_norm"):
         fused_kinds_setting()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_add_rms_norm_matches_add_then_norm(dtype: torch.dtype) -> None:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    rows, size = 6, 96
+    g = torch.Generator().manual_seed(7)
+    norm = LlamaRMSNorm(size, eps=1e-2).to(DEVICE, dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + torch.randn(size, generator=g))
+    # x's rows are views into a NaN-padded buffer (row stride size + 5).
+    buf = torch.full((rows, size + 5), float("nan"), dtype=dtype, device=DEVICE)
+    buf[:, :size] = torch.randn(rows, size, generator=g).to(DEVICE, dtype)
+    x = buf[:, :size]
+    residual = torch.randn(rows, size, generator=g).to(DEVICE, dtype)
+    normed, total = add_rms_norm(x, residual, norm.weight, eps=1e-2)
+    want_total = residual + x
+    assert torch.equal(total, want_total) or (not CUDA and dtype != torch.float32
+                                              and float((total - want_total).abs().max()) < 0.05)
+    want = norm(want_total).detach()
+    err = (normed.double() - want.double()).abs().max() / want.double().abs().max()
+    assert float(err) < (1e-5 if dtype == torch.float32 else 2e-2), float(err)
+    with pytest.raises(ValueError, match="differ; pass the sublayer's output and its input"):
+        add_rms_norm(x, residual[:, :5], norm.weight, eps=1e-2)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_fused_decoder_layers_compute_the_same_logits(arch: str) -> None:
+    """fp32, every swap together (what the engine does on CUDA) against transformers."""
+    ref = random_model(tiny_config(arch), dtype=torch.float32, device=DEVICE)
+    model = copy.deepcopy(ref)
+    keys = list(model.state_dict())
+    swap_fused_modules(model)
+    swap_fused_attention(model)
+    assert swap_fused_decoder_layers(model) == 2
+    assert isinstance(model.model.layers[1], FusedDecoderLayer)
+    assert list(model.state_dict()) == keys
+    ids = torch.tensor(random_prompts([9, 9], seed=5), device=DEVICE)
+    with torch.no_grad():
+        want, got = ref(ids).logits, model(ids).logits
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-5

@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["rms_norm_kernel", "rotary_kernel", "silu_mul_kernel"]
+__all__ = ["add_rms_norm_kernel", "rms_norm_kernel", "rotary_kernel", "silu_mul_kernel"]
 
 
 @triton.jit
@@ -119,3 +119,33 @@ def rotary_kernel(
     )
     tl.store(out_ptr + dst + offs, o1.to(dt), mask=mask)
     tl.store(out_ptr + dst + HALF + offs, o2.to(dt), mask=mask)
+
+
+@triton.jit
+def add_rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    sum_ptr,
+    out_ptr,
+    x_row_stride,
+    res_row_stride,
+    n_cols,
+    eps,
+    BLOCK: tl.constexpr,
+):
+    """One program per row: ``s = round(x + res)`` (stored), ``out = rms_norm(s) * w`` (the
+    decoder layer's residual add and the next norm, rounded where transformers rounds)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(res_ptr + row * res_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    s = (x + r).to(sum_ptr.dtype.element_ty)
+    tl.store(sum_ptr + row * n_cols + cols, s, mask=mask)
+    s32 = s.to(tl.float32)
+    variance = tl.sum(s32 * s32, axis=0) / n_cols
+    normed = (s32 * tl.rsqrt(variance + eps)).to(sum_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * n_cols + cols, (normed * w).to(out_ptr.dtype.element_ty),
+             mask=mask)

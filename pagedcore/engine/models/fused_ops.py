@@ -32,6 +32,7 @@ __all__ = [
     "RMS_NORM_CLASSES",
     "FusedRMSNorm",
     "FusedSiLUMulMLP",
+    "add_rms_norm",
     "fused_kernels_disabled_reason",
     "fused_kinds_setting",
     "rms_norm",
@@ -42,9 +43,10 @@ __all__ = [
 #: Environment switch: ``0`` / ``false`` / ``off`` / ``no`` keeps transformers' own modules;
 #: ``1`` (the default) swaps every kind; a comma list of `FUSED_KINDS` swaps those only.
 FUSED_KERNELS_ENV = "PAGEDCORE_FUSED_KERNELS"
-#: What can be swapped: the norms, the MLP activation, the attention's rotary embedding, and
-#: (with ``rotary``) its q/k/v projections as one GEMM.
-FUSED_KINDS = ("rms_norm", "silu_mul", "rotary", "qkv")
+#: What can be swapped: the norms, the MLP activation, the attention's rotary embedding,
+#: (with ``rotary``) its q/k/v projections as one GEMM, and (with ``rms_norm``) a decoder
+#: layer's residual add fused into the norm after it.
+FUSED_KINDS = ("rms_norm", "silu_mul", "rotary", "qkv", "add_rms_norm")
 _ON = ("1", "true", "on", "yes", "")
 _OFF = ("0", "false", "off", "no")
 #: RMSNorm classes computing ``w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)`` (not Gemma's
@@ -142,6 +144,58 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, *, eps: float) -> torch.Tens
         BLOCK=block, num_warps=num_warps,
     )
     return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = residual + x`` and ``rms_norm(s, weight)`` in one launch (a decoder layer's
+    residual add and the norm after it).
+
+    Parameters
+    ----------
+    x, residual:
+        ``[..., N]`` of one shape and dtype (fp32 / fp16 / bf16), ``N <= MAX_NORM_SIZE``.
+    weight:
+        ``[N]`` on `x`'s device.
+    eps:
+        Added to the mean square.
+
+    Returns
+    -------
+    tuple
+        ``(normed, s)``: ``[..., N]`` in ``promote_types(x.dtype, weight.dtype)``, and the
+        sum ``[..., N]`` in `x`'s dtype (rounded as torch's add rounds it).
+    """
+    from pagedcore.engine.models import _fused_kernels as fused_kernels
+
+    if x.shape != residual.shape or x.dtype != residual.dtype:
+        raise ValueError(
+            f"add_rms_norm: x {tuple(x.shape)} {x.dtype} and residual {tuple(residual.shape)} "
+            f"{residual.dtype} differ; pass the sublayer's output and its input"
+        )
+    size = x.shape[-1] if x.dim() else 0
+    if weight.dim() != 1 or weight.shape[0] != size or not 0 < size <= MAX_NORM_SIZE:
+        raise ValueError(
+            f"add_rms_norm: weight of shape {tuple(weight.shape)} does not fit x "
+            f"{tuple(x.shape)}; pass a [N] weight, N in 1..{MAX_NORM_SIZE}"
+        )
+    _check_same_device("add_rms_norm", x, weight)
+    _check_same_device("add_rms_norm", x, residual)
+    rows, res = x.reshape(-1, size), residual.reshape(-1, size)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if res.stride(-1) != 1:
+        res = res.contiguous()
+    total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    if rows.shape[0]:
+        block = 1 << (size - 1).bit_length()
+        num_warps = 4 if block <= 1024 else 8 if block <= 4096 else 16
+        fused_kernels.add_rms_norm_kernel[(rows.shape[0],)](
+            rows, res, weight.contiguous(), total, out, rows.stride(0), res.stride(0), size,
+            float(eps), BLOCK=block, num_warps=num_warps,
+        )
+    return out, total
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
