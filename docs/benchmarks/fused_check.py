@@ -4,8 +4,8 @@
 
 For the Qwen2-0.5B shape and a 4-layer Llama-3-8B shape (seeded random weights, bf16,
 initializer_range 0.1): the model with the fused norms and MLP (what main swaps), the same
-plus the fused rotary kernel, plus the one-GEMM QKV; the residual add fused into the norm
-alone; everything. Logits of a 64-token prefill and of a
+plus the fused rotary kernel, plus the one-GEMM QKV; the one-GEMM gate/up alone; the
+residual add fused into the norm alone; everything. Logits of a 64-token prefill and of a
 batch of 64 single tokens are compared bit for bit and by relative error against the first;
 eager forward time of one decode token (launch-bound) is timed for each.
 """
@@ -22,7 +22,7 @@ import torch
 
 from pagedcore.engine.models.fused_attention import swap_fused_attention
 from pagedcore.engine.models.fused_decoder import swap_fused_decoder_layers
-from pagedcore.engine.models.fused_ops import swap_fused_modules
+from pagedcore.engine.models.fused_ops import FUSED_KINDS, swap_fused_modules
 from pagedcore.engine.models.loading import llama3_8b_config, qwen2_0_5b_config, random_model
 
 
@@ -45,20 +45,25 @@ def main() -> None:
     shapes = {"qwen2-0.5b": qwen2_0_5b_config(initializer_range=0.1),
               "llama3-8b-4layers": llama3_8b_config(initializer_range=0.1, num_hidden_layers=4)}
     for name, config in shapes.items():
-        base = random_model(config, dtype=torch.bfloat16, device=dev)
-        swap_fused_modules(base, kinds=frozenset({"rms_norm", "silu_mul"}))
+        raw = random_model(config, dtype=torch.bfloat16, device=dev)
+        main_kinds = frozenset({"rms_norm", "silu_mul"})
+        base = copy.deepcopy(raw)
+        swap_fused_modules(base, kinds=main_kinds)
         variants: dict[str, Any] = {}
         rows: dict[str, Any] = {}
-        for label, rotary, qkv, addnorm in (("rotary", True, False, False),
-                                            ("rotary+qkv", True, True, False),
-                                            ("add_rms_norm", False, False, True),
-                                            ("all", True, True, True)):
-            model = copy.deepcopy(base)
-            if rotary:
-                rows[f"counts/{label}"] = swap_fused_attention(model, fuse_qkv=qkv)
-            if addnorm:
-                rows[f"counts/{label}/add_rms_norm"] = swap_fused_decoder_layers(model)
+        for label, extra in (("rotary", {"rotary"}), ("rotary+qkv", {"rotary", "qkv"}),
+                             ("gate_up", {"gate_up"}), ("add_rms_norm", {"add_rms_norm"}),
+                             ("all", set(FUSED_KINDS))):
+            kinds = main_kinds | extra
+            model = copy.deepcopy(raw)
+            counts = swap_fused_modules(model, kinds=kinds)
+            if "rotary" in kinds:
+                counts.update(swap_fused_attention(model, fuse_qkv="qkv" in kinds))
+            if "add_rms_norm" in kinds:
+                counts["add_rms_norm"] = swap_fused_decoder_layers(model)
+            rows[f"counts/{label}"] = counts
             variants[label] = model
+        del raw
         gen = torch.Generator().manual_seed(0)
         prefill = torch.randint(10, 1000, (1, 64), generator=gen).to(dev)
         tokens = torch.randint(10, 1000, (64, 1), generator=gen).to(dev)

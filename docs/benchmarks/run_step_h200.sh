@@ -22,7 +22,7 @@ PAGEDCORE_FUSED_KERNELS=rms_norm,silu_mul timeout "${DIFF_S:-28}" "$PY" \
     docs/benchmarks/overlap_diff.py "$OUT/overlap_diff.json" \
     --cases "${DIFF_CASES:-bf16-preempt,fp32-preempt,bf16-roomy}" > "$OUT/overlap_diff.txt" 2>&1
 elapsed "overlap_diff rc=$?"; grep -v '^ ' "$OUT/overlap_diff.txt" | cut -c1-700 | tail -n 8
-timeout "${FUSED_S:-12}" "$PY" docs/benchmarks/fused_check.py "$OUT/fused_check.json" \
+timeout "${FUSED_S:-16}" "$PY" docs/benchmarks/fused_check.py "$OUT/fused_check.json" \
     > "$OUT/fused_check.txt" 2>&1
 elapsed "fused_check rc=$?"; cut -c1-900 "$OUT/fused_check.txt" | tail -n 4
 bench() {  # NAME SECONDS SHAPE BATCHES STEPS [ENV...]

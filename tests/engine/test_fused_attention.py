@@ -36,8 +36,11 @@ from pagedcore.engine.models.fused_decoder import (  # noqa: E402
 from pagedcore.engine.models.fused_ops import (  # noqa: E402
     FUSED_KERNELS_ENV,
     FUSED_KINDS,
+    FusedSiLUMulMLP,
     add_rms_norm,
     fused_kinds_setting,
+    silu_and_mul,
+    silu_and_mul_stacked,
     swap_fused_modules,
 )
 from pagedcore.engine.models.loading import random_model, tiny_config  # noqa: E402
@@ -181,7 +184,10 @@ def test_fused_decoder_layers_compute_the_same_logits(arch: str) -> None:
     ref = random_model(tiny_config(arch), dtype=torch.float32, device=DEVICE)
     model = copy.deepcopy(ref)
     keys = list(model.state_dict())
-    swap_fused_modules(model)
+    counts = swap_fused_modules(model, kinds=frozenset(FUSED_KINDS))
+    assert counts["gate_up"] == 2
+    mlp: Any = model.model.layers[0].mlp
+    assert isinstance(mlp, FusedSiLUMulMLP) and mlp.fused_gate_up
     swap_fused_attention(model)
     assert swap_fused_decoder_layers(model) == 2
     assert isinstance(model.model.layers[1], FusedDecoderLayer)
@@ -190,3 +196,18 @@ def test_fused_decoder_layers_compute_the_same_logits(arch: str) -> None:
     with torch.no_grad():
         want, got = ref(ids).logits, model(ids).logits
     assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_silu_and_mul_stacked_reads_both_halves_in_place(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(9)
+    rows, inter = 5, 1100  # two blocks of 1,024 per row, the second partial
+    buf = torch.full((rows, 2 * inter + 3), float("nan"), dtype=dtype, device=DEVICE)
+    buf[:, :2 * inter] = (2 * torch.randn(rows, 2 * inter, generator=g)).to(DEVICE, dtype)
+    gate_up = buf[:, :2 * inter]  # row stride 2I + 3; NaN past each row
+    got = silu_and_mul_stacked(gate_up)
+    want = silu_and_mul(gate_up[:, :inter], gate_up[:, inter:])
+    assert got.shape == (rows, inter) and not got.isnan().any()
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="is odd"):
+        silu_and_mul_stacked(gate_up[:, :7])

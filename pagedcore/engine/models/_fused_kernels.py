@@ -21,7 +21,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["add_rms_norm_kernel", "rms_norm_kernel", "rotary_kernel", "silu_mul_kernel"]
+__all__ = [
+    "add_rms_norm_kernel", "rms_norm_kernel", "rotary_kernel", "silu_mul_kernel",
+    "silu_mul_rows_kernel",
+]
 
 
 @triton.jit
@@ -149,3 +152,18 @@ def add_rms_norm_kernel(
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * n_cols + cols, (normed * w).to(out_ptr.dtype.element_ty),
              mask=mask)
+
+
+@triton.jit
+def silu_mul_rows_kernel(gu_ptr, out_ptr, n_cols, gu_row_stride, BLOCK: tl.constexpr):
+    """``out[r] = round_gate(silu(gu[r, :n])) * gu[r, n:2n]`` over blocks of a row (the
+    output of one GEMM over stacked gate and up weights)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    src = gu_ptr + row * gu_row_stride
+    gate = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(src + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    act = gate / (1.0 + tl.exp(-gate))
+    act = act.to(gu_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * n_cols + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)

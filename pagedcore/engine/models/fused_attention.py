@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional as F
+
+from pagedcore.engine.models.linear_stack import LinearStack
 
 __all__ = ["ATTENTION_CLASSES", "FusedAttention", "apply_rotary", "swap_fused_attention"]
 
@@ -84,37 +85,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
     return first, rest
 
 
-def _stack_qkv(q: nn.Module, k: nn.Module, v: nn.Module) -> tuple[Any, Any] | None:
-    """Stack three plain `nn.Linear`s' weights (and biases) into one buffer each and make
-    their parameters views into it. None (nothing changed) when they cannot be stacked."""
-    mods = (q, k, v)
-    if any(type(m) is not nn.Linear for m in mods):
-        return None
-    linears: list[Any] = list(mods)
-    weights = [m.weight for m in linears]
-    biases = [m.bias for m in linears]
-    w0 = weights[0]
-    if any(w.dtype != w0.dtype or w.device != w0.device or w.shape[1] != w0.shape[1]
-           for w in weights) or w0.device.type == "meta":
-        return None
-    if any(b is None for b in biases) and any(b is not None for b in biases):
-        return None
-
-    def stack(parts: list[Any], attr: str) -> torch.Tensor:
-        buf = torch.cat([p.detach() for p in parts])
-        start = 0
-        for m, p in zip(mods, parts, strict=True):
-            n = p.shape[0]
-            setattr(m, attr, nn.Parameter(buf[start:start + n], requires_grad=p.requires_grad))
-            start += n
-        return buf
-
-    with torch.no_grad():
-        weight = stack(weights, "weight")
-        bias = None if biases[0] is None else stack(biases, "bias")
-    return weight, bias
-
-
 class FusedAttention(nn.Module):
     """A Llama / Qwen2 attention module with one QKV GEMM and one rotary launch.
 
@@ -144,34 +114,24 @@ class FusedAttention(nn.Module):
         self._window_kw: dict[str, Any] = (
             {"sliding_window": src.sliding_window} if hasattr(src, "sliding_window") else {})
         self._eager: Callable[..., Any] = sys.modules[type(orig).__module__].eager_attention_forward
-        stacked = _stack_qkv(self.q_proj, self.k_proj, self.v_proj) if fuse_qkv else None
-        # Plain tensors (not buffers): the state dict keeps the three projections' keys.
-        self._qkv_weight: torch.Tensor | None = None if stacked is None else stacked[0]
-        self._qkv_bias: torch.Tensor | None = None if stacked is None else stacked[1]
-        q_out: Any = self.q_proj
-        k_out: Any = self.k_proj
-        #: Output features of q and k (the split points of the stacked GEMM's output).
-        self._qk_sizes = (int(q_out.weight.shape[0]), int(k_out.weight.shape[0]))
-        self._stacked_ptrs = self._weight_ptrs() if stacked is not None else ()
-
-    def _weight_ptrs(self) -> tuple[int, ...]:
-        projections: tuple[Any, ...] = (self.q_proj, self.k_proj, self.v_proj)
-        return tuple(p.weight.data_ptr() for p in projections)
+        #: The three projections as one GEMM (None: not stacked).
+        self._qkv: LinearStack | None = (
+            LinearStack.build([self.q_proj, self.k_proj, self.v_proj]) if fuse_qkv else None)
 
     @property
     def fused_qkv(self) -> bool:
         """Whether the three projections run as one GEMM: stacked, and their weights still
         views into the stack (a projection whose weight was replaced runs on its own)."""
-        return self._qkv_weight is not None and self._weight_ptrs() == self._stacked_ptrs
+        return self._qkv is not None and self._qkv.intact
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """``[..., hidden]`` -> the ``[T, Hq + Hkv, D]`` q-and-k heads, the ``[T, Hkv, D]`` v
         heads and ``Hq``."""
         d = self.head_dim
-        if self.fused_qkv:
-            assert self._qkv_weight is not None
-            qkv = F.linear(x, self._qkv_weight, self._qkv_bias).view(-1, self._qkv_weight.shape[0])
-            nq, nk = self._qk_sizes
+        stack = self._qkv
+        if stack is not None and stack.intact:
+            nq, nk, nv = stack.sizes
+            qkv = stack(x).view(-1, nq + nk + nv)
             qk = qkv[:, :nq + nk].view(qkv.shape[0], -1, d)
             v = qkv[:, nq + nk:].view(qkv.shape[0], -1, d)
             return qk, v, nq // d

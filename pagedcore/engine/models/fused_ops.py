@@ -37,16 +37,18 @@ __all__ = [
     "fused_kinds_setting",
     "rms_norm",
     "silu_and_mul",
+    "silu_and_mul_stacked",
     "swap_fused_modules",
 ]
 
 #: Environment switch: ``0`` / ``false`` / ``off`` / ``no`` keeps transformers' own modules;
 #: ``1`` (the default) swaps every kind; a comma list of `FUSED_KINDS` swaps those only.
 FUSED_KERNELS_ENV = "PAGEDCORE_FUSED_KERNELS"
-#: What can be swapped: the norms, the MLP activation, the attention's rotary embedding,
+#: What can be swapped: the norms, the MLP activation (with ``silu_mul``: its gate and up
+#: projections as one GEMM), the attention's rotary embedding,
 #: (with ``rotary``) its q/k/v projections as one GEMM, and (with ``rms_norm``) a decoder
 #: layer's residual add fused into the norm after it.
-FUSED_KINDS = ("rms_norm", "silu_mul", "rotary", "qkv", "add_rms_norm")
+FUSED_KINDS = ("rms_norm", "silu_mul", "gate_up", "rotary", "qkv", "add_rms_norm")
 _ON = ("1", "true", "on", "yes", "")
 _OFF = ("0", "false", "off", "no")
 #: RMSNorm classes computing ``w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)`` (not Gemma's
@@ -198,6 +200,33 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     return out, total
 
 
+def silu_and_mul_stacked(gate_up: torch.Tensor) -> torch.Tensor:
+    """`silu_and_mul` of the two halves of ``[..., 2I]`` (gate first, then up: the output of
+    one GEMM over stacked gate and up weights), read in place.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[..., I]`` in `gate_up`'s dtype.
+    """
+    from pagedcore.engine.models import _fused_kernels as fused_kernels
+
+    width = gate_up.shape[-1] if gate_up.dim() else 0
+    if width % 2:
+        raise ValueError(f"silu_and_mul_stacked: last dimension {width} is odd; pass the "
+                         "[..., 2I] output of the stacked gate/up GEMM")
+    half = width // 2
+    rows = gate_up.reshape(-1, width)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty((*gate_up.shape[:-1], half), dtype=gate_up.dtype, device=gate_up.device)
+    if rows.shape[0] and half:
+        grid = (rows.shape[0], _cdiv(half, _SILU_BLOCK))
+        fused_kernels.silu_mul_rows_kernel[grid](rows, out, half, rows.stride(0),
+                                                 BLOCK=_SILU_BLOCK, num_warps=4)
+    return out
+
+
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate).to(gate.dtype) * up``, elementwise, as transformers' gated MLP computes it.
 
@@ -265,9 +294,14 @@ class FusedSiLUMulMLP(nn.Module):
     orig:
         One of `MLP_CLASSES` with a SiLU ``act_fn``; its ``gate_proj``, ``up_proj`` and
         ``down_proj`` (possibly tensor-parallel shards) are reused as they are.
+    fuse_gate_up:
+        Stack the gate and up weights for one GEMM (`LinearStack`, when they are plain
+        `nn.Linear`s); the activation then reads both halves of its output in place.
     """
 
-    def __init__(self, orig: nn.Module) -> None:
+    def __init__(self, orig: nn.Module, *, fuse_gate_up: bool = False) -> None:
+        from pagedcore.engine.models.linear_stack import LinearStack
+
         super().__init__()
         src: Any = orig
         self.gate_proj: nn.Module = src.gate_proj
@@ -276,10 +310,21 @@ class FusedSiLUMulMLP(nn.Module):
         for attr in ("config", "hidden_size", "intermediate_size"):
             if hasattr(src, attr):
                 setattr(self, attr, getattr(src, attr))
+        self._gate_up: LinearStack | None = (
+            LinearStack.build([self.gate_proj, self.up_proj]) if fuse_gate_up else None)
+
+    @property
+    def fused_gate_up(self) -> bool:
+        """Whether gate and up run as one GEMM (stacked, and still aliasing the stack)."""
+        return self._gate_up is not None and self._gate_up.intact
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., hidden]`` -> ``[..., hidden]``."""
-        out: torch.Tensor = self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
+        stack = self._gate_up
+        if stack is not None and stack.intact:
+            out: torch.Tensor = self.down_proj(silu_and_mul_stacked(stack(x)))
+            return out
+        out = self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
         return out
 
 
@@ -287,12 +332,13 @@ def _is_silu(act_fn: Any) -> bool:
     return isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation"
 
 
-def _replacement(module: nn.Module) -> tuple[str, nn.Module] | None:
+def _replacement(module: nn.Module, kinds: frozenset[str]) -> tuple[str, nn.Module] | None:
     """``(kind, new module)`` for a module this swap handles, else None."""
     name = type(module).__name__
     src: Any = module
     if (
         name in RMS_NORM_CLASSES
+        and "rms_norm" in kinds
         and hasattr(src, "variance_epsilon")
         and isinstance(getattr(src, "weight", None), nn.Parameter)
         and src.weight.dim() == 1
@@ -301,15 +347,17 @@ def _replacement(module: nn.Module) -> tuple[str, nn.Module] | None:
         return "rms_norm", FusedRMSNorm(module)
     if (
         name in MLP_CLASSES
+        and "silu_mul" in kinds
         and all(hasattr(src, p) for p in ("gate_proj", "up_proj", "down_proj"))
         and _is_silu(getattr(src, "act_fn", None))
     ):
-        return "silu_mul", FusedSiLUMulMLP(module)
+        return "silu_mul", FusedSiLUMulMLP(module, fuse_gate_up="gate_up" in kinds)
     return None
 
 
 def swap_fused_modules(model: nn.Module, *,
-                       kinds: frozenset[str] = frozenset(FUSED_KINDS)) -> dict[str, int]:
+                       kinds: frozenset[str] = frozenset({"rms_norm", "silu_mul"}),
+                       ) -> dict[str, int]:
     """Replace `model`'s Llama-style RMSNorms and SiLU-gated MLPs by fused-kernel modules.
 
     Parameters
@@ -319,22 +367,28 @@ def swap_fused_modules(model: nn.Module, *,
         tensor-parallel. Modules of other classes (Gemma's ``1 + w`` norm, non-SiLU MLPs,
         MoE blocks, anything unrecognised) are left untouched, so any model may be passed.
     kinds:
-        Which of ``rms_norm`` / ``silu_mul`` to swap (other names are ignored here).
+        Which of ``rms_norm`` / ``silu_mul`` to swap, and ``gate_up``: the swapped MLPs
+        stack their gate and up weights for one GEMM (other names are ignored here).
 
     Returns
     -------
     dict[str, int]
-        ``{"rms_norm": n, "silu_mul": m}``: how many modules of each kind were replaced.
+        ``{"rms_norm": n, "silu_mul": m}``: how many modules of each kind were replaced
+        (and ``"gate_up"``: how many MLPs run one gate/up GEMM, when that kind is asked for).
     """
     counts = {"rms_norm": 0, "silu_mul": 0}
+    if "gate_up" in kinds:
+        counts["gate_up"] = 0
     targets = [
         (name, found)
         for name, module in model.named_modules()
-        if name and (found := _replacement(module)) is not None and found[0] in kinds
+        if name and (found := _replacement(module, kinds)) is not None
     ]
     for name, (kind, new) in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, new)
         counts[kind] += 1
+        if isinstance(new, FusedSiLUMulMLP) and new.fused_gate_up:
+            counts["gate_up"] += 1
     return counts
