@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Issue #22, final H200 figures (~75 s), each part under its own time limit: `pagedcore bench
-# step` on the Llama-3-8B shape (graphs, batch 1/64/256, overlap on and off, profiled) and the
-# Qwen2-0.5B shape (graphs and eager, batch 1/64/256), then the overlap identity check and its
-# per-request diff. Results under $OUT.
+# Issue #22, final H200 figures (under 60 s), each part under its own time limit: the fused
+# kernels against the modules they replace (fused_check.py --quick: bits and rel. error), then
+# `pagedcore bench step` (CUDA graphs, overlap on and off) for the Qwen2-0.5B shape at 256 and
+# the Llama-3-8B shape at 1 and 256. Results under $OUT.
 #
 #   OUT=/tmp/step bash docs/benchmarks/run_step_h200_final.sh   # on the GPU machine, repo root
 set -uo pipefail
@@ -14,15 +14,13 @@ start=$(date +%s)
 echo "commit ${GIT_COMMIT:-unknown}" > "$OUT/commit.txt"
 elapsed() { echo "[$(( $(date +%s) - start )) s] $*"; }
 elapsed "installed"
-bench() {  # NAME SECONDS SHAPE BATCHES STEPS [FLAGS...]
-    local name=$1 secs=$2 shape=$3 batches=$4 steps=$5; shift 5
-    timeout "$secs" "$PY" -m pagedcore.cli bench step --model-shape "$shape" \
-        --batch-sizes "$batches" --steps "$steps" --profile "$@" \
-        --json "$OUT/step_$name.json" > "$OUT/step_$name.txt" 2>&1
-    elapsed "bench step $name rc=$?"; grep -E "overlap (True|False)" "$OUT/step_$name.txt" | tail -n 12
+timeout "${FUSED_S:-13}" "$PY" docs/benchmarks/fused_check.py "$OUT/fused_check.json" --quick \
+    > "$OUT/fused_check.txt" 2>&1
+elapsed "fused_check rc=$?"; cut -c1-1200 "$OUT/fused_check.txt" | tail -n 3
+bench() {  # NAME SECONDS SHAPE BATCHES STEPS
+    timeout "$2" "$PY" -m pagedcore.cli bench step --model-shape "$3" --batch-sizes "$4" \
+        --steps "$5" --no-eager --json "$OUT/step_$1.json" > "$OUT/step_$1.txt" 2>&1
+    elapsed "bench step $1 rc=$?"; grep -E "overlap (True|False)" "$OUT/step_$1.txt" | tail -n 8
 }
-bench llama "${LLAMA_S:-34}" llama3-8b 1,64,256 10 --no-eager
-bench qwen "${QWEN_S:-22}" qwen2-0.5b 1,64,256 12
-timeout "${CHECK_S:-16}" "$PY" docs/benchmarks/overlap_diff.py "$OUT/overlap_diff.json" \
-    --cases bf16-preempt,fp32-preempt > "$OUT/overlap_diff.txt" 2>&1
-elapsed "overlap_diff rc=$?"; grep -v '^ ' "$OUT/overlap_diff.txt" | cut -c1-600 | tail -n 4
+bench qwen "${QWEN_S:-12}" qwen2-0.5b 256 12
+bench llama "$(( 57 - $(date +%s) + start ))" llama3-8b 1,256 8

@@ -78,6 +78,13 @@ def test_rotary_matches_transformers_on_a_fused_qkv_row(heads: int, kv_heads: in
     assert q.is_contiguous() and k.is_contiguous()
     want_q, want_k = apply_rotary_pos_emb(qk[:, :heads].transpose(0, 1)[None],
                                           qk[:, heads:].transpose(0, 1)[None], cos, sin)
+    # With the v heads: rotated q and k as before, v copied bit for bit into its own buffer.
+    v_width = qk_width + kv_heads * dim
+    row[:, qk_width:v_width] = torch.randn(tokens, kv_heads * dim, generator=g).to(DEVICE, dtype)
+    qkv = row[:, :v_width].view(tokens, heads + 2 * kv_heads, dim)
+    q3, k3, v3 = apply_rotary(qkv, cos, sin, first_heads=heads, second_heads=kv_heads)
+    assert torch.equal(q3, q) and torch.equal(k3, k) and v3.is_contiguous()
+    assert torch.equal(v3, qkv[:, heads + kv_heads:])
     for got, want in ((q, want_q[0].transpose(0, 1)), (k, want_k[0].transpose(0, 1))):
         assert not got.isnan().any()
         if dtype == torch.float32 or CUDA:
@@ -94,6 +101,8 @@ def test_rotary_bad_inputs_say_what_is_wrong() -> None:
         apply_rotary(x, cos[:, :2], sin[:, :2], first_heads=1)
     with pytest.raises(ValueError, match="cast them to x's dtype"):
         apply_rotary(x, cos.double(), sin.double(), first_heads=1)
+    with pytest.raises(ValueError, match="within the 2 heads"):
+        apply_rotary(x, cos, sin, first_heads=1, second_heads=2)
     with pytest.raises(ValueError, match="must be even"):
         apply_rotary(torch.randn(3, 2, 7, device=DEVICE), cos[..., :7], sin[..., :7],
                      first_heads=1)

@@ -76,6 +76,7 @@ def rotary_kernel(
     cs_tok_stride,
     num_tokens,
     first_heads,
+    second_heads,
     HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -83,10 +84,11 @@ def rotary_kernel(
 ):
     """One program per (token, head): ``x * cos + rotate_half(x) * sin`` of one head.
 
-    Input heads lie `HEAD_DIM` apart in a token row (q then k heads of a fused QKV output, or
-    one tensor's heads); heads below `first_heads` go to the first output ``[T, first, D]``,
-    the rest to the second ``[T, rest, D]`` right behind it in `out_ptr`. With `ROUND` each
-    product is rounded to the output dtype before the sum, as torch's separate ops round.
+    Input heads lie `HEAD_DIM` apart in a token row (the q, k and v heads of a fused QKV
+    output, or one tensor's heads). Heads below `first_heads` (q) and the next `second_heads`
+    (k) are rotated; any heads after them (v) are copied as they are. The three groups go to
+    three contiguous outputs ``[T, H_g, D]`` one behind the other in `out_ptr`. With `ROUND`
+    each product is rounded to the output dtype before the sum, as torch's separate ops round.
     """
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
@@ -96,32 +98,32 @@ def rotary_kernel(
     src = x_ptr + tok * x_tok_stride + head * HEAD_DIM
     x1 = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-    cs = tok * cs_tok_stride
-    c1 = tl.load(cos_ptr + cs + offs, mask=mask, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_ptr + cs + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_ptr + cs + offs, mask=mask, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_ptr + cs + HALF + offs, mask=mask, other=0.0).to(tl.float32)
     dt = out_ptr.dtype.element_ty
-    a1 = x1 * c1
-    b1 = x2 * s1
-    a2 = x2 * c2
-    b2 = x1 * s2
-    if ROUND:
-        a1 = a1.to(dt).to(tl.float32)
-        b1 = b1.to(dt).to(tl.float32)
-        a2 = a2.to(dt).to(tl.float32)
-        b2 = b2.to(dt).to(tl.float32)
-    o1 = a1 - b1  # x1 * cos + (-x2) * sin: the same rounding
-    o2 = a2 + b2
-    first = tl.minimum(head, first_heads)
-    rest = head - first
-    dst = tl.where(
-        head < first_heads,
-        (tok * first_heads + first) * HEAD_DIM,
-        (num_tokens * first_heads + tok * (num_heads - first_heads) + rest) * HEAD_DIM,
-    )
-    tl.store(out_ptr + dst + offs, o1.to(dt), mask=mask)
-    tl.store(out_ptr + dst + HALF + offs, o2.to(dt), mask=mask)
+    rotated = first_heads + second_heads
+    if head < rotated:
+        cs = tok * cs_tok_stride
+        c1 = tl.load(cos_ptr + cs + offs, mask=mask, other=0.0).to(tl.float32)
+        c2 = tl.load(cos_ptr + cs + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+        s1 = tl.load(sin_ptr + cs + offs, mask=mask, other=0.0).to(tl.float32)
+        s2 = tl.load(sin_ptr + cs + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+        a1 = x1 * c1
+        b1 = x2 * s1
+        a2 = x2 * c2
+        b2 = x1 * s2
+        if ROUND:
+            a1 = a1.to(dt).to(tl.float32)
+            b1 = b1.to(dt).to(tl.float32)
+            a2 = a2.to(dt).to(tl.float32)
+            b2 = b2.to(dt).to(tl.float32)
+        x1 = a1 - b1  # x1 * cos + (-x2) * sin: the same rounding
+        x2 = a2 + b2
+    in_first = head < first_heads
+    start = tl.where(in_first, 0, tl.where(head < rotated, first_heads, rotated))
+    width = tl.where(in_first, first_heads,
+                     tl.where(head < rotated, second_heads, num_heads - rotated))
+    dst = (num_tokens * start + tok * width + head - start) * HEAD_DIM
+    tl.store(out_ptr + dst + offs, x1.to(dt), mask=mask)
+    tl.store(out_ptr + dst + HALF + offs, x2.to(dt), mask=mask)
 
 
 @triton.jit

@@ -34,36 +34,44 @@ _MAX_HEAD_DIM = 1024
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
-                 first_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x * cos + rotate_half(x) * sin`` per head, split into two contiguous outputs.
+                 first_heads: int, second_heads: int | None = None,
+                 ) -> tuple[torch.Tensor, ...]:
+    """``x * cos + rotate_half(x) * sin`` per head, split into contiguous outputs.
 
     Parameters
     ----------
     x:
         ``[T, H, D]`` fp32 / fp16 / bf16 on CUDA (or CPU under ``TRITON_INTERPRET=1``); heads
-        ``D`` apart and contiguous within a head, any token stride (e.g. the q and k part of
-        a fused QKV output).
+        ``D`` apart and contiguous within a head, any token stride (e.g. a fused QKV output).
     cos, sin:
         ``[T, D]`` or ``[1, T, D]``, `x`'s dtype (what transformers' rotary module returns).
     first_heads:
-        The heads ``[0, first_heads)`` form the first output (the query heads).
+        Heads ``[0, first_heads)`` form the first output (the query heads).
+    second_heads:
+        The next heads, rotated too, form the second output (the key heads); the heads
+        after them (the value heads) are copied unrotated into a third. None: every head
+        after the first is a key head (two outputs).
 
     Returns
     -------
     tuple
-        ``([T, first_heads, D], [T, H - first_heads, D])``, contiguous, `x`'s dtype.
+        ``([T, first_heads, D], [T, second_heads, D])``, plus ``[T, rest, D]`` when heads
+        are left after them; contiguous, `x`'s dtype.
     """
     from pagedcore.engine.models import _fused_kernels as kernels
 
     tokens, heads, dim = x.shape
+    second = heads - first_heads if second_heads is None else second_heads
     cos = cos.reshape(-1, dim)
     sin = sin.reshape(-1, dim)
     if cos.shape[0] != tokens or sin.shape != cos.shape:
         raise ValueError(f"apply_rotary: cos {tuple(cos.shape)} / sin {tuple(sin.shape)} do not "
                          f"match x {tuple(x.shape)}; pass one [D] row per token")
-    if dim % 2 or not 0 < dim <= _MAX_HEAD_DIM or not 0 <= first_heads <= heads:
+    if dim % 2 or not 0 < dim <= _MAX_HEAD_DIM or not (
+            0 <= first_heads and 0 <= second and first_heads + second <= heads):
         raise ValueError(f"apply_rotary: head size {dim} must be even and at most "
-                         f"{_MAX_HEAD_DIM}, first_heads {first_heads} within 0..{heads}")
+                         f"{_MAX_HEAD_DIM}, first_heads {first_heads} + second_heads {second} "
+                         f"within the {heads} heads")
     if x.stride(2) != 1 or x.stride(1) != dim:
         x = x.contiguous()
     cos, sin = cos.contiguous(), sin.contiguous()
@@ -71,18 +79,22 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
         raise ValueError(f"apply_rotary: cos/sin are {cos.dtype}/{sin.dtype}, x is {x.dtype}; "
                          "cast them to x's dtype (transformers does)")
     out = torch.empty(tokens * heads * dim, dtype=x.dtype, device=x.device)
-    split = tokens * first_heads * dim
-    first = out[:split].view(tokens, first_heads, dim)
-    rest = out[split:].view(tokens, heads - first_heads, dim)
+    sizes = [first_heads, second] + ([heads - first_heads - second]
+                                     if heads > first_heads + second else [])
+    parts = []
+    offset = 0
+    for h in sizes:
+        parts.append(out[offset:offset + tokens * h * dim].view(tokens, h, dim))
+        offset += tokens * h * dim
     if tokens and heads:
         half = dim // 2
         kernels.rotary_kernel[(tokens, heads)](
-            x, cos, sin, out, x.stride(0), cos.stride(0), tokens, first_heads,
+            x, cos, sin, out, x.stride(0), cos.stride(0), tokens, first_heads, second,
             HEAD_DIM=dim, HALF=half, BLOCK=1 << (half - 1).bit_length(),
             ROUND=x.dtype != torch.float32, num_warps=1 if dim <= 128 else 2,
             enable_fp_fusion=False,
         )
-    return first, rest
+    return tuple(parts)
 
 
 class FusedAttention(nn.Module):
@@ -124,23 +136,22 @@ class FusedAttention(nn.Module):
         views into the stack (a projection whose weight was replaced runs on its own)."""
         return self._qkv is not None and self._qkv.intact
 
-    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """``[..., hidden]`` -> the ``[T, Hq + Hkv, D]`` q-and-k heads, the ``[T, Hkv, D]`` v
-        heads and ``Hq``."""
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+        """``[..., hidden]`` -> the ``[T, Hq + 2 Hkv, D]`` q, k and v heads side by side (a
+        view of the one QKV GEMM's output when stacked), ``Hq`` and ``Hkv``."""
         d = self.head_dim
         stack = self._qkv
         if stack is not None and stack.intact:
             nq, nk, nv = stack.sizes
-            qkv = stack(x).view(-1, nq + nk + nv)
-            qk = qkv[:, :nq + nk].view(qkv.shape[0], -1, d)
-            v = qkv[:, nq + nk:].view(qkv.shape[0], -1, d)
-            return qk, v, nq // d
-        q = self.q_proj(x).reshape(-1, d)
-        k = self.k_proj(x).reshape(-1, d)
+            qkv = stack(x).view(-1, (nq + nk + nv) // d, d)
+            return qkv, nq // d, nk // d
+        q = self.q_proj(x)
+        k = self.k_proj(x)
         v = self.v_proj(x)
         tokens = v.numel() // v.shape[-1]
-        qk = torch.cat([q.view(tokens, -1, d), k.view(tokens, -1, d)], dim=1)
-        return qk, v.view(tokens, -1, d), q.shape[0] // tokens
+        qkv = torch.cat([q.view(tokens, -1, d), k.view(tokens, -1, d),
+                         v.view(tokens, -1, d)], dim=1)
+        return qkv, q.shape[-1] // d, k.shape[-1] // d
 
     def forward(self, hidden_states: torch.Tensor,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -153,14 +164,16 @@ class FusedAttention(nn.Module):
         kwargs.pop("cache", None)
         kwargs.pop("past_key_values", None)
         input_shape = hidden_states.shape[:-1]
-        qk, v, num_q_heads = self._project(hidden_states)
+        qkv, num_q_heads, num_kv_heads = self._project(hidden_states)
         batch = input_shape[0] if len(input_shape) > 1 else 1
-        tokens = qk.shape[0] // batch
+        tokens = qkv.shape[0] // batch
         cos, sin = position_embeddings
         if cos.dim() == 3 and cos.shape[0] != batch:  # one row of positions for the batch
             cos = cos.expand(batch, -1, -1)
             sin = sin.expand(batch, -1, -1)
-        q, k = apply_rotary(qk, cos, sin, first_heads=num_q_heads)
+        # The v heads are copied into their own contiguous buffer in the same launch.
+        q, k, v = apply_rotary(qkv, cos, sin, first_heads=num_q_heads,
+                               second_heads=num_kv_heads)
 
         def heads_first(t: torch.Tensor) -> torch.Tensor:
             return t.view(batch, tokens, t.shape[1], t.shape[2]).transpose(1, 2)
