@@ -2,7 +2,7 @@
 # Issue #22, final H200 figures (under 60 s), each part under its own time limit: the fused
 # kernels against the modules they replace (fused_check.py --quick: bits and rel. error), then
 # `pagedcore bench step` (CUDA graphs, overlap on and off) for the Qwen2-0.5B shape at 256 and
-# the Llama-3-8B shape at 1 and 256. Results under $OUT.
+# the Llama-3-8B shape at 256. Results under $OUT.
 #
 #   OUT=/tmp/step bash docs/benchmarks/run_step_h200_final.sh   # on the GPU machine, repo root
 set -uo pipefail
@@ -22,5 +22,5 @@ bench() {  # NAME SECONDS SHAPE BATCHES STEPS
         --steps "$5" --no-eager --json "$OUT/step_$1.json" > "$OUT/step_$1.txt" 2>&1
     elapsed "bench step $1 rc=$?"; grep -E "overlap (True|False)" "$OUT/step_$1.txt" | tail -n 8
 }
-bench qwen "${QWEN_S:-12}" qwen2-0.5b 256 12
-bench llama "$(( 57 - $(date +%s) + start ))" llama3-8b 1,256 8
+bench qwen "${QWEN_S:-14}" qwen2-0.5b 256 12
+bench llama "$(( 57 - $(date +%s) + start ))" llama3-8b "${LLAMA_BATCHES:-256}" 8
