@@ -195,6 +195,9 @@ class AttentionBackend(abc.ABC):
     name: ClassVar[str] = ""
     #: Lower wins when several backends can serve a configuration.
     priority: ClassVar[int] = 100
+    #: Why this priority: the measurement that set it (a sentence naming the bench and its
+    #: JSON file), or None when none was made. `pagedcore select --explain` prints it.
+    priority_reason: ClassVar[str | None] = None
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float16", "bfloat16", "float32")
     supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
     #: None means any head size.

@@ -176,6 +176,51 @@ def _kernel_part(
     return out
 
 
+def _backend_part(device: torch.device, classes: list[Any], *, quick: bool) -> dict[str, Any]:
+    """Copy bandwidth (CUDA) and the side-by-side rows of `classes` (see `mla_backends`)."""
+    from pagedcore.bench.mla_backends import backend_rows
+
+    copy_gbps = None
+    if device.type == "cuda":
+        from pagedcore.bench.kernel_primitives import copy_bandwidth_gbps
+
+        copy_gbps = copy_bandwidth_gbps(device, quick=quick)
+        click.echo(f"copy bandwidth {copy_gbps:.0f} GB/s", err=True)
+
+    def on_row(row: dict[str, Any]) -> None:
+        shape = f"{row['backend']:>16} {row['batch']}x{row['context']}"
+        if "error" in row:
+            click.echo(f"  {shape}: {row['error']}", err=True)
+        else:
+            pct = "" if row["pct_copy"] is None else f" {row['pct_copy']:.1f}% of copy"
+            click.echo(f"  {shape}: {row['ms']:.4f} ms {row['kv_GBps']:.0f} GB/s{pct} "
+                       f"rel {row['rel_err']:.1e}", err=True)
+
+    rows = backend_rows(device, classes, quick=quick, copy_gbps=copy_gbps, on_row=on_row)
+    return {"copy_bandwidth_GBps": copy_gbps, "backends": rows}
+
+
+def _print_backends(rows: list[dict[str, Any]], copy_gbps: float | None) -> None:
+    if not rows:
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    copy = "not measured" if copy_gbps is None else f"{copy_gbps:.0f} GB/s"
+    t = Table(title=f"MLA backends, decode, 16 heads, 512+64 (copy bandwidth {copy})")
+    for c in ("batch x ctx", "backend", "ms", "GB/s", "% copy", "rel err"):
+        t.add_column(c)
+    for r in rows:
+        name = r["backend"] + (" *" if r.get("best_for_shape") else "")
+        if "error" in r:
+            t.add_row(f"{r['batch']}x{r['context']}", name, "error", r["error"][:40], "", "")
+            continue
+        pct = "" if r["pct_copy"] is None else f"{r['pct_copy']:.0f}%"
+        t.add_row(f"{r['batch']}x{r['context']}", name, f"{r['ms']:.4f}", f"{r['kv_GBps']:.0f}",
+                  pct, f"{r['rel_err']:.1e}")
+    Console(width=120).print(t)
+
+
 def _echo_breakdown(row: dict[str, Any]) -> None:
     keys = ("decode", "empty_decode", "merge", "forward", "forward_graph")
     parts = [f"{k} {row[f'{k}_ms'] * 1e3:.1f} us" for k in keys if f"{k}_ms" in row]
@@ -201,9 +246,15 @@ def _echo_breakdown(row: dict[str, Any]) -> None:
                    "also timed alone per shape.")
 @click.option("--one-target", is_flag=True,
               help="Time each variant at its own split target only (not also at twice it).")
+@click.option("--backend", "backends", multiple=True, metavar="NAME",
+              help="Time these MLA backends side by side through their builder and impl "
+                   "(repeatable, e.g. --backend triton_mla --backend flashinfer_mla) on a "
+                   "small set of decode shapes, instead of the Triton variants.")
 def mla(json_path: str | None, quick: bool, kv_gib: float, context: int, variants: str | None,
-        check: bool, warm: bool, no_time: bool, breakdown: str | None, one_target: bool) -> None:
-    """MLA vs decompressed KV bytes and concurrency; Triton MLA decode bandwidth on a GPU."""
+        check: bool, warm: bool, no_time: bool, breakdown: str | None, one_target: bool,
+        backends: tuple[str, ...]) -> None:
+    """MLA vs decompressed KV bytes and concurrency; Triton MLA decode bandwidth on a GPU, or
+    several MLA backends side by side (--backend)."""
     import importlib.util
 
     import torch
@@ -212,7 +263,19 @@ def mla(json_path: str | None, quick: bool, kv_gib: float, context: int, variant
     capacity = capacity_rows(kv_gib, context)
     kernel: dict[str, Any] = {}
     skipped = None
-    if importlib.util.find_spec("pagedcore_triton") is None:
+    if backends:
+        from pagedcore.bench.mla_backends import resolve_mla_backends
+
+        try:
+            classes = resolve_mla_backends(backends, device)
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from exc
+        if device.type == "cpu" and not quick:
+            skipped = "no CUDA device (pass --quick for a tiny CPU run)"
+        else:
+            torch.manual_seed(0)
+            kernel = _backend_part(device, classes, quick=quick)
+    elif importlib.util.find_spec("pagedcore_triton") is None:
         skipped = "pagedcore-triton is not installed"
     elif device.type == "cpu" and not quick:
         skipped = "no CUDA device (pass --quick for an interpreted smoke run)"
@@ -228,6 +291,7 @@ def mla(json_path: str | None, quick: bool, kv_gib: float, context: int, variant
     if skipped:
         click.echo(f"kernel bench skipped: {skipped}", err=True)
     _print(capacity, kernel.get("kernel", []), kernel.get("copy_bandwidth_GBps"))
+    _print_backends(kernel.get("backends", []), kernel.get("copy_bandwidth_GBps"))
     if json_path:
         command = ["pagedcore bench mla"] + (["--quick"] if quick else [])
         command += [f"--kv-gib {kv_gib:g}", f"--context {context}"]
@@ -236,6 +300,7 @@ def mla(json_path: str | None, quick: bool, kv_gib: float, context: int, variant
                                     ("--no-time", no_time), ("--one-target", one_target))
                     if on]
         command += [f"--breakdown {breakdown}"] if breakdown else []
+        command += [f"--backend {b}" for b in backends]
         command += [f"--json {json_path}"]
         info = {
             "command": " ".join(command),

@@ -163,7 +163,6 @@ def kernel_rows(
     shape carries ``best_for_shape``; `on_row` sees each row as soon as it is measured."""
     import torch
 
-    from pagedcore.bench.kernel_primitives import time_ms
     from pagedcore.reference.mla import MLAImpl
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -195,17 +194,8 @@ def kernel_rows(
                     "kv_bytes": kv_bytes,
                 }
                 del plan
-                try:
-                    got = impl.forward(query, query, query, cache, meta).float()
-                    rel = float((got - want).norm() / want.norm())
-                    row["kernels"] = [kernel_resources(k) for k in impl.last_kernels]
-                    ms = time_ms(_forward_fn(impl, query, cache, meta), device)
-                except Exception as exc:  # a config the device cannot run is reported
-                    row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                else:
-                    gbps = kv_bytes / ms / 1e6
-                    row.update(ms=ms, kv_GBps=gbps, rel_err=rel,
-                               pct_copy=None if copy_gbps is None else 100 * gbps / copy_gbps)
+                measure_row(row, _forward_fn(impl, query, cache, meta), want, device,
+                            copy_gbps=copy_gbps, after_first=_kernels_of(impl))
                 rows.append(row)
                 if on_row is not None:
                     on_row(row)
@@ -214,6 +204,31 @@ def kernel_rows(
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rows
+
+
+def measure_row(
+    row: dict[str, Any], forward: Callable[[], Any], want: torch.Tensor, device: torch.device,
+    *, copy_gbps: float | None,
+    after_first: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Fill `row` (which has ``kv_bytes``) from one `forward` call checked against `want`
+    (relative error; rows past ``want``'s are padding) and its timing; an exception (a
+    configuration the device cannot run) becomes ``row["error"]``."""
+    from pagedcore.bench.kernel_primitives import time_ms
+
+    try:
+        got = forward()[: want.shape[0]].float()
+        rel = float((got - want).norm() / want.norm())
+        if after_first is not None:
+            after_first(row)
+        ms = time_ms(forward, device)
+    except Exception as exc:  # reported in the row, the bench goes on
+        row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    else:
+        gbps = row["kv_bytes"] / ms / 1e6
+        row.update(ms=ms, kv_GBps=gbps, rel_err=rel,
+                   pct_copy=None if copy_gbps is None else 100 * gbps / copy_gbps)
+    return row
 
 
 def breakdown_rows(
@@ -306,6 +321,14 @@ def kernel_resources(compiled: Any) -> dict[str, Any]:
 
 def _forward_fn(impl: Any, query: torch.Tensor, cache: torch.Tensor, meta: Any) -> Any:
     return lambda: impl.forward(query, query, query, cache, meta)
+
+
+def _kernels_of(impl: Any) -> Callable[[dict[str, Any]], None]:
+    """Record the resources of the kernels `impl` launched last into a row."""
+    def record(row: dict[str, Any]) -> None:
+        row["kernels"] = [kernel_resources(k) for k in impl.last_kernels]
+
+    return record
 
 
 def summarize(rows: list[dict[str, Any]], target_pct: float = 80.0) -> dict[str, Any]:

@@ -232,6 +232,9 @@ def _print_report(report: SelectionReport) -> None:
               help="Default: cuda when available, else cpu.")
 @click.option("--backend", default=None, help="Force this backend (no fallback).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--explain", is_flag=True,
+              help="Also say why the backends that can serve it rank as they do: each one's "
+                   "priority and the measurement that set it.")
 def select(
     head_size: int,
     dtype: str,
@@ -244,6 +247,7 @@ def select(
     device: str | None,
     backend: str | None,
     as_json: bool,
+    explain: bool,
 ) -> None:
     """Explain which attention backend serves a configuration, and why the others do not.
 
@@ -264,5 +268,7 @@ def select(
         click.echo(json.dumps(report.to_dict(), indent=2))
     else:
         _print_report(report)
+        if explain:
+            click.echo(report.explain_order())
     if report.chosen is None:
         raise click.ClickException(report.error_message())

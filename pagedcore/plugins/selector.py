@@ -89,6 +89,12 @@ class SelectionRow:
     def valid(self) -> bool:
         return not self.reasons
 
+    @property
+    def priority_reason(self) -> str | None:
+        """The backend's `AttentionBackend.priority_reason` (None when it gives none)."""
+        reason = getattr(self.cls, "priority_reason", None)
+        return reason if isinstance(reason, str) else None
+
 
 @attrs.frozen
 class SelectionReport:
@@ -132,6 +138,21 @@ class SelectionReport:
         lines.append(f"chosen: {self.chosen}" if self.chosen else "chosen: none")
         return "\n".join(lines)
 
+    def explain_order(self) -> str:
+        """Why the valid backends rank as they do: each one's priority and the measurement
+        behind it (`AttentionBackend.priority_reason`), the chosen one first."""
+        valid = [r for r in self.rows if r.valid]
+        if not valid:
+            return "no backend can serve this configuration, so there is no order to explain"
+        lines = ["why this order (lower priority wins among the backends that can serve it):"]
+        for row in valid:
+            mark = "*" if row.chosen else "-"
+            why = row.priority_reason or "no measurement recorded for this priority"
+            lines.append(f"  {mark} {row.name} (priority {row.priority}): {why}")
+        if self.forced is not None:
+            lines.append(f"(forced by {self.forced_by}: {self.forced}; priorities do not apply)")
+        return "\n".join(lines)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form of the report."""
         return {
@@ -141,7 +162,8 @@ class SelectionReport:
             "forced_by": self.forced_by,
             "backends": [
                 {"name": r.name, "priority": r.priority, "source": r.source,
-                 "chosen": r.chosen, "valid": r.valid, "reasons": list(r.reasons)}
+                 "chosen": r.chosen, "valid": r.valid, "reasons": list(r.reasons),
+                 "priority_reason": r.priority_reason}
                 for r in self.rows
             ],
             "failed_plugins": [f.describe() for f in self.failures],

@@ -150,8 +150,14 @@ def _checks() -> dict[str, Callable[[Any], str | None]]:
             f"({', '.join(m.name for m in CudaGraphSupport)}), got {_kind(v)}"
         )
 
+    def reason(v: Any) -> str | None:
+        if v is None or (isinstance(v, str) and v.strip()):
+            return None
+        return f"`priority_reason` must be None or a non-empty sentence (str), got {_kind(v)}"
+
     checks: dict[str, Callable[[Any], str | None]] = {
         "priority": priority,
+        "priority_reason": reason,
         "supported_dtypes": names("supported_dtypes", _DTYPES),
         "supported_kv_cache_dtypes": names("supported_kv_cache_dtypes", KV_CACHE_DTYPES),
         "supported_devices": names("supported_devices", _DEVICES),

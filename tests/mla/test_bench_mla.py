@@ -137,3 +137,30 @@ def test_mla_plot_draws_the_committed_h200_report(tmp_path: Path) -> None:
     assert (tmp_path / "bare.png").stat().st_size > 5_000
     with pytest.raises(SystemExit, match="usage"):
         main([str(report_path)])
+
+
+def test_backends_side_by_side_quick(tmp_path: Path) -> None:
+    """`--backend A --backend B --quick`: one row per backend and shape with the time, the
+    bandwidth and the error against the reference; the command records the backends."""
+    if torch.cuda.is_available():
+        return
+    out = tmp_path / "mla.json"
+    result = CliRunner().invoke(mla, ["--quick", "--backend", "reference_mla", "--backend",
+                                      "reference_mla", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    info = json.loads(out.read_text())
+    rows = info["backends"]
+    assert [(r["backend"], r["batch"], r["context"]) for r in rows] == [
+        ("reference_mla", 2, 64)] * 2
+    assert all(r["rel_err"] == 0.0 and r["ms"] > 0 and r["kv_GBps"] > 0 for r in rows)
+    assert info["kernel"] == [] and "--backend reference_mla" in info["command"]
+
+
+@pytest.mark.parametrize(("name", "words"), [
+    ("reference", "does not declare MLA"),
+    ("nope", "unknown attention backend 'nope'"),
+])
+def test_backend_that_cannot_run_is_a_usage_error(name: str, words: str) -> None:
+    result = CliRunner().invoke(mla, ["--quick", "--backend", name])
+    assert result.exit_code == 2
+    assert words in result.output and "triton_mla" in result.output

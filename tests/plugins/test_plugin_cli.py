@@ -92,3 +92,30 @@ def test_select_bad_input_is_a_usage_error(populated: BackendRegistry) -> None:
     assert result.exit_code == 2 and "Did you mean 'cpu_one'" in result.output
     result = runner.invoke(main, ["select", "--head-size", "64", "--backend", "broken_plugin"])
     assert result.exit_code == 2 and "caused by BackendValidationError" in result.output
+
+
+def test_select_explain_gives_each_valid_backend_its_measurement(
+        registry: BackendRegistry) -> None:
+    """`select --explain`: the valid backends in priority order, the chosen one marked, each
+    with its `priority_reason` (or that none was recorded); JSON carries the reason too."""
+    fast = make_backend("fast_one", priority=10,
+                        priority_reason="fastest in bench engine (docs/benchmarks/x.json)")
+    registry.register_plugin(make_plugin(fast, CPU_ONE, GPU_ONLY), name="fakes")
+    args = ["select", "--head-size", "64", "--device", "cpu"]
+    out = CliRunner().invoke(main, [*args, "--explain"]).output
+    tail = out[out.index("why this order"):]
+    assert "* fast_one (priority 10): fastest in bench engine (docs/benchmarks/x.json)" in tail
+    assert "- cpu_one (priority 50): no measurement recorded" in tail
+    assert "gpu_only" not in tail  # cannot serve cpu, so it is not in the order
+    assert "why this order" not in CliRunner().invoke(main, args).output
+    data = json.loads(CliRunner().invoke(main, [*args, "--json"]).output)
+    reasons = {b["name"]: b["priority_reason"] for b in data["backends"]}
+    assert reasons["fast_one"].startswith("fastest in bench engine") and not reasons["cpu_one"]
+
+
+def test_a_priority_reason_that_is_not_a_sentence_is_refused(registry: BackendRegistry) -> None:
+    bad = make_backend("bad_reason", priority_reason=42)
+    with pytest.warns(PluginLoadWarning):
+        registry.register_plugin(make_plugin(bad), name="bad")
+    (failure,) = registry.failures
+    assert "`priority_reason` must be None or a non-empty sentence" in failure.describe()

@@ -32,8 +32,16 @@ class FlashInferBackend(AttentionBackend):
     """
 
     name: ClassVar[str] = "flashinfer"
-    #: Behind the Triton backend (20) until the side-by-side bench says otherwise (issue 21).
+    #: Behind the Triton backend (20): set from the engine bench (`priority_reason`).
     priority: ClassVar[int] = 25
+    priority_reason: ClassVar[str | None] = (
+        "behind triton (20): end to end on the H200 it ran 1,053 tok/s eager against triton's "
+        "9,739 tok/s with CUDA graphs (docs/benchmarks/h200_s11/engine_*.json: its decode "
+        "graphs failed to capture on a cache-write bug, fixed since and confirmed by a test, "
+        "but the engine bench with them has not run), though its kernels lead in prefill "
+        "(1.27-1.42x triton's TFLOP/s) and at decode over few long requests "
+        "(docs/benchmarks/h200_s9)"
+    )
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float16", "bfloat16")
     supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
     supported_head_sizes: ClassVar[tuple[int, ...] | None] = capabilities.HEAD_SIZES
@@ -42,10 +50,12 @@ class FlashInferBackend(AttentionBackend):
     supports_sliding_window: ClassVar[bool] = True
     supports_alibi: ClassVar[bool] = False
     supports_logits_soft_cap: ClassVar[bool] = True
-    #: The builder has a decode-graph path (``use_cuda_graph=True`` decode wrappers over fixed
-    #: buffers, re-planned in `prepare_replay` before each replay; CPU-tested through the
-    #: test double), but no GPU run has confirmed it yet, so no graph level is declared.
-    cudagraph_support: ClassVar[CudaGraphSupport] = CudaGraphSupport.NEVER
+    #: Uniform decode batches: `build_for_cudagraph_capture` gives each bucket FlashInfer's
+    #: ``use_cuda_graph=True`` decode wrappers over fixed buffers, `prepare_replay` re-plans
+    #: them before each replay. Confirmed on the H200 (session 11: real graphs replayed the
+    #: eager tokens, `test_decode_graphs_on_real_flashinfer`); mixed and prefill steps run
+    #: eager (their plan sizes come from the step).
+    cudagraph_support: ClassVar[CudaGraphSupport] = CudaGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
     @classmethod
     def is_available(cls) -> str | None:

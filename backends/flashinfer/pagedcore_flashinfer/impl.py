@@ -71,6 +71,11 @@ class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
     ) -> None:
         """Scatter this step's K/V into the paged cache (pure torch, skips ``-1`` slots).
 
+        No data-dependent shapes (no boolean indexing, whose ``nonzero`` syncs with the host
+        and breaks CUDA-graph capture): a ``-1`` slot is sent to slot 0 of the null block
+        (block 0, which no request's token is ever written to) and writes back the value
+        already there, so every write to that slot is the same and the cache is unchanged.
+
         Parameters
         ----------
         key, value:
@@ -92,11 +97,11 @@ class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
                 f"{kv_cache.dtype}; allocate the cache in the model dtype"
             )
         block_size = kv_cache.shape[2]
-        valid = slot_mapping >= 0
-        slots = slot_mapping[valid].to(torch.int64)
+        keep = (slot_mapping >= 0)[:, None, None]
+        slots = slot_mapping.to(torch.int64).clamp_min(0)
         blocks, offsets = slots // block_size, slots % block_size
-        kv_cache[blocks, 0, offsets] = key[valid]
-        kv_cache[blocks, 1, offsets] = value[valid]
+        kv_cache[blocks, 0, offsets] = torch.where(keep, key, kv_cache[0, 0, 0])
+        kv_cache[blocks, 1, offsets] = torch.where(keep, value, kv_cache[0, 1, 0])
 
     def forward(
         self,

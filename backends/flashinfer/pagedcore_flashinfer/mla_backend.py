@@ -27,8 +27,12 @@ class FlashInferMLABackend(MLAAttentionBackend):
     """
 
     name: ClassVar[str] = "flashinfer_mla"
-    #: Behind triton_mla (20) until a side-by-side bench says otherwise.
+    #: Behind triton_mla (20): set from the side-by-side bench (`priority_reason`).
     priority: ClassVar[int] = 25
+    priority_reason: ClassVar[str | None] = (
+        "behind triton_mla (20): its FA2 MLA decode ran at 0.53-0.56x triton_mla's speed on the "
+        "H200 (docs/benchmarks/h200_s11/mla_backends_h200.json)"
+    )
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float16", "bfloat16")
     supported_head_sizes: ClassVar[tuple[int, ...] | None] = tuple(
         lat + rope for lat, rope in MLA_DIMS

@@ -85,3 +85,28 @@ def test_cache_layout_and_write_skip_padding() -> None:
     assert int((~cache.isnan()).sum()) == 4 * 2 * 64  # nothing else written
     with pytest.raises(ValueError, match="NHD"):
         impl.do_kv_cache_update(key, value, cache.transpose(0, 1).contiguous(), torch.arange(3))
+
+
+def test_cache_write_has_no_data_dependent_shapes() -> None:
+    """The write must be capturable in a CUDA graph (the H200 run, session 11: a boolean-mask
+    write made every decode-graph capture fail with cudaErrorStreamCaptureInvalidated). On
+    the meta device an op whose output shape depends on the data (``nonzero``, hence boolean
+    indexing) cannot run, so the write running there is the CPU check of that."""
+    impl = FlashInferImpl(4, 64, 0.125, num_kv_heads=2)
+    cache = torch.empty(FlashInferBackend.get_kv_cache_shape(6, 4, 2, 64), device="meta",
+                        dtype=torch.float16)
+    key = torch.empty(5, 2, 64, device="meta", dtype=torch.float16)
+    impl.do_kv_cache_update(key, key, cache, torch.empty(5, dtype=torch.int64, device="meta"))
+    with pytest.raises(NotImplementedError):  # what the old write did, for contrast
+        key[torch.empty(5, dtype=torch.bool, device="meta")]
+
+
+def test_padding_rows_leave_the_null_block_as_it_was() -> None:
+    cache = torch.randn(FlashInferBackend.get_kv_cache_shape(4, 4, 2, 64), dtype=torch.float16)
+    before = cache.clone()
+    impl = FlashInferImpl(4, 64, 0.125, num_kv_heads=2)
+    key = torch.randn(4, 2, 64, dtype=torch.float16)
+    impl.do_kv_cache_update(key, -key, cache, torch.tensor([-1, 5, -1, -1]))
+    assert torch.equal(cache[1, 0, 1], key[1]) and torch.equal(cache[1, 1, 1], -key[1])
+    cache[1, :, 1] = before[1, :, 1]
+    assert torch.equal(cache, before)

@@ -51,10 +51,17 @@ def test_greedy_tokens_match_the_reference(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 class _GraphDouble(_CpuDoubleBackend):
-    """The adapter over the double, declared for decode graphs (what a GPU run would confirm)."""
+    """The adapter over the double, under its own name, with the flashinfer backend's decode
+    graph declaration (confirmed on the H200 by `test_decode_graphs_on_real_flashinfer`)."""
 
     name: ClassVar[str] = "flashinfer_graph_double"
-    cudagraph_support: ClassVar[CudaGraphSupport] = CudaGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+
+def test_flashinfer_declares_decode_graphs() -> None:
+    from pagedcore_flashinfer import FlashInferBackend
+
+    assert FlashInferBackend.cudagraph_support == CudaGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    assert _GraphDouble.cudagraph_support == FlashInferBackend.cudagraph_support
 
 
 @pagedcore.hookimpl
@@ -117,7 +124,8 @@ def test_decode_graphs_replan_before_each_replay(monkeypatch: pytest.MonkeyPatch
 
 def test_decode_graphs_on_real_flashinfer(monkeypatch: pytest.MonkeyPatch) -> None:
     """The same on a GPU with FlashInfer: real CUDA graphs over the real graph wrappers (what
-    declaring UNIFORM_SINGLE_TOKEN_DECODE for the flashinfer backend waits for)."""
+    the flashinfer backend's UNIFORM_SINGLE_TOKEN_DECODE rests on; passed on the H200,
+    session 11, `docs/benchmarks/h200_s11/round2/graphs.log`)."""
     from pagedcore_flashinfer import FlashInferBackend
 
     why = FlashInferBackend.is_available()

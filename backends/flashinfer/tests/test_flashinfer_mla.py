@@ -89,3 +89,20 @@ def test_declarations_and_clear_errors() -> None:
     with pytest.raises(ValueError, match=r"\[num_blocks, block_size, 576\]"):
         impl.forward(torch.zeros(1, 16, 576), torch.zeros(1), torch.zeros(1),
                      torch.zeros(4, 16, 512), None)  # type: ignore[arg-type]
+
+
+@pytest.mark.usefixtures("double")
+def test_bench_mla_side_by_side_runs_the_adapter() -> None:
+    """`pagedcore bench mla --backend flashinfer_mla`'s rows come from the adapter's builder
+    and impl (here over the double): the reference's output, and a refused step is a row
+    with the adapter's error, not a crash of the bench."""
+    from pagedcore.bench.mla_backends import backend_rows
+
+    (row,) = backend_rows(torch.device("cpu"), [_CpuDoubleMLA], quick=True, copy_gbps=None,
+                          dtype=torch.bfloat16)
+    assert "error" not in row, row
+    assert row["rel_err"] < 1e-2 and row["ms"] > 0 and row["best_for_shape"]
+    plans = [p for w in fi_double.REGISTRY for p in w.plans]
+    assert {(p["ckv"], p["kpe"]) for p in plans} == {(512, 64)}
+    (bad,) = backend_rows(torch.device("cpu"), [_CpuDoubleMLA], quick=True, copy_gbps=None)
+    assert "q dtype must be fp16/bf16" in bad["error"] and "triton_mla" in bad["error"]

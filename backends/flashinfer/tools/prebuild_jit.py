@@ -7,10 +7,12 @@ declarations, through the conformance case list) and hands them to FlashInfer's
 ``build_jit_specs`` as one ninja graph, so all their objects compile in parallel
 (``MAX_JOBS``). With ``--pack FILE`` it also writes the built ``.so`` files as a tar.xz laid
 out like FlashInfer's AOT directory (``aot/<module>/<module>.so``): unpacked into
-``<flashinfer>/data/``, FlashInfer loads them without building (see README.md).
+``<flashinfer>/data/``, FlashInfer loads them without building (see README.md); ``--as-aot``
+links them there on this machine, so that their first use does not rebuild them.
 
     python backends/flashinfer/tools/prebuild_jit.py --list
     MAX_JOBS=16 python backends/flashinfer/tools/prebuild_jit.py --prefill fa2 --mla
+    python backends/flashinfer/tools/prebuild_jit.py --no-conformance --mla --extra bfloat16:64
     python backends/flashinfer/tools/prebuild_jit.py --prefill fa2 --mla --pack fi_aot.tar.xz
 
 ``--prefill`` names the prefill wrapper's kernels (``fa2``, ``fa3`` or both, comma-separated);
@@ -30,15 +32,17 @@ from typing import Any
 Variant = tuple[str, int, bool, bool]  # dtype, head size, sliding window, soft-cap
 
 
-def conformance_variants() -> list[Variant]:
+def conformance_variants(only: str | None = None) -> list[Variant]:
     """The (dtype, head size, window, soft-cap) kernel variants of the flashinfer backend's
-    full conformance suite on CUDA, in case order."""
+    full conformance suite on CUDA, in case order (of the cases whose name has `only`)."""
     from pagedcore_flashinfer import FlashInferBackend
 
     from pagedcore.conformance.cases import build_cases
 
     seen: list[Variant] = []
     for case in build_cases(FlashInferBackend, quick=False, device="cuda"):
+        if only is not None and only not in case.name:
+            continue
         v = (case.dtype, case.head_size, case.sliding_window is not None,
              case.logits_soft_cap is not None)
         if v not in seen:
@@ -54,14 +58,17 @@ def mla_variants() -> list[tuple[str, int, int]]:
     return [(d, lat, rope) for d in FlashInferMLABackend.supported_dtypes for lat, rope in dims]
 
 
-def jit_specs(prefill: list[str], mla: bool, extra: list[Variant] | None = None) -> list[Any]:
-    """FlashInfer's JitSpec of every module those variants (the conformance ones, then
-    `extra`) load: the FA2 module (decode, fa2 prefill), the FA3 prefill module, MLA."""
+def jit_specs(prefill: list[str], mla: bool, extra: list[Variant] | None = None, *,
+              conformance: bool = True, only: str | None = None) -> list[Any]:
+    """FlashInfer's JitSpec of every module those variants (the conformance ones unless not
+    `conformance`, then `extra`) load: the FA2 module (decode, fa2 prefill), the FA3 prefill
+    module, MLA."""
     import torch
     from flashinfer.jit.attention import modules
 
     specs: list[Any] = []
-    for dtype_name, head, window, cap in conformance_variants() + list(extra or []):
+    variants = conformance_variants(only) if conformance else []
+    for dtype_name, head, window, cap in variants + list(extra or []):
         dtype = getattr(torch, dtype_name)
         args = (dtype, dtype, dtype, torch.int32, head, head, 0, window, cap, False)
         # The tensor-core decode wrapper and an fa2 prefill wrapper load the same module.
@@ -81,6 +88,32 @@ def jit_specs(prefill: list[str], mla: bool, extra: list[Variant] | None = None)
     return list(unique.values())
 
 
+def install_as_aot(specs: list[Any]) -> int:
+    """Link each built module into FlashInfer's AOT directory (``<flashinfer>/data/aot/
+    <name>/<name>.so``), where its loader takes it as is; returns how many were linked.
+
+    Why: a module built here through `build_jit_specs` (one top-level ninja graph) is, for
+    the wrapper that loads it later, a JIT module whose own ninja has no dependency log yet,
+    so that ninja rebuilds it from scratch on first use (the H200 run of session 11: ~33 s
+    per variant inside the conformance run, after the prebuild had built them all). An AOT
+    module is loaded without asking ninja.
+    """
+    from flashinfer.jit import env
+
+    linked = 0
+    for spec in specs:
+        so = spec.jit_library_path
+        if not so.exists():
+            continue  # an AOT module already (skipped by the build) or a failed one
+        target = env.FLASHINFER_AOT_DIR / spec.name / f"{spec.name}.so"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if target.is_symlink() or target.exists():
+            target.unlink()
+        target.symlink_to(so)
+        linked += 1
+    return linked
+
+
 def pack(specs: list[Any], path: str) -> None:
     """Write the specs' built ``.so`` files as ``aot/<name>/<name>.so`` into a tar.xz."""
     with tarfile.open(path, "w:xz") as tar:
@@ -97,6 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill", default="fa2",
                         help="prefill kernels to build: fa2, fa3 or fa2,fa3 (default fa2)")
     parser.add_argument("--mla", action="store_true", help="also the flashinfer_mla modules")
+    parser.add_argument("--no-conformance", action="store_true",
+                        help="leave the conformance variants out (only --extra / --mla)")
+    parser.add_argument("-k", dest="only", default=None, metavar="SUBSTR",
+                        help="only the variants of conformance cases whose name has SUBSTR "
+                             "(as `pagedcore conformance flashinfer -k`)")
     parser.add_argument("--extra", action="append", default=[], metavar="DTYPE:HEAD",
                         help="one more variant without window / soft-cap, e.g. bfloat16:64 "
                              "(a model's); repeatable")
@@ -106,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip", default="",
                         help="comma-separated substrings: leave modules whose name has one out")
     parser.add_argument("--pack", metavar="FILE", help="write the built .so files as a tar.xz")
+    parser.add_argument("--as-aot", action="store_true",
+                        help="link the built modules into FlashInfer's AOT directory, so "
+                             "their first use loads them instead of rebuilding them")
     args = parser.parse_args(argv)
     prefill = [p.strip() for p in args.prefill.split(",") if p.strip()]
     bad = [p for p in prefill if p not in ("fa2", "fa3")]
@@ -117,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         if dtype not in ("float16", "bfloat16") or not head.isdigit():
             parser.error(f"--extra takes DTYPE:HEAD (float16 or bfloat16), got {item!r}")
         extra.append((dtype, int(head), False, False))
-    specs = jit_specs(prefill, args.mla, extra)
+    specs = jit_specs(prefill, args.mla, extra, conformance=not args.no_conformance,
+                      only=args.only)
     if args.fa3_only:
         dtype, _, head = args.fa3_only.partition(":")
         short = {"float16": "f16", "bfloat16": "bf16"}.get(dtype, dtype)
@@ -136,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     build_jit_specs(specs, verbose=False, skip_prebuilt=True)
     print(f"built {len(specs)} modules in {time.perf_counter() - start:.0f} s "
           f"(MAX_JOBS={os.environ.get('MAX_JOBS', 'ninja default')})")
+    if args.as_aot:
+        print(f"linked {install_as_aot(specs)} modules into FlashInfer's AOT directory")
     if args.pack:
         pack(specs, args.pack)
     return 0

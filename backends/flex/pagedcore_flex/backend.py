@@ -37,6 +37,11 @@ class FlexBackend(AttentionBackend):
     #: Opt-in (``backend="flex"``) until measured: behind every backend, the reference (1000)
     #: included, so it never displaces the CPU default. Set from the side-by-side bench.
     priority: ClassVar[int] = 2000
+    priority_reason: ClassVar[str | None] = (
+        "opt-in: correct (full conformance on the H200), but its decode ran at 9-11 % of copy "
+        "bandwidth against triton's 95-98 % and its prefill at 0.44-0.74x triton's TFLOP/s "
+        "(docs/benchmarks/h200_s9/kernels_flex.json)"
+    )
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float16", "bfloat16", "float32")
     supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
     #: flex's compiled kernel wants a power-of-two head size >= 16; eager runs any, but one

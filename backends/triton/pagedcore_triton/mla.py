@@ -390,6 +390,10 @@ class TritonMLABackend(MLAAttentionBackend):
 
     name: ClassVar[str] = "triton_mla"
     priority: ClassVar[int] = 20
+    priority_reason: ClassVar[str | None] = (
+        "1.8-1.9x flashinfer_mla's decode on the H200 (74-86 % of copy bandwidth against "
+        "40-47 %, bf16 512+64, 16 heads: docs/benchmarks/h200_s11/mla_backends_h200.json)"
+    )
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float16", "bfloat16", "float32")
     supported_devices: ClassVar[tuple[str, ...]] = (
         ("cuda", "cpu") if interpreting() else ("cuda",)
