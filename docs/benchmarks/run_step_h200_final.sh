@@ -5,7 +5,7 @@
 # 2. `pagedcore bench step` (CUDA graphs, overlap on and off) for the Qwen2-0.5B shape at 256
 #    and the Llama-3-8B shape at 256;
 # 3. the overlap identity diagnosis in fp32 with preemption (overlap_diff.py).
-# Results under $OUT. Session 12 ran it with the limits 13 / 14 / rest of 57 s: only the 8B
+# Results under $OUT. The issue-#22 session ran it with the limits 13 / 14 / rest of 57 s: only the 8B
 # rows finished (docs/benchmarks/step_h200.json); the defaults below are what the parts need.
 #
 #   OUT=/tmp/step bash docs/benchmarks/run_step_h200_final.sh   # on the GPU machine, repo root
