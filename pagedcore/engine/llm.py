@@ -29,6 +29,7 @@ from pagedcore.engine.output_builder import (
 from pagedcore.engine.outputs import RequestOutput
 from pagedcore.engine.request_checks import check_request, check_unique_ids
 from pagedcore.engine.runner.overlap import InputFence, async_scheduling_setting
+from pagedcore.engine.sampling.prompt_logprobs import record_prompt_logprobs
 from pagedcore.engine.sampling.resolve import (
     bad_words_token_ids,
     default_params,
@@ -259,6 +260,8 @@ class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
         self._prev_tokens: list[int] | None = None
         #: Live requests whose logits processors read their tokens (no overlap while any is).
         self._processing_ids: set[str] = set()
+        #: Requests whose prompt logprobs are not all computed (no overlap while any is).
+        self._prompt_pending: dict[str, Request] = {}
         # Requests whose own sampling setup failed in the last `_run` (id -> reason).
         self._row_failures: dict[str, str] = {}
         # Overlap scheduling (`OverlapStep`): the step in flight and the input-buffer fence.
@@ -409,6 +412,8 @@ class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
             self._child_parent[child.request_id] = parent
             if params.processes_logits:
                 self._processing_ids.add(child.request_id)
+            if child.needs_prompt_logprobs:
+                self._prompt_pending[child.request_id] = child
         self._parents[request_id] = parent
 
     def abort(self, request_id: str) -> RequestOutput:
@@ -468,8 +473,9 @@ class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
             if not self._needs_current_tokens():
                 return self._step_overlap(finished_only=finished_only)
             # Penalties, bad words and min_tokens read every token so far, which a step
-            # launched one behind would not have: finish the step in flight, run this one
-            # without overlap.
+            # launched one behind would not have (and prompt logprobs are brought to the host
+            # in the step computing them): finish the step in flight, run this one without
+            # overlap.
             drained = self.drain()
             self._prev_rows = self._prev_tokens = None
         t0 = time.perf_counter()
@@ -497,11 +503,17 @@ class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
         return drained + outputs if drained else outputs
 
     def _needs_current_tokens(self) -> bool:
-        """True while a live request's logits processors read its tokens (see `step`)."""
+        """True while a live request's logits processors read its tokens, or its prompt
+        logprobs are not all computed (see `step`)."""
         live = self._processing_ids
         if live:
             live.intersection_update(self._child_parent)
-        return bool(live)
+        pending = self._prompt_pending
+        if pending:
+            for done in [i for i, r in pending.items()
+                         if r.status.finished or not r.needs_prompt_logprobs]:
+                del pending[done]
+        return bool(live or pending)
 
     def _end_step(
         self, changed: list[Request], *, finished_only: bool, t0: float, t_update: float
@@ -575,6 +587,10 @@ class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
         self.host_time += t_execute - t0
         phases["prepare"] += t_execute - t_prepare
         logits = self.runner.execute(inputs)
+        if inputs.prompt_rows is not None:
+            num_sampled = int(inputs.logits_indices.shape[0])
+            record_prompt_logprobs(inputs.prompt_rows, logits[num_sampled:])
+            logits = logits[:num_sampled]
         rows = inputs.sample_rows
         if rows:
             requests = (rows.requests if isinstance(rows, DecodeBatch)

@@ -31,6 +31,7 @@ from pagedcore.engine.runner.overlap import (
     placeholder_for_row,
     resolve_placeholders,
 )
+from pagedcore.engine.sampling.prompt_logprobs import record_prompt_logprobs
 from pagedcore.engine.scheduling.request import Request, get_placeholder, get_request_id
 from pagedcore.engine.scheduling.scheduler_types import DecodeBatch, SchedulerOutput
 
@@ -183,6 +184,11 @@ class OverlapStep:
         self.host_time += t_execute - t0
         phases["prepare"] += t_execute - t_prepare
         logits = self.runner.execute(inputs)
+        if inputs.prompt_rows is not None:
+            # (`LLM.step` runs such steps without overlap; this one waits for its logits.)
+            num_sampled = int(inputs.logits_indices.shape[0])
+            record_prompt_logprobs(inputs.prompt_rows, logits[num_sampled:])
+            logits = logits[:num_sampled]
         rows = inputs.sample_rows
         requests: list[Request] = list(
             rows.requests if isinstance(rows, DecodeBatch) else [r.request for r in rows]

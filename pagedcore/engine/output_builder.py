@@ -35,8 +35,9 @@ PromptType = str | Sequence[int] | Mapping[str, Any]
 class ParentRequest:
     """A user request: one prompt, `n` child sequences (and their text, by sample index)."""
 
-    __slots__ = ("children", "delta", "logprobs", "prompt", "prompt_token_ids", "request_id",
-                 "sampling_defaults", "sent", "texts")
+    __slots__ = ("children", "delta", "logprobs", "prompt", "prompt_logprobs",
+                 "prompt_logprobs_sent", "prompt_token_ids", "request_id", "sampling_defaults",
+                 "sent", "texts")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  *, sampling_defaults: dict[str, Any] | None = None) -> None:
@@ -55,6 +56,10 @@ class ParentRequest:
         self.sampling_defaults = sampling_defaults or {}
         #: Build delta outputs (what is new since the previous output), as `LLM.stream` does.
         self.delta = False
+        #: The prompt logprobs as `Logprob` objects once all are computed (None before).
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+        #: A delta output carried `prompt_logprobs` already (they are sent once).
+        self.prompt_logprobs_sent = False
 
 
 _PROMPT_FORMS = "a str, a list of token ids, or a dict with 'prompt' or 'prompt_token_ids'"
@@ -163,12 +168,16 @@ def make_children(
 
     With ``n == 1`` the child keeps the parent's id, else sample i is ``"<id>#i"``; a seeded
     request gives sample i the seed ``seed + i`` so the samples differ yet stay reproducible.
+    Only sample 0 computes the prompt logprobs (they are the same for every sample; the
+    others may take the prompt's blocks from the prefix cache).
     """
     for i in range(params.n):
         child_params = params
         if params.n > 1 and params.seed is not None:
             # Wrapped into the seed range (seed 2**64 - 1 with n > 1 stays valid).
             child_params = params.replace(seed=(params.seed + i) % (MAX_SEED + 1))
+        if i > 0 and params.prompt_logprobs is not None:
+            child_params = child_params.replace(prompt_logprobs=None)
         child_id = parent.request_id if params.n == 1 else f"{parent.request_id}#{i}"
         child = Request(
             child_id,
@@ -250,6 +259,26 @@ def _logprobs(
         done.append(entry)
         total[0] += float(entry.get(tokens[i], 0.0))
     return done[start:], total[0]
+
+
+def _prompt_logprobs(
+    parent: ParentRequest, tokenizer: Any, *, delta: bool
+) -> list[dict[int, Logprob] | None] | None:
+    """``[None, {token: Logprob}, ...]`` (one entry per prompt token) once sample 0 has them
+    all, else None; a delta output carries them once."""
+    first = parent.children[0]
+    entries = first.prompt_logprobs
+    if entries is None or first.needs_prompt_logprobs:
+        return None
+    if parent.prompt_logprobs is None:
+        prompt = first.prompt_token_ids
+        parent.prompt_logprobs = [None] + [
+            _convert(entry, prompt[i + 1], tokenizer) for i, entry in enumerate(entries)]
+    if delta:
+        if parent.prompt_logprobs_sent:
+            return None
+        parent.prompt_logprobs_sent = True
+    return parent.prompt_logprobs
 
 
 def update_texts(parent: ParentRequest) -> None:
@@ -346,4 +375,5 @@ def build_output(
         error=found[0] if found else None,
         sampling_defaults=dict(parent.sampling_defaults),
         delta=delta,
+        prompt_logprobs=_prompt_logprobs(parent, tokenizer, delta=delta),
     )

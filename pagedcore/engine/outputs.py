@@ -137,6 +137,12 @@ class RequestOutput:
         request gave no `SamplingParams` (``{}`` when none were).
     delta:
         True when `outputs` hold only what is new since the request's previous output.
+    prompt_logprobs:
+        With ``SamplingParams.prompt_logprobs``: one entry per prompt token, ``None`` for the
+        first, then ``{token_id: Logprob}`` of the top tokens and the prompt token itself
+        (always present, with its true rank), from the logits of the position before it.
+        None when not requested, and while the prompt is still being computed; a delta
+        output carries them once, in the first output after the prompt.
     """
 
     request_id: str
@@ -149,3 +155,4 @@ class RequestOutput:
     error: str | None = None
     sampling_defaults: dict[str, Any] = attrs.Factory(dict)
     delta: bool = False
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

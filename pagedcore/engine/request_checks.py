@@ -19,7 +19,8 @@ def check_request(params: Any, *, max_logprobs: int, max_n: int) -> SamplingPara
     Raises
     ------
     InvalidArgumentError
-        Not a `SamplingParams`, or ``logprobs > max_logprobs`` or ``n > max_n``.
+        Not a `SamplingParams`, or ``logprobs`` or ``prompt_logprobs > max_logprobs``, or
+        ``n > max_n``.
     """
     if params is None:
         return SamplingParams()
@@ -28,11 +29,13 @@ def check_request(params: Any, *, max_logprobs: int, max_n: int) -> SamplingPara
         raise InvalidArgumentTypeError(
             f"sampling params must be a SamplingParams or None, got {describe(params)}{hint}"
         )
-    if params.logprobs is not None and params.logprobs > max_logprobs:
-        raise InvalidArgumentError(
-            f"invalid request: logprobs={params.logprobs} exceeds the engine's max_logprobs="
-            f"{max_logprobs}; ask for fewer, or raise it with LLM(max_logprobs=...)"
-        )
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > max_logprobs:
+            raise InvalidArgumentError(
+                f"invalid request: {name}={value} exceeds the engine's max_logprobs="
+                f"{max_logprobs}; ask for fewer, or raise it with LLM(max_logprobs=...)"
+            )
     if params.n > max_n:
         raise InvalidArgumentError(
             f"invalid request: n={params.n} exceeds the engine's max_n={max_n}; ask for fewer "

@@ -149,8 +149,13 @@ class KVCacheManager:
         by_size = {bs: h.hashes(rid, request) for bs, h in self._hashers.items()}
         return [by_size[bs] for bs in self.coordinator.block_sizes]
 
-    def get_computed_blocks(self, request: KVRequest) -> tuple[KVCacheBlocks, int]:
+    def get_computed_blocks(
+        self, request: KVRequest, *, use_cache: bool = True
+    ) -> tuple[KVCacheBlocks, int]:
         """Longest cached prefix of ``request``, in full blocks.
+
+        ``use_cache=False``: no hit (the request computes every token, e.g. to return the
+        log-probabilities of its prompt); its blocks still enter the cache as they fill.
 
         Never covers the request's last known token, so a full hit still computes one token
         (and produces logits). No reference count changes here: pass the result to
@@ -163,7 +168,7 @@ class KVCacheManager:
         num_computed_tokens : int
             Tokens covered by the hit (a multiple of the block size).
         """
-        if not self.enable_caching:
+        if not (self.enable_caching and use_cache):
             return KVCacheBlocks(self.coordinator.empty()), 0
         num_tokens = len(request.all_token_ids)
         blocks, num_hit = self.coordinator.find_longest_cache_hit(

@@ -68,6 +68,9 @@ class StreamDelta:
     num_prompt_tokens, num_cached_tokens, num_generated_tokens:
         Prompt tokens, those served from the prefix cache, tokens generated so far (all of the
         sequence, not only this delta's).
+    prompt_logprobs:
+        With ``SamplingParams.prompt_logprobs``: `RequestOutput.prompt_logprobs`, in the first
+        delta after the prompt was computed only; else None.
     """
 
     request_id: str
@@ -79,6 +82,7 @@ class StreamDelta:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_generated_tokens: int
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class AsyncEngine(EngineThread):
@@ -266,6 +270,7 @@ class AsyncEngine(EngineThread):
         first_token: float | None = None
         seen = 0
         seen_chars = 0
+        prompt_sent = False
         done = False
         try:
             self._commands.put(("add", rid, list(prompt_token_ids), params, stream))
@@ -304,11 +309,14 @@ class AsyncEngine(EngineThread):
                             f"{out.error or 'unknown error'}")
                 if done:
                     self._record(start, first_token, len(out.prompt_token_ids), seen, reason)
+                prompt_lps = None if prompt_sent else out.prompt_logprobs
+                prompt_sent = prompt_sent or prompt_lps is not None
                 yield StreamDelta(
                     request_id=rid, text=text, token_ids=list(new_ids), logprobs=new_logprobs,
                     finish_reason=reason, stop_reason=completion.stop_reason,
                     num_prompt_tokens=len(out.prompt_token_ids),
                     num_cached_tokens=out.num_cached_tokens, num_generated_tokens=seen,
+                    prompt_logprobs=prompt_lps,
                 )
                 if done:
                     return

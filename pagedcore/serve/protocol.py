@@ -53,6 +53,9 @@ class _SamplingFields(_Body):
     min_p: float | None = None
     n: int = 1
     seed: int | None = None
+    #: vLLM's extension: top log-probabilities of every prompt token (completions: each
+    #: choice's ``prompt_logprobs``; chat: the response's).
+    prompt_logprobs: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -198,6 +201,7 @@ def sampling_params(
     num_prompt_tokens: int,
     limits: SamplingLimits,
     num_logprobs: int | None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """The `SamplingParams` of one sample of `body` (n = 1; the caller fans samples out).
 
@@ -229,6 +233,8 @@ def sampling_params(
          "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs",
          f"must be in [0, {MAX_LOGPROBS}], got {num_logprobs}"),
         (len(body.stop_strings()) <= 16, "stop", "at most 16 stop strings"),
+        (prompt_logprobs is None or 0 <= prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
+         f"must be in [0, {MAX_LOGPROBS}], got {prompt_logprobs}"),
     )
     for ok, field, what in checks:
         if not ok:
@@ -245,6 +251,7 @@ def sampling_params(
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
             logprobs=num_logprobs,
+            prompt_logprobs=prompt_logprobs,
             stop=tuple(body.stop_strings()),
             include_stop_str_in_output=body.include_stop_str_in_output,
             skip_special_tokens=body.skip_special_tokens,

@@ -13,6 +13,7 @@ __all__ = [
     "chat_logprobs",
     "completion_chunk",
     "completion_logprobs",
+    "prompt_logprobs_json",
     "sse",
     "usage",
 ]
@@ -113,14 +114,30 @@ def chat_logprobs(
 def completion_chunk(
     request_id: str, created: int, model: str, index: int, text: str,
     finish_reason: str | None, logprobs: dict[str, Any] | None = None,
+    prompt_logprobs: list[dict[str, Any] | None] | None = None,
 ) -> dict[str, Any]:
-    """A ``text_completion`` stream chunk of one choice."""
+    """A ``text_completion`` stream chunk of one choice (``prompt_logprobs`` only when given)."""
+    choice: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs,
+                              "finish_reason": finish_reason}
+    if prompt_logprobs is not None:
+        choice["prompt_logprobs"] = prompt_logprobs
     return {
         "id": request_id, "object": "text_completion", "created": created, "model": model,
-        "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                     "finish_reason": finish_reason}],
-        "usage": None,
+        "choices": [choice], "usage": None,
     }
+
+
+def prompt_logprobs_json(
+    entries: Sequence[dict[int, Logprob] | None] | None,
+) -> list[dict[str, Any] | None] | None:
+    """vLLM's ``prompt_logprobs`` of a completions choice: per prompt token ``None`` (the
+    first) or ``{"<token id>": {"logprob", "rank", "decoded_token"}}``."""
+    if entries is None:
+        return None
+    return [None if entry is None else {
+        str(t): {"logprob": float(lp.logprob), "rank": lp.rank,
+                 "decoded_token": lp.decoded_token}
+        for t, lp in entry.items()} for entry in entries]
 
 
 def chat_chunk(

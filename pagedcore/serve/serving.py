@@ -27,6 +27,7 @@ from pagedcore.serve.responses import (
     chat_logprobs,
     completion_chunk,
     completion_logprobs,
+    prompt_logprobs_json,
     sse,
     usage,
 )
@@ -187,9 +188,10 @@ class OpenAIServing:
             raise BadRequestError("stop strings need a tokenizer, and this model has none; "
                                   "use stop_token_ids", param="stop")
         seqs = []
+        prompt_logprobs = body.prompt_logprobs
         for p_index, ids in enumerate(prompts):
             params = sampling_params(body, num_prompt_tokens=len(ids), limits=self.limits,
-                                     num_logprobs=num_logprobs)
+                                     num_logprobs=num_logprobs, prompt_logprobs=prompt_logprobs)
             try:
                 self.engine.check_prompt(len(ids), params.max_tokens)
             except BadRequestError as exc:
@@ -197,6 +199,9 @@ class OpenAIServing:
                 raise
             for j in range(body.n):
                 seeded = params if params.seed is None else params.replace(seed=params.seed + j)
+                if j and prompt_logprobs is not None:
+                    # The prompt's first sample computes them for every choice of the prompt.
+                    seeded = seeded.replace(prompt_logprobs=None)
                 seqs.append(Sequence_(p_index * body.n + j, p_index, ids, seeded))
         return seqs
 
@@ -224,8 +229,12 @@ class OpenAIServing:
             if body.logprobs is not None:
                 logprobs = completion_logprobs(self.tokenizer, a["ids"], a["logprobs"],
                                                k=body.logprobs, text_offset=0)
-            choices.append({"index": seq.index, "text": texts[seq.index], "logprobs": logprobs,
-                            "finish_reason": a["finish"], "stop_reason": a["stop_reason"]})
+            choice = {"index": seq.index, "text": texts[seq.index], "logprobs": logprobs,
+                      "finish_reason": a["finish"], "stop_reason": a["stop_reason"]}
+            if body.prompt_logprobs is not None:
+                first = acc[seq.prompt_index * body.n]  # the sample that computed them
+                choice["prompt_logprobs"] = prompt_logprobs_json(first["prompt_logprobs"])
+            choices.append(choice)
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                 "created": int(time.time()), "model": self.model_names[0], "choices": choices,
                 "usage": _usage(prompts, acc, fan)}
@@ -239,7 +248,8 @@ class OpenAIServing:
         try:
             async for index, d in fan:
                 _accumulate(acc, index, d)
-                if not (d.text or d.finish_reason or (d.token_ids and self.tokenizer is None)):
+                if not (d.text or d.finish_reason or (d.token_ids and self.tokenizer is None)
+                        or d.prompt_logprobs is not None):
                     continue
                 logprobs = None
                 if body.logprobs is not None and d.logprobs is not None:
@@ -248,7 +258,7 @@ class OpenAIServing:
                                                    text_offset=offsets.get(index, 0))
                 offsets[index] = offsets.get(index, 0) + len(d.text)
                 yield sse(completion_chunk(rid, created, model, index, d.text, d.finish_reason,
-                                           logprobs))
+                                           logprobs, prompt_logprobs_json(d.prompt_logprobs)))
             if body.include_usage:
                 yield sse({"id": rid, "object": "text_completion", "created": created,
                            "model": model, "choices": [], "usage": _usage(prompts, acc, fan)})
@@ -280,9 +290,12 @@ class OpenAIServing:
                             "message": {"role": "assistant", "content": texts[seq.index]},
                             "logprobs": logprobs, "finish_reason": a["finish"],
                             "stop_reason": a["stop_reason"]})
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
-                "created": int(time.time()), "model": self.model_names[0], "choices": choices,
-                "usage": _usage(prompts, acc, fan)}
+        response = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+                    "created": int(time.time()), "model": self.model_names[0],
+                    "choices": choices, "usage": _usage(prompts, acc, fan)}
+        if body.prompt_logprobs is not None:  # (one prompt: at the top, as vLLM has it)
+            response["prompt_logprobs"] = prompt_logprobs_json(acc[0]["prompt_logprobs"])
+        return response
 
     async def chat_stream(self, body: ChatCompletionRequest, fan: FanIn,
                           prompts: list[list[int]]) -> AsyncIterator[bytes]:
@@ -296,15 +309,17 @@ class OpenAIServing:
                                      {"role": "assistant", "content": ""}, None))
             async for index, d in fan:
                 _accumulate(acc, index, d)
-                if not (d.text or d.finish_reason):
+                if not (d.text or d.finish_reason or d.prompt_logprobs is not None):
                     continue
                 logprobs = None
                 if body.num_logprobs is not None and d.logprobs is not None:
                     logprobs = chat_logprobs(self.tokenizer, d.token_ids, d.logprobs,
                                              k=body.num_logprobs)
                 delta = {"content": d.text} if d.text else {}
-                yield sse(chat_chunk(rid, created, model, index, delta, d.finish_reason,
-                                     logprobs))
+                chunk = chat_chunk(rid, created, model, index, delta, d.finish_reason, logprobs)
+                if d.prompt_logprobs is not None:
+                    chunk["prompt_logprobs"] = prompt_logprobs_json(d.prompt_logprobs)
+                yield sse(chunk)
             if body.include_usage:
                 yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                            "model": model, "choices": [], "usage": _usage(prompts, acc, fan)})
@@ -315,7 +330,10 @@ class OpenAIServing:
 
 def _accumulate(acc: dict[int, dict[str, Any]], index: int, d: StreamDelta) -> None:
     a = acc.setdefault(index, {"text": [], "ids": [], "logprobs": [], "finish": None,
-                               "stop_reason": None, "generated": 0, "cached": 0})
+                               "stop_reason": None, "generated": 0, "cached": 0,
+                               "prompt_logprobs": None})
+    if d.prompt_logprobs is not None:
+        a["prompt_logprobs"] = d.prompt_logprobs
     a["text"].append(d.text)
     a["ids"].extend(d.token_ids)
     if d.logprobs is not None:

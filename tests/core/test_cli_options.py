@@ -30,7 +30,9 @@ def _commands(group: click.Group, path: tuple[str, ...] = ()) -> Iterator[
 ALL = dict(_commands(main))
 ENGINE_COMMANDS = {("generate",): "option", ("serve",): "argument", ("bench", "tp"): "option",
                    ("bench", "engine"): None, ("bench", "prefix"): None,
-                   ("bench", "chunked"): None}
+                   ("bench", "chunked"): None, ("bench", "step"): None}
+#: Flags a command leaves out on purpose (bench step sets the batch size per row itself).
+ENGINE_EXCLUDED = {("bench", "step"): {"--max-num-seqs"}}
 VLLM_FLAGS = ["--max-model-len", "--max-num-seqs", "--gpu-memory-utilization",
               "--kv-cache-memory", "--kv-cache-dtype", "--block-size", "--dtype", "--device",
               "--backend", "--seed", "--trust-remote-code"]
@@ -56,7 +58,7 @@ def test_every_engine_field_is_a_flag_or_python_only() -> None:
 def test_engine_commands_share_the_engine_options(path: tuple[str, ...]) -> None:
     command = ALL[path]
     options = {opt: p for p in command.params for opt in [*p.opts, *p.secondary_opts]}
-    for flag in VLLM_FLAGS:
+    for flag in [f for f in VLLM_FLAGS if f not in ENGINE_EXCLUDED.get(path, ())]:
         assert options[flag].help == engine_arg_help(
             next(n for n, (decls, _) in CLI_OPTIONS.items() if flag in decls[0].split("/"))
         ), (path, flag)
@@ -109,3 +111,19 @@ def test_docs_table_is_current() -> None:
     doc = Path(__file__).resolve().parents[2] / "docs" / "engine-args.md"
     assert options_markdown() in doc.read_text(), (
         "docs/engine-args.md is stale: paste pagedcore.engine.engine_args_cli.options_markdown()")
+
+
+def test_every_bench_shows_a_progress_bar() -> None:
+    """#25 item 7: each `pagedcore bench` command's module drives a progress bar (the shared
+    `cli_progress.progress_bar`, or rich's `Progress` for the load generator)."""
+    import inspect
+    import sys
+
+    benches = {path: cmd for path, cmd in ALL.items() if path[0] == "bench" and len(path) == 2}
+    assert len(benches) >= 10
+    missing = []
+    for path, command in benches.items():
+        source = inspect.getsource(sys.modules[command.callback.__module__])  # type: ignore[union-attr]
+        if "progress_bar(" not in source and "Progress(" not in source:
+            missing.append(" ".join(path))
+    assert not missing, missing

@@ -36,6 +36,7 @@ def test_backends_table(populated: BackendRegistry) -> None:
                    "failed to load", "broken_plugin", "broken-dist 6.6"):
         assert needle in out, needle
     assert out.index("gpu_only") < out.index("cpu_one")  # priority order
+    assert max(map(len, out.splitlines())) <= 100  # fits a 100-column terminal
     verbose = CliRunner().invoke(main, ["backends", "--verbose"]).output
     for needle in ("pagedcore-fakes 0.9", "sliding_window", "cudagraph:uniform_batch"):
         assert needle in verbose, needle

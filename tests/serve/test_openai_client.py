@@ -171,3 +171,54 @@ def test_the_engine_keeps_its_tokenizer_and_serve_uses_its_text(chat_server: Liv
     [want] = ref.generate(["Hello world"], SamplingParams(max_tokens=12, temperature=0,
                                                           ignore_eos=True, min_tokens=3))
     assert out.choices[0].text == want.outputs[0].text
+
+
+@pytest.fixture(scope="module")
+def chat_reference(chat_server: LiveServer) -> LLM:
+    """An engine of its own over the served checkpoint (the server's belongs to its thread)."""
+    return LLM(chat_server.model, device="cpu", backend="reference", max_model_len=256)
+
+
+def test_completions_prompt_logprobs_as_vllm_returns_them(chat_server: LiveServer,
+                                                          chat_reference: LLM) -> None:
+    tok = chat_server.tokenizer
+    prompt = "Paged attention stores the KV cache"
+    ids = tok.encode(prompt)
+    want = chat_reference.generate([prompt], SamplingParams(
+        max_tokens=2, temperature=0, prompt_logprobs=2))[0].prompt_logprobs
+    assert want is not None
+    # vLLM's extension field (`extra_body` in the openai client), on every choice.
+    out = _client(chat_server).completions.create(
+        model="m", prompt=prompt, max_tokens=2, temperature=0, n=2,
+        extra_body={"prompt_logprobs": 2})
+    for choice in out.choices:
+        got = choice.model_extra["prompt_logprobs"]  # type: ignore[index]
+        assert len(got) == len(ids) and got[0] is None
+        for j in range(1, len(ids)):
+            assert str(ids[j]) in got[j]
+            assert got[j] == {str(t): {"logprob": pytest.approx(lp.logprob, abs=1e-5),
+                                       "rank": lp.rank, "decoded_token": lp.decoded_token}
+                              for t, lp in want[j].items()}  # type: ignore[union-attr]
+    # Streaming: one chunk carries them; without the field no choice has them.
+    chunks = list(_client(chat_server).completions.create(
+        model="m", prompt=prompt, max_tokens=2, temperature=0, stream=True,
+        extra_body={"prompt_logprobs": 2}))
+    carried = [c.choices[0].model_extra.get("prompt_logprobs") for c in chunks if c.choices]
+    assert [len(c) for c in carried if c is not None] == [len(ids)]
+    plain = _client(chat_server).completions.create(model="m", prompt=prompt, max_tokens=2)
+    assert "prompt_logprobs" not in (plain.choices[0].model_extra or {})
+
+
+def test_chat_prompt_logprobs_at_the_top_as_vllm_has_them(chat_server: LiveServer,
+                                                         chat_reference: LLM) -> None:
+    messages = [{"role": "user", "content": "café"}]
+    out = _client(chat_server).chat.completions.create(
+        model="m", messages=messages, max_tokens=2, temperature=0,  # type: ignore[arg-type]
+        extra_body={"prompt_logprobs": 1})
+    got = (out.model_extra or {})["prompt_logprobs"]
+    [want] = chat_reference.chat(messages, SamplingParams(max_tokens=2, temperature=0,
+                                                          prompt_logprobs=1))
+    assert want.prompt_logprobs is not None and len(got) == len(want.prompt_token_ids)
+    assert got[0] is None and all(
+        {int(t) for t in g} == set(w) for g, w in zip(got[1:], want.prompt_logprobs[1:],
+                                                      strict=True))

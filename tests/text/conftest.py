@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from device_helpers import TEST_BACKEND, TEST_DEVICE, require_test_device
 from thread_helpers import one_thread
 from tokenizer_helpers import make_chat_checkpoint
 
@@ -23,8 +24,9 @@ def multi_eos_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def llm(multi_eos_checkpoint: Path) -> LLM:
-    return LLM(str(multi_eos_checkpoint), device="cpu", backend="reference", max_model_len=128,
-               kv_cache_memory_bytes=8 * 2**20)
+    require_test_device()
+    return LLM(str(multi_eos_checkpoint), device=TEST_DEVICE, dtype="float32",
+               backend=TEST_BACKEND, max_model_len=128, kv_cache_memory_bytes=8 * 2**20)
 
 
 @pytest.fixture(scope="session")
@@ -34,4 +36,4 @@ def hf_model(multi_eos_checkpoint: Path) -> Any:
     model = AutoModelForCausalLM.from_pretrained(str(multi_eos_checkpoint),
                                                  torch_dtype=torch.float32)
     model.set_attn_implementation("eager")
-    return model.eval()
+    return model.to(TEST_DEVICE).eval()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from tokenizer_helpers import train_tokenizer
+from tokenizer_helpers import CORPUS, train_tokenizer
 
 from pagedcore.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from pagedcore.engine.models.loading import ByteTokenizer
@@ -50,6 +50,22 @@ def test_bpe_deltas_concatenate_and_never_split_a_character(tokenizer: Any, wrap
         assert "".join(deltas) == expected
         # A finished sequence seen for the first time: one call, the same text.
         assert IncrementalDetokenizer(tok).add_final(ids) == expected
+
+
+def test_window_fallback_never_decodes_the_whole_output(tokenizer: Any) -> None:
+    """Incremental: each step decodes a window of a few tokens, not everything so far."""
+    lengths: list[int] = []
+
+    class Counting(_DecodeOnly):
+        def decode(self, ids: list[int]) -> str:
+            lengths.append(len(ids))
+            return super().decode(ids)
+
+    ids = tokenizer.encode(" ".join(CORPUS[:6]), add_special_tokens=False)
+    detok = IncrementalDetokenizer(Counting(tokenizer))
+    text = "".join(_stream(detok, ids, 1))
+    assert text == tokenizer.decode(ids) and len(ids) > 60
+    assert max(lengths) <= 8, max(lengths)
 
 
 def test_bpe_splits_some_character_across_tokens(tokenizer: Any) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 import attrs
 import pytest
 import torch
+from device_helpers import TEST_DEVICE, require_test_device
 from tokenizer_helpers import CORPUS
 
 from pagedcore.engine.llm import LLM
@@ -38,9 +39,10 @@ def _direct(logits: torch.Tensor, seq: _Seq, p: SamplingParams) -> torch.Tensor:
 
 
 def test_penalties_match_a_direct_computation() -> None:
+    require_test_device()
     g = torch.Generator().manual_seed(0)
     vocab, rows = 50, 6
-    logits = torch.randn(rows, vocab, generator=g) * 3
+    logits = (torch.randn(rows, vocab, generator=g) * 3).to(TEST_DEVICE)
     seqs, params = [], []
     for i in range(rows):
         ids = torch.randint(0, vocab, (12 + i,), generator=g).tolist()
@@ -48,6 +50,7 @@ def test_penalties_match_a_direct_computation() -> None:
         params.append(SamplingParams(presence_penalty=0.5 * (i % 3), frequency_penalty=0.3 * i,
                                      repetition_penalty=1.0 + 0.2 * (i % 2)))
     got = apply_logits_processors(logits, params, seqs)
+    assert got.device == logits.device
     want = torch.stack([_direct(logits[i], seqs[i], params[i]) for i in range(rows)])
     rel = ((got - want).norm() / want.norm()).item()
     assert rel < 1e-6, rel
@@ -55,7 +58,8 @@ def test_penalties_match_a_direct_computation() -> None:
 
 
 def test_bias_masks_and_bad_words_on_the_batch() -> None:
-    logits = torch.zeros(4, 10)
+    require_test_device()
+    logits = torch.zeros(4, 10, device=TEST_DEVICE)
     seqs = [_Seq([1, 2, 3], 1), _Seq([1, 7, 8], 1, bad_words_token_ids=[[8, 9], [5]]),
             _Seq([1], 1, eos_token_ids=frozenset({2})), _Seq([1, 3], 1)]
     params = [SamplingParams(logit_bias={4: 2.5, 0: -1.0}),
@@ -76,8 +80,8 @@ def test_repetition_penalty_equals_transformers(llm: LLM, hf_model: Any) -> None
     outs = llm.generate(prompts, params)
     plain = llm.generate(prompts, params.replace(repetition_penalty=1.0))
     for ids, out in zip(prompts, outs, strict=True):
-        ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False,
-                                repetition_penalty=1.5, eos_token_id=None)
+        ref = hf_model.generate(torch.tensor([ids], device=TEST_DEVICE), max_new_tokens=16,
+                                do_sample=False, repetition_penalty=1.5, eos_token_id=None)
         assert out.outputs[0].token_ids == ref[0, len(ids):].tolist()
     assert [o.outputs[0].token_ids for o in outs] != [o.outputs[0].token_ids for o in plain]
 
@@ -107,9 +111,10 @@ def test_logprobs_are_objects_with_rank_and_text(llm: LLM, hf_model: Any) -> Non
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
     [out] = llm.generate([prompt], params)
     comp = out.outputs[0]
-    ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
-                            eos_token_id=None, output_logits=True, return_dict_in_generate=True)
-    ref_lp = torch.stack([x[0] for x in ref.logits]).log_softmax(-1)
+    ref = hf_model.generate(torch.tensor([prompt], device=TEST_DEVICE), max_new_tokens=6,
+                            do_sample=False, eos_token_id=None, output_logits=True,
+                            return_dict_in_generate=True)
+    ref_lp = torch.stack([x[0] for x in ref.logits]).log_softmax(-1).cpu()
     assert comp.logprobs is not None and len(comp.logprobs) == 6
     total = 0.0
     for step, (token, entry) in enumerate(zip(comp.token_ids, comp.logprobs, strict=True)):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import click
 import pytest
 from click.testing import CliRunner
 from tokenizer_helpers import make_chat_checkpoint
@@ -106,8 +107,19 @@ def test_cli_streams_and_chats(multi_eos_checkpoint: Path) -> None:
     args = ["generate", "--model", str(multi_eos_checkpoint), "--device", "cpu",
             "--backend", "reference", "--max-tokens", "6", "--max-model-len", "64"]
     runner = CliRunner()
-    streamed = runner.invoke(main, [*args, "--prompt", "Hello", "--stream"])
+    echoed: list[str] = []
+    real_echo = click.echo
+
+    def recording(message: Any = None, *a: Any, **kw: Any) -> None:
+        echoed.append(str(message))
+        real_echo(message, *a, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(click, "echo", recording)
+        streamed = runner.invoke(main, [*args, "--prompt", "Hello", "--stream"])
     assert streamed.exit_code == 0, streamed.output
+    # Printed as it came: several pieces of text before the finish line, not one at the end.
+    assert len([e for e in echoed[:-1] if e]) >= 2, echoed
     plain = runner.invoke(main, [*args, "--prompt", "Hello"])
     text = eval(plain.output.split("] ", 1)[1].rsplit(" (", 1)[0])  # the repr'd text
     assert f"{text}\n[gen-0] (length)" in streamed.output

@@ -274,11 +274,13 @@ class TensorParallelExecutor:
         import torch.distributed as dist
 
         from pagedcore.engine.distributed.plan import make_plan
+        from pagedcore.engine.runner.prompt_rows import prompt_rows_wanted
 
         self._check_alive()
         inputs = self._runner.prepare(scheduled, block_ids)
         count = 0 if sampled is None else int(sampled.numel())
-        plan = make_plan(self._step, scheduled, block_ids, num_sampled_ids=count)
+        plan = make_plan(self._step, scheduled, block_ids, num_sampled_ids=count,
+                         decode_graph=not prompt_rows_wanted(scheduled))
         self._guard(lambda: dist.broadcast_object_list([plan], src=0, group=self.groups.control))
         if sampled is not None and count:
             ids = sampled.contiguous()

@@ -50,11 +50,16 @@ class StepPlan:
     a token the previous step sampled on rank 0's device); `num_sampled_ids` is then how many
     ids that step sampled: rank 0 broadcasts them over the compute group right after the
     plan, and every rank resolves the placeholders from them on its device.
+
+    `decode_graph` is False when rank 0 runs the step without a decode CUDA graph for a reason
+    only it knows (a one-token prompt chunk whose logits give prompt logprobs): every rank then
+    runs it so, or their collectives would stop meeting.
     """
 
     step: int
     requests: tuple[PlannedRequest, ...]
     num_sampled_ids: int = 0
+    decode_graph: bool = True
 
 
 def make_plan(
@@ -63,6 +68,7 @@ def make_plan(
     block_ids: Callable[[str], tuple[list[int], ...]],
     *,
     num_sampled_ids: int = 0,
+    decode_graph: bool = True,
 ) -> StepPlan:
     """The plan of a scheduler step (rank 0); tokens still on the device are placeholders."""
     from pagedcore.engine.scheduling.request import token_slice
@@ -79,6 +85,7 @@ def make_plan(
             for s in scheduled
         ),
         num_sampled_ids,
+        decode_graph,
     )
 
 

@@ -201,7 +201,7 @@ def _run(args: WorkerArgs, conn: Connection) -> None:
         if plan.num_sampled_ids:  # overlap scheduling: rank 0's last sampled ids
             sampled = torch.empty(plan.num_sampled_ids, dtype=torch.int64, device=device)
             dist.broadcast(sampled, src=0, group=groups.compute)
-        inputs = runner.prepare(scheduled, block_ids)
+        inputs = runner.prepare(scheduled, block_ids, decode_graph=plan.decode_graph)
         if sampled is not None:
             resolve_placeholders(inputs.input_ids, sampled)
         runner.execute(inputs)

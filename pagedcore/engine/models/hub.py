@@ -54,9 +54,38 @@ def resolve_model_id(model: str, *, revision: str | None = None) -> Path:
     try:
         return Path(snapshot_download(model, revision=revision, allow_patterns=_PATTERNS))
     except Exception as err:
-        first = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
         raise ModelNotFoundError(
             f"cannot load model {model!r}: no such local directory, the Hugging Face cache "
-            f"({cache}) does not hold it, and downloading it failed ({type(err).__name__}: "
-            f"{first}). Check the path or id (a directory must exist; an id is 'org/name')"
+            f"({cache}) does not hold it, and {_download_failure(err, model, revision)}"
         ) from err
+
+
+def _download_failure(err: Exception, model: str, revision: str | None) -> str:
+    """Why a download failed, in words a user can act on (one line)."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    hub = constants.ENDPOINT
+    if isinstance(err, GatedRepoError):
+        return (f"the hub ({hub}) holds it as a gated model: accept its terms on its page "
+                "and log in (`hf auth login` or HF_TOKEN)")
+    if isinstance(err, RevisionNotFoundError):
+        return f"the hub ({hub}) has no revision {revision!r} of it"
+    if isinstance(err, RepositoryNotFoundError):
+        return (f"the hub ({hub}) has no model {model!r} (or it is private: log in with "
+                "`hf auth login` or HF_TOKEN). Check the path or id (a directory must exist; "
+                "an id is 'org/name')")
+    causes = [err]
+    while causes[-1].__cause__ is not None and len(causes) < 8:
+        causes.append(causes[-1].__cause__)  # type: ignore[arg-type]
+    text = " ".join(f"{type(e).__name__}: {e}" for e in causes)
+    if "ConnectError" in text or "ConnectTimeout" in text or "Connection refused" in text:
+        return (f"the hub ({hub}) could not be reached to download it. Check the path or id, "
+                "the network or HF_ENDPOINT; or set HF_HUB_OFFLINE=1 to use the cache only")
+    first = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
+    return (f"downloading it failed ({type(err).__name__}: {first}). Check the path or id "
+            "(a directory must exist; an id is 'org/name')")

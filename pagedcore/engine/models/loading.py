@@ -279,13 +279,17 @@ def _load_directory(
         config = AutoConfig.from_pretrained(str(root), local_files_only=True,
                                             trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as err:
-        hint = ("; it needs its own code: pass trust_remote_code=True "
-                "(--trust-remote-code) if you trust it"
-                if "trust_remote_code" in str(err) else
-                "; save it again with config.save_pretrained()")
+        if "trust_remote_code" in str(err):
+            # (transformers' own message spans lines and points at hf.co: say it in one.)
+            raise CheckpointError(
+                f"{root} needs its own Python code to load (its config.json has an auto_map "
+                "of classes defined in the checkpoint): pass trust_remote_code=True "
+                "(--trust-remote-code) if you trust that code"
+            ) from err
         raise CheckpointError(
             f"{root / 'config.json'} is not a usable transformers config "
-            f"({type(err).__name__}: {str(err)[:300]}){hint}"
+            f"({type(err).__name__}: {' '.join(str(err).split())[:300]}); save it again with "
+            "config.save_pretrained()"
         ) from err
     check_architecture(config, trust_remote_code=trust_remote_code)
     tokenizer = load_tokenizer(root, trust_remote_code=trust_remote_code)

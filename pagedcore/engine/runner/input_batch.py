@@ -14,10 +14,12 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+import attrs
 import numpy as np
 
 from pagedcore.attention.metadata import CommonAttentionMetadata, decode_first_order
 from pagedcore.engine.runner import decode_inputs
+from pagedcore.engine.runner.prompt_rows import plan_prompt_rows
 from pagedcore.engine.runner.step_buffers import StepBuffers, StepInputs
 from pagedcore.engine.scheduling.request import token_slice
 from pagedcore.engine.scheduling.scheduler_types import DecodeBatch
@@ -87,7 +89,7 @@ class InputBatch(StepBuffers):
         self._row_reqs = None
         tables, _lo, _hi = self._fill_tables([block_ids(s.request.request_id) for s in order])
         self._write_slots(tables, req_of_token, positions)
-        return self._finish(
+        inputs = self._finish(
             order,
             num_reqs=num_reqs,
             num_tokens=num_tokens,
@@ -97,6 +99,8 @@ class InputBatch(StepBuffers):
             sample_rows=[int(cu[i + 1]) - 1 for i, s in enumerate(order) if s.samples],
             bucket=None,
         )
+        prompt_rows = plan_prompt_rows(order, cu, self.device)
+        return inputs if prompt_rows is None else attrs.evolve(inputs, prompt_rows=prompt_rows)
 
     def _prepare_decode(
         self, batch: DecodeBatch, block_ids: Callable[[str], tuple[list[int], ...]]

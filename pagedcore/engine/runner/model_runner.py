@@ -21,6 +21,7 @@ from pagedcore.engine.runner.cuda_graph import (
 )
 from pagedcore.engine.runner.input_batch import InputBatch, StepInputs
 from pagedcore.engine.runner.mixed_graphs import MixedGraphs, enable_mixed_graphs
+from pagedcore.engine.runner.prompt_rows import prompt_rows_wanted
 from pagedcore.engine.scheduling.scheduler_types import DecodeBatch
 from pagedcore.kv_cache.spec import (
     KVCacheConfig,
@@ -399,6 +400,9 @@ class ModelRunner:
         n = len(scheduled)
         if not isinstance(scheduled, DecodeBatch) and (
             [s.num_new_tokens for s in scheduled].count(1) != n
+            # A one-token prompt chunk whose logits give a prompt logprob: the eager path
+            # (`pagedcore.engine.distributed.plan.StepPlan.decode_graph` tells TP workers).
+            or prompt_rows_wanted(scheduled)
         ):
             return None
         return self.graphs.bucket_for(n)
@@ -409,12 +413,15 @@ class ModelRunner:
         self,
         scheduled: Sequence[ScheduledRequest],
         block_ids: Callable[[str], tuple[list[int], ...]],
+        *,
+        decode_graph: bool = True,
     ) -> StepInputs:
         """Flatten the step into tensors and per-group metadata (padded to a CUDA-graph
-        bucket when the step is all single-token decodes and graphs are enabled)."""
+        bucket when the step is all single-token decodes and graphs are enabled; never with
+        ``decode_graph=False``: a tensor-parallel worker follows rank 0's choice)."""
         shared, use = self.cascade.plan(scheduled, block_ids)
         # A cascade plan follows this step's lengths: such a step is never a graph replay.
-        bucket = None if any(use) else self._graph_bucket(scheduled)
+        bucket = None if any(use) or not decode_graph else self._graph_bucket(scheduled)
         if bucket is not None:
             assert self.graphs is not None
             # Capture (which fills the buffers with padding) before this step's inputs land.
@@ -446,9 +453,9 @@ class ModelRunner:
         Returns
         -------
         torch.Tensor
-            ``[S, V]`` logits in the model's dtype (the sampler converts the rows that need
-            float32; greedy rows take their argmax as they are), one row per entry of
-            ``inputs.sample_rows``.
+            ``[S + Q, V]`` logits in the model's dtype (the sampler converts the rows that need
+            float32; greedy rows take their argmax as they are): one row per entry of
+            ``inputs.sample_rows``, then one per row of ``inputs.prompt_rows`` (Q = 0 without).
         """
         import torch
 
@@ -481,7 +488,10 @@ class ModelRunner:
                     slot_mappings=tuple(c.slot_mapping for c in inputs.common),
                 )
                 hidden = self._hidden(inputs.input_ids, inputs.positions, ctx)
-            logits: torch.Tensor = self.lm_head(hidden.index_select(0, inputs.logits_indices))
+            rows = inputs.logits_indices
+            if inputs.prompt_rows is not None:
+                rows = torch.cat([rows, inputs.prompt_rows.indices])
+            logits: torch.Tensor = self.lm_head(hidden.index_select(0, rows))
             if self.logit_scale is not None:
                 logits = logits * self.logit_scale
             cap = self.final_logit_softcap

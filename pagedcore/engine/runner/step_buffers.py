@@ -25,6 +25,7 @@ from pagedcore.kv_cache.spec import cdiv
 if TYPE_CHECKING:
     import torch
 
+    from pagedcore.engine.runner.prompt_rows import PromptRows
     from pagedcore.engine.scheduling.scheduler_types import ScheduledRequest
 
 __all__ = ["StepBuffers", "StepInputs"]
@@ -53,6 +54,9 @@ class StepInputs:
     cascade_prefix_lens:
         Per group, the ``common_prefix_len`` the builders get (cascade attention; empty or
         zeros: none). A step that cascades runs eagerly (never from a CUDA graph).
+    prompt_rows:
+        The rows whose logits give prompt log-probabilities (computed after the sampled
+        rows), or None.
     """
 
     input_ids: torch.Tensor
@@ -63,6 +67,7 @@ class StepInputs:
     order: Sequence[ScheduledRequest]
     cudagraph_bucket: int | None = None
     cascade_prefix_lens: tuple[int, ...] = ()
+    prompt_rows: PromptRows | None = None
 
     @property
     def num_tokens(self) -> int:

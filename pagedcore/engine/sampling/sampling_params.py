@@ -78,6 +78,10 @@ class SamplingParams:
     logprobs:
         Number of top log-probabilities to return per generated token (the sampled token's
         is always included), or None for none.
+    prompt_logprobs:
+        Number of top log-probabilities to return per prompt token (the prompt token's own is
+        always included), or None for none (`RequestOutput.prompt_logprobs`). A request that
+        asks for them computes its whole prompt (it takes no prefix-cache hit, as in vLLM).
     n:
         Parallel samples per prompt; they share the prompt's KV blocks through the prefix cache.
     priority:
@@ -106,6 +110,7 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     n: int = 1
     priority: int = 0
     cache_salt: str | None = None
@@ -149,6 +154,8 @@ class SamplingParams:
             "bad_words": _check_strings(p, "bad_words", self.bad_words),
             "allowed_token_ids": _check_allowed(p, self.allowed_token_ids),
             "logprobs": check_int(p, "logprobs", self.logprobs, low=0, allow_none=True),
+            "prompt_logprobs": check_int(p, "prompt_logprobs", self.prompt_logprobs, low=0,
+                                         allow_none=True),
             "n": check_int(p, "n", self.n, low=1),
             "priority": check_int(p, "priority", self.priority),
         }

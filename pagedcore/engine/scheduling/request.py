@@ -94,6 +94,7 @@ class Request:
         "num_computed_tokens",
         "params",
         "placeholder",
+        "prompt_logprobs",
         "request_id",
         "sample_index",
         "status",
@@ -140,6 +141,11 @@ class Request:
         self.num_cached_tokens: int | None = None
         self.status = RequestStatus.WAITING
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        #: With ``params.prompt_logprobs``: entry ``i`` is ``{token: logprob}`` of prompt token
+        #: ``i + 1`` (from the logits at position ``i``), filled chunk by chunk as the prompt is
+        #: computed (a recomputation after preemption skips the entries it has); else None.
+        self.prompt_logprobs: list[dict[int, float]] | None = (
+            [] if params.prompt_logprobs is not None else None)
         #: ``params.bad_words`` as token-id sequences (set by the engine, which tokenizes).
         self.bad_words_token_ids: list[list[int]] = []
         self.metrics = RequestMetrics(
@@ -178,6 +184,13 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self._all_token_ids) - self._num_prompt_tokens
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """True while prompt log-probabilities are asked for and some are not computed yet
+        (the request then takes no prefix-cache hit: the skipped positions have no logits)."""
+        entries = self.prompt_logprobs
+        return entries is not None and len(entries) < self._num_prompt_tokens - 1
 
     @property
     def priority_key(self) -> tuple[int, int]:

@@ -404,7 +404,9 @@ class Scheduler(SchedulerResults):
             if request.placeholder is not None:
                 break  # preempted with a token in flight: admitted once it landed
             try:
-                computed_blocks, num_cached = self.kv.get_computed_blocks(request)
+                # Prompt logprobs need the logits of every prompt position (vLLM: no hit).
+                computed_blocks, num_cached = self.kv.get_computed_blocks(
+                    request, use_cache=not request.needs_prompt_logprobs)
             except Exception as exc:  # this request's own hashes (its cache salt, ...)
                 raise RequestFault(request, "looking up its prefix-cache hit") from exc
             if num_cached >= request.num_tokens:

@@ -24,7 +24,7 @@ __all__ = [
 class KVManagerLike(Protocol):
     """The part of `pagedcore.kv_cache.KVCacheManager` the scheduler uses."""
 
-    def get_computed_blocks(self, request: Any) -> tuple[Any, int]: ...
+    def get_computed_blocks(self, request: Any, *, use_cache: bool = True) -> tuple[Any, int]: ...
 
     def allocate_slots(
         self,
