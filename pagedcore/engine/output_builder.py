@@ -293,8 +293,8 @@ def update_texts(parent: ParentRequest) -> None:
 
 
 def _plain_output(parent: ParentRequest, child: Request) -> RequestOutput:
-    """`build_output` of one sample without text, logprobs or error (the common case, once
-    per running request per step: kept to a few attribute reads)."""
+    """`build_output` of one sample without text, logprobs, prompt logprobs or error (the
+    common case, once per running request per step: kept to a few attribute reads)."""
     reason = child.finish_reason
     return RequestOutput(
         request_id=parent.request_id,
@@ -326,7 +326,8 @@ def build_output(
     children = parent.children
     if tokenizer is None and not delta and len(children) == 1:
         child = children[0]
-        if child.logprobs is None and child.request_id not in errors:
+        if (child.logprobs is None and child.prompt_logprobs is None
+                and child.request_id not in errors):
             return _plain_output(parent, child)
     if tokenizer is not None:
         update_texts(parent)
