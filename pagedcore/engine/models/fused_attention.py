@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedcore.engine.models.fused_ops import copy_attributes
 from pagedcore.engine.models.linear_stack import LinearStack
 
 __all__ = ["ATTENTION_CLASSES", "FusedAttention", "apply_rotary", "swap_fused_attention"]
@@ -117,10 +118,8 @@ class FusedAttention(nn.Module):
         self.v_proj: nn.Module = src.v_proj
         self.o_proj: nn.Module = src.o_proj
         self.config: Any = src.config
-        for attr in ("layer_idx", "head_dim", "num_key_value_groups", "scaling",
-                     "attention_dropout", "is_causal", "layer_type", "sliding_window"):
-            if hasattr(src, attr):
-                setattr(self, attr, getattr(src, attr))
+        copy_attributes(self, orig, ("layer_idx", "head_dim", "num_key_value_groups", "scaling",
+                     "attention_dropout", "is_causal", "layer_type", "sliding_window"))
         self.head_dim: int = int(src.head_dim)
         #: Passed to the attention function by the classes that pass it (Qwen2).
         self._window_kw: dict[str, Any] = (

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedcore.engine.models.fused_ops import copy_attributes
+
 __all__ = ["DECODER_LAYER_CLASSES", "FusedDecoderLayer", "swap_fused_decoder_layers"]
 
 #: Decoder layers computing ``x + attn(norm1(x))``, then ``h + mlp(norm2(h))``.
@@ -42,9 +44,7 @@ class FusedDecoderLayer(nn.Module):
         self.mlp: nn.Module = src.mlp
         self.input_layernorm: nn.Module = src.input_layernorm
         self.post_attention_layernorm: nn.Module = src.post_attention_layernorm
-        for attr in ("hidden_size", "attention_type", "layer_idx"):
-            if hasattr(src, attr):
-                setattr(self, attr, getattr(src, attr))
+        copy_attributes(self, orig, ("hidden_size", "attention_type", "layer_idx"))
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         """``[B, T, hidden]`` -> ``[B, T, hidden]`` (keyword arguments as transformers'

@@ -33,6 +33,7 @@ __all__ = [
     "FusedRMSNorm",
     "FusedSiLUMulMLP",
     "add_rms_norm",
+    "copy_attributes",
     "fused_kernels_disabled_reason",
     "fused_kinds_setting",
     "rms_norm",
@@ -96,6 +97,14 @@ def fused_kernels_disabled_reason(device: torch.device) -> str | None:
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed"
     return None
+
+
+def copy_attributes(dst: nn.Module, src: nn.Module, names: tuple[str, ...]) -> None:
+    """Give a replacement module the plain attributes of the module it replaces that the
+    model's code may read (``layer_idx``, ``config``, ...), those `src` has."""
+    for name in names:
+        if hasattr(src, name):
+            setattr(dst, name, getattr(src, name))
 
 
 def _check_same_device(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -307,9 +316,7 @@ class FusedSiLUMulMLP(nn.Module):
         self.gate_proj: nn.Module = src.gate_proj
         self.up_proj: nn.Module = src.up_proj
         self.down_proj: nn.Module = src.down_proj
-        for attr in ("config", "hidden_size", "intermediate_size"):
-            if hasattr(src, attr):
-                setattr(self, attr, getattr(src, attr))
+        copy_attributes(self, orig, ("config", "hidden_size", "intermediate_size"))
         self._gate_up: LinearStack | None = (
             LinearStack.build([self.gate_proj, self.up_proj]) if fuse_gate_up else None)
 
