@@ -119,7 +119,8 @@ class FusedAttention(nn.Module):
         self.o_proj: nn.Module = src.o_proj
         self.config: Any = src.config
         copy_attributes(self, orig, ("layer_idx", "head_dim", "num_key_value_groups", "scaling",
-                     "attention_dropout", "is_causal", "layer_type", "sliding_window"))
+                                     "attention_dropout", "is_causal", "layer_type",
+                                     "sliding_window"))
         self.head_dim: int = int(src.head_dim)
         #: Passed to the attention function by the classes that pass it (Qwen2).
         self._window_kw: dict[str, Any] = (
