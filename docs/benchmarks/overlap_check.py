@@ -57,7 +57,8 @@ def run(llm: LLM, arrivals: Any) -> tuple[dict[str, Any], float]:
                                          c.logprobs) for c in out.outputs]
         k += 1
     llm.drain()
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     return done, time.perf_counter() - t0
 
 

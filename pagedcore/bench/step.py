@@ -134,11 +134,13 @@ def _fill(llm: Any, batch: int, context: int, max_new: int, vocab: int, seed: in
 
 
 def measure_step(llm: Any, *, batch: int, context: int, steps: int, overlap: bool,
-                 profile: bool = False, warmup: int = 3, seed: int = 0) -> dict[str, Any]:
+                 profile: bool = False, warmup: int = 3, seed: int = 0,
+                 trace_path: str | None = None) -> dict[str, Any]:
     """Time `steps` decode steps of `batch` requests (prompts of `context` tokens).
 
     Returns the wall time per step, the host phases per step, the mean context, and with
-    `profile` (CUDA only) the GPU idle time and a kernel summary of a few profiled steps.
+    `profile` (CUDA only) the GPU idle time and a kernel summary of a few profiled steps
+    (their Chrome trace, gzipped, written to `trace_path` when given).
     """
     llm.set_async_scheduling(overlap)
     device = llm.device
@@ -185,11 +187,27 @@ def measure_step(llm: Any, *, batch: int, context: int, steps: int, overlap: boo
             row["profiled_gpu_idle_pct"] = 100.0 * idle["idle_us"] / max(idle["span_us"], 1e-9)
             row["profiled_gpu_busy_ms_per_step"] = idle["busy_us"] / n / 1e3
         row["kernels"] = _kernel_summary(prof, n)
+        if trace_path is not None:
+            _write_trace(prof, trace_path)
     for rid in ids:
         if rid in llm._parents:
             llm.abort(rid)
     llm.drain()
     return row
+
+
+def _write_trace(prof: Any, path: str) -> None:
+    """The profiled window as a gzipped Chrome trace (chrome://tracing, Perfetto)."""
+    import gzip
+    import os
+    import shutil
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(raw)
+        with open(raw, "rb") as src, gzip.open(path, "wb") as dst:
+            shutil.copyfileobj(src, dst)
 
 
 class StepMarks:
@@ -262,10 +280,14 @@ def _critical_host_pct(row: dict[str, Any]) -> float | None:
               help="Profile a few steps per row: GPU idle time and kernel summary (CUDA).")
 @click.option("--json", "json_path", default=None, type=OutputPath(),
               help="Write the figures to this JSON file.")
+@click.option("--trace-dir", default=None, type=click.Path(file_okay=False),
+              help="With --profile: write each overlapped row's profiled steps there as a "
+                   "gzipped Chrome trace (step_<mode>_b<batch>.json.gz).")
 @engine_options(model=None, overrides=True, exclude=(
     "enforce_eager", "async_scheduling", "cudagraph_capture_sizes", "max_num_seqs"))
 def step(shape: str, batch_sizes: list[int], context: int, steps: int, no_eager: bool,
-         profile: bool, json_path: str | None, engine_overrides: dict[str, Any]) -> None:
+         profile: bool, json_path: str | None, trace_dir: str | None,
+         engine_overrides: dict[str, Any]) -> None:
     """Decode-step time vs the bytes floor: graphs and eager, overlap on and off (the bench
     switches CUDA graphs and overlap itself; the other engine options given apply)."""
     from rich.console import Console
@@ -312,8 +334,14 @@ def step(shape: str, batch_sizes: list[int], context: int, steps: int, no_eager:
         for batch in sizes:
             for overlap in (True, False):
                 advance(1)
+                trace = None
+                if trace_dir is not None and overlap and profile and cuda:
+                    import os
+
+                    os.makedirs(trace_dir, exist_ok=True)
+                    trace = os.path.join(trace_dir, f"step_{mode}_b{batch}.json.gz")
                 row = measure_step(llm, batch=batch, context=context, steps=steps,
-                                   overlap=overlap, profile=profile and cuda)
+                                   overlap=overlap, profile=profile and cuda, trace_path=trace)
                 row["mode"] = mode if llm.cudagraph_status()["enabled"] else "eager"
                 row.update(bytes_floor(weights=weights, kv_per_token=kv_tok,
                                        context_tokens=int(row["mean_context"] * batch),

@@ -292,6 +292,29 @@ def update_texts(parent: ParentRequest) -> None:
             child.stop_reason = state.stop_string
 
 
+def _plain_output(parent: ParentRequest, child: Request) -> RequestOutput:
+    """`build_output` of one sample without text, logprobs, prompt logprobs or error (the
+    common case, once per running request per step: kept to a few attribute reads)."""
+    reason = child.finish_reason
+    return RequestOutput(
+        request_id=parent.request_id,
+        prompt=parent.prompt,
+        prompt_token_ids=parent.prompt_token_ids,
+        outputs=[CompletionOutput(
+            index=child.sample_index,
+            token_ids=child.output_token_ids,
+            finish_reason=None if reason is None else reason.value,
+            stop_reason=None if reason is None else child.stop_reason,
+        )],
+        finished=reason is not None,
+        num_cached_tokens=child.num_cached_tokens or 0,
+        metrics=child.metrics,
+        error=None,
+        sampling_defaults=dict(parent.sampling_defaults),
+        delta=False,
+    )
+
+
 def build_output(
     parent: ParentRequest, *, tokenizer: Any, errors: dict[str, str], delta: bool = False
 ) -> RequestOutput:
@@ -300,6 +323,12 @@ def build_output(
     ``delta=True``: each sample's tokens, text and logprobs since its previous delta output.
     ``tokenizer=None`` (also the fallback when decoding failed): no text.
     """
+    children = parent.children
+    if tokenizer is None and not delta and len(children) == 1:
+        child = children[0]
+        if (child.logprobs is None and child.prompt_logprobs is None
+                and child.request_id not in errors):
+            return _plain_output(parent, child)
     if tokenizer is not None:
         update_texts(parent)
     children = parent.children

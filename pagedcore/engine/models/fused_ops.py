@@ -9,8 +9,10 @@ parameters and submodules (same state-dict keys; tensor-parallel shards stay as 
 and round where transformers rounds, so the swapped model computes the same numbers.
 
 The engine swaps when the device is CUDA, Triton imports and ``PAGEDCORE_FUSED_KERNELS`` is
-not ``0`` (see `fused_kernels_disabled_reason`). The kernels are CUDA-graph capturable: no
-host syncs, outputs from torch's caching allocator.
+not ``0`` (see `fused_kernels_disabled_reason`); the variable may also name the kinds to swap
+(`fused_kinds_setting`: ``rms_norm``, ``silu_mul``, and the attention module's ``rotary`` and
+``qkv`` of `pagedcore.engine.models.fused_attention`). The kernels are CUDA-graph capturable:
+no host syncs, outputs from torch's caching allocator.
 """
 
 from __future__ import annotations
@@ -24,19 +26,32 @@ from torch import nn
 
 __all__ = [
     "FUSED_KERNELS_ENV",
+    "FUSED_KINDS",
     "MAX_NORM_SIZE",
     "MLP_CLASSES",
     "RMS_NORM_CLASSES",
     "FusedRMSNorm",
     "FusedSiLUMulMLP",
+    "add_rms_norm",
+    "copy_attributes",
     "fused_kernels_disabled_reason",
+    "fused_kinds_setting",
     "rms_norm",
     "silu_and_mul",
+    "silu_and_mul_stacked",
     "swap_fused_modules",
 ]
 
-#: Environment switch: ``0`` / ``false`` / ``off`` / ``no`` keeps transformers' own modules.
+#: Environment switch: ``0`` / ``false`` / ``off`` / ``no`` keeps transformers' own modules;
+#: ``1`` (the default) swaps every kind; a comma list of `FUSED_KINDS` swaps those only.
 FUSED_KERNELS_ENV = "PAGEDCORE_FUSED_KERNELS"
+#: What can be swapped: the norms, the MLP activation (with ``silu_mul``: its gate and up
+#: projections as one GEMM), the attention's rotary embedding,
+#: (with ``rotary``) its q/k/v projections as one GEMM, and (with ``rms_norm``) a decoder
+#: layer's residual add fused into the norm after it.
+FUSED_KINDS = ("rms_norm", "silu_mul", "gate_up", "rotary", "qkv", "add_rms_norm")
+_ON = ("1", "true", "on", "yes", "")
+_OFF = ("0", "false", "off", "no")
 #: RMSNorm classes computing ``w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)`` (not Gemma's
 #: ``1 + w``), replaced by `FusedRMSNorm`.
 RMS_NORM_CLASSES = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
@@ -49,16 +64,47 @@ MAX_NORM_SIZE = 32768
 _SILU_BLOCK = 1024
 
 
+def fused_kinds_setting() -> frozenset[str]:
+    """The kinds ``PAGEDCORE_FUSED_KERNELS`` asks for (all when unset).
+
+    Raises
+    ------
+    ValueError
+        The variable names something other than 0/1 or a comma list of `FUSED_KINDS`.
+    """
+    raw = os.environ.get(FUSED_KERNELS_ENV, "1")
+    setting = raw.strip().lower()
+    if setting in _ON:
+        return frozenset(FUSED_KINDS)
+    if setting in _OFF:
+        return frozenset()
+    kinds = {k.strip() for k in setting.split(",") if k.strip()}
+    unknown = sorted(kinds - set(FUSED_KINDS))
+    if unknown:
+        raise ValueError(
+            f"{FUSED_KERNELS_ENV}={raw!r} names {', '.join(unknown)}, which is not a fused "
+            f"kernel kind; set it to 1 (all), 0 (none) or a comma list of {', '.join(FUSED_KINDS)}"
+        )
+    return frozenset(kinds)
+
+
 def fused_kernels_disabled_reason(device: torch.device) -> str | None:
     """Why the engine keeps transformers' modules on `device` (None: swap them)."""
     if device.type != "cuda":
         return f"fused kernels run on CUDA devices only (device is {device.type!r})"
-    setting = os.environ.get(FUSED_KERNELS_ENV, "1").strip().lower()
-    if setting in ("0", "false", "off", "no"):
+    if not fused_kinds_setting():
         return f"turned off by {FUSED_KERNELS_ENV}={os.environ[FUSED_KERNELS_ENV]!r}"
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed"
     return None
+
+
+def copy_attributes(dst: nn.Module, src: nn.Module, names: tuple[str, ...]) -> None:
+    """Give a replacement module the plain attributes of the module it replaces that the
+    model's code may read (``layer_idx``, ``config``, ...), those `src` has."""
+    for name in names:
+        if hasattr(src, name):
+            setattr(dst, name, getattr(src, name))
 
 
 def _check_same_device(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -108,6 +154,85 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, *, eps: float) -> torch.Tens
         rows, weight.contiguous(), out_rows, rows.stride(0), out_rows.stride(0), size, float(eps),
         BLOCK=block, num_warps=num_warps,
     )
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = residual + x`` and ``rms_norm(s, weight)`` in one launch (a decoder layer's
+    residual add and the norm after it).
+
+    Parameters
+    ----------
+    x, residual:
+        ``[..., N]`` of one shape and dtype (fp32 / fp16 / bf16), ``N <= MAX_NORM_SIZE``.
+    weight:
+        ``[N]`` on `x`'s device.
+    eps:
+        Added to the mean square.
+
+    Returns
+    -------
+    tuple
+        ``(normed, s)``: ``[..., N]`` in ``promote_types(x.dtype, weight.dtype)``, and the
+        sum ``[..., N]`` in `x`'s dtype (rounded as torch's add rounds it).
+    """
+    from pagedcore.engine.models import _fused_kernels as fused_kernels
+
+    if x.shape != residual.shape or x.dtype != residual.dtype:
+        raise ValueError(
+            f"add_rms_norm: x {tuple(x.shape)} {x.dtype} and residual {tuple(residual.shape)} "
+            f"{residual.dtype} differ; pass the sublayer's output and its input"
+        )
+    size = x.shape[-1] if x.dim() else 0
+    if weight.dim() != 1 or weight.shape[0] != size or not 0 < size <= MAX_NORM_SIZE:
+        raise ValueError(
+            f"add_rms_norm: weight of shape {tuple(weight.shape)} does not fit x "
+            f"{tuple(x.shape)}; pass a [N] weight, N in 1..{MAX_NORM_SIZE}"
+        )
+    _check_same_device("add_rms_norm", x, weight)
+    _check_same_device("add_rms_norm", x, residual)
+    rows, res = x.reshape(-1, size), residual.reshape(-1, size)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if res.stride(-1) != 1:
+        res = res.contiguous()
+    total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    if rows.shape[0]:
+        block = 1 << (size - 1).bit_length()
+        num_warps = 4 if block <= 1024 else 8 if block <= 4096 else 16
+        fused_kernels.add_rms_norm_kernel[(rows.shape[0],)](
+            rows, res, weight.contiguous(), total, out, rows.stride(0), res.stride(0), size,
+            float(eps), BLOCK=block, num_warps=num_warps,
+        )
+    return out, total
+
+
+def silu_and_mul_stacked(gate_up: torch.Tensor) -> torch.Tensor:
+    """`silu_and_mul` of the two halves of ``[..., 2I]`` (gate first, then up: the output of
+    one GEMM over stacked gate and up weights), read in place.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[..., I]`` in `gate_up`'s dtype.
+    """
+    from pagedcore.engine.models import _fused_kernels as fused_kernels
+
+    width = gate_up.shape[-1] if gate_up.dim() else 0
+    if width % 2:
+        raise ValueError(f"silu_and_mul_stacked: last dimension {width} is odd; pass the "
+                         "[..., 2I] output of the stacked gate/up GEMM")
+    half = width // 2
+    rows = gate_up.reshape(-1, width)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty((*gate_up.shape[:-1], half), dtype=gate_up.dtype, device=gate_up.device)
+    if rows.shape[0] and half:
+        grid = (rows.shape[0], _cdiv(half, _SILU_BLOCK))
+        fused_kernels.silu_mul_rows_kernel[grid](rows, out, half, rows.stride(0),
+                                                 BLOCK=_SILU_BLOCK, num_warps=4)
     return out
 
 
@@ -178,21 +303,35 @@ class FusedSiLUMulMLP(nn.Module):
     orig:
         One of `MLP_CLASSES` with a SiLU ``act_fn``; its ``gate_proj``, ``up_proj`` and
         ``down_proj`` (possibly tensor-parallel shards) are reused as they are.
+    fuse_gate_up:
+        Stack the gate and up weights for one GEMM (`LinearStack`, when they are plain
+        `nn.Linear`s); the activation then reads both halves of its output in place.
     """
 
-    def __init__(self, orig: nn.Module) -> None:
+    def __init__(self, orig: nn.Module, *, fuse_gate_up: bool = False) -> None:
+        from pagedcore.engine.models.linear_stack import LinearStack
+
         super().__init__()
         src: Any = orig
         self.gate_proj: nn.Module = src.gate_proj
         self.up_proj: nn.Module = src.up_proj
         self.down_proj: nn.Module = src.down_proj
-        for attr in ("config", "hidden_size", "intermediate_size"):
-            if hasattr(src, attr):
-                setattr(self, attr, getattr(src, attr))
+        copy_attributes(self, orig, ("config", "hidden_size", "intermediate_size"))
+        self._gate_up: LinearStack | None = (
+            LinearStack.build([self.gate_proj, self.up_proj]) if fuse_gate_up else None)
+
+    @property
+    def fused_gate_up(self) -> bool:
+        """Whether gate and up run as one GEMM (stacked, and still aliasing the stack)."""
+        return self._gate_up is not None and self._gate_up.intact
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., hidden]`` -> ``[..., hidden]``."""
-        out: torch.Tensor = self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
+        stack = self._gate_up
+        if stack is not None and stack.intact:
+            out: torch.Tensor = self.down_proj(silu_and_mul_stacked(stack(x)))
+            return out
+        out = self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
         return out
 
 
@@ -200,12 +339,13 @@ def _is_silu(act_fn: Any) -> bool:
     return isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation"
 
 
-def _replacement(module: nn.Module) -> tuple[str, nn.Module] | None:
+def _replacement(module: nn.Module, kinds: frozenset[str]) -> tuple[str, nn.Module] | None:
     """``(kind, new module)`` for a module this swap handles, else None."""
     name = type(module).__name__
     src: Any = module
     if (
         name in RMS_NORM_CLASSES
+        and "rms_norm" in kinds
         and hasattr(src, "variance_epsilon")
         and isinstance(getattr(src, "weight", None), nn.Parameter)
         and src.weight.dim() == 1
@@ -214,14 +354,17 @@ def _replacement(module: nn.Module) -> tuple[str, nn.Module] | None:
         return "rms_norm", FusedRMSNorm(module)
     if (
         name in MLP_CLASSES
+        and "silu_mul" in kinds
         and all(hasattr(src, p) for p in ("gate_proj", "up_proj", "down_proj"))
         and _is_silu(getattr(src, "act_fn", None))
     ):
-        return "silu_mul", FusedSiLUMulMLP(module)
+        return "silu_mul", FusedSiLUMulMLP(module, fuse_gate_up="gate_up" in kinds)
     return None
 
 
-def swap_fused_modules(model: nn.Module) -> dict[str, int]:
+def swap_fused_modules(model: nn.Module, *,
+                       kinds: frozenset[str] = frozenset({"rms_norm", "silu_mul"}),
+                       ) -> dict[str, int]:
     """Replace `model`'s Llama-style RMSNorms and SiLU-gated MLPs by fused-kernel modules.
 
     Parameters
@@ -230,21 +373,29 @@ def swap_fused_modules(model: nn.Module) -> dict[str, int]:
         A transformers model (``...ForCausalLM`` or the bare model), already sharded when
         tensor-parallel. Modules of other classes (Gemma's ``1 + w`` norm, non-SiLU MLPs,
         MoE blocks, anything unrecognised) are left untouched, so any model may be passed.
+    kinds:
+        Which of ``rms_norm`` / ``silu_mul`` to swap, and ``gate_up``: the swapped MLPs
+        stack their gate and up weights for one GEMM (other names are ignored here).
 
     Returns
     -------
     dict[str, int]
-        ``{"rms_norm": n, "silu_mul": m}``: how many modules of each kind were replaced.
+        ``{"rms_norm": n, "silu_mul": m}``: how many modules of each kind were replaced
+        (and ``"gate_up"``: how many MLPs run one gate/up GEMM, when that kind is asked for).
     """
     counts = {"rms_norm": 0, "silu_mul": 0}
+    if "gate_up" in kinds:
+        counts["gate_up"] = 0
     targets = [
         (name, found)
         for name, module in model.named_modules()
-        if name and (found := _replacement(module)) is not None
+        if name and (found := _replacement(module, kinds)) is not None
     ]
     for name, (kind, new) in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, new)
         counts[kind] += 1
+        if isinstance(new, FusedSiLUMulMLP) and new.fused_gate_up:
+            counts["gate_up"] += 1
     return counts

@@ -100,8 +100,11 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",
         kv_scales: dict[int, tuple[float, float]] | None = None,
     ) -> None:
+        from pagedcore.engine.models.fused_attention import swap_fused_attention
+        from pagedcore.engine.models.fused_decoder import swap_fused_decoder_layers
         from pagedcore.engine.models.fused_ops import (
             fused_kernels_disabled_reason,
+            fused_kinds_setting,
             swap_fused_modules,
         )
         from pagedcore.engine.models.mla_attention import mla_impl_kwargs, swap_mla_attention
@@ -119,9 +122,14 @@ class ModelRunner:
         #: Why transformers' norms and MLPs were kept (None: fused kernels swapped in).
         self.fused_kernels_disabled_reason = fused_kernels_disabled_reason(device)
         #: Modules replaced by fused Triton kernels, per kind (empty when disabled).
-        self.fused_kernels: dict[str, int] = (
-            {} if self.fused_kernels_disabled_reason else swap_fused_modules(model)
-        )
+        self.fused_kernels: dict[str, int] = {}
+        if self.fused_kernels_disabled_reason is None:
+            kinds = fused_kinds_setting()
+            self.fused_kernels = swap_fused_modules(model, kinds=kinds)
+            if "rotary" in kinds:
+                self.fused_kernels.update(swap_fused_attention(model, fuse_qkv="qkv" in kinds))
+            if "add_rms_norm" in kinds:
+                self.fused_kernels["add_rms_norm"] = swap_fused_decoder_layers(model)
         self.base_model = getattr(model, model.base_model_prefix)
         self.lm_head: Any = model.get_output_embeddings()  # type: ignore[no-untyped-call]
         self.final_logit_softcap: float | None = getattr(config, "final_logit_softcapping", None)

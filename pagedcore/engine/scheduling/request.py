@@ -39,7 +39,9 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in _FINISHED
+        # By value: a str hash is cached, an enum member's is a Python-level call (this runs
+        # several times per request per step).
+        return self._value_ in _FINISHED_VALUES
 
 
 _FINISHED = {
@@ -48,6 +50,7 @@ _FINISHED = {
     RequestStatus.FINISHED_ABORTED,
     RequestStatus.FINISHED_ERROR,
 }
+_FINISHED_VALUES = frozenset(status.value for status in _FINISHED)
 
 
 class FinishReason(str, enum.Enum):
@@ -65,6 +68,8 @@ _REASONS = {
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
     RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
+#: `_REASONS` by status value (see `RequestStatus.finished`).
+_REASONS_BY_VALUE = {status.value: reason for status, reason in _REASONS.items()}
 
 
 class Request:
@@ -194,7 +199,7 @@ class Request:
 
     @property
     def finish_reason(self) -> FinishReason | None:
-        return _REASONS.get(self.status)
+        return _REASONS_BY_VALUE.get(self.status._value_)
 
     def append_token(self, token_id: int, logprobs: dict[int, float] | None = None) -> None:
         """Record a generated token (and its log-probabilities when requested: the sampler's
