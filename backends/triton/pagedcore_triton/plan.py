@@ -26,6 +26,7 @@ __all__ = [
     "choose_num_segments",
     "decode_plan",
     "flat_grid_size",
+    "kv_convert",
     "parse_tiles",
     "pow2_splits",
     "tile_config",
@@ -286,6 +287,12 @@ class TileConfig:
     unpipelined_edges: bool = False
     #: K/V offsets in int32 where the cache allows it (fewer than 2**31 elements).
     int32_offsets: bool = False
+    #: How an fp8 cache's tiles become dot operands (the kernels' ``KV_CVT``, read only for
+    #: fp8 caches with 16-bit queries): 0 a cast to the query's dtype, 1 a cast to float16,
+    #: 2 float16 rebuilt from the fp8 bits (see ``kernels/attention.py``'s `_fp8_operand`).
+    kv_convert: int = 0
+    #: Registers per thread at most (Triton's ``maxnreg``; None: the compiler's choice).
+    maxnreg: int | None = None
 
 
 def parse_tiles(text: str, num_queries_per_kv: int) -> TileConfig:
@@ -324,6 +331,23 @@ def parse_tiles(text: str, num_queries_per_kv: int) -> TileConfig:
         unpipelined_edges="m1" in flags,
         int32_offsets="i32" in flags,
     )
+
+
+def kv_convert(cfg: TileConfig, *, kv_fp8: bool, itemsize: int, interpreting: bool) -> int:
+    """The kernels' ``KV_CVT`` for a launch: ``cfg.kv_convert`` for an fp8 cache read by 16-bit
+    queries (`itemsize` 2) on the GPU, else 0 (a cast to the query's dtype: fp32 dots and
+    Triton's interpreter keep it).
+
+    >>> cfg = TileConfig(block_m=16, block_q=4, tile_n=128, num_warps=4, num_stages=3,
+    ...                  kv_convert=2)
+    >>> kv_convert(cfg, kv_fp8=True, itemsize=2, interpreting=False)
+    2
+    >>> kv_convert(cfg, kv_fp8=True, itemsize=4, interpreting=False)
+    0
+    """
+    if not kv_fp8 or interpreting or itemsize != 2:
+        return 0
+    return cfg.kv_convert
 
 
 def tile_config(
