@@ -138,14 +138,8 @@ class TritonMetadataBuilder(MetadataBuilder[TritonAttentionMetadata]):
         max_q = max(q_lens, default=0)
         max_seq = max(common.seq_lens_cpu[begin:end].tolist(), default=0)
         segments = 1
-        if allow_split:
-            segments = choose_num_segments(
-                self.split_rule,
-                num_reqs=end - begin,
-                num_kv_heads=self.kv_cache_spec.num_kv_heads,
-                max_seq_len=max_seq,
-                max_query_len=max_q,
-            )
+        if allow_split and max_q <= 1:
+            segments = self.decode_segments(num_reqs=end - begin, max_seq_len=max_seq)
             if max_q <= 1 and end > begin and self.balanced_decode:
                 lens = common.seq_lens_cpu[begin:end].tolist()
                 if self._balanced_pays(lens, end - begin, segments):
@@ -163,6 +157,17 @@ class TritonMetadataBuilder(MetadataBuilder[TritonAttentionMetadata]):
             max_query_len=max_q,
             num_segments=segments,
             prefill_only=min(q_lens, default=0) > 1,
+        )
+
+    def decode_segments(self, *, num_reqs: int, max_seq_len: int) -> int:
+        """Split-KV segments of a single-token decode launch of `num_reqs` requests whose
+        longest context is `max_seq_len` (`choose_num_segments` by `split_rule`)."""
+        return choose_num_segments(
+            self.split_rule,
+            num_reqs=num_reqs,
+            num_kv_heads=self.kv_cache_spec.num_kv_heads,
+            max_seq_len=max_seq_len,
+            max_query_len=1,
         )
 
     @property
@@ -272,13 +277,7 @@ class TritonMetadataBuilder(MetadataBuilder[TritonAttentionMetadata]):
                 balanced_programs=self._balanced_programs(num_reqs),
                 min_segment_tokens=self._decode_plan()[1],
             )
-        segments = choose_num_segments(
-            self.split_rule,
-            num_reqs=num_reqs,
-            num_kv_heads=self.kv_cache_spec.num_kv_heads,
-            max_seq_len=common.max_seq_len,
-            max_query_len=1,
-        )
+        segments = self.decode_segments(num_reqs=num_reqs, max_seq_len=common.max_seq_len)
         return _one_launch(common, token_end=num_reqs, max_query_len=1, num_segments=segments)
 
     def _plan_mixed_capture(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:

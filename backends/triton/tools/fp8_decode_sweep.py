@@ -31,9 +31,10 @@ DEFAULT_SEGS = {(64, 4096): 1, (8, 32768): 8, (256, 1024): 1}
 #: "cpu" only to test this script's logic under TRITON_INTERPRET=1 (tiny shapes)
 DEVICE = os.environ.get("SWEEP_DEVICE", "cuda")
 
-#: cache dtype, batch, context, KV_CVT, tile tokens, warps, stages, segments, maxnreg (0: none)
-Job = tuple[str, int, int, int, int, int, int, int, int]
-FIELDS = ["kv", "B", "L", "cvt", "tile", "warps", "stages", "segs", "maxnreg"]
+#: cache dtype, batch, context, KV_CVT, tile tokens, warps, stages, segments, maxnreg (0:
+#: none), flags ("s": unmasked interior tiles, "o": int32 K/V offsets)
+Job = tuple[str, int, int, int, int, int, int, int, int, str]
+FIELDS = ["kv", "B", "L", "cvt", "tile", "warps", "stages", "segs", "maxnreg", "flags"]
 
 
 def jobs() -> list[Job]:
@@ -41,35 +42,65 @@ def jobs() -> list[Job]:
     out: list[Job] = []
 
     def add(dt: str, cvt: int, tile: int, w: int, st: int,
-            segs: dict[tuple[int, int], list[int]] | None = None, maxnreg: int = 0) -> None:
+            segs: dict[tuple[int, int], list[int]] | None = None, maxnreg: int = 0,
+            flags: str = "") -> None:
         for b, ln in SHAPES:
             for s in (segs or {}).get((b, ln), [DEFAULT_SEGS[(b, ln)]]):
-                j = (dt, b, ln, cvt, tile, w, st, s, maxnreg)
+                j = (dt, b, ln, cvt, tile, w, st, s, maxnreg, flags)
                 if j not in out:
                     out.append(j)
 
     add("bf16", 0, 64, 4, 3)  # today's bf16 default
     add("e4m3", 0, 128, 4, 3)  # today's fp8 default
-    for tile, w, st in [(128, 4, 3), (128, 4, 5), (128, 4, 4), (128, 4, 6), (128, 4, 2),
-                        (128, 8, 2), (128, 8, 3), (128, 8, 5), (64, 4, 3), (64, 4, 5), (64, 4, 6),
-                        (64, 8, 3), (64, 8, 5), (256, 8, 2), (256, 8, 3), (256, 4, 3)]:
+    for tile, w, st in [(128, 4, 3), (128, 4, 5), (128, 4, 4), (128, 4, 6), (128, 8, 2),
+                        (128, 8, 3), (128, 8, 5), (64, 4, 3), (64, 4, 5), (64, 8, 3),
+                        (64, 8, 5), (64, 8, 6), (256, 8, 3)]:
         add("e4m3", 1, tile, w, st)
-    for tile, w, st, reg in [(128, 4, 3, 168), (128, 4, 5, 168), (64, 4, 5, 168),
-                             (64, 4, 3, 128)]:
-        add("e4m3", 1, tile, w, st, maxnreg=reg)
+    for tile, w, st, reg, fl in [(128, 4, 5, 0, "so"), (128, 4, 3, 0, "so"), (128, 4, 5, 0, "o"),
+                                 (64, 8, 5, 0, "so"), (128, 8, 5, 128, "so"),
+                                 (128, 4, 3, 168, ""), (128, 4, 5, 168, ""),
+                                 (128, 4, 5, 168, "so"), (64, 4, 5, 168, ""),
+                                 (128, 8, 5, 128, "")]:
+        add("e4m3", 1, tile, w, st, maxnreg=reg, flags=fl)
     for tile, w, st in [(128, 4, 3), (128, 4, 5)]:
         add("e4m3", 3, tile, w, st)
     more = {(64, 4096): [1, 2, 4], (8, 32768): [4, 8, 16, 32], (256, 1024): [1, 2]}
-    for tile, w, st in [(128, 4, 3), (128, 4, 5), (64, 4, 5), (128, 8, 3)]:
-        add("e4m3", 1, tile, w, st, more)
-    for cvt, tile, w, st in [(1, 128, 4, 3), (1, 128, 4, 5), (1, 64, 4, 5), (0, 128, 4, 3),
-                             (2, 128, 4, 3), (3, 128, 4, 3)]:
-        add("e5m2", cvt, tile, w, st)
+    for tile, w, st, fl in [(128, 4, 3, ""), (128, 4, 5, ""), (64, 4, 5, ""), (128, 8, 3, ""),
+                            (128, 4, 5, "so")]:
+        add("e4m3", 1, tile, w, st, more, flags=fl)
+    for cvt, tile, w, st, fl in [(1, 128, 4, 3, ""), (1, 128, 4, 5, ""), (1, 64, 4, 5, ""),
+                                 (0, 128, 4, 3, ""), (2, 128, 4, 3, ""), (3, 128, 4, 3, ""),
+                                 (1, 128, 4, 5, "so")]:
+        add("e5m2", cvt, tile, w, st, flags=fl)
     bsegs = {(8, 32768): [4, 8, 16, 32]}
-    for tile, w, st in [(64, 4, 3), (64, 4, 5), (64, 4, 4), (64, 4, 2), (64, 8, 3), (64, 8, 5),
-                        (128, 4, 3), (128, 4, 5),
-                        (128, 8, 3), (32, 4, 3)]:
-        add("bf16", 0, tile, w, st, bsegs)
+    for tile, w, st, fl in [(64, 4, 3, ""), (64, 4, 3, "o"), (64, 4, 3, "so"), (64, 4, 5, ""),
+                            (64, 4, 5, "o"), (64, 4, 4, ""), (64, 4, 2, ""), (64, 8, 3, ""),
+                            (64, 8, 5, ""), (128, 4, 3, ""), (128, 4, 5, ""), (128, 8, 3, ""),
+                            (32, 4, 3, "")]:
+        add("bf16", 0, tile, w, st, bsegs, flags=fl)
+    return out
+
+
+def default_jobs() -> list[Job]:
+    """The launches the shipped defaults make at each shape and cache dtype (`tile_config`
+    and the builder's split rule), for ``--precompile``."""
+    from pagedcore_triton.metadata import TritonMetadataBuilder
+    from pagedcore_triton.plan import tile_config
+
+    from pagedcore.kv_cache.spec import FullAttentionSpec
+
+    out: list[Job] = []
+    for dt in ("e4m3", "bf16", "e5m2"):
+        item = 2 if dt == "bf16" else 1
+        cfg = tile_config(1, HQ // HKV, D, interpreting=False, itemsize=2, kv_itemsize=item)
+        spec = FullAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=D,
+                                 dtype="bfloat16" if dt == "bf16" else _TORCH_DT[dt])
+        builder = TritonMetadataBuilder(spec, ["sweep"], "cpu")  # type: ignore[arg-type]
+        for b, ln in SHAPES:
+            segs = builder.decode_segments(num_reqs=b, max_seq_len=ln)
+            flags = ("s" if cfg.skip_interior_masks else "") + ("o" if cfg.int32_offsets else "")
+            out.append((dt, b, ln, cfg.kv_convert, cfg.tile_n, cfg.num_warps, cfg.num_stages,
+                        segs, cfg.maxnreg or 0, flags))
     return out
 
 
@@ -82,12 +113,13 @@ def _launch(job: Job, kv: Any, query: Any, seq_lens: Any) -> tuple[Any, Any]:
     from pagedcore_triton.ops import prepare_launch, run_launch
     from pagedcore_triton.plan import LaunchPart, TileConfig
 
-    dt, b, _, cvt, tile, w, st, segs, maxnreg = job
+    dt, b, _, cvt, tile, w, st, segs, maxnreg, flags = job
     cache, table, qsl, scales = kv
     part = LaunchPart(req_begin=0, req_end=b, token_begin=0, token_end=b, max_query_len=1,
                       num_segments=segs)
     tiles = TileConfig(block_m=16, block_q=4, tile_n=tile, num_warps=w, num_stages=st,
-                       kv_convert=cvt, maxnreg=maxnreg or None)
+                       kv_convert=cvt, maxnreg=maxnreg or None,
+                       skip_interior_masks="s" in flags, int32_offsets="o" in flags)
     launch = prepare_launch(
         part, query_shape=tuple(query.shape), dtype=query.dtype,
         kv_cache_shape=tuple(cache.shape), query_start_loc=qsl, seq_lens=seq_lens,
@@ -182,7 +214,21 @@ def build_cache(dt: str, b: int, ln: int, gen: Any) -> dict[str, Any]:
             "bytes": 2 * b * ln * HKV * D * cache.element_size()}
 
 
+def precompile() -> None:
+    """Compile the shipped defaults' decode launches in parallel (warms Triton's cache for
+    ``pagedcore bench kernels``); prints the seconds each took."""
+    import multiprocessing as mp
+
+    todo = default_jobs()
+    with ProcessPoolExecutor(max_workers=len(todo), mp_context=mp.get_context("spawn")) as pool:
+        for job, secs in zip(todo, pool.map(compile_job, todo), strict=True):
+            print("precompiled", job, f"{secs:.1f}s", flush=True)
+
+
 def main() -> None:
+    if sys.argv[1] == "--precompile":
+        precompile()
+        return
     out_path = sys.argv[1]
     budget = float(sys.argv[2]) if len(sys.argv) > 2 else 80.0
     t_start = time.perf_counter()
@@ -259,7 +305,7 @@ def summarize(rows: list[dict[str, Any]]) -> None:
             print(f"{b}x{ln} {dt}: default {first['ms']*1e3:.1f}us ({first['pct_copy']:.0f}%) "
                   f"best {best['ms']*1e3:.1f}us ({best['pct_copy']:.0f}%) cvt{best['cvt']} "
                   f"t{best['tile']} w{best['warps']} st{best['stages']} s{best['segs']} "
-                  f"r{best['maxnreg']} "
+                  f"r{best['maxnreg']} {best['flags'] or '-'} "
                   f"err {best['rel_err']:.1e}{ratio}", flush=True)
     bad = [r for r in rows if "error" in r or r.get("nan") or r.get("rel_err", 0) >= 0.05]
     for r in bad[:8]:
