@@ -6,6 +6,7 @@ Pure Python (no triton import): the metadata builder calls it once per step.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import attrs
 
@@ -14,6 +15,8 @@ __all__ = [
     "BALANCED_ORDERS",
     "BALANCED_ORDER_ENV",
     "DECODE_PLAN_ENV",
+    "DECODE_TILES",
+    "DECODE_TILES_ENV",
     "DEFAULT_BALANCED_ORDER",
     "PREFILL_TILES_ENV",
     "TILE_FLAGS",
@@ -27,6 +30,7 @@ __all__ = [
     "decode_plan",
     "flat_grid_size",
     "kv_convert",
+    "parse_decode_tiles",
     "parse_tiles",
     "pow2_splits",
     "tile_config",
@@ -39,8 +43,10 @@ PREFILL_TILES_ENV = "PAGEDCORE_TRITON_PREFILL_TILES"
 #: ``balanced:N`` too with at least ``N`` tokens per segment (tests), ``uniform`` on the
 #: uniform split-KV plan; unset follows ``SplitRule.balanced`` (see `decode_plan`).
 DECODE_PLAN_ENV = "PAGEDCORE_TRITON_DECODE_PLAN"
-#: Tuning only: K/V tokens per tile of decode launches (default 64 for head sizes <= 128).
-DECODE_TILE_N_ENV = "PAGEDCORE_TRITON_DECODE_TILE_N"
+#: Overrides the decode tile shape (tuning): ``"TILE_N,WARPS,STAGES[,FLAG...]"``, flags
+#: ``cvtN`` (`TileConfig.kv_convert`), ``s`` (unmasked interior tiles), ``i32`` (int32 K/V
+#: offsets), ``rN`` (at most N registers per thread); see `parse_decode_tiles`.
+DECODE_TILES_ENV = "PAGEDCORE_TRITON_DECODE_TILES"
 
 #: An eager decode step runs on the balanced grid only when that cuts its longest program
 #: (in K/V tiles) by more than this factor against the uniform plan (`balanced_pays`).
@@ -60,6 +66,14 @@ TILE_FLAGS = {
     "fwd": "natural q-block order instead of longest-first",
     "m1": "masked edge tiles not software-pipelined (num_stages=1 on those loops)",
     "i32": "int32 K/V offsets when the cache has fewer than 2**31 elements",
+}
+
+
+#: The decode tile shape (head sizes <= 128) by the KV cache's element size (1: fp8, 2:
+#: bf16/fp16), as measured on the H200 (``docs/benchmarks/fp8_h200.json``).
+DECODE_TILES: dict[int, dict[str, Any]] = {
+    2: {"tile_n": 64, "num_warps": 4, "num_stages": 3},
+    1: {"tile_n": 128, "num_warps": 4, "num_stages": 3, "kv_convert": 0},
 }
 
 
@@ -333,6 +347,44 @@ def parse_tiles(text: str, num_queries_per_kv: int) -> TileConfig:
     )
 
 
+def parse_decode_tiles(text: str, base: TileConfig) -> TileConfig:
+    """`base` (a decode `TileConfig`) with the ``PAGEDCORE_TRITON_DECODE_TILES`` text applied:
+    ``"TILE_N,WARPS,STAGES[,FLAG...]"``, flags ``cvtN`` (N in 0..3: `TileConfig.kv_convert`),
+    ``s`` (unmasked interior tiles), ``i32`` (int32 K/V offsets), ``rN`` (``maxnreg``).
+
+    >>> base = TileConfig(block_m=16, block_q=4, tile_n=64, num_warps=4, num_stages=3)
+    >>> cfg = parse_decode_tiles("128,4,5,cvt1,i32", base)
+    >>> (cfg.tile_n, cfg.num_stages, cfg.kv_convert, cfg.int32_offsets, cfg.block_m)
+    (128, 5, 1, True, 16)
+    """
+    fields = [f.strip() for f in text.split(",")]
+    try:
+        tile_n, warps, stages = (int(f) for f in fields[:3])
+    except ValueError:
+        tile_n = warps = stages = 0
+    flags = fields[3:]
+    cvt, regs = base.kv_convert, base.maxnreg
+    ok = len(fields) >= 3 and tile_n >= 16 and tile_n & (tile_n - 1) == 0 and warps > 0
+    ok = ok and stages > 0 and len(set(flags)) == len(flags)
+    for flag in flags:
+        if flag.startswith("cvt") and flag[3:] in ("0", "1", "2", "3"):
+            cvt = int(flag[3:])
+        elif flag.startswith("r") and flag[1:].isdigit() and int(flag[1:]) > 0:
+            regs = int(flag[1:])
+        elif flag not in ("s", "i32"):
+            ok = False
+    if not ok:
+        raise ValueError(
+            f"{DECODE_TILES_ENV}={text!r}: expected 'TILE_N,WARPS,STAGES[,FLAG...]' with "
+            "TILE_N a power of two >= 16, positive WARPS and STAGES, and each FLAG at most once, "
+            "one of cvt0..cvt3, s, i32, rN; e.g. '128,4,5,cvt1'"
+        )
+    return attrs.evolve(base, tile_n=tile_n, num_warps=warps, num_stages=stages,
+                        kv_convert=cvt, maxnreg=regs,
+                        skip_interior_masks="s" in flags or base.skip_interior_masks,
+                        int32_offsets="i32" in flags or base.int32_offsets)
+
+
 def kv_convert(cfg: TileConfig, *, kv_fp8: bool, itemsize: int, interpreting: bool) -> int:
     """The kernels' ``KV_CVT`` for a launch: ``cfg.kv_convert`` for an fp8 cache read by 16-bit
     queries (`itemsize` 2) on the GPU, else 0 (a cast to the query's dtype: fp32 dots and
@@ -396,12 +448,7 @@ def tile_config(
         tile_n = 64
     else:
         tile_n = 32
-    if kv_itemsize == 1 and head_pad <= 128 and max_query_len <= 1 and not interpreting:
-        tile_n = 128
-    decode_tile_n = os.environ.get(DECODE_TILE_N_ENV)
-    if decode_tile_n and max_query_len <= 1 and not interpreting:
-        tile_n = int(decode_tile_n)
-    return TileConfig(
+    cfg = TileConfig(
         block_m=block_m,
         block_q=block_q,
         tile_n=tile_n,
@@ -411,3 +458,9 @@ def tile_config(
         longest_first=max_query_len > 1,
         int32_offsets=max_query_len > 1,
     )
+    if max_query_len > 1 or interpreting:
+        return cfg
+    if head_pad <= 128:
+        cfg = attrs.evolve(cfg, **DECODE_TILES[1 if kv_itemsize == 1 else 2])
+    override = os.environ.get(DECODE_TILES_ENV)
+    return parse_decode_tiles(override, cfg) if override else cfg

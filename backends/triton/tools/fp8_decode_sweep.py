@@ -267,7 +267,10 @@ def main() -> None:
             c = caches[key]
             row: dict[str, Any] = dict(zip(FIELDS, job, strict=True))
             try:
-                row["compile_s"] = round(fut.result(timeout=max(1.0, budget)), 2)
+                try:
+                    row["compile_s"] = round(fut.result(timeout=max(1.0, budget)), 2)
+                except Exception as exc:  # a broken pool: compile here instead
+                    row["pool_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
                 _, run_c = _launch(job, c["kv"], c["query"], c["lens_c"])
                 got = run_c().float()
                 ref = c["ref"]
