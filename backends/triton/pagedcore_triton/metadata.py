@@ -188,8 +188,8 @@ class TritonMetadataBuilder(MetadataBuilder[TritonAttentionMetadata]):
 
     def _balanced_pays(self, seq_lens: list[int], num_reqs: int, segments: int) -> bool:
         """`balanced_pays` for an eager decode step (the uniform plan: `segments` each)."""
-        tile_n = tile_config(1, 1, self.kv_cache_spec.head_size,
-                             interpreting=interpreting()).tile_n
+        tile_n = tile_config(1, 1, self.kv_cache_spec.head_size, interpreting=interpreting(),
+                             kv_itemsize=self.kv_cache_spec.element_size).tile_n
         return balanced_pays(
             seq_lens, budget=self._balanced_programs(num_reqs) - num_reqs, tile_n=tile_n,
             min_tiles=max(1, self._decode_plan()[1] // tile_n), uniform_segments=segments,

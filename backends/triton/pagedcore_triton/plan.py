@@ -70,10 +70,16 @@ TILE_FLAGS = {
 
 
 #: The decode tile shape (head sizes <= 128) by the KV cache's element size (1: fp8, 2:
-#: bf16/fp16), as measured on the H200 (``docs/benchmarks/fp8_h200.json``).
+#: bf16/fp16), the fastest of the variants swept on the H200 at 64x4096 / 8x32768 / 256x1024
+#: (``tools/fp8_decode_sweep.py``, ``docs/benchmarks/fp8_h200.json``). bf16: 64-token tiles,
+#: 4 warps, 3 stages, int32 K/V offsets (1-2 % faster than int64 at every shape). fp8:
+#: 128-token tiles (the bytes of a 64-token bf16 tile), 5 stages (Triton double-buffers the
+#: K/V tiles only from 5 on: the block-table load takes a stage), float16 operands (``KV_CVT``
+#: 1: the hardware cast; the cast to bf16 goes through float32) and int32 offsets: 1.2x-1.4x
+#: the bf16 decode, against 0.9x-1.1x for the previous 128-token, 3-stage bf16-operand tile.
 DECODE_TILES: dict[int, dict[str, Any]] = {
-    2: {"tile_n": 64, "num_warps": 4, "num_stages": 3},
-    1: {"tile_n": 128, "num_warps": 4, "num_stages": 3, "kv_convert": 0},
+    2: {"tile_n": 64, "num_warps": 4, "num_stages": 3, "int32_offsets": True},
+    1: {"tile_n": 128, "num_warps": 4, "num_stages": 5, "kv_convert": 1, "int32_offsets": True},
 }
 
 
@@ -303,7 +309,8 @@ class TileConfig:
     int32_offsets: bool = False
     #: How an fp8 cache's tiles become dot operands (the kernels' ``KV_CVT``, read only for
     #: fp8 caches with 16-bit queries): 0 a cast to the query's dtype, 1 a cast to float16,
-    #: 2 float16 rebuilt from the fp8 bits (see ``kernels/attention.py``'s `_fp8_operand`).
+    #: 2 float16 rebuilt from the fp8 bits, 3 the ``cvt.rn.f16x2`` PTX instruction, 4 / 5 as
+    #: 1 / 3 with V read transposed (see ``kernels/attention.py``'s `_fp8_operand`).
     kv_convert: int = 0
     #: Registers per thread at most (Triton's ``maxnreg``; None: the compiler's choice).
     maxnreg: int | None = None
@@ -349,7 +356,7 @@ def parse_tiles(text: str, num_queries_per_kv: int) -> TileConfig:
 
 def parse_decode_tiles(text: str, base: TileConfig) -> TileConfig:
     """`base` (a decode `TileConfig`) with the ``PAGEDCORE_TRITON_DECODE_TILES`` text applied:
-    ``"TILE_N,WARPS,STAGES[,FLAG...]"``, flags ``cvtN`` (N in 0..3: `TileConfig.kv_convert`),
+    ``"TILE_N,WARPS,STAGES[,FLAG...]"``, flags ``cvtN`` (N in 0..5: `TileConfig.kv_convert`),
     ``s`` (unmasked interior tiles), ``i32`` (int32 K/V offsets), ``rN`` (``maxnreg``).
 
     >>> base = TileConfig(block_m=16, block_q=4, tile_n=64, num_warps=4, num_stages=3)
@@ -367,7 +374,7 @@ def parse_decode_tiles(text: str, base: TileConfig) -> TileConfig:
     ok = len(fields) >= 3 and tile_n >= 16 and tile_n & (tile_n - 1) == 0 and warps > 0
     ok = ok and stages > 0 and len(set(flags)) == len(flags)
     for flag in flags:
-        if flag.startswith("cvt") and flag[3:] in ("0", "1", "2", "3"):
+        if flag.startswith("cvt") and flag[3:] in ("0", "1", "2", "3", "4", "5"):
             cvt = int(flag[3:])
         elif flag.startswith("r") and flag[1:].isdigit() and int(flag[1:]) > 0:
             regs = int(flag[1:])
@@ -377,7 +384,7 @@ def parse_decode_tiles(text: str, base: TileConfig) -> TileConfig:
         raise ValueError(
             f"{DECODE_TILES_ENV}={text!r}: expected 'TILE_N,WARPS,STAGES[,FLAG...]' with "
             "TILE_N a power of two >= 16, positive WARPS and STAGES, and each FLAG at most once, "
-            "one of cvt0..cvt3, s, i32, rN; e.g. '128,4,5,cvt1'"
+            "one of cvt0..cvt5, s, i32, rN; e.g. '128,4,5,cvt1'"
         )
     return attrs.evolve(base, tile_n=tile_n, num_warps=warps, num_stages=stages,
                         kv_convert=cvt, maxnreg=regs,
@@ -415,7 +422,8 @@ def tile_config(
 ) -> TileConfig:
     """Tile shape for a launch: rows = query tokens x the GQA group, a power of two >= 16.
 
-    Decodes get 16-row tiles (the smallest ``tl.dot``), 64-token K/V tiles, 4 warps, 3 stages;
+    Decodes get 16-row tiles (the smallest ``tl.dot``), 64-token K/V tiles, 4 warps, 3 stages
+    (head sizes above 128: 32-token tiles);
     prefills up to 128 rows (64 for head sizes above 128, to bound registers and shared
     memory) with 64-token tiles, 4 warps, 3 stages, unmasked interior tiles and int32 K/V
     offsets (where the cache allows). A `prefill_only` launch (every request has more than
@@ -426,10 +434,10 @@ def tile_config(
     decode's K/V stream compute-bound. All were the fastest of the variants swept on the
     H200 (``docs/benchmarks/triton.md``). Prefill tiles launch their q-blocks longest-first.
     `prefill_override` (the ``PAGEDCORE_TRITON_PREFILL_TILES`` text, see `parse_tiles`)
-    replaces the prefill shape. Decodes over an fp8 cache (`kv_itemsize` 1) take 128-token
-    tiles: 1.17x-1.34x faster than 64 on the H200 at 64x4096 / 8x32768 / 256x1024, 256 no
-    better (``docs/benchmarks/fp8_h200.json``); ``PAGEDCORE_TRITON_DECODE_TILE_N`` overrides
-    the decode tile length (tuning).
+    replaces the prefill shape. Decodes with head size <= 128 take `DECODE_TILES` by the
+    cache's element size (`kv_itemsize`; fp8: 128-token tiles on 5 stages with float16
+    operands); ``PAGEDCORE_TRITON_DECODE_TILES`` overrides the decode shape (tuning, see
+    `parse_decode_tiles`).
     """
     if prefill_override and max_query_len > 1:
         return parse_tiles(prefill_override, num_queries_per_kv)

@@ -23,7 +23,10 @@ from triton.compiler import ASTSource
 from triton.backends.compiler import GPUTarget
 from pagedcore_triton.kernels.balanced import balanced_decode_kernel, balanced_merge_kernel
 
+from pagedcore_triton.plan import tile_config
+
 target = GPUTarget("cuda", 90, 32)
+FP8_CVT = tile_config(1, 4, 128, interpreting=False, kv_itemsize=1).kv_convert  # the default
 types = {"out_ptr": "*bf16", "q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_offset": "i64",
          "alibi_ptr": "*fp32", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32",
          "scale": "fp32", "soft_cap": "fp32"}
@@ -37,7 +40,7 @@ for heads_first, rr, features in itertools.product([False, True], [False, True],
     c = dict(HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=16, QPK=4, BLOCK_M=16, TILE_N=64,
              USE_ALIBI=features, USE_SOFTCAP=features, USE_WINDOW=features, DOT_FP32=False,
              OFF32=False, MIN_TILES=4, REQ_PAD=32, HEADS_FIRST=heads_first, ROUND_ROBIN=rr,
-             KV_FP8=features, USE_SINKS=features)
+             KV_FP8=features, USE_SINKS=features, KV_CVT=FP8_CVT if features else 0)
     # With the features: an fp8 (e4m3) cache with its float32 scales, and float32 sinks.
     fp8 = dict(k_cache_ptr="*fp8e4nv", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
                sinks_ptr="*fp32") if features else {}
