@@ -10,8 +10,10 @@ percent of the device-to-device copy bandwidth measured in the same run, on the 
 cache really holds (1 per fp8 element). Kernels are compiled ahead by a pool of processes
 (sharing Triton's cache) in the order they are measured.
 
-Usage: ``python backends/triton/tools/fp8_decode_sweep.py OUT.jsonl [SECONDS]``; it stops
-measuring after SECONDS (default 80) and prints a summary.
+Usage: ``python backends/triton/tools/fp8_decode_sweep.py OUT.jsonl [SECONDS [SET]]``
+(SET: ``round1``, the default, or ``round2``); it stops measuring after SECONDS (default 80)
+and prints a summary. ``--precompile [SET...]`` only compiles the shipped defaults' launches
+(and those of the SETs).
 """
 
 from __future__ import annotations
@@ -37,8 +39,24 @@ Job = tuple[str, int, int, int, int, int, int, int, int, str]
 FIELDS = ["kv", "B", "L", "cvt", "tile", "warps", "stages", "segs", "maxnreg", "flags"]
 
 
+def jobs_round2() -> list[Job]:
+    """The second round: the shipped fp8 default against the variants that won one shape in
+    the first (PTX conversion, 168 registers, 3 stages) and V read transposed (KV_CVT 4/5)."""
+    out: list[Job] = []
+    for cvt, st, reg in [(1, 5, 0), (4, 5, 0), (4, 3, 0), (5, 3, 0), (5, 5, 0), (3, 3, 0),
+                         (3, 5, 0), (1, 3, 0), (1, 3, 168)]:
+        for b, ln in SHAPES:
+            out.append(("e4m3", b, ln, cvt, 128, 4, st, DEFAULT_SEGS[(b, ln)], reg, "o"))
+    for b, ln in SHAPES:
+        out.append(("bf16", b, ln, 0, 64, 4, 3, DEFAULT_SEGS[(b, ln)], 0, "o"))
+    return out
+
+
+JOB_SETS = {"round1": lambda: jobs(), "round2": lambda: jobs_round2()}
+
+
 def jobs() -> list[Job]:
-    """Every variant, most important first."""
+    """Every variant of the first round, most important first."""
     out: list[Job] = []
 
     def add(dt: str, cvt: int, tile: int, w: int, st: int,
@@ -165,6 +183,22 @@ def compile_job(job: Job) -> float:
     return time.perf_counter() - t0
 
 
+def compile_write(dt: str) -> float:
+    """Compile the backend's cache write for `dt` (a tiny `BackendUnderTest`, as the kernel
+    bench builds its caches); seconds taken."""
+    import torch
+    from pagedcore_triton import TritonAttentionBackend
+
+    from pagedcore.bench.kernel_primitives import BackendUnderTest, PagedKV
+
+    t0 = time.perf_counter()
+    kv = PagedKV([64] * 4, torch.bfloat16, torch.device(DEVICE))
+    BackendUnderTest(TritonAttentionBackend, kv, kv_cache_dtype="auto" if dt == "bf16" else "fp8")
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def build_cache(dt: str, b: int, ln: int, gen: Any) -> dict[str, Any]:
     """The shape's cache (random block order, unused slots NaN), query and reference."""
     import torch
@@ -214,23 +248,31 @@ def build_cache(dt: str, b: int, ln: int, gen: Any) -> dict[str, Any]:
             "bytes": 2 * b * ln * HKV * D * cache.element_size()}
 
 
-def precompile() -> None:
-    """Compile the shipped defaults' decode launches in parallel (warms Triton's cache for
-    ``pagedcore bench kernels``); prints the seconds each took."""
+def precompile(sets: list[str]) -> None:
+    """Compile the shipped defaults' decode launches, then those of the job `sets`, in parallel
+    (warms Triton's cache for ``pagedcore bench kernels`` and a later sweep); prints the
+    seconds each took."""
     import multiprocessing as mp
 
     todo = default_jobs()
-    with ProcessPoolExecutor(max_workers=len(todo), mp_context=mp.get_context("spawn")) as pool:
+    for name in sets:
+        todo += [j for j in JOB_SETS[name]() if j not in todo]
+    workers = max(1, min(12, (os.cpu_count() or 4) - 4))
+    with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as pool:
+        writes = [pool.submit(compile_write, dt) for dt in ("e4m3", "bf16")]
         for job, secs in zip(todo, pool.map(compile_job, todo), strict=True):
             print("precompiled", job, f"{secs:.1f}s", flush=True)
+        for dt, fut in zip(("e4m3", "bf16"), writes, strict=True):
+            print("precompiled the cache write", dt, f"{fut.result():.1f}s", flush=True)
 
 
 def main() -> None:
     if sys.argv[1] == "--precompile":
-        precompile()
+        precompile(sys.argv[2:])
         return
     out_path = sys.argv[1]
     budget = float(sys.argv[2]) if len(sys.argv) > 2 else 80.0
+    job_set = sys.argv[3] if len(sys.argv) > 3 else "round1"
     t_start = time.perf_counter()
     import multiprocessing as mp
 
@@ -238,11 +280,14 @@ def main() -> None:
 
     from pagedcore.bench.kernel_primitives import copy_bandwidth_gbps, time_ms
 
-    todo = jobs()
+    todo = JOB_SETS[job_set]()
     ctx = mp.get_context("spawn")
     workers = max(1, min(12, (os.cpu_count() or 4) - 4))
-    pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx)
-    futures: list[Future[float]] = [pool.submit(compile_job, j) for j in todo]
+    # SWEEP_POOL=0: no compile pool (the kernels are in Triton's cache already: --precompile)
+    pool = None if os.environ.get("SWEEP_POOL") == "0" else ProcessPoolExecutor(
+        max_workers=workers, mp_context=ctx)
+    futures: list[Future[float] | None] = [
+        None if pool is None else pool.submit(compile_job, j) for j in todo]
     dev = torch.device(DEVICE)
     copy = copy_bandwidth_gbps(dev, quick=False)
     rows: list[dict[str, Any]] = []
@@ -268,7 +313,8 @@ def main() -> None:
             row: dict[str, Any] = dict(zip(FIELDS, job, strict=True))
             try:
                 try:
-                    row["compile_s"] = round(fut.result(timeout=max(1.0, budget)), 2)
+                    if fut is not None:
+                        row["compile_s"] = round(fut.result(timeout=max(1.0, budget)), 2)
                 except Exception as exc:  # a broken pool: compile here instead
                     row["pool_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
                 _, run_c = _launch(job, c["kv"], c["query"], c["lens_c"])
@@ -285,7 +331,8 @@ def main() -> None:
             rows.append(row)
             fh.write(json.dumps(row) + "\n")
             fh.flush()
-    pool.shutdown(wait=False, cancel_futures=True)
+    if pool is not None:
+        pool.shutdown(wait=False, cancel_futures=True)
     summarize(rows)
     print(f"elapsed {time.perf_counter() - t_start:.1f} s", flush=True)
 
