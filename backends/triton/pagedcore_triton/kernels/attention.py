@@ -76,15 +76,9 @@ def _attend_tile(
         n_ok = n >= 0
         phys = tl.load(bt_row + n // BLOCK_SIZE).to(offs_ty)
         slot_off = phys * stride_cb + (n % BLOCK_SIZE).to(offs_ty) * stride_cs + kv_head_off
-    k_ptrs = k_cache_ptr + slot_off[None, :] + d[:, None]
-    v_ptrs = v_cache_ptr + slot_off[:, None] + d[None, :]
     # Masked lanes load 0, never the cache's content (which may be NaN).
-    if MASKED:
-        k = tl.load(k_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-    elif HEAD_PAD != HEAD_SIZE:
-        k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
-    else:
-        k = tl.load(k_ptrs)
+    k = _load_dn(k_cache_ptr, slot_off, d, n_ok, d_ok, MASKED, HEAD_PAD != HEAD_SIZE)
+    v_ptrs = v_cache_ptr + slot_off[:, None] + d[None, :]
     # An fp8 cache is dequantized here, in registers: upcast to the query's dtype or to
     # float16 (`_fp8_operand`, exact for e4m3 and e5m2); the scales are folded into the
     # softmax scale and the final output.
@@ -128,13 +122,7 @@ def _attend_tile(
         # V read like K, as a [HEAD_PAD, TILE_N] tile, and made float16 before the transpose:
         # the dot's operand then reaches registers as float16 (ldmatrix.trans), not as bytes
         # gathered one at a time (an 8-bit operand cannot be transposed by ldmatrix).
-        vt_ptrs = v_cache_ptr + slot_off[None, :] + d[:, None]
-        if MASKED:
-            vt = tl.load(vt_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-        elif HEAD_PAD != HEAD_SIZE:
-            vt = tl.load(vt_ptrs, mask=d_ok[:, None], other=0.0)
-        else:
-            vt = tl.load(vt_ptrs)
+        vt = _load_dn(v_cache_ptr, slot_off, d, n_ok, d_ok, MASKED, HEAD_PAD != HEAD_SIZE)
         v = tl.trans(_fp8_operand(vt, tl.float16, KV_CVT))
     elif MASKED:
         v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
@@ -155,6 +143,20 @@ def _attend_tile(
         else:
             acc = tl.dot(p, _fp8_operand(v, q.dtype, KV_CVT), acc)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _load_dn(cache_ptr, slot_off, d, n_ok, d_ok, MASKED: tl.constexpr, PAD: tl.constexpr):
+    """One ``[HEAD_PAD, TILE_N]`` tile of K (or V) at the tokens' slot offsets: masked lanes
+    (tokens outside ``n_ok``, padding dims) load 0, never the cache's content."""
+    ptrs = cache_ptr + slot_off[None, :] + d[:, None]
+    if MASKED:
+        x = tl.load(ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+    elif PAD:
+        x = tl.load(ptrs, mask=d_ok[:, None], other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return x
 
 
 @triton.jit
