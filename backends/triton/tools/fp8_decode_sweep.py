@@ -43,10 +43,11 @@ def jobs_round2() -> list[Job]:
     """The second round: the shipped fp8 default against the variants that won one shape in
     the first (PTX conversion, 168 registers, 3 stages) and V read transposed (KV_CVT 4/5)."""
     out: list[Job] = []
-    for cvt, st, reg in [(1, 5, 0), (4, 5, 0), (4, 3, 0), (5, 3, 0), (5, 5, 0), (3, 3, 0),
-                         (3, 5, 0), (1, 3, 0), (1, 3, 168)]:
+    for cvt, st, reg, fl in [(1, 5, 0, "o"), (4, 5, 0, "o"), (4, 3, 0, "o"), (5, 3, 0, "o"),
+                             (5, 5, 0, "o"), (1, 5, 0, "so"), (3, 3, 0, "o"), (3, 5, 0, "o"),
+                             (1, 3, 0, "o"), (1, 3, 168, "o")]:
         for b, ln in SHAPES:
-            out.append(("e4m3", b, ln, cvt, 128, 4, st, DEFAULT_SEGS[(b, ln)], reg, "o"))
+            out.append(("e4m3", b, ln, cvt, 128, 4, st, DEFAULT_SEGS[(b, ln)], reg, fl))
     for b, ln in SHAPES:
         out.append(("bf16", b, ln, 0, 64, 4, 3, DEFAULT_SEGS[(b, ln)], 0, "o"))
     return out
