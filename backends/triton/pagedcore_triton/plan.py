@@ -75,8 +75,9 @@ TILE_FLAGS = {
 #: 4 warps, 3 stages, int32 K/V offsets (1-2 % faster than int64 at every shape). fp8:
 #: 128-token tiles (the bytes of a 64-token bf16 tile), 5 stages (Triton double-buffers the
 #: K/V tiles only from 5 on: the block-table load takes a stage), float16 operands (``KV_CVT``
-#: 1: the hardware cast; the cast to bf16 goes through float32) and int32 offsets: 1.2x-1.4x
-#: the bf16 decode, against 0.9x-1.1x for the previous 128-token, 3-stage bf16-operand tile.
+#: 1: the hardware cast; the cast to bf16 goes through float32) and int32 offsets:
+#: 1.24x-1.44x the bf16 decode, against 0.88x-1.09x for the previous 128-token, 3-stage
+#: bf16-operand tile.
 DECODE_TILES: dict[int, dict[str, Any]] = {
     2: {"tile_n": 64, "num_warps": 4, "num_stages": 3, "int32_offsets": True},
     1: {"tile_n": 128, "num_warps": 4, "num_stages": 5, "kv_convert": 1, "int32_offsets": True},
@@ -309,8 +310,8 @@ class TileConfig:
     int32_offsets: bool = False
     #: How an fp8 cache's tiles become dot operands (the kernels' ``KV_CVT``, read only for
     #: fp8 caches with 16-bit queries): 0 a cast to the query's dtype, 1 a cast to float16,
-    #: 2 float16 rebuilt from the fp8 bits, 3 the ``cvt.rn.f16x2`` PTX instruction, 4 / 5 as
-    #: 1 / 3 with V read transposed (see ``kernels/attention.py``'s `_fp8_operand`).
+    #: 2 float16 rebuilt from the fp8 bits, 3 the ``cvt.rn.f16x2`` PTX instruction (see
+    #: ``kernels/attention.py``'s `_fp8_operand`).
     kv_convert: int = 0
     #: Registers per thread at most (Triton's ``maxnreg``; None: the compiler's choice).
     maxnreg: int | None = None
@@ -356,7 +357,7 @@ def parse_tiles(text: str, num_queries_per_kv: int) -> TileConfig:
 
 def parse_decode_tiles(text: str, base: TileConfig) -> TileConfig:
     """`base` (a decode `TileConfig`) with the ``PAGEDCORE_TRITON_DECODE_TILES`` text applied:
-    ``"TILE_N,WARPS,STAGES[,FLAG...]"``, flags ``cvtN`` (N in 0..5: `TileConfig.kv_convert`),
+    ``"TILE_N,WARPS,STAGES[,FLAG...]"``, flags ``cvtN`` (N in 0..3: `TileConfig.kv_convert`),
     ``s`` (unmasked interior tiles), ``i32`` (int32 K/V offsets), ``rN`` (``maxnreg``).
 
     >>> base = TileConfig(block_m=16, block_q=4, tile_n=64, num_warps=4, num_stages=3)
@@ -374,7 +375,7 @@ def parse_decode_tiles(text: str, base: TileConfig) -> TileConfig:
     ok = len(fields) >= 3 and tile_n >= 16 and tile_n & (tile_n - 1) == 0 and warps > 0
     ok = ok and stages > 0 and len(set(flags)) == len(flags)
     for flag in flags:
-        if flag.startswith("cvt") and flag[3:] in ("0", "1", "2", "3", "4", "5"):
+        if flag.startswith("cvt") and flag[3:] in ("0", "1", "2", "3"):
             cvt = int(flag[3:])
         elif flag.startswith("r") and flag[1:].isdigit() and int(flag[1:]) > 0:
             regs = int(flag[1:])
@@ -384,7 +385,7 @@ def parse_decode_tiles(text: str, base: TileConfig) -> TileConfig:
         raise ValueError(
             f"{DECODE_TILES_ENV}={text!r}: expected 'TILE_N,WARPS,STAGES[,FLAG...]' with "
             "TILE_N a power of two >= 16, positive WARPS and STAGES, and each FLAG at most once, "
-            "one of cvt0..cvt5, s, i32, rN; e.g. '128,4,5,cvt1'"
+            "one of cvt0..cvt3, s, i32, rN; e.g. '128,4,5,cvt1'"
         )
     return attrs.evolve(base, tile_n=tile_n, num_warps=warps, num_stages=stages,
                         kv_convert=cvt, maxnreg=regs,

@@ -240,11 +240,11 @@ def test_decode_tiles_follow_the_cache_element_size(monkeypatch: pytest.MonkeyPa
     # prefills and the interpreter keep their own shapes
     assert tile_config(64, 4, 128, interpreting=False, kv_itemsize=1).kv_convert == 0
     assert tile_config(1, 4, 128, interpreting=True, kv_itemsize=1).tile_n == 16
-    monkeypatch.setenv(DECODE_TILES_ENV, "64,8,2,cvt4,s,r128")
+    monkeypatch.setenv(DECODE_TILES_ENV, "64,8,2,cvt3,s,r128")
     cfg = tile_config(1, 4, 128, interpreting=False, kv_itemsize=1)
     assert (cfg.tile_n, cfg.num_warps, cfg.num_stages, cfg.kv_convert, cfg.maxnreg,
-            cfg.skip_interior_masks) == (64, 8, 2, 4, 128, True)
-    for bad in ("128,4", "100,4,3", "128,4,3,cvt9", "128,4,3,s,s"):
+            cfg.skip_interior_masks) == (64, 8, 2, 3, 128, True)
+    for bad in ("128,4", "100,4,3", "128,4,3,cvt4", "128,4,3,s,s"):
         monkeypatch.setenv(DECODE_TILES_ENV, bad)
         with pytest.raises(ValueError, match=r"TILE_N,WARPS,STAGES\[,FLAG...\]"):
             tile_config(1, 4, 128, interpreting=False)

@@ -118,13 +118,7 @@ def _attend_tile(
         p = tl.exp2(s * qk_scale - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if KV_CVT >= 4:
-        # V read like K, as a [HEAD_PAD, TILE_N] tile, and made float16 before the transpose:
-        # the dot's operand then reaches registers as float16 (ldmatrix.trans), not as bytes
-        # gathered one at a time (an 8-bit operand cannot be transposed by ldmatrix).
-        vt = _load_dn(v_cache_ptr, slot_off, d, n_ok, d_ok, MASKED, HEAD_PAD != HEAD_SIZE)
-        v = tl.trans(_fp8_operand(vt, tl.float16, KV_CVT))
-    elif MASKED:
+    if MASKED:
         v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
     elif HEAD_PAD != HEAD_SIZE:
         v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
@@ -138,16 +132,13 @@ def _attend_tile(
             p = p.to(q.dtype)
         else:  # fp8 V tiles become float16 operands (`_fp8_operand`)
             p = p.to(tl.float16)
-        if KV_CVT >= 4:  # already float16
-            acc = tl.dot(p, v, acc)
-        else:
-            acc = tl.dot(p, _fp8_operand(v, q.dtype, KV_CVT), acc)
+        acc = tl.dot(p, _fp8_operand(v, q.dtype, KV_CVT), acc)
     return m_new, l_i, acc
 
 
 @triton.jit
 def _load_dn(cache_ptr, slot_off, d, n_ok, d_ok, MASKED: tl.constexpr, PAD: tl.constexpr):
-    """One ``[HEAD_PAD, TILE_N]`` tile of K (or V) at the tokens' slot offsets: masked lanes
+    """One ``[HEAD_PAD, TILE_N]`` tile of K at the tokens' slot offsets: masked lanes
     (tokens outside ``n_ok``, padding dims) load 0, never the cache's content."""
     ptrs = cache_ptr + slot_off[None, :] + d[:, None]
     if MASKED:
@@ -166,10 +157,9 @@ def _fp8_operand(x, dtype, KV_CVT: tl.constexpr):
     operations: e5m2 is float16's upper byte; an e4m3 byte ``s eeee mmm`` placed as
     ``s 0eeee mmm0000000`` is its value times 2**-8, exact for normals and subnormals (the
     caller multiplies the scales by 256, `_kv_scales`); 3 converts four bytes at a time with
-    the sm_89+ instruction ``cvt.rn.f16x2.e4m3x2`` / ``.e5m2x2`` (inline PTX, GPU only);
-    4 and 5 are 1 and 3 with the V tile read transposed (`_attend_tile`). All are exact for
-    every finite fp8 value."""
-    if (KV_CVT == 3) or (KV_CVT == 5):
+    the sm_89+ instruction ``cvt.rn.f16x2.e4m3x2`` / ``.e5m2x2`` (inline PTX, GPU only).
+    All are exact for every finite fp8 value."""
+    if KV_CVT == 3:
         b = x.to(tl.uint8, bitcast=True)
         if x.dtype == tl.float8e5:
             h = tl.inline_asm_elementwise(
@@ -189,7 +179,7 @@ def _fp8_operand(x, dtype, KV_CVT: tl.constexpr):
         else:
             h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
         return h.to(tl.float16, bitcast=True)
-    elif (KV_CVT == 1) or (KV_CVT == 4):
+    elif KV_CVT == 1:
         return x.to(tl.float16)
     else:
         return x.to(dtype)
