@@ -266,8 +266,11 @@ class BackendUnderTest:
             bound = FP8_MAX[normalize_kv_cache_dtype(kv_cache_dtype)]
             k_scale = float(kv.key.abs().amax()) / bound
             v_scale = float(kv.value.abs().amax()) / bound
+        # The spec carries the cache's dtype, as the engine's do (an fp8 cache: 1-byte elements,
+        # which a builder may plan by).
         spec = FullAttentionSpec(
-            block_size=block_size, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=dtype
+            block_size=block_size, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE,
+            dtype=cache_dtype,
         )
         self.builder = backend.get_builder_cls()(spec, ["bench"], device)
         self.impl = backend.get_impl_cls()(

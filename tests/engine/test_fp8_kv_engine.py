@@ -111,3 +111,44 @@ def test_fp8_with_tensor_parallelism_is_refused_clearly() -> None:
     _config, _ref, eng = make_models("llama")
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8_e4m3' with tensor_parallel_size=2"):
         LLM(eng, device="cpu", kv_cache_dtype="fp8", tensor_parallel_size=2)
+
+
+def test_captured_mixed_steps_wait_for_the_first_prefill_scales() -> None:
+    """A captured mixed step replays without Python, so it cannot calibrate: while any layer's
+    scales are pending, the runner must not even ask the mixed graphs for a bucket."""
+    _config, _ref, eng = make_models("llama")
+    llm = _engine(eng, "fp8")
+    asked: list[str] = []
+
+    class Probe:  # stands in for MixedGraphs: records when it is asked, never replays
+        def bucket_for(self, inputs: object) -> None:
+            asked.append(llm.stats()["kv_scales"]["source"])
+
+    llm.runner.mixed_graphs = Probe()  # type: ignore[assignment]
+    llm.generate([random_prompts([12])[0]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert asked and set(asked) == {"first prefill"}, asked
+
+
+def test_zero_first_prefill_keeps_scale_one_with_a_warning() -> None:
+    import torch
+
+    from pagedcore.engine.models.attention_hook import KVScaleCalibration
+
+    class Impl:
+        scales: tuple[float, float] | None = None
+
+        def set_kv_scales(self, k: float, v: float) -> None:
+            self.scales = (k, v)
+
+    impl, cal = Impl(), KVScaleCalibration("fp8_e4m3", layer=3)
+    key = torch.zeros(4, 2, 8)
+    value = torch.full((4, 2, 8), 896.0)
+    slots = torch.tensor([0, 1, 2, -1])
+    with pytest.warns(RuntimeWarning, match=r"layer 3: the first prefill's K is all zero"):
+        cal.maybe_calibrate(impl, key, value, slots)  # type: ignore[arg-type]
+    assert impl.scales == (1.0, 2.0) and not cal.pending
+    key[0, 0, 0] = float("nan")
+    with pytest.warns(RuntimeWarning, match="not finite"):
+        KVScaleCalibration("fp8_e5m2", layer=0).maybe_calibrate(
+            impl, key, value, slots)  # type: ignore[arg-type]
+    assert impl.scales == (1.0, 896.0 / 57344.0)

@@ -147,14 +147,8 @@ class TritonMetadataBuilder(MetadataBuilder[TritonAttentionMetadata]):
         seq_lens = common.seq_lens_cpu[begin:end].tolist()
         max_seq = max(seq_lens, default=0)
         segments = 1
-        if allow_split:
-            segments = choose_num_segments(
-                self.split_rule,
-                num_reqs=end - begin,
-                num_kv_heads=self.kv_cache_spec.num_kv_heads,
-                max_seq_len=max_seq,
-                max_query_len=max_q,
-            )
+        if allow_split and max_q <= 1:
+            segments = self.decode_segments(num_reqs=end - begin, max_seq_len=max_seq)
             if max_q <= 1 and end > begin and self.balanced_decode:
                 lens = common.seq_lens_cpu[begin:end].tolist()
                 if self._balanced_pays(lens, end - begin, segments):
@@ -176,6 +170,17 @@ class TritonMetadataBuilder(MetadataBuilder[TritonAttentionMetadata]):
             has_context=any(s > q for s, q in zip(seq_lens, q_lens, strict=True)),
         )
 
+    def decode_segments(self, *, num_reqs: int, max_seq_len: int) -> int:
+        """Split-KV segments of a single-token decode launch of `num_reqs` requests whose
+        longest context is `max_seq_len` (`choose_num_segments` by `split_rule`)."""
+        return choose_num_segments(
+            self.split_rule,
+            num_reqs=num_reqs,
+            num_kv_heads=self.kv_cache_spec.num_kv_heads,
+            max_seq_len=max_seq_len,
+            max_query_len=1,
+        )
+
     @property
     def balanced_decode(self) -> bool:
         """Decode launches use the length-balanced plan: ``PAGEDCORE_TRITON_DECODE_PLAN``
@@ -194,8 +199,8 @@ class TritonMetadataBuilder(MetadataBuilder[TritonAttentionMetadata]):
 
     def _balanced_pays(self, seq_lens: list[int], num_reqs: int, segments: int) -> bool:
         """`balanced_pays` for an eager decode step (the uniform plan: `segments` each)."""
-        tile_n = tile_config(1, 1, self.kv_cache_spec.head_size,
-                             interpreting=interpreting()).tile_n
+        tile_n = tile_config(1, 1, self.kv_cache_spec.head_size, interpreting=interpreting(),
+                             kv_itemsize=self.kv_cache_spec.element_size).tile_n
         return balanced_pays(
             seq_lens, budget=self._balanced_programs(num_reqs) - num_reqs, tile_n=tile_n,
             min_tiles=max(1, self._decode_plan()[1] // tile_n), uniform_segments=segments,
@@ -283,13 +288,7 @@ class TritonMetadataBuilder(MetadataBuilder[TritonAttentionMetadata]):
                 balanced_programs=self._balanced_programs(num_reqs),
                 min_segment_tokens=self._decode_plan()[1],
             )
-        segments = choose_num_segments(
-            self.split_rule,
-            num_reqs=num_reqs,
-            num_kv_heads=self.kv_cache_spec.num_kv_heads,
-            max_seq_len=common.max_seq_len,
-            max_query_len=1,
-        )
+        segments = self.decode_segments(num_reqs=num_reqs, max_seq_len=common.max_seq_len)
         return _one_launch(common, token_end=num_reqs, max_query_len=1, num_segments=segments)
 
     def _plan_mixed_capture(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:

@@ -24,6 +24,7 @@ from pagedcore_triton.plan import (
     LaunchPart,
     TileConfig,
     flat_grid_size,
+    kv_convert,
     tile_config,
 )
 
@@ -128,8 +129,10 @@ def prepare_launch(
             "REQ_PAD": triton.next_power_of_2(part.num_reqs + 1) if flat else 1,
             "KV_FP8": kv_fp8,
             "USE_SINKS": use_sinks,
+            "KV_CVT": kv_convert(cfg, kv_fp8=kv_fp8, itemsize=dtype.itemsize, interpreting=interp),
             "num_warps": cfg.num_warps,
             "num_stages": cfg.num_stages,
+            **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
         },
     )
 

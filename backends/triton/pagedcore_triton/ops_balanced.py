@@ -21,6 +21,7 @@ from pagedcore_triton.plan import (
     DEFAULT_BALANCED_ORDER,
     LaunchPart,
     TileConfig,
+    kv_convert,
 )
 
 __all__ = ["prepare_balanced", "run_balanced"]
@@ -106,6 +107,8 @@ def prepare_balanced(
             "ROUND_ROBIN": round_robin,
             "KV_FP8": kv_fp8,
             "USE_SINKS": use_sinks,
+            "KV_CVT": kv_convert(cfg, kv_fp8=kv_fp8, itemsize=dtype.itemsize,
+                                 interpreting=interpreting()),
             "num_warps": cfg.num_warps,
             "num_stages": cfg.num_stages,
         },

@@ -6,6 +6,7 @@ Pure Python (no triton import): the metadata builder calls it once per step.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import attrs
 
@@ -14,6 +15,8 @@ __all__ = [
     "BALANCED_ORDERS",
     "BALANCED_ORDER_ENV",
     "DECODE_PLAN_ENV",
+    "DECODE_TILES",
+    "DECODE_TILES_ENV",
     "DEFAULT_BALANCED_ORDER",
     "PREFILL_TILES_ENV",
     "TILE_FLAGS",
@@ -26,6 +29,8 @@ __all__ = [
     "choose_num_segments",
     "decode_plan",
     "flat_grid_size",
+    "kv_convert",
+    "parse_decode_tiles",
     "parse_tiles",
     "pow2_splits",
     "tile_config",
@@ -38,8 +43,10 @@ PREFILL_TILES_ENV = "PAGEDCORE_TRITON_PREFILL_TILES"
 #: ``balanced:N`` too with at least ``N`` tokens per segment (tests), ``uniform`` on the
 #: uniform split-KV plan; unset follows ``SplitRule.balanced`` (see `decode_plan`).
 DECODE_PLAN_ENV = "PAGEDCORE_TRITON_DECODE_PLAN"
-#: Tuning only: K/V tokens per tile of decode launches (default 64 for head sizes <= 128).
-DECODE_TILE_N_ENV = "PAGEDCORE_TRITON_DECODE_TILE_N"
+#: Overrides the decode tile shape (tuning): ``"TILE_N,WARPS,STAGES[,FLAG...]"``, flags
+#: ``cvtN`` (`TileConfig.kv_convert`), ``s`` (unmasked interior tiles), ``i32`` (int32 K/V
+#: offsets), ``rN`` (at most N registers per thread); see `parse_decode_tiles`.
+DECODE_TILES_ENV = "PAGEDCORE_TRITON_DECODE_TILES"
 
 #: An eager decode step runs on the balanced grid only when that cuts its longest program
 #: (in K/V tiles) by more than this factor against the uniform plan (`balanced_pays`).
@@ -59,6 +66,21 @@ TILE_FLAGS = {
     "fwd": "natural q-block order instead of longest-first",
     "m1": "masked edge tiles not software-pipelined (num_stages=1 on those loops)",
     "i32": "int32 K/V offsets when the cache has fewer than 2**31 elements",
+}
+
+
+#: The decode tile shape (head sizes <= 128) by the KV cache's element size (1: fp8, 2:
+#: bf16/fp16), the fastest of the variants swept on the H200 at 64x4096 / 8x32768 / 256x1024
+#: (``tools/fp8_decode_sweep.py``, ``docs/benchmarks/fp8_h200.json``). bf16: 64-token tiles,
+#: 4 warps, 3 stages, int32 K/V offsets (1-2 % faster than int64 at every shape). fp8:
+#: 128-token tiles (the bytes of a 64-token bf16 tile), 5 stages (Triton double-buffers the
+#: K/V tiles only from 5 on: the block-table load takes a stage), float16 operands (``KV_CVT``
+#: 1: the hardware cast; the cast to bf16 goes through float32) and int32 offsets:
+#: 1.24x-1.44x the bf16 decode, against 0.88x-1.09x for the previous 128-token, 3-stage
+#: bf16-operand tile.
+DECODE_TILES: dict[int, dict[str, Any]] = {
+    2: {"tile_n": 64, "num_warps": 4, "num_stages": 3, "int32_offsets": True},
+    1: {"tile_n": 128, "num_warps": 4, "num_stages": 5, "kv_convert": 1, "int32_offsets": True},
 }
 
 
@@ -298,6 +320,13 @@ class TileConfig:
     #: Hopper prefill kernel only: keys near the causal diagonal in tiles of this many
     #: (0: in `tile_n` tiles), so that only the last one is masked.
     diag_tile_n: int = 0
+    #: How an fp8 cache's tiles become dot operands (the kernels' ``KV_CVT``, read only for
+    #: fp8 caches with 16-bit queries): 0 a cast to the query's dtype, 1 a cast to float16,
+    #: 2 float16 rebuilt from the fp8 bits, 3 the ``cvt.rn.f16x2`` PTX instruction (see
+    #: ``kernels/attention.py``'s `_fp8_operand`).
+    kv_convert: int = 0
+    #: Registers per thread at most (Triton's ``maxnreg``; None: the compiler's choice).
+    maxnreg: int | None = None
 
 
 def parse_tiles(text: str, num_queries_per_kv: int) -> TileConfig:
@@ -338,6 +367,61 @@ def parse_tiles(text: str, num_queries_per_kv: int) -> TileConfig:
     )
 
 
+def parse_decode_tiles(text: str, base: TileConfig) -> TileConfig:
+    """`base` (a decode `TileConfig`) with the ``PAGEDCORE_TRITON_DECODE_TILES`` text applied:
+    ``"TILE_N,WARPS,STAGES[,FLAG...]"``, flags ``cvtN`` (N in 0..3: `TileConfig.kv_convert`),
+    ``s`` (unmasked interior tiles), ``i32`` (int32 K/V offsets), ``rN`` (``maxnreg``).
+
+    >>> base = TileConfig(block_m=16, block_q=4, tile_n=64, num_warps=4, num_stages=3)
+    >>> cfg = parse_decode_tiles("128,4,5,cvt1,i32", base)
+    >>> (cfg.tile_n, cfg.num_stages, cfg.kv_convert, cfg.int32_offsets, cfg.block_m)
+    (128, 5, 1, True, 16)
+    """
+    fields = [f.strip() for f in text.split(",")]
+    try:
+        tile_n, warps, stages = (int(f) for f in fields[:3])
+    except ValueError:
+        tile_n = warps = stages = 0
+    flags = fields[3:]
+    cvt, regs = base.kv_convert, base.maxnreg
+    ok = len(fields) >= 3 and tile_n >= 16 and tile_n & (tile_n - 1) == 0 and warps > 0
+    ok = ok and stages > 0 and len(set(flags)) == len(flags)
+    for flag in flags:
+        if flag.startswith("cvt") and flag[3:] in ("0", "1", "2", "3"):
+            cvt = int(flag[3:])
+        elif flag.startswith("r") and flag[1:].isdigit() and int(flag[1:]) > 0:
+            regs = int(flag[1:])
+        elif flag not in ("s", "i32"):
+            ok = False
+    if not ok:
+        raise ValueError(
+            f"{DECODE_TILES_ENV}={text!r}: expected 'TILE_N,WARPS,STAGES[,FLAG...]' with "
+            "TILE_N a power of two >= 16, positive WARPS and STAGES, and each FLAG at most once, "
+            "one of cvt0..cvt3, s, i32, rN; e.g. '128,4,5,cvt1'"
+        )
+    return attrs.evolve(base, tile_n=tile_n, num_warps=warps, num_stages=stages,
+                        kv_convert=cvt, maxnreg=regs,
+                        skip_interior_masks="s" in flags or base.skip_interior_masks,
+                        int32_offsets="i32" in flags or base.int32_offsets)
+
+
+def kv_convert(cfg: TileConfig, *, kv_fp8: bool, itemsize: int, interpreting: bool) -> int:
+    """The kernels' ``KV_CVT`` for a launch: ``cfg.kv_convert`` for an fp8 cache read by 16-bit
+    queries (`itemsize` 2) on the GPU, else 0 (a cast to the query's dtype: fp32 dots and
+    Triton's interpreter keep it).
+
+    >>> cfg = TileConfig(block_m=16, block_q=4, tile_n=128, num_warps=4, num_stages=3,
+    ...                  kv_convert=2)
+    >>> kv_convert(cfg, kv_fp8=True, itemsize=2, interpreting=False)
+    2
+    >>> kv_convert(cfg, kv_fp8=True, itemsize=4, interpreting=False)
+    0
+    """
+    if not kv_fp8 or interpreting or itemsize != 2:
+        return 0
+    return cfg.kv_convert
+
+
 def tile_config(
     max_query_len: int,
     num_queries_per_kv: int,
@@ -351,7 +435,8 @@ def tile_config(
 ) -> TileConfig:
     """Tile shape for a launch: rows = query tokens x the GQA group, a power of two >= 16.
 
-    Decodes get 16-row tiles (the smallest ``tl.dot``), 64-token K/V tiles, 4 warps, 3 stages;
+    Decodes get 16-row tiles (the smallest ``tl.dot``), 64-token K/V tiles, 4 warps, 3 stages
+    (head sizes above 128: 32-token tiles);
     prefills up to 128 rows (64 for head sizes above 128, to bound registers and shared
     memory) with 64-token tiles, 4 warps, 3 stages, unmasked interior tiles and int32 K/V
     offsets (where the cache allows). A `prefill_only` launch (every request has more than
@@ -362,10 +447,10 @@ def tile_config(
     decode's K/V stream compute-bound. All were the fastest of the variants swept on the
     H200 (``docs/benchmarks/triton.md``). Prefill tiles launch their q-blocks longest-first.
     `prefill_override` (the ``PAGEDCORE_TRITON_PREFILL_TILES`` text, see `parse_tiles`)
-    replaces the prefill shape. Decodes over an fp8 cache (`kv_itemsize` 1) take 128-token
-    tiles: 1.17x-1.34x faster than 64 on the H200 at 64x4096 / 8x32768 / 256x1024, 256 no
-    better (``docs/benchmarks/fp8_h200.json``); ``PAGEDCORE_TRITON_DECODE_TILE_N`` overrides
-    the decode tile length (tuning).
+    replaces the prefill shape. Decodes with head size <= 128 take `DECODE_TILES` by the
+    cache's element size (`kv_itemsize`; fp8: 128-token tiles on 5 stages with float16
+    operands); ``PAGEDCORE_TRITON_DECODE_TILES`` overrides the decode shape (tuning, see
+    `parse_decode_tiles`).
     """
     if prefill_override and max_query_len > 1:
         return parse_tiles(prefill_override, num_queries_per_kv)
@@ -384,12 +469,7 @@ def tile_config(
         tile_n = 64
     else:
         tile_n = 32
-    if kv_itemsize == 1 and head_pad <= 128 and max_query_len <= 1 and not interpreting:
-        tile_n = 128
-    decode_tile_n = os.environ.get(DECODE_TILE_N_ENV)
-    if decode_tile_n and max_query_len <= 1 and not interpreting:
-        tile_n = int(decode_tile_n)
-    return TileConfig(
+    cfg = TileConfig(
         block_m=block_m,
         block_q=block_q,
         tile_n=tile_n,
@@ -399,3 +479,9 @@ def tile_config(
         longest_first=max_query_len > 1,
         int32_offsets=max_query_len > 1,
     )
+    if max_query_len > 1 or interpreting:
+        return cfg
+    if head_pad <= 128:
+        cfg = attrs.evolve(cfg, **DECODE_TILES[1 if kv_itemsize == 1 else 2])
+    override = os.environ.get(DECODE_TILES_ENV)
+    return parse_decode_tiles(override, cfg) if override else cfg

@@ -222,7 +222,32 @@ def test_prefill_tile_choice() -> None:
         assert (cfg.block_m, cfg.num_warps) == (128, 4)
     assert tile_config(2048, 4, 256, interpreting=False, prefill_only=True).block_m == 64
     decode = tile_config(1, 4, 128, interpreting=False)
-    assert (decode.block_m, decode.num_warps, decode.int32_offsets) == (16, 4, False)
+    assert (decode.block_m, decode.num_warps, decode.int32_offsets) == (16, 4, True)
+
+
+def test_decode_tiles_follow_the_cache_element_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp8 decodes take DECODE_TILES[1] (float16 operands), bf16 ones DECODE_TILES[2]; the
+    override reaches every variant and names what it expects when malformed."""
+    from pagedcore_triton.plan import DECODE_TILES, DECODE_TILES_ENV, kv_convert, tile_config
+
+    fp8 = tile_config(1, 4, 128, interpreting=False, kv_itemsize=1)
+    bf16 = tile_config(1, 4, 128, interpreting=False, kv_itemsize=2)
+    for cfg, want in ((fp8, DECODE_TILES[1]), (bf16, DECODE_TILES[2])):
+        assert all(getattr(cfg, k) == v for k, v in want.items()), (cfg, want)
+    assert fp8.tile_n == 2 * bf16.tile_n and fp8.kv_convert == 1 and bf16.kv_convert == 0
+    assert kv_convert(fp8, kv_fp8=True, itemsize=2, interpreting=False) == 1
+    assert kv_convert(fp8, kv_fp8=True, itemsize=2, interpreting=True) == 0
+    # prefills and the interpreter keep their own shapes
+    assert tile_config(64, 4, 128, interpreting=False, kv_itemsize=1).kv_convert == 0
+    assert tile_config(1, 4, 128, interpreting=True, kv_itemsize=1).tile_n == 16
+    monkeypatch.setenv(DECODE_TILES_ENV, "64,8,2,cvt3,s,r128")
+    cfg = tile_config(1, 4, 128, interpreting=False, kv_itemsize=1)
+    assert (cfg.tile_n, cfg.num_warps, cfg.num_stages, cfg.kv_convert, cfg.maxnreg,
+            cfg.skip_interior_masks) == (64, 8, 2, 3, 128, True)
+    for bad in ("128,4", "100,4,3", "128,4,3,cvt4", "128,4,3,s,s"):
+        monkeypatch.setenv(DECODE_TILES_ENV, bad)
+        with pytest.raises(ValueError, match=r"TILE_N,WARPS,STAGES\[,FLAG...\]"):
+            tile_config(1, 4, 128, interpreting=False)
 
 
 def test_builder_marks_prefill_only_parts() -> None:

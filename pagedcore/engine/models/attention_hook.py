@@ -29,10 +29,12 @@ _registered = False
 @attrs.define
 class KVScaleCalibration:
     """An fp8 layer whose K/V scales are still to be computed from its first real cache
-    write (the first prefill): ``max|x| / fp8 max`` per tensor."""
+    write (the first prefill): ``max|x| / fp8 max`` per tensor. A write whose K (or V) is all
+    zero or not finite gives no scale: that one stays 1.0, with a warning naming `layer`."""
 
     kv_cache_dtype: str
     pending: bool = True
+    layer: int | str = "?"
 
     def maybe_calibrate(self, impl: AttentionImpl[Any], key: torch.Tensor,
                         value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -40,17 +42,34 @@ class KVScaleCalibration:
         while a CUDA graph is being captured (no host reads there) nor on padding only."""
         import torch
 
-        from pagedcore.attention.kv_quant import calibrated_scale
-
         if key.is_cuda and torch.cuda.is_current_stream_capturing():
             return
         n = min(key.shape[0], slot_mapping.shape[0])
         real = slot_mapping[:n] >= 0
         if not bool(real.any()):
             return
-        impl.set_kv_scales(calibrated_scale(key[:n][real], self.kv_cache_dtype),
-                           calibrated_scale(value[:n][real], self.kv_cache_dtype))
+        impl.set_kv_scales(self._scale(key[:n][real], "k"), self._scale(value[:n][real], "v"))
         self.pending = False
+
+    def _scale(self, x: torch.Tensor, which: str) -> float:
+        """``max|x| / fp8 max``, or 1.0 (with a warning) when ``max|x|`` is 0 or not finite."""
+        import math
+        import warnings
+
+        from pagedcore.attention.kv_quant import FP8_MAX, normalize_kv_cache_dtype
+
+        amax = float(x.abs().amax())
+        if math.isfinite(amax) and amax > 0:
+            return amax / FP8_MAX[normalize_kv_cache_dtype(self.kv_cache_dtype)]
+        what = "all zero" if amax == 0 else f"not finite (max |x| = {amax})"
+        warnings.warn(
+            f"layer {self.layer}: the first prefill's {which.upper()} is {what}, so no fp8 "
+            f"{which}_scale can be computed from it; using {which}_scale = 1.0 (values beyond "
+            f"+-{FP8_MAX[normalize_kv_cache_dtype(self.kv_cache_dtype)]:g} saturate). Give the "
+            "checkpoint k_scale/v_scale tensors, or use kv_cache_dtype='auto'",
+            RuntimeWarning, stacklevel=2,
+        )
+        return 1.0
 
 
 @attrs.frozen

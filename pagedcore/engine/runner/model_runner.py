@@ -187,7 +187,8 @@ class ModelRunner:
                 if kv_cache_dtype != "auto" and kv_scales is not None:
                     impl.set_kv_scales(*kv_scales[idx])
                 elif kv_cache_dtype != "auto":
-                    calibration = attention_hook.KVScaleCalibration(impl.kv_cache_dtype)
+                    calibration = attention_hook.KVScaleCalibration(impl.kv_cache_dtype,
+                                                                    layer=idx)
                 self.layers[idx] = attention_hook.LayerBinding(
                     impl, self.kv_caches[name], g, calibration
                 )
@@ -238,13 +239,18 @@ class ModelRunner:
                 return name
         return "auto"
 
+    def _kv_scales_pending(self) -> bool:
+        """Some fp8 layer still waits for its first prefill's scales: its step runs eagerly
+        (the calibration reads the K/V on the host, which a graph replay never does)."""
+        return any(b.calibration is not None and b.calibration.pending
+                   for b in self.layers.values())
+
     def kv_scale_status(self) -> dict[str, Any]:
         """``{"kv_cache_dtype", "kv_scales"}``: where the fp8 scales come from (``"first
         prefill"``, or ``"pending (first prefill)"`` before it) and their ranges."""
         if self.kv_cache_dtype == "auto":
             return {"kv_cache_dtype": "auto", "kv_scales": None}
-        pending = any(b.calibration is not None and b.calibration.pending
-                      for b in self.layers.values())
+        pending = self._kv_scales_pending()
         ks = [b.impl.k_scale for b in self.layers.values()]
         vs = [b.impl.v_scale for b in self.layers.values()]
         return {"kv_cache_dtype": self.kv_cache_dtype, "kv_scales": {
@@ -472,6 +478,7 @@ class ModelRunner:
             elif (
                 not any(inputs.cascade_prefix_lens)
                 and self.mixed_graphs is not None
+                and not self._kv_scales_pending()  # a replay runs no calibration (Python)
                 and self.mixed_graphs.bucket_for(inputs)
             ):
                 hidden = self.mixed_graphs.run(inputs)

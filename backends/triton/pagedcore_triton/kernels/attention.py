@@ -71,11 +71,13 @@ def _attend_tile(
     DOT_FP32: tl.constexpr,
     MASKED: tl.constexpr,
     OFF32: tl.constexpr = False,
+    KV_CVT: tl.constexpr = 0,
 ):
     """One K/V tile of the online softmax; MASKED=False only for tiles every row fully sees.
 
     ``OFF32`` computes the cache offsets in int32 (the caller guarantees that the whole cache
-    has fewer than 2**31 elements).
+    has fewer than 2**31 elements). ``KV_CVT`` is how an fp8 tile becomes a dot operand
+    (`_fp8_operand`; `q` is then float16).
     """
     n = t * TILE_N + tl.arange(0, TILE_N)
     if OFF32:
@@ -90,21 +92,16 @@ def _attend_tile(
         n_ok = n >= 0
         phys = tl.load(bt_row + n // BLOCK_SIZE).to(offs_ty)
         slot_off = phys * stride_cb + (n % BLOCK_SIZE).to(offs_ty) * stride_cs + kv_head_off
-    k_ptrs = k_cache_ptr + slot_off[None, :] + d[:, None]
-    v_ptrs = v_cache_ptr + slot_off[:, None] + d[None, :]
     # Masked lanes load 0, never the cache's content (which may be NaN).
-    if MASKED:
-        k = tl.load(k_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-    elif HEAD_PAD != HEAD_SIZE:
-        k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
-    else:
-        k = tl.load(k_ptrs)
-    # An fp8 cache is dequantized here, in registers: upcast to the query's dtype (exact for
-    # e4m3 and e5m2); the scales are folded into the softmax scale and the final output.
+    k = _load_dn(k_cache_ptr, slot_off, d, n_ok, d_ok, MASKED, HEAD_PAD != HEAD_SIZE)
+    v_ptrs = v_cache_ptr + slot_off[:, None] + d[None, :]
+    # An fp8 cache is dequantized here, in registers: upcast to the query's dtype or to
+    # float16 (`_fp8_operand`, exact for e4m3 and e5m2); the scales are folded into the
+    # softmax scale and the final output.
     if DOT_FP32:
         s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
     else:
-        s = tl.dot(q, k.to(q.dtype))
+        s = tl.dot(q, _fp8_operand(k, q.dtype, KV_CVT))
     # Without soft-cap and ALiBi, s stays unscaled and the scale (with log2 e) is folded into
     # the exponent: exp2(s * qk_scale - m) is one fused multiply-add per score.
     if USE_SOFTCAP:
@@ -147,8 +144,61 @@ def _attend_tile(
     if DOT_FP32:
         acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
     else:
-        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc)
+        if KV_CVT == 0:
+            p = p.to(q.dtype)
+        else:  # fp8 V tiles become float16 operands (`_fp8_operand`)
+            p = p.to(tl.float16)
+        acc = tl.dot(p, _fp8_operand(v, q.dtype, KV_CVT), acc)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _load_dn(cache_ptr, slot_off, d, n_ok, d_ok, MASKED: tl.constexpr, PAD: tl.constexpr):
+    """One ``[HEAD_PAD, TILE_N]`` tile of K at the tokens' slot offsets: masked lanes
+    (tokens outside ``n_ok``, padding dims) load 0, never the cache's content."""
+    ptrs = cache_ptr + slot_off[None, :] + d[:, None]
+    if MASKED:
+        x = tl.load(ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+    elif PAD:
+        x = tl.load(ptrs, mask=d_ok[:, None], other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _fp8_operand(x, dtype, KV_CVT: tl.constexpr):
+    """A K/V tile as a dot operand: ``KV_CVT`` 0 casts to `dtype` (the query's), 1 casts an
+    fp8 tile to float16 (Triton's cast), 2 rebuilds float16 from the fp8 bits with integer
+    operations: e5m2 is float16's upper byte; an e4m3 byte ``s eeee mmm`` placed as
+    ``s 0eeee mmm0000000`` is its value times 2**-8, exact for normals and subnormals (the
+    caller multiplies the scales by 256, `_kv_scales`); 3 converts four bytes at a time with
+    the sm_89+ instruction ``cvt.rn.f16x2.e4m3x2`` / ``.e5m2x2`` (inline PTX, GPU only).
+    All are exact for every finite fp8 value."""
+    if KV_CVT == 3:
+        b = x.to(tl.uint8, bitcast=True)
+        if x.dtype == tl.float8e5:
+            h = tl.inline_asm_elementwise(
+                "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e5m2x2 $0, lo; "
+                "cvt.rn.f16x2.e5m2x2 $1, hi; }",
+                "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
+        else:
+            h = tl.inline_asm_elementwise(
+                "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; "
+                "cvt.rn.f16x2.e4m3x2 $1, hi; }",
+                "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
+        return h
+    elif KV_CVT == 2:
+        b = x.to(tl.uint8, bitcast=True).to(tl.uint16)
+        if x.dtype == tl.float8e5:
+            h = b << 8
+        else:
+            h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+        return h.to(tl.float16, bitcast=True)
+    elif KV_CVT == 1:
+        return x.to(tl.float16)
+    else:
+        return x.to(dtype)
 
 
 @triton.jit
@@ -168,11 +218,17 @@ def _initial_state(sinks_ptr, head, row_ok, with_sink, USE_SINKS: tl.constexpr,
 
 
 @triton.jit
-def _kv_scales(k_scale_ptr, v_scale_ptr, KV_FP8: tl.constexpr):
-    """This layer's fp8 dequantization scales (1.0 for a model-dtype cache)."""
+def _kv_scales(k_scale_ptr, v_scale_ptr, KV_FP8: tl.constexpr, KV_CVT: tl.constexpr = 0,
+               E4M3: tl.constexpr = True):
+    """This layer's fp8 dequantization scales (1.0 for a model-dtype cache), times 256 for
+    e4m3 operands rebuilt from their bits (``KV_CVT == 2``, `_fp8_operand`)."""
     if KV_FP8:
         k_scale = tl.load(k_scale_ptr).to(tl.float32)
         v_scale = tl.load(v_scale_ptr).to(tl.float32)
+        if KV_CVT == 2:
+            if E4M3:
+                k_scale = k_scale * 256.0
+                v_scale = v_scale * 256.0
     else:
         k_scale = 1.0
         v_scale = 1.0
@@ -229,6 +285,7 @@ def paged_attention_kernel(
     REQ_PAD: tl.constexpr = 1,
     KV_FP8: tl.constexpr = False,
     USE_SINKS: tl.constexpr = False,
+    KV_CVT: tl.constexpr = 0,
 ):
     """Grid ``(q_blocks, Hkv, NUM_SEGMENTS)``, or ``(P, Hkv, 1)`` with ``FLAT``.
 
@@ -249,7 +306,9 @@ def paged_attention_kernel(
 
     ``KV_FP8``: the cache holds fp8, read as ``fp8 * scale`` with the ``[1]`` float32 scales
     at `k_scale_ptr` / `v_scale_ptr`. ``USE_SINKS``: `sinks_ptr` holds ``[Hq]`` float32 sink
-    logits, which the first segment of each row starts its softmax with.
+    logits, which the first segment of each row starts its softmax with. ``KV_CVT`` (fp8
+    only): how K/V tiles become dot operands, see `_fp8_operand`; with 1 or 2 the query and
+    the probabilities enter the dots as float16.
     """
     kv_head = tl.program_id(1)
     if FLAT:
@@ -289,7 +348,8 @@ def paged_attention_kernel(
     d_ok = d < HEAD_SIZE
     q_rows = (q_begin + tok).to(tl.int64)
     if not FLAT:  # the classic grid keeps the load order its timings were measured with
-        q = _load_q(q_ptr, q_rows, head, d, row_ok, d_ok, stride_qt, stride_qh, DOT_FP32)
+        q = _load_q(q_ptr, q_rows, head, d, row_ok, d_ok, stride_qt, stride_qh, DOT_FP32,
+                    KV_CVT != 0)
     pos_q = ctx_len + tok
 
     # Keys this q-block can see: [kv_begin, kv_end).
@@ -320,13 +380,15 @@ def paged_attention_kernel(
                 tl.store(part_ml_ptr + prow * 2, tl.full([BLOCK_M], float("-inf"), tl.float32),
                          mask=row_ok)
                 return
-        q = _load_q(q_ptr, q_rows, head, d, row_ok, d_ok, stride_qt, stride_qh, DOT_FP32)
+        q = _load_q(q_ptr, q_rows, head, d, row_ok, d_ok, stride_qt, stride_qh, DOT_FP32,
+                    KV_CVT != 0)
 
     if USE_ALIBI:
         slope = tl.load(alibi_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
     else:
         slope = tl.zeros([BLOCK_M], tl.float32)
-    k_scale, v_scale = _kv_scales(k_scale_ptr, v_scale_ptr, KV_FP8)
+    k_scale, v_scale = _kv_scales(k_scale_ptr, v_scale_ptr, KV_FP8, KV_CVT,
+                                  k_cache_ptr.dtype.element_ty != tl.float8e5)
     scale = scale * k_scale
     qk_scale = scale * 1.4426950408889634  # fold log2(e): the softmax runs in base 2
     m_i, l_i = _initial_state(sinks_ptr, head, row_ok, segment == 0, USE_SINKS, BLOCK_M)
@@ -359,21 +421,21 @@ def paged_attention_kernel(
                 q, m_i, l_i, acc, t, bt_row, k_cache_ptr, v_cache_ptr, kv_head_off, stride_cb,
                 stride_cs, d, d_ok, row_ok, pos_q, kv_begin, kv_end, slope, scale, qk_scale,
                 soft_cap, window, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, CAUSAL, USE_ALIBI,
-                USE_SOFTCAP, USE_WINDOW, DOT_FP32, True, OFF32,
+                USE_SOFTCAP, USE_WINDOW, DOT_FP32, True, OFF32, KV_CVT,
             )
         for t in range(a, b):
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, t, bt_row, k_cache_ptr, v_cache_ptr, kv_head_off, stride_cb,
                 stride_cs, d, d_ok, row_ok, pos_q, kv_begin, kv_end, slope, scale, qk_scale,
                 soft_cap, window, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, CAUSAL, USE_ALIBI,
-                USE_SOFTCAP, USE_WINDOW, DOT_FP32, False, OFF32,
+                USE_SOFTCAP, USE_WINDOW, DOT_FP32, False, OFF32, KV_CVT,
             )
         for t in tl.range(b, t_stop, num_stages=EDGE_STAGES):
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, t, bt_row, k_cache_ptr, v_cache_ptr, kv_head_off, stride_cb,
                 stride_cs, d, d_ok, row_ok, pos_q, kv_begin, kv_end, slope, scale, qk_scale,
                 soft_cap, window, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, CAUSAL, USE_ALIBI,
-                USE_SOFTCAP, USE_WINDOW, DOT_FP32, True, OFF32,
+                USE_SOFTCAP, USE_WINDOW, DOT_FP32, True, OFF32, KV_CVT,
             )
     else:
         for t in range(t_start, t_stop):
@@ -381,7 +443,7 @@ def paged_attention_kernel(
                 q, m_i, l_i, acc, t, bt_row, k_cache_ptr, v_cache_ptr, kv_head_off, stride_cb,
                 stride_cs, d, d_ok, row_ok, pos_q, kv_begin, kv_end, slope, scale, qk_scale,
                 soft_cap, window, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, CAUSAL, USE_ALIBI,
-                USE_SOFTCAP, USE_WINDOW, DOT_FP32, True, OFF32,
+                USE_SOFTCAP, USE_WINDOW, DOT_FP32, True, OFF32, KV_CVT,
             )
 
     if KV_FP8:
@@ -420,8 +482,11 @@ def paged_attention_kernel(
 
 
 @triton.jit
-def _load_q(q_ptr, q_rows, head, d, row_ok, d_ok, stride_qt, stride_qh, DOT_FP32: tl.constexpr):
-    """One program's query rows ``[BLOCK_M, HEAD_PAD]`` (fp32 when the dots run in fp32)."""
+def _load_q(q_ptr, q_rows, head, d, row_ok, d_ok, stride_qt, stride_qh, DOT_FP32: tl.constexpr,
+            Q_F16: tl.constexpr = False):
+    """One program's query rows ``[BLOCK_M, HEAD_PAD]`` (fp32 when the dots run in fp32;
+    float16 with `Q_F16`, clamped to its finite range: a bf16 query beyond +-65504 is
+    outside what an fp8 cache's float16 dots serve)."""
     q = tl.load(
         q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
         mask=row_ok[:, None] & d_ok[None, :],
@@ -429,6 +494,8 @@ def _load_q(q_ptr, q_rows, head, d, row_ok, d_ok, stride_qt, stride_qh, DOT_FP32
     )
     if DOT_FP32:
         q = q.to(tl.float32)
+    elif Q_F16:
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     return q
 
 

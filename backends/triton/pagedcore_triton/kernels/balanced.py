@@ -121,6 +121,7 @@ def balanced_decode_kernel(
     ROUND_ROBIN: tl.constexpr = False,
     KV_FP8: tl.constexpr = False,
     USE_SINKS: tl.constexpr = False,
+    KV_CVT: tl.constexpr = 0,
 ):
     """Grid ``(P, Hkv)``, or ``(Hkv, P)`` with ``HEADS_FIRST`` (the KV heads of one segment
     launched next to each other): program ``p`` serves one segment of one single-token
@@ -198,13 +199,15 @@ def balanced_decode_kernel(
     d = tl.arange(0, HEAD_PAD)
     d_ok = d < HEAD_SIZE
     q_rows = (q_begin + rows * 0).to(tl.int64)
-    q = _load_q(q_ptr, q_rows, head, d, row_ok, d_ok, stride_qt, stride_qh, DOT_FP32)
+    q = _load_q(q_ptr, q_rows, head, d, row_ok, d_ok, stride_qt, stride_qh, DOT_FP32,
+                KV_CVT != 0)
     pos_q = seq_len - 1 + rows * 0
     if USE_ALIBI:
         slope = tl.load(alibi_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
     else:
         slope = tl.zeros([BLOCK_M], tl.float32)
-    k_scale, v_scale = _kv_scales(k_scale_ptr, v_scale_ptr, KV_FP8)
+    k_scale, v_scale = _kv_scales(k_scale_ptr, v_scale_ptr, KV_FP8, KV_CVT,
+                                  k_cache_ptr.dtype.element_ty != tl.float8e5)
     scale = scale * k_scale
     qk_scale = scale * 1.4426950408889634  # fold log2(e): the softmax runs in base 2
     m_i, l_i = _initial_state(sinks_ptr, head, row_ok, segment == 0, USE_SINKS, BLOCK_M)
@@ -220,7 +223,7 @@ def balanced_decode_kernel(
             q, m_i, l_i, acc, t, bt_row, k_cache_ptr, v_cache_ptr, kv_head_off, stride_cb,
             stride_cs, d, d_ok, row_ok, pos_q, kv_begin, kv_end, slope, scale, qk_scale,
             soft_cap, window, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, False, USE_ALIBI,
-            USE_SOFTCAP, USE_WINDOW, DOT_FP32, True, OFF32,
+            USE_SOFTCAP, USE_WINDOW, DOT_FP32, True, OFF32, KV_CVT,
         )
     if KV_FP8:
         acc = acc * v_scale
