@@ -80,11 +80,46 @@ def cubin_facts(cubin: bytes) -> tuple[int | None, int | None, str]:
     return (int(regs.group(1)) if regs else None, int(stack.group(1)) if stack else None, sass)
 
 
-def stats(variant: str) -> dict[str, Any]:
-    """Compile `variant` for sm_90 and summarize its registers, spills and interior loop."""
+def compile_for_sm90(kernel: Any, consts: dict[str, Any], types: dict[str, str],
+                     num_warps: int, num_stages: int) -> Any:
+    """``triton.compile`` of `kernel` for sm_90 (no GPU needed): `consts` become constexprs,
+    `types` names the arguments that are not ``i32`` (``"*bf16"``, ``"fp32"``, a
+    ``tensordesc<...>``); other ``*_ptr`` arguments are ``*i32``. Pointers, strides and
+    ``v_offset`` are declared 16-divisible, as the launches guarantee. Constexpr parameters
+    missing from `consts` take their declared defaults (as a launch that omits them does),
+    so a kernel that gains one keeps compiling here."""
+    import inspect
+
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
+    consts = dict(consts)
+    for param in kernel.params:
+        if (param.is_constexpr and param.name not in consts
+                and param.default is not inspect.Parameter.empty):
+            consts[param.name] = param.default
+    sig: dict[str, str] = {}
+    for name in kernel.arg_names:
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name in types:
+            sig[name] = types[name]
+        else:
+            sig[name] = "*i32" if name.endswith("_ptr") else "i32"
+    aligned = [n for n in kernel.arg_names
+               if n.endswith("_ptr") or n.startswith("stride_") or n == "v_offset"]
+    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    return triton.compile(
+        ASTSource(kernel, sig, constexprs=consts, attrs=attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": num_warps, "num_stages": num_stages},
+    )
+
+
+def stats(variant: str) -> dict[str, Any]:
+    """Compile `variant` for sm_90 and summarize its registers, spills and interior loop."""
+    import triton
 
     kernel = _load(KERNEL, "_pc_attention").paged_attention_kernel
     plan = _load(PLAN, "_pc_plan")
@@ -104,27 +139,10 @@ def stats(variant: str) -> dict[str, Any]:
         "FLAT": False, "MIN_SEGMENT_TILES": 1, "REQ_PAD": 1,
     }
     consts = {k: v for k, v in consts.items() if k in kernel.arg_names}
-    ptrs = ["out_ptr", "q_ptr", "k_cache_ptr", "alibi_ptr", "part_acc_ptr", "part_ml_ptr"]
-    sig: dict[str, str] = {}
-    for name in kernel.arg_names:
-        if name in consts:
-            sig[name] = "constexpr"
-        elif name in ptrs:
-            sig[name] = "*bf16"
-        elif name.endswith("_ptr"):
-            sig[name] = "*i32"
-        elif name in ("scale", "soft_cap"):
-            sig[name] = "fp32"
-        else:
-            sig[name] = "i32"
-    aligned = [n for n in kernel.arg_names
-               if n.endswith("_ptr") or n.startswith("stride_") or n == "v_offset"]
-    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    compiled = triton.compile(
-        ASTSource(kernel, sig, constexprs=consts, attrs=attrs),
-        target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
-    )
+    types = {p: "*bf16" for p in ("out_ptr", "q_ptr", "k_cache_ptr", "alibi_ptr",
+                                  "part_acc_ptr", "part_ml_ptr")}
+    types.update(scale="fp32", soft_cap="fp32")
+    compiled = compile_for_sm90(kernel, consts, types, cfg.num_warps, cfg.num_stages)
     regs, stack, sass = cubin_facts(compiled.asm["cubin"])
     row: dict[str, Any] = {
         "variant": variant, "triton": triton.__version__, "warps": cfg.num_warps,

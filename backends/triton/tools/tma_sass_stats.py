@@ -52,11 +52,9 @@ def _parse(variant: str) -> dict[str, Any]:
 def stats(variant: str, *, prefix: bool = False) -> dict[str, Any]:
     """Compile `variant` for sm_90 and summarize registers, spills and its loops."""
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     sys.path.insert(0, str(HERE))
-    from sass_stats import cubin_facts, sass_loops
+    from sass_stats import compile_for_sm90, cubin_facts, sass_loops
 
     kernel = _kernel()
     cfg = _parse(variant)
@@ -68,30 +66,12 @@ def stats(variant: str, *, prefix: bool = False) -> dict[str, Any]:
         "INNER_STAGES": cfg["stages"], "EDGE_STAGES": cfg["edge"],
         "WARP_SPECIALIZE": cfg["ws"], "DIAG_N": cfg["diag"],
     }
-    sig: dict[str, str] = {}
-    for name in kernel.arg_names:
-        if name in consts:
-            sig[name] = "constexpr"
-        elif name in ("k_desc", "v_desc"):
-            sig[name] = f"tensordesc<bf16[{cfg['tile_n']}, 128]>"
-        elif name in ("kd_desc", "vd_desc"):
-            sig[name] = f"tensordesc<bf16[{cfg['diag'] or cfg['tile_n']}, 128]>"
-        elif name in ("out_ptr", "q_ptr", "k_cache_ptr"):
-            sig[name] = "*bf16"
-        elif name.endswith("_ptr"):
-            sig[name] = "*i32"
-        elif name == "scale":
-            sig[name] = "fp32"
-        else:
-            sig[name] = "i32"
-    aligned = [n for n in kernel.arg_names
-               if n.endswith("_ptr") or n.startswith("stride_") or n == "v_offset"]
-    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    compiled = triton.compile(
-        ASTSource(kernel, sig, constexprs=consts, attrs=attrs),
-        target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": cfg["warps"], "num_stages": cfg["stages"]},
-    )
+    tile_desc = f"tensordesc<bf16[{cfg['tile_n']}, 128]>"
+    diag_desc = f"tensordesc<bf16[{cfg['diag'] or cfg['tile_n']}, 128]>"
+    types = {"k_desc": tile_desc, "v_desc": tile_desc, "kd_desc": diag_desc,
+             "vd_desc": diag_desc, "out_ptr": "*bf16", "q_ptr": "*bf16",
+             "k_cache_ptr": "*bf16", "scale": "fp32"}
+    compiled = compile_for_sm90(kernel, consts, types, cfg["warps"], cfg["stages"])
     regs, stack, sass = cubin_facts(compiled.asm["cubin"])
     loops = [c for c in sass_loops(sass) if c["HGMMA"]]
     return {
