@@ -21,8 +21,8 @@ elapsed "installed"
 timeout "${FUSED_S:-45}" "$PY" docs/benchmarks/fused_check.py "$OUT/fused_check.json" --quick \
     > "$OUT/fused_check.txt" 2>&1
 elapsed "fused_check rc=$?"; cut -c1-1200 "$OUT/fused_check.txt" | tail -n 3
-bench() {  # NAME SECONDS SHAPE BATCHES STEPS
-    timeout "$2" "$PY" -m pagedcore.cli bench step --model-shape "$3" --batch-sizes "$4" \
+bench() {  # NAME SECONDS SHAPE BATCHES STEPS (every fused kind: unset, only the GPU-checked ones run)
+    PAGEDCORE_FUSED_KERNELS=${PAGEDCORE_FUSED_KERNELS:-1} timeout "$2" "$PY" -m pagedcore.cli bench step --model-shape "$3" --batch-sizes "$4" \
         --steps "$5" --no-eager --json "$OUT/step_$1.json" > "$OUT/step_$1.txt" 2>&1
     elapsed "bench step $1 rc=$?"; grep -E "overlap (True|False)" "$OUT/step_$1.txt" | tail -n 8
 }

@@ -151,7 +151,10 @@ def test_qwen3_and_mistral_attention_are_left_alone() -> None:
 
 def test_kinds_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(FUSED_KERNELS_ENV, raising=False)
-    assert fused_kinds_setting() == frozenset(FUSED_KINDS)
+    assert fused_kinds_setting() == {"rms_norm", "silu_mul"}  # the GPU-checked kinds only
+    for all_kinds in ("1", "all", " ON "):
+        monkeypatch.setenv(FUSED_KERNELS_ENV, all_kinds)
+        assert fused_kinds_setting() == frozenset(FUSED_KINDS)
     monkeypatch.setenv(FUSED_KERNELS_ENV, "off")
     assert fused_kinds_setting() == frozenset()
     monkeypatch.setenv(FUSED_KERNELS_ENV, " rms_norm, rotary ")

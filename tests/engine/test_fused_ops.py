@@ -201,14 +201,17 @@ def test_engine_swaps_on_cuda_and_matches_unswapped_bf16(monkeypatch: pytest.Mon
     prompts = random_prompts([7, 40, 100], seed=9)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
     runs = []
-    for setting in ("1", "0"):
-        monkeypatch.setenv(FUSED_KERNELS_ENV, setting)
+    for setting in (None, "0"):  # unset: the default, GPU-checked kinds (rms_norm, silu_mul)
+        if setting is None:
+            monkeypatch.delenv(FUSED_KERNELS_ENV, raising=False)
+        else:
+            monkeypatch.setenv(FUSED_KERNELS_ENV, setting)
         model = random_model(config, dtype=torch.bfloat16, device=DEVICE, seed=0)
         _randomise_norms(model)
         llm = LLM(model, device="cuda", dtype="bfloat16", block_size=16, max_model_len=256,
                   kv_cache_memory_bytes=64 << 20)
         runner: Any = llm.runner
-        expected = {"rms_norm": 9, "silu_mul": 2} if setting == "1" else {}
+        expected = {"rms_norm": 9, "silu_mul": 2} if setting is None else {}
         assert runner.fused_kernels == expected, runner.fused_kernels_disabled_reason
         runs.append(llm.generate(prompts, params))
     for fused, plain in zip(*runs, strict=True):
