@@ -442,6 +442,7 @@ def step(shape: str, batch_sizes: list[int], context: int, steps: int, no_eager:
         kv_cache_memory_bytes=kv_budget, max_num_batched_tokens=max(2048, max(sizes)),
         cudagraph_capture_sizes=sizes if cuda else None), engine_overrides))
     report["model"] = model_shape(config, dtype=dtype, kv_dtype=dtype, name=shape)
+    report["max_model_len"] = max_len  # (sizes the block tables and the capture plans)
     report["backends"] = llm.backend_names
     weights = weight_bytes(llm.model)
     kv_tok = kv_bytes_per_token(llm)
