@@ -21,6 +21,7 @@ no device timeline).
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -118,13 +119,14 @@ def _kernel_summary(prof: Any, steps: int, top: int = 25) -> list[dict[str, Any]
     return rows[:top]
 
 
-def _fill(llm: Any, batch: int, context: int, max_new: int, vocab: int, seed: int) -> list[str]:
+def _fill(llm: Any, batch: int, context: int, max_new: int, vocab: int, seed: int,
+          temperature: float = 0.0) -> list[str]:
     import torch
 
     from pagedcore import SamplingParams
 
     gen = torch.Generator().manual_seed(seed)
-    params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_new, temperature=temperature, ignore_eos=True)
     ids = []
     for i in range(batch):
         rid = f"s{seed}-{i}"
@@ -142,8 +144,9 @@ def _fill(llm: Any, batch: int, context: int, max_new: int, vocab: int, seed: in
 
 def measure_step(llm: Any, *, batch: int, context: int, steps: int, overlap: bool,
                  profile: bool = False, warmup: int = 3, seed: int = 0,
-                 trace_path: str | None = None) -> dict[str, Any]:
-    """Time `steps` decode steps of `batch` requests (prompts of `context` tokens).
+                 trace_path: str | None = None, temperature: float = 0.0) -> dict[str, Any]:
+    """Time `steps` decode steps of `batch` requests (prompts of `context` tokens), sampled
+    greedily (`temperature` 0) or at `temperature` (no seed, no filter).
 
     Returns the wall time per step, the host phases per step, the mean context, and with
     `profile` (CUDA only) the GPU idle time and a kernel summary of a few profiled steps
@@ -153,7 +156,7 @@ def measure_step(llm: Any, *, batch: int, context: int, steps: int, overlap: boo
     device = llm.device
     vocab = min(1000, int(llm.model.config.vocab_size))
     # Requests decode while later ones prefill: give them all the room max_model_len leaves.
-    ids = _fill(llm, batch, context, llm.max_model_len - context, vocab, seed)
+    ids = _fill(llm, batch, context, llm.max_model_len - context, vocab, seed, temperature)
     for _ in range(warmup):
         llm.step()
     _sync(device)
@@ -169,7 +172,8 @@ def measure_step(llm: Any, *, batch: int, context: int, steps: int, overlap: boo
     phases = {k: (v - before.get(k, 0.0)) / steps * 1e3 for k, v in llm.phase_time.items()}
     seq = [r.num_computed_tokens for r in llm.scheduler.running]
     row: dict[str, Any] = {
-        "batch": batch, "overlap": bool(llm.async_scheduling), "step_ms": wall * 1e3,
+        "batch": batch, "overlap": bool(llm.async_scheduling), "temperature": temperature,
+        "step_ms": wall * 1e3,
         "host_ms": {k: round(v, 4) for k, v in phases.items()},
         "mean_context": sum(seq) / max(len(seq), 1),
     }
@@ -389,6 +393,9 @@ def _critical_host_pct(row: dict[str, Any]) -> float | None:
               help="Prompt tokens per request.")
 @click.option("--steps", default=20, show_default=True, type=positive_int(),
               help="Timed decode steps per row.")
+@click.option("--temperatures", default="0", show_default=True,
+              help="Comma-separated sampling temperatures, a row each (0: greedy; others "
+                   "sample every row at that temperature, unseeded).")
 @click.option("--no-eager", is_flag=True, help="Skip the eager (no CUDA graph) rows.")
 @click.option("--profile", is_flag=True,
               help="Profile a few steps per row: GPU idle time and kernel summary (CUDA).")
@@ -404,7 +411,8 @@ def _critical_host_pct(row: dict[str, Any]) -> float | None:
                    "gzipped Chrome trace (step_<mode>_b<batch>.json.gz).")
 @engine_options(model=None, overrides=True, exclude=(
     "enforce_eager", "async_scheduling", "cudagraph_capture_sizes", "max_num_seqs"))
-def step(shape: str, batch_sizes: list[int], context: int, steps: int, no_eager: bool,
+def step(shape: str, batch_sizes: list[int], context: int, steps: int, temperatures: str,
+         no_eager: bool,
          profile: bool, prefix_hit: int, prefix_reps: int, json_path: str | None,
          trace_dir: str | None, engine_overrides: dict[str, Any]) -> None:
     """Decode-step time vs the bytes floor: graphs and eager, overlap on and off (the bench
@@ -423,6 +431,14 @@ def step(shape: str, batch_sizes: list[int], context: int, steps: int, no_eager:
     from pagedcore.engine.llm import LLM
 
     sizes = sorted(set(batch_sizes))
+    try:
+        temps = [float(t) for t in temperatures.split(",") if t.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{temperatures!r} is not a comma list of numbers",
+                                 param_hint="--temperatures") from None
+    if not temps or any(not 0.0 <= t <= 100.0 for t in temps):
+        raise click.BadParameter(f"{temperatures!r}: give temperatures in [0, 100]",
+                                 param_hint="--temperatures")
     small = shape == "tiny"
     device = engine_overrides.get("device")
     dev, dtype, config = engine_bench_model(small, device, "qwen2-0.5b" if small else shape,
@@ -447,34 +463,36 @@ def step(shape: str, batch_sizes: list[int], context: int, steps: int, no_eager:
     weights = weight_bytes(llm.model)
     kv_tok = kv_bytes_per_token(llm)
     advance = click.get_current_context().with_resource(
-        progress_bar("bench step", len(modes) * (len(sizes) * 2 + (1 if prefix_hit else 0))))
+        progress_bar("bench step",
+                     len(modes) * (len(sizes) * len(temps) * 2 + (1 if prefix_hit else 0))))
     for mode, eager in modes:
         if eager:
             runner: Any = llm.runner  # (one process: a ModelRunner)
             runner.release_graphs()
-        for batch in sizes:
-            for overlap in (True, False):
-                advance(1)
-                trace = None
-                if trace_dir is not None and overlap and profile and cuda:
-                    import os
+        for batch, temperature, overlap in itertools.product(sizes, temps, (True, False)):
+            advance(1)
+            trace = None
+            if trace_dir is not None and overlap and profile and cuda:
+                import os
 
-                    os.makedirs(trace_dir, exist_ok=True)
-                    trace = os.path.join(trace_dir, f"step_{mode}_b{batch}.json.gz")
-                row = measure_step(llm, batch=batch, context=context, steps=steps,
-                                   overlap=overlap, profile=profile and cuda, trace_path=trace)
-                row["mode"] = mode if llm.cudagraph_status()["enabled"] else "eager"
-                row.update(bytes_floor(weights=weights, kv_per_token=kv_tok,
-                                       context_tokens=int(row["mean_context"] * batch),
-                                       copy_gbps=copy_gbps))
-                floor = row["floor_ms"]
-                row["ratio"] = row["step_ms"] / floor if floor else None
-                row["critical_host_pct"] = _critical_host_pct(row)
-                report["rows"].append(row)
-                click.echo(f"  {row['mode']} batch {batch} overlap {overlap}: "
-                           f"{row['step_ms']:.3f} ms", err=True)
-                if json_path:
-                    write_json(json_path, report)
+                os.makedirs(trace_dir, exist_ok=True)
+                trace = os.path.join(trace_dir, f"step_{mode}_b{batch}.json.gz")
+            row = measure_step(llm, batch=batch, context=context, steps=steps,
+                               overlap=overlap, profile=profile and cuda, trace_path=trace,
+                               temperature=temperature)
+            row["mode"] = mode if llm.cudagraph_status()["enabled"] else "eager"
+            row.update(bytes_floor(weights=weights, kv_per_token=kv_tok,
+                                   context_tokens=int(row["mean_context"] * batch),
+                                   copy_gbps=copy_gbps))
+            floor = row["floor_ms"]
+            row["ratio"] = row["step_ms"] / floor if floor else None
+            row["critical_host_pct"] = _critical_host_pct(row)
+            report["rows"].append(row)
+            click.echo(f"  {row['mode']} batch {batch} temperature {temperature} "
+                       f"overlap {overlap}: "
+                       f"{row['step_ms']:.3f} ms", err=True)
+            if json_path:
+                write_json(json_path, report)
         if prefix_hit:
             advance(1)
             hit = measure_prefix_hit(llm, prefix=prefix_hit, user=_PREFIX_USER,
@@ -488,7 +506,7 @@ def step(shape: str, batch_sizes: list[int], context: int, steps: int, no_eager:
             if json_path:
                 write_json(json_path, report)
     table = Table(title=f"decode step vs bytes floor: {shape}, context ~{context}")
-    for col in ("mode", "batch", "overlap", "step ms", "floor ms", "ratio", "host ms",
+    for col in ("mode", "batch", "temp.", "overlap", "step ms", "floor ms", "ratio", "host ms",
                 "critical host %", "GPU idle %"):
         table.add_column(col, justify="right")
 
@@ -496,7 +514,8 @@ def step(shape: str, batch_sizes: list[int], context: int, steps: int, no_eager:
         return "-" if v is None else format(v, spec)
 
     for r in report["rows"]:
-        table.add_row(r["mode"], str(r["batch"]), "on" if r["overlap"] else "off",
+        table.add_row(r["mode"], str(r["batch"]), f"{r['temperature']:g}",
+                      "on" if r["overlap"] else "off",
                       fmt(r["step_ms"], ".3f"), fmt(r["floor_ms"], ".3f"), fmt(r["ratio"]),
                       fmt(r["host_ms_total"], ".3f"), fmt(r["critical_host_pct"], ".1f"),
                       fmt(r.get("gpu_idle_pct"), ".1f"))
