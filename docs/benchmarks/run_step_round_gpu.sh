@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue #22 on one H200 (branch `step`): the Qwen2-0.5B step profiled at batch 256 (greedy and
-# sampled at temperature 1), its eager rows, and the warm 4K prefix hit's first token (graphs
+# sampled at temperature 1; every output built per step, or the finished ones only),
+# its eager rows, and the warm 4K prefix hit's first token (graphs
 # and eager); the sampler's batched draw against the per-row one; then the Llama-3-8B step
 # at 256 profiled kernel by kernel. Each part under `timeout`, budgeted from GPU_DEADLINE
 # (epoch s; the job is killed 15 s after it); every bench writes its JSON incrementally, so a
@@ -32,6 +33,7 @@ bench() {
 log "start; deadline in $(left 0) s"
 bench qwen "${QWEN_S:-48}" --model-shape "${QWEN_SHAPE:-qwen2-0.5b}" --batch-sizes "${QWEN_BATCHES:-256}" \
     --steps 8 --profile --prefix-hit "${PREFIX:-4096}" --prefix-reps 5 --temperatures 0,1 \
+    --outputs all,finished \
     ${QWEN_EXTRA:-}
 # The sampler's unseeded rows: one draw for all vs the per-row loop it replaced (~5 s).
 t=$(left 3); (( t > 15 )) && t=15

@@ -144,9 +144,12 @@ def _fill(llm: Any, batch: int, context: int, max_new: int, vocab: int, seed: in
 
 def measure_step(llm: Any, *, batch: int, context: int, steps: int, overlap: bool,
                  profile: bool = False, warmup: int = 3, seed: int = 0,
-                 trace_path: str | None = None, temperature: float = 0.0) -> dict[str, Any]:
+                 trace_path: str | None = None, temperature: float = 0.0,
+                 finished_only: bool = False) -> dict[str, Any]:
     """Time `steps` decode steps of `batch` requests (prompts of `context` tokens), sampled
-    greedily (`temperature` 0) or at `temperature` (no seed, no filter).
+    greedily (`temperature` 0) or at `temperature` (no seed, no filter). Each `LLM.step`
+    builds every running request's output (a server's loop), or with `finished_only` only
+    those of finished requests (``LLM.generate``'s loop).
 
     Returns the wall time per step, the host phases per step, the mean context, and with
     `profile` (CUDA only) the GPU idle time and a kernel summary of a few profiled steps
@@ -158,13 +161,13 @@ def measure_step(llm: Any, *, batch: int, context: int, steps: int, overlap: boo
     # Requests decode while later ones prefill: give them all the room max_model_len leaves.
     ids = _fill(llm, batch, context, llm.max_model_len - context, vocab, seed, temperature)
     for _ in range(warmup):
-        llm.step()
+        llm.step(finished_only=finished_only)
     _sync(device)
     before = dict(llm.phase_time)
     marks = StepMarks(llm) if device.type == "cuda" else None
     t0 = time.perf_counter()
     for _ in range(steps):
-        llm.step()
+        llm.step(finished_only=finished_only)
     _sync(device)
     wall = (time.perf_counter() - t0) / steps
     if marks is not None:
@@ -173,6 +176,7 @@ def measure_step(llm: Any, *, batch: int, context: int, steps: int, overlap: boo
     seq = [r.num_computed_tokens for r in llm.scheduler.running]
     row: dict[str, Any] = {
         "batch": batch, "overlap": bool(llm.async_scheduling), "temperature": temperature,
+        "outputs": "finished" if finished_only else "all",
         "step_ms": wall * 1e3,
         "host_ms": {k: round(v, 4) for k, v in phases.items()},
         "mean_context": sum(seq) / max(len(seq), 1),
@@ -396,7 +400,12 @@ def _critical_host_pct(row: dict[str, Any]) -> float | None:
 @click.option("--temperatures", default="0", show_default=True,
               help="Comma-separated sampling temperatures, a row each (0: greedy; others "
                    "sample every row at that temperature, unseeded).")
-@click.option("--no-eager", is_flag=True, help="Skip the eager (no CUDA graph) rows.")
+@click.option("--outputs", "outputs", default="all", show_default=True,
+              help="Comma list of all (each step builds every running request's output, as "
+                   "a server's loop) and finished (only finished ones, as LLM.generate).")
+@click.option("--no-eager", is_flag=True,
+              help="Skip the eager (no CUDA graph) rows (which take the first temperature "
+                   "and outputs setting only).")
 @click.option("--profile", is_flag=True,
               help="Profile a few steps per row: GPU idle time and kernel summary (CUDA).")
 @click.option("--prefix-hit", default=0, show_default=True, type=click.IntRange(min=0),
@@ -408,11 +417,11 @@ def _critical_host_pct(row: dict[str, Any]) -> float | None:
               help="Write the figures to this JSON file.")
 @click.option("--trace-dir", default=None, type=click.Path(file_okay=False),
               help="With --profile: write each overlapped row's profiled steps there as a "
-                   "gzipped Chrome trace (step_<mode>_b<batch>.json.gz).")
+                   "gzipped Chrome trace (step_<mode>_b<batch>_t<temperature>_<outputs>.json.gz).")
 @engine_options(model=None, overrides=True, exclude=(
     "enforce_eager", "async_scheduling", "cudagraph_capture_sizes", "max_num_seqs"))
 def step(shape: str, batch_sizes: list[int], context: int, steps: int, temperatures: str,
-         no_eager: bool,
+         outputs: str, no_eager: bool,
          profile: bool, prefix_hit: int, prefix_reps: int, json_path: str | None,
          trace_dir: str | None, engine_overrides: dict[str, Any]) -> None:
     """Decode-step time vs the bytes floor: graphs and eager, overlap on and off (the bench
@@ -436,6 +445,10 @@ def step(shape: str, batch_sizes: list[int], context: int, steps: int, temperatu
     except ValueError:
         raise click.BadParameter(f"{temperatures!r} is not a comma list of numbers",
                                  param_hint="--temperatures") from None
+    kinds = [k.strip() for k in outputs.split(",") if k.strip()]
+    if not kinds or set(kinds) - {"all", "finished"}:
+        raise click.BadParameter(f"{outputs!r}: give a comma list of all, finished",
+                                 param_hint="--outputs")
     if not temps or any(not 0.0 <= t <= 100.0 for t in temps):
         raise click.BadParameter(f"{temperatures!r}: give temperatures in [0, 100]",
                                  param_hint="--temperatures")
@@ -463,23 +476,27 @@ def step(shape: str, batch_sizes: list[int], context: int, steps: int, temperatu
     weights = weight_bytes(llm.model)
     kv_tok = kv_bytes_per_token(llm)
     advance = click.get_current_context().with_resource(
-        progress_bar("bench step",
-                     len(modes) * (len(sizes) * len(temps) * 2 + (1 if prefix_hit else 0))))
+        progress_bar("bench step", len(sizes) * len(temps) * len(kinds) * 2 + (
+            len(sizes) * 2 if len(modes) > 1 else 0) + (len(modes) if prefix_hit else 0)))
     for mode, eager in modes:
         if eager:
             runner: Any = llm.runner  # (one process: a ModelRunner)
             runner.release_graphs()
-        for batch, temperature, overlap in itertools.product(sizes, temps, (True, False)):
+        # (Eager rows: the first temperature and outputs setting.)
+        axes = (temps, kinds) if not eager else (temps[:1], kinds[:1])
+        for batch, temperature, kind, overlap in itertools.product(sizes, *axes,
+                                                                   (True, False)):
             advance(1)
             trace = None
             if trace_dir is not None and overlap and profile and cuda:
                 import os
 
                 os.makedirs(trace_dir, exist_ok=True)
-                trace = os.path.join(trace_dir, f"step_{mode}_b{batch}.json.gz")
+                trace = os.path.join(
+                    trace_dir, f"step_{mode}_b{batch}_t{temperature:g}_{kind}.json.gz")
             row = measure_step(llm, batch=batch, context=context, steps=steps,
                                overlap=overlap, profile=profile and cuda, trace_path=trace,
-                               temperature=temperature)
+                               temperature=temperature, finished_only=kind == "finished")
             row["mode"] = mode if llm.cudagraph_status()["enabled"] else "eager"
             row.update(bytes_floor(weights=weights, kv_per_token=kv_tok,
                                    context_tokens=int(row["mean_context"] * batch),
@@ -489,7 +506,7 @@ def step(shape: str, batch_sizes: list[int], context: int, steps: int, temperatu
             row["critical_host_pct"] = _critical_host_pct(row)
             report["rows"].append(row)
             click.echo(f"  {row['mode']} batch {batch} temperature {temperature} "
-                       f"overlap {overlap}: "
+                       f"outputs {kind} overlap {overlap}: "
                        f"{row['step_ms']:.3f} ms", err=True)
             if json_path:
                 write_json(json_path, report)
@@ -506,7 +523,8 @@ def step(shape: str, batch_sizes: list[int], context: int, steps: int, temperatu
             if json_path:
                 write_json(json_path, report)
     table = Table(title=f"decode step vs bytes floor: {shape}, context ~{context}")
-    for col in ("mode", "batch", "temp.", "overlap", "step ms", "floor ms", "ratio", "host ms",
+    for col in ("mode", "batch", "temp.", "outputs", "overlap", "step ms", "floor ms", "ratio",
+                "host ms",
                 "critical host %", "GPU idle %"):
         table.add_column(col, justify="right")
 
@@ -514,7 +532,7 @@ def step(shape: str, batch_sizes: list[int], context: int, steps: int, temperatu
         return "-" if v is None else format(v, spec)
 
     for r in report["rows"]:
-        table.add_row(r["mode"], str(r["batch"]), f"{r['temperature']:g}",
+        table.add_row(r["mode"], str(r["batch"]), f"{r['temperature']:g}", r["outputs"],
                       "on" if r["overlap"] else "off",
                       fmt(r["step_ms"], ".3f"), fmt(r["floor_ms"], ".3f"), fmt(r["ratio"]),
                       fmt(r["host_ms_total"], ".3f"), fmt(r["critical_host_pct"], ".1f"),

@@ -75,18 +75,25 @@ def test_cli_writes_a_row_per_batch_and_overlap(tmp_path: Path) -> None:
     out = tmp_path / "step.json"
     result = CliRunner().invoke(bench, ["step", "--model-shape", "tiny", "--device", "cpu",
                                         "--batch-sizes", "1,2", "--steps", "2",
-                                        "--context", "16", "--prefix-hit", "20",
+                                        "--context", "16", "--temperatures", "0,1.5",
+                                        "--outputs", "finished", "--prefix-hit", "20",
                                         "--prefix-reps", "1", "--json", str(out)])
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
-    assert [(r["batch"], r["overlap"]) for r in report["rows"]] == [
-        (1, True), (1, False), (2, True), (2, False)]
+    assert [(r["batch"], r["temperature"], r["overlap"]) for r in report["rows"]] == [
+        (b, t, o) for b in (1, 2) for t in (0.0, 1.5) for o in (True, False)]
+    assert {r["outputs"] for r in report["rows"]} == {"finished"}
     assert all(r["floor_ms"] is None and r["bytes"] > r["weight_bytes"] > 0
                for r in report["rows"])
     [hit] = report["prefix_hit"]
     assert hit["mode"] == "eager" and hit["hits_proven"] and hit["expected_cached_tokens"] == 16
     bad = CliRunner().invoke(bench, ["step", "--batch-sizes", "a,b"])
     assert bad.exit_code == 2 and "'a' in 'a,b' is not an integer" in bad.output
+    for option, value, message in (("--temperatures", "0,hot", "comma list of numbers"),
+                                   ("--temperatures", "-1", "in [0, 100]"),
+                                   ("--outputs", "some", "all, finished")):
+        bad = CliRunner().invoke(bench, ["step", option, value])
+        assert bad.exit_code == 2 and message in bad.output, bad.output
 
 
 def test_engine_bench_takes_the_model_shape(monkeypatch: Any) -> None:
