@@ -2,7 +2,8 @@
 # Issue #22 on one H200 (branch `step`): the Qwen2-0.5B step profiled at batch 256 (greedy and
 # sampled at temperature 1; every output built per step, or the finished ones only),
 # its eager rows, and the warm 4K prefix hit's first token (graphs
-# and eager); the sampler's batched draw against the per-row one; then the Llama-3-8B step
+# and eager) and 64 requests decoding over that shared prefix with cascade off, always and auto;
+# the sampler's batched draw against the per-row one; then the Llama-3-8B step
 # at 256 profiled kernel by kernel. Each part under `timeout`, budgeted from GPU_DEADLINE
 # (epoch s; the job is killed 15 s after it); every bench writes its JSON incrementally, so a
 # cut part keeps the rows it finished. Results in $OUT_DIR.
@@ -28,13 +29,9 @@ bench() {
     timeout "$t" "$PY" -m pagedcore.cli bench step "$@" --json "$OUT/step_$name.json" \
         > "$OUT/step_$name.txt" 2>&1
     log "bench step $name rc=$? (limit ${t} s)"
-    grep -E "overlap (True|False)|prefix hit" "$OUT/step_$name.txt" | tail -n 12 | tee -a "$OUT/log.txt"
+    grep -E "overlap (True|False)|prefix hit|shared-prefix" "$OUT/step_$name.txt" | tail -n 12 | tee -a "$OUT/log.txt"
 }
 log "start; deadline in $(left 0) s"
-bench qwen "${QWEN_S:-48}" --model-shape "${QWEN_SHAPE:-qwen2-0.5b}" --batch-sizes "${QWEN_BATCHES:-256}" \
-    --steps 8 --profile --prefix-hit "${PREFIX:-4096}" --prefix-reps 5 --temperatures 0,1 \
-    --outputs all,finished \
-    ${QWEN_EXTRA:-}
 # The sampler's unseeded rows: one draw for all vs the per-row loop it replaced (~5 s).
 t=$(left 3); (( t > 15 )) && t=15
 if (( t >= 6 )); then
@@ -42,6 +39,10 @@ if (( t >= 6 )); then
         > "$OUT/sampler_ab.txt" 2>&1
     log "sampler_ab rc=$?"; tail -n 5 "$OUT/sampler_ab.txt" | tee -a "$OUT/log.txt"
 fi
+bench qwen "${QWEN_S:-48}" --model-shape "${QWEN_SHAPE:-qwen2-0.5b}" --batch-sizes "${QWEN_BATCHES:-256}" \
+    --steps 8 --profile --prefix-hit "${PREFIX:-4096}" --prefix-reps 5 --temperatures 0,1 \
+    --outputs all,finished --shared-decode \
+    ${QWEN_EXTRA:-}
 bench llama "${LLAMA_S:-60}" --model-shape "${LLAMA_SHAPE:-llama3-8b}" --batch-sizes "${LLAMA_BATCHES:-256}" \
     --steps 6 --profile --no-eager ${LLAMA_EXTRA:-}
 log "done"

@@ -413,6 +413,10 @@ def _critical_host_pct(row: dict[str, Any]) -> float | None:
                    "tokens (+ 64 own), per mode; 0: off.")
 @click.option("--prefix-reps", default=5, show_default=True, type=positive_int(),
               help="With --prefix-hit: requests timed per overlap setting.")
+@click.option("--shared-decode", is_flag=True,
+              help="With --prefix-hit: also decode min(64, largest batch) requests sharing "
+                   "that prefix (+64 own tokens, 16 steps) with cascade off, always and auto, "
+                   "per mode (decode tokens/s).")
 @click.option("--json", "json_path", default=None, type=OutputPath(),
               help="Write the figures to this JSON file.")
 @click.option("--trace-dir", default=None, type=click.Path(file_okay=False),
@@ -422,7 +426,8 @@ def _critical_host_pct(row: dict[str, Any]) -> float | None:
     "enforce_eager", "async_scheduling", "cudagraph_capture_sizes", "max_num_seqs"))
 def step(shape: str, batch_sizes: list[int], context: int, steps: int, temperatures: str,
          outputs: str, no_eager: bool,
-         profile: bool, prefix_hit: int, prefix_reps: int, json_path: str | None,
+         profile: bool, prefix_hit: int, prefix_reps: int, shared_decode: bool,
+         json_path: str | None,
          trace_dir: str | None, engine_overrides: dict[str, Any]) -> None:
     """Decode-step time vs the bytes floor: graphs and eager, overlap on and off (the bench
     switches CUDA graphs and overlap itself; the other engine options given apply)."""
@@ -457,7 +462,7 @@ def step(shape: str, batch_sizes: list[int], context: int, steps: int, temperatu
     dev, dtype, config = engine_bench_model(small, device, "qwen2-0.5b" if small else shape,
                                             dtype=engine_overrides.get("dtype"))
     # Room for every request to decode while the last ones prefill, then the timed steps.
-    max_len = max(context + 512, prefix_hit + _PREFIX_USER + 16 if prefix_hit else 0)
+    max_len = max(context + 512, prefix_hit + _PREFIX_USER + 32 if prefix_hit else 0)
     config.max_position_embeddings = max(int(config.max_position_embeddings), max_len)
     cuda = dev.type == "cuda"
     copy_gbps = copy_bandwidth_gbps(dev, quick=not cuda) if cuda else None
@@ -522,6 +527,20 @@ def step(shape: str, batch_sizes: list[int], context: int, steps: int, temperatu
                            f"{hit[key]['num_cached_tokens']})", err=True)
             if json_path:
                 write_json(json_path, report)
+            if shared_decode:
+                from pagedcore.bench.prefix_shared import measure_shared_decode
+
+                row = measure_shared_decode(
+                    llm, num_reqs=min(64, max(sizes)), shared=prefix_hit, own=_PREFIX_USER,
+                    max_tokens=16, vocab=min(1000, int(config.vocab_size)),
+                    sync=(lambda: _sync(dev)), auto=True)
+                row["mode"] = hit["mode"]
+                report.setdefault("shared_decode", []).append(row)
+                click.echo(f"  {row['mode']} shared-prefix decode {row['workload']}: tok/s "
+                           + " ".join(f"{k} {row['cascade_' + k]['decode_tokens_per_s']:.0f}"
+                                      for k in ("off", "on", "auto")), err=True)
+                if json_path:
+                    write_json(json_path, report)
     table = Table(title=f"decode step vs bytes floor: {shape}, context ~{context}")
     for col in ("mode", "batch", "temp.", "outputs", "overlap", "step ms", "floor ms", "ratio",
                 "host ms",

@@ -77,7 +77,8 @@ def test_cli_writes_a_row_per_batch_and_overlap(tmp_path: Path) -> None:
                                         "--batch-sizes", "1,2", "--steps", "2",
                                         "--context", "16", "--temperatures", "0,1.5",
                                         "--outputs", "finished", "--prefix-hit", "20",
-                                        "--prefix-reps", "1", "--json", str(out)])
+                                        "--prefix-reps", "1", "--shared-decode",
+                                        "--json", str(out)])
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     assert [(r["batch"], r["temperature"], r["overlap"]) for r in report["rows"]] == [
@@ -85,6 +86,9 @@ def test_cli_writes_a_row_per_batch_and_overlap(tmp_path: Path) -> None:
     assert {r["outputs"] for r in report["rows"]} == {"finished"}
     assert all(r["floor_ms"] is None and r["bytes"] > r["weight_bytes"] > 0
                for r in report["rows"])
+    [shared] = report["shared_decode"]
+    assert shared["num_reqs"] == 2 and shared["shared"] == 20
+    assert all(shared[f"cascade_{k}"]["decode_tokens_per_s"] > 0 for k in ("off", "on", "auto"))
     [hit] = report["prefix_hit"]
     assert hit["mode"] == "eager" and hit["hits_proven"] and hit["expected_cached_tokens"] == 16
     bad = CliRunner().invoke(bench, ["step", "--batch-sizes", "a,b"])
