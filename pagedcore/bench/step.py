@@ -517,8 +517,10 @@ def step(shape: str, batch_sizes: list[int], context: int, steps: int, temperatu
                 write_json(json_path, report)
         if prefix_hit:
             advance(1)
+            # (Another seed per mode: the eager pass must not hit the graph pass's prompts.)
             hit = measure_prefix_hit(llm, prefix=prefix_hit, user=_PREFIX_USER,
-                                     reps=prefix_reps, profile=profile and cuda)
+                                     reps=prefix_reps, profile=profile and cuda,
+                                     seed=len(report["prefix_hit"]))
             hit["mode"] = "graphs" if llm.cudagraph_status()["enabled"] else "eager"
             report["prefix_hit"].append(hit)
             for key in ("overlap", "no_overlap"):

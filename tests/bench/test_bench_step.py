@@ -64,6 +64,9 @@ def test_prefix_hit_is_proven_and_timed_with_and_without_overlap(
         assert row["steps"] == [steps, steps] and row["first_token_ms_median"] > 0
     assert hit["phases_ms"]["execute"] > 0 and set(hit["phases_ms"]) >= {"add", "schedule"}
     assert not llm.has_unfinished_requests() and llm.async_scheduling  # restored
+    # Another seed (the bench's next mode) hits its own prefix only, not these prompts.
+    again = measure_prefix_hit(llm, prefix=40, user=8, reps=1, seed=1)
+    assert again["hits_proven"] and again["no_overlap"]["num_cached_tokens"] == [32]
     llm.add_request("busy", [5] * 10)
     with pytest.raises(ValueError, match="idle engine"):
         measure_prefix_hit(llm, prefix=16)
