@@ -415,8 +415,8 @@ def _critical_host_pct(row: dict[str, Any]) -> float | None:
               help="With --prefix-hit: requests timed per overlap setting.")
 @click.option("--shared-decode", is_flag=True,
               help="With --prefix-hit: also decode min(64, largest batch) requests sharing "
-                   "that prefix (+64 own tokens, 16 steps) with cascade off, always and auto, "
-                   "per mode (decode tokens/s).")
+                   "that prefix (+64 own tokens, 16 steps) with cascade off, always and auto "
+                   "(decode tokens/s; not in the eager pass).")
 @click.option("--json", "json_path", default=None, type=OutputPath(),
               help="Write the figures to this JSON file.")
 @click.option("--trace-dir", default=None, type=click.Path(file_okay=False),
@@ -529,7 +529,7 @@ def step(shape: str, batch_sizes: list[int], context: int, steps: int, temperatu
                            f"{hit[key]['num_cached_tokens']})", err=True)
             if json_path:
                 write_json(json_path, report)
-            if shared_decode:
+            if shared_decode and not eager:  # (without graphs, auto is always's rule)
                 from pagedcore.bench.prefix_shared import measure_shared_decode
 
                 row = measure_shared_decode(
