@@ -365,8 +365,8 @@ def prefix(small: bool, model_name: str, lengths: list[int] | None,
     if shared_decode:
         from pagedcore.bench.prefix_shared import measure_shared_decode
 
-        shape = dict(num_reqs=8, shared=512, own=32, max_tokens=8) if small else dict(
-            num_reqs=64, shared=4096, own=256, max_tokens=32)
+        shape: dict[str, Any] = dict(num_reqs=8, shared=512, own=32, max_tokens=8) if small \
+            else dict(num_reqs=64, shared=4096, own=256, max_tokens=32)
         row = measure_shared_decode(llm, vocab=vocab, sync=sync, **shape)
         report["shared_prefix_decode"] = row
         print(f"KEY shared-prefix decode {row['workload']}: cascade off "
