@@ -369,10 +369,13 @@ def prefix(small: bool, model_name: str, lengths: list[int] | None,
             else dict(num_reqs=64, shared=4096, own=256, max_tokens=32)
         row = measure_shared_decode(llm, vocab=vocab, sync=sync, **shape)
         report["shared_prefix_decode"] = row
+        def rate(v: float | None, spec: str = ".0f") -> str:
+            return "-" if v is None else format(v, spec)
+
         print(f"KEY shared-prefix decode {row['workload']}: cascade off "
-              f"{row['cascade_off']['decode_tokens_per_s']:.0f} tok/s, on "
-              f"{row['cascade_on']['decode_tokens_per_s']:.0f} tok/s "
-              f"(x{row['speedup']:.2f})", flush=True)
+              f"{rate(row['cascade_off']['decode_tokens_per_s'])} tok/s, on "
+              f"{rate(row['cascade_on']['decode_tokens_per_s'])} tok/s "
+              f"(x{rate(row['speedup'], '.2f')})", flush=True)
         save()
     report["chat_trace"]["caching_on"] = chat_trace(llm, vocab=vocab, prefix="chat-True",
                                                     clock=clock, **chat)

@@ -538,9 +538,11 @@ def step(shape: str, batch_sizes: list[int], context: int, steps: int, temperatu
                     sync=(lambda: _sync(dev)), auto=True)
                 row["mode"] = hit["mode"]
                 report.setdefault("shared_decode", []).append(row)
+                rates = {k: row["cascade_" + k]["decode_tokens_per_s"]
+                         for k in ("off", "on", "auto")}
                 click.echo(f"  {row['mode']} shared-prefix decode {row['workload']}: tok/s "
-                           + " ".join(f"{k} {row['cascade_' + k]['decode_tokens_per_s']:.0f}"
-                                      for k in ("off", "on", "auto")), err=True)
+                           + " ".join(f"{k} {'-' if v is None else format(v, '.0f')}"
+                                      for k, v in rates.items()), err=True)
                 if json_path:
                     write_json(json_path, report)
     table = Table(title=f"decode step vs bytes floor: {shape}, context ~{context}")

@@ -73,3 +73,19 @@ def test_shared_prefix_decode_workload_runs_both_modes(make_llm: Callable[..., A
     assert row["cascade_off"]["decode_tokens_per_s"] > 0 and row["speedup"] > 0
     assert any(any(u) for u in seen)  # the forced-on run cascaded (the reference: plainly)
     assert llm.runner.cascade.mode == "auto"  # restored
+
+
+def test_shared_prefix_decode_reports_no_rate_without_decode_time(
+    make_llm: Callable[..., Any], monkeypatch: Any,
+) -> None:
+    """A timed pair whose longer run is not slower gives no rate (None and a reason), never a
+    division by a clamped zero."""
+    import pagedcore.bench.prefix_shared as shared_mod
+
+    ticks = iter([10.0, 11.0, 20.0, 20.5] * 2)  # prefill-only 1.0 s, with decode 0.5 s
+    monkeypatch.setattr(shared_mod, "_clock", lambda: next(ticks))
+    row = shared_mod.measure_shared_decode(make_llm(max_num_batched_tokens=512), num_reqs=2,
+                                           shared=20, own=3, max_tokens=1, vocab=128)
+    for key in ("cascade_off", "cascade_on"):
+        assert row[key]["decode_tokens_per_s"] is None and "no decode time" in row[key]["error"]
+    assert row["speedup"] is None
