@@ -574,17 +574,17 @@ class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
         sink = self._delta_sink
         if sink is None:
             return [self._output(p) for p in parents]
-        outputs = []
-        for parent in parents:
-            raw = delta_fields(parent, tokenizer=self.tokenizer, errors=self.scheduler.errors) \
-                if parent.delta else None
-            if raw is None:
-                outputs.append(self._output(parent))
-                continue
-            sink.append(raw)
-            if raw[4] is not None:  # finished: it leaves the bookkeeping (as in `_output`)
-                self._parents.pop(parent.request_id, None)
-                self._child_parent.pop(parent.children[0].request_id, None)
+        start = len(sink)
+        rest = delta_fields([p for p in parents if p.delta], tokenizer=self.tokenizer,
+                            errors=self.scheduler.errors, out=sink)
+        outputs = [self._output(p) for p in parents if not p.delta]
+        outputs += [self._output(p) for p in rest]
+        pop_parent, pop_child = self._parents.pop, self._child_parent.pop
+        for i in range(start, len(sink)):
+            if sink[i][4] is not None:  # finished: it leaves the bookkeeping (as `_output`)
+                parent = pop_parent(sink[i][0], None)
+                if parent is not None:
+                    pop_child(parent.children[0].request_id, None)
         return outputs
 
     def _stop_on_strings(self, changed: list[Request], *, now: float) -> None:
