@@ -42,7 +42,9 @@ declare -A GEN_S=([llama3-8b]=110 [qwen2-0.5b]=50 [llama]=10)
 declare -A UP_S=([llama3-8b]=25 [qwen2-0.5b]=25 [llama]=10)
 declare -A INF_S=([llama3-8b]=72 [qwen2-0.5b]=14 [llama]=10)
 declare -A LOWR=([llama3-8b]=8 [qwen2-0.5b]=8,32,16 [llama]=4)
-declare -A LOWN=([llama3-8b]=80 [qwen2-0.5b]=120,240,160 [llama]=4)
+declare -A LOWN=([llama3-8b]=48 [qwen2-0.5b]=120,240,160 [llama]=4)
+# Seconds one low-rate run needs (arrivals, then the last request's up to 512 tokens).
+declare -A LOWT=([llama3-8b]=12 [qwen2-0.5b]=16 [llama]=10)
 if [ -n "${SMOKE:-}" ]; then
   MODELS="llama"
   export INPUT_LEN=8:16 OUTPUT_LEN=4:8 MAX_MODEL_LEN=256 SERVE_ARGS="--device cpu ${SERVE_ARGS:-}"
@@ -61,11 +63,11 @@ for m in $MODELS; do
     echo "SKIPPED $m: $((END - now)) s left, it needs ~$need s"; continue
   fi
   # The baseline first (a round cut short loses the tail of the sweep, not the ratio); the
-  # server only if its start and the rate-inf run still fit; each low rate while 20 s are left.
+  # server only if its start and the rate-inf run still fit; each low rate while the time it needs is left.
   echo "== $m at $(date +%T): $((END - now)) s left; low rates $low_rates ($low_n requests)"
   OUT="$OUT_DIR/$m" NUM_REQUESTS=$N RATES=inf LOW_RATES="$low_rates" LOW_NUM_REQUESTS="$low_n" \
     LOW_SEED=1 GENERATE_FIRST=1 GENERATE_DEADLINE="$((END - need))" \
-    DEADLINE="$((END - UP_S[$m] - INF_S[$m]))" LOW_DEADLINE="$((END - 20))" \
+    DEADLINE="$((END - UP_S[$m] - INF_S[$m]))" LOW_DEADLINE="$((END - LOWT[$m]))" \
     HARD_DEADLINE="$END" bash docs/benchmarks/run_serve_h200.sh "$m" || rc=1
   echo "== $m done at +$(( $(date +%s) - T0 )) s"
 done
