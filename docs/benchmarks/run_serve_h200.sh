@@ -106,6 +106,9 @@ if os.path.exists(gen) and os.path.exists(served):
         print(f"serve / generate at saturation: {report['serve_over_generate']:.3f}")
 PY
 }
+# Plots need matplotlib; without it the JSON still comes (plot it elsewhere from the JSON).
+HAVE_PLOT=1
+python -c "import matplotlib" 2>/dev/null || { HAVE_PLOT=0; echo "matplotlib missing: no plots"; }
 rc=0
 for m in $MODELS; do
   var="RATES_${m//[-.]/_}"
@@ -140,7 +143,10 @@ PY
   then
     echo "FAILED: pagedcore serve random:$m (log: $D/serve_$m.log)" >&2
     tail -20 "$D/serve_$m.log" >&2
-    kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; rc=1; continue
+    # The engine process too: one still building would hold the GPU the next step needs.
+    child=$(pgrep -P "$pid" -f spawn_main | head -1)
+    kill "$pid" 2>/dev/null; [ -n "$child" ] && kill -KILL "$child" 2>/dev/null
+    wait "$pid" 2>/dev/null; rc=1; continue
   fi
   child=$(pgrep -P "$pid" -f spawn_main | head -1); child=${child:-$pid}
   echo "== up at $(date +%T); pagedcore bench serve ($N requests at $RATES req/s)"
@@ -148,7 +154,8 @@ PY
   TIMEFORMAT="%U %S"
   { time timeout "$(left)" pagedcore bench serve --base-url "http://127.0.0.1:$PORT" --num-requests "$N" \
       --input-len "$IN" --output-len "$OUTLEN" --token-id-range 3:120 --request-rate "$RATES" \
-      --slo-ttft-ms 1000 --json "$D/bench_serve_$m.json" --plot "$D/bench_serve_$m.png" \
+      --slo-ttft-ms 1000 --json "$D/bench_serve_$m.json" \
+      $( [ "$HAVE_PLOT" = 1 ] && echo --plot "$D/bench_serve_$m.png" ) \
       --num-workers "${BENCH_WORKERS:-4}" --no-progress > "$D/bench_serve_$m.txt" 2>&1 ; } 2> "$D/client_time_$m.txt" \
     || { echo "FAILED: pagedcore bench serve on $m" >&2; rc=1; }
   cat "$D/bench_serve_$m.txt"
@@ -180,7 +187,7 @@ PY
       [ -s "$f" ] && low_files+=("$f")
     done
     # One file with every low rate's run (each keeps its seed), and the plot with all rates.
-    python - "$D/bench_serve_$m.json" "$D/bench_serve_${m}_low.json" "$D/bench_serve_$m.png" \
+    HAVE_PLOT=$HAVE_PLOT python - "$D/bench_serve_$m.json" "$D/bench_serve_${m}_low.json" "$D/bench_serve_$m.png" \
         "${low_files[@]}" <<'PY'
 import json, os, sys
 from pagedcore.bench.serve import _plot
@@ -195,7 +202,7 @@ if lows:
     merged = dict(json.load(open(lows[0])), runs=low_runs, files=[os.path.basename(p) for p in lows])
     json.dump(merged, open(low_path, "w"), indent=1)
 main_runs = json.load(open(main_path))["runs"] if os.path.exists(main_path) else []
-if main_runs or low_runs:
+if (main_runs or low_runs) and os.environ.get("HAVE_PLOT") == "1":
     _plot(main_runs + low_runs, png)
 PY
   fi
