@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from engine_helpers import assert_no_leak
 
 from pagedcore import LLM, SamplingParams
@@ -51,9 +52,12 @@ def _run(llm: LLM, stop: str, *, raw: bool) -> tuple[list[Any], set[str]]:
     return steps, via_outputs
 
 
-def test_raw_deltas_equal_the_outputs() -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_raw_deltas_equal_the_outputs(overlap: bool) -> None:
+    # Overlap scheduling (the GPU default) collects its outputs one call later, elsewhere.
     llm = LLM("demo", device="cpu", max_model_len=128, kv_cache_memory_bytes=4 << 20,
-              backend="reference", seed=0)
+              backend="reference", seed=0, async_scheduling=overlap)
+    assert llm.async_scheduling is overlap
     text = llm.generate(["Hello there"], SamplingParams(max_tokens=30, temperature=0,
                                                         ignore_eos=True))[0].outputs[0].text
     stop = text[5:8]  # a stop string the greedy text reaches mid-stream
