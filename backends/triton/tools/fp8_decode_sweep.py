@@ -11,9 +11,9 @@ cache really holds (1 per fp8 element). Kernels are compiled ahead by a pool of 
 (sharing Triton's cache) in the order they are measured.
 
 Usage: ``python backends/triton/tools/fp8_decode_sweep.py OUT.jsonl [SECONDS [SET]]``
-(SET: ``round1``, the default, or ``round2``); it stops measuring after SECONDS (default 80)
-and prints a summary. ``--precompile [SET...]`` only compiles the shipped defaults' launches
-(and those of the SETs).
+(SET: ``round1``, the default, ``round2`` or ``round3``); it stops measuring after SECONDS
+(default 80) and prints a summary. ``--precompile [SET...]`` only compiles the shipped
+defaults' launches (and those of the SETs).
 """
 
 from __future__ import annotations
@@ -53,7 +53,41 @@ def jobs_round2() -> list[Job]:
     return out
 
 
-JOB_SETS = {"round1": lambda: jobs(), "round2": lambda: jobs_round2()}
+def jobs_round3() -> list[Job]:
+    """The third round: ``kernels/decode_fp8.py`` (flags ``k1`` / ``k2`` / ``k3``: its MODE;
+    ``b8``: 8 rows instead of 16) against the shipped bf16 and fp8 defaults, more split-KV
+    segments at 8x32768, and the sink logits' cost (flag ``x``) on the bf16 default and the
+    new kernel."""
+    out: list[Job] = []
+
+    def add(dt: str, cvt: int, tile: int, w: int, st: int, fl: str,
+            segs: dict[tuple[int, int], list[int]] | None = None) -> None:
+        for b, ln in SHAPES:
+            for sg in (segs or {}).get((b, ln), [DEFAULT_SEGS[(b, ln)]]):
+                j = (dt, b, ln, cvt, tile, w, st, sg, 0, fl)
+                if j not in out:
+                    out.append(j)
+
+    add("bf16", 0, 64, 4, 3, "o")
+    add("e4m3", 1, 128, 4, 5, "o")
+    for tile, w, st, fl in [(128, 4, 3, "k3o"), (128, 8, 3, "k3o"), (128, 4, 3, "k1o"),
+                            (128, 8, 3, "k1o"), (64, 4, 3, "k3o"), (64, 4, 3, "k1o"),
+                            (128, 8, 3, "k1ob8"), (128, 4, 4, "k3o"), (256, 8, 3, "k3o"),
+                            (64, 4, 4, "k1ob8"), (128, 4, 2, "k3o"), (256, 8, 3, "k1o")]:
+        add("e4m3", 0, tile, w, st, fl)
+    more = {(64, 4096): [2], (8, 32768): [16, 32], (256, 1024): []}
+    for tile, w, st, fl in [(128, 4, 3, "k3o"), (128, 8, 3, "k1o")]:
+        add("e4m3", 0, tile, w, st, fl, more)
+    add("bf16", 0, 64, 4, 3, "ox")
+    add("e4m3", 0, 128, 4, 3, "k3ox")
+    add("e4m3", 0, 64, 8, 2, "k2o")
+    add("e4m3", 1, 128, 4, 1, "o")  # general kernel, V converted in registers, unpipelined
+    add("e5m2", 0, 128, 4, 3, "k3o")
+    return out
+
+
+JOB_SETS = {"round1": lambda: jobs(), "round2": lambda: jobs_round2(),
+            "round3": lambda: jobs_round3()}
 
 
 def jobs() -> list[Job]:
@@ -123,6 +157,13 @@ def default_jobs() -> list[Job]:
     return out
 
 
+def _sinks(dev: Any) -> Any:
+    """The sink logits of the ``x`` variants (fixed: the reference uses the same)."""
+    import torch
+
+    return (torch.arange(HQ, dtype=torch.float32, device=dev) % 5 - 2.0) * 1.5
+
+
 _TORCH_DT = {"bf16": "bfloat16", "e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
 
 
@@ -136,21 +177,26 @@ def _launch(job: Job, kv: Any, query: Any, seq_lens: Any) -> tuple[Any, Any]:
     cache, table, qsl, scales = kv
     part = LaunchPart(req_begin=0, req_end=b, token_begin=0, token_end=b, max_query_len=1,
                       num_segments=segs)
+    mode = int(flags[flags.index("k") + 1]) if "k" in flags else 0
     tiles = TileConfig(block_m=16, block_q=4, tile_n=tile, num_warps=w, num_stages=st,
                        kv_convert=cvt, maxnreg=maxnreg or None,
-                       skip_interior_masks="s" in flags, int32_offsets="o" in flags)
+                       skip_interior_masks="s" in flags, int32_offsets="o" in flags,
+                       fp8_decode=mode, fp8_rows=8 if "b8" in flags else 16)
+    sinks = _sinks(query.device) if "x" in flags else None
     launch = prepare_launch(
         part, query_shape=tuple(query.shape), dtype=query.dtype,
         kv_cache_shape=tuple(cache.shape), query_start_loc=qsl, seq_lens=seq_lens,
         block_table=table, causal=True, use_alibi=False, sliding_window=None,
-        logits_soft_cap=None, tiles=tiles, kv_fp8=dt != "bf16",
+        logits_soft_cap=None, tiles=tiles, kv_fp8=dt != "bf16", use_sinks=sinks is not None,
     )
+    if mode and launch.kernel != "fp8_decode":
+        raise RuntimeError(f"{job}: not routed to the fp8 decode kernel")
     out = torch.empty_like(query)
 
     def run() -> Any:
         run_launch(launch, query, cache, out, scale=D**-0.5, alibi_slopes=None,
                    sliding_window=None, logits_soft_cap=None,
-                   kv_scales=scales if dt != "bf16" else None)
+                   kv_scales=scales if dt != "bf16" else None, sinks=sinks)
         return out
 
     return launch, run
@@ -242,9 +288,14 @@ def build_cache(dt: str, b: int, ln: int, gen: Any) -> dict[str, Any]:
     s = torch.einsum("bhgd,blhd->bhgl", q4, kd) * D**-0.5
     s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
     ref = torch.einsum("bhgl,blhd->bhgd", s.softmax(-1), vd).reshape(b, HQ, D)
-    del kd, vd, s, key, val, kq, vq
+    # with sink logits: one more score per row, in the denominator only
+    sk = _sinks(dev).view(1, HKV, HQ // HKV, 1).expand(b, -1, -1, 1)
+    w = torch.cat([s, sk], -1).softmax(-1)[..., :-1]
+    ref_sink = torch.einsum("bhgl,blhd->bhgd", w, vd).reshape(b, HQ, D)
+    del kd, vd, s, w, key, val, kq, vq
     qsl = torch.arange(b + 1, dtype=torch.int32, device=dev)
     return {"kv": (cache, table, qsl, (ks, vs)), "query": query, "ref": ref,
+            "ref_sink": ref_sink,
             "lens_c": lens_c, "lens_t": torch.full((b,), ln, dtype=torch.int32, device=dev),
             "bytes": 2 * b * ln * HKV * D * cache.element_size()}
 
@@ -315,12 +366,13 @@ def main() -> None:
             try:
                 try:
                     if fut is not None:
-                        row["compile_s"] = round(fut.result(timeout=max(1.0, budget)), 2)
+                        wait = max(1.0, budget - (time.perf_counter() - t_start))
+                        row["compile_s"] = round(fut.result(timeout=wait), 2)
                 except Exception as exc:  # a broken pool: compile here instead
                     row["pool_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
                 _, run_c = _launch(job, c["kv"], c["query"], c["lens_c"])
                 got = run_c().float()
-                ref = c["ref"]
+                ref = c["ref_sink"] if "x" in job[-1] else c["ref"]
                 row["rel_err"] = float((got - ref).norm() / ref.norm())
                 row["nan"] = bool(torch.isnan(got).any())
                 _, run_t = _launch(job, c["kv"], c["query"], c["lens_t"])
