@@ -70,19 +70,26 @@ def jobs_round3() -> list[Job]:
 
     add("bf16", 0, 64, 4, 3, "o")
     add("e4m3", 1, 128, 4, 5, "o")
-    for tile, w, st, fl in [(128, 4, 3, "k3o"), (128, 8, 3, "k3o"), (128, 4, 3, "k1o"),
-                            (128, 8, 3, "k1o"), (64, 4, 3, "k3o"), (64, 4, 3, "k1o"),
-                            (128, 8, 3, "k1ob8"), (128, 4, 4, "k3o"), (256, 8, 3, "k3o"),
-                            (64, 4, 4, "k1ob8"), (128, 4, 2, "k3o"), (256, 8, 3, "k1o")]:
-        add("e4m3", 0, tile, w, st, fl)
-    more = {(64, 4096): [2], (8, 32768): [16, 32], (256, 1024): []}
-    for tile, w, st, fl in [(128, 4, 3, "k3o"), (128, 8, 3, "k1o")]:
-        add("e4m3", 0, tile, w, st, fl, more)
     add("bf16", 0, 64, 4, 3, "ox")
-    add("e4m3", 0, 128, 4, 3, "k3ox")
+    # (tile, warps, stages, maxnreg, flags); b8: 8 rows; registers bound the CTAs per SM
+    for tile, w, st, reg, fl in [
+            (64, 4, 3, 0, "k3o"), (64, 4, 3, 0, "k3ob8"), (64, 8, 3, 0, "k3o"),
+            (32, 4, 3, 0, "k3o"), (128, 8, 3, 0, "k3o"), (64, 4, 3, 128, "k3ob8"),
+            (128, 4, 3, 0, "k3o"), (64, 4, 3, 0, "k1ob8"), (128, 8, 3, 0, "k1o"),
+            (128, 8, 3, 0, "k1ob8"), (64, 4, 4, 0, "k3ob8"), (64, 4, 2, 0, "k3ob8"),
+            (32, 4, 4, 0, "k3o"), (128, 8, 4, 0, "k3ob8"), (64, 8, 4, 0, "k3o"),
+            (32, 8, 3, 0, "k3o")]:
+        for b, ln in SHAPES:
+            j = ("e4m3", b, ln, 0, tile, w, st, DEFAULT_SEGS[(b, ln)], reg, fl)
+            if j not in out:
+                out.append(j)
+    more = {(64, 4096): [2], (8, 32768): [16, 32], (256, 1024): []}
+    for tile, w, st, fl in [(64, 4, 3, "k3ob8"), (128, 8, 3, "k3o"), (32, 4, 3, "k3o")]:
+        add("e4m3", 0, tile, w, st, fl, more)
+    add("e4m3", 0, 64, 4, 3, "k3ob8x")
     add("e4m3", 0, 64, 8, 2, "k2o")
+    add("e5m2", 0, 64, 4, 3, "k3o")
     add("e4m3", 1, 128, 4, 1, "o")  # general kernel, V converted in registers, unpipelined
-    add("e5m2", 0, 128, 4, 3, "k3o")
     return out
 
 
