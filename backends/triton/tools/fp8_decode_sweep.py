@@ -144,6 +144,7 @@ def jobs() -> list[Job]:
 def default_jobs() -> list[Job]:
     """The launches the shipped defaults make at each shape and cache dtype (`tile_config`
     and the builder's split rule), for ``--precompile``."""
+    import torch
     from pagedcore_triton.metadata import TritonMetadataBuilder
     from pagedcore_triton.plan import tile_config
 
@@ -155,12 +156,17 @@ def default_jobs() -> list[Job]:
         cfg = tile_config(1, HQ // HKV, D, interpreting=False, itemsize=2, kv_itemsize=item)
         spec = FullAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=D,
                                  dtype="bfloat16" if dt == "bf16" else _TORCH_DT[dt])
-        builder = TritonMetadataBuilder(spec, ["sweep"], "cpu")  # type: ignore[arg-type]
+        builder = TritonMetadataBuilder(spec, ["sweep"], torch.device("cpu"))
         for b, ln in SHAPES:
             segs = builder.decode_segments(num_reqs=b, max_seq_len=ln)
             flags = ("s" if cfg.skip_interior_masks else "") + ("o" if cfg.int32_offsets else "")
-            out.append((dt, b, ln, cfg.kv_convert, cfg.tile_n, cfg.num_warps, cfg.num_stages,
-                        segs, cfg.maxnreg or 0, flags))
+            if dt != "bf16" and cfg.fp8_decode:
+                flags += f"k{cfg.fp8_decode}" + ("b8" if cfg.fp8_rows == 8 else "")
+            job = (dt, b, ln, cfg.kv_convert, cfg.tile_n, cfg.num_warps, cfg.num_stages,
+                   segs, cfg.maxnreg or 0, flags)
+            out.append(job)
+            if dt == "bf16":  # `bench kernels --sinks` compares these with the plain ones
+                out.append((*job[:-1], flags + "x"))
     return out
 
 
