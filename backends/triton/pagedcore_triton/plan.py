@@ -493,8 +493,12 @@ def tile_config(
         longest_first=max_query_len > 1,
         int32_offsets=max_query_len > 1,
     )
-    if max_query_len > 1 or interpreting:
+    if max_query_len > 1:
         return cfg
+    if interpreting:  # the interpreter's small tiles, but the fp8 decode kernel the GPU runs
+        fp8_mode = DECODE_TILES[1].get("fp8_decode", 0) if kv_itemsize == 1 else 0
+        fp8_mode = fp8_mode if head_pad <= 128 else 0
+        return attrs.evolve(cfg, fp8_decode=fp8_mode) if fp8_mode else cfg
     if head_pad <= 128:
         cfg = attrs.evolve(cfg, **DECODE_TILES[1 if kv_itemsize == 1 else 2])
     override = os.environ.get(DECODE_TILES_ENV)
