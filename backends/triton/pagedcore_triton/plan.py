@@ -333,6 +333,10 @@ class TileConfig:
     #: `fp8_rows` rows (the GQA group padded, at least 16 for the dots of modes 1 and 3).
     fp8_decode: int = 0
     fp8_rows: int = 16
+    #: With `fp8_decode`: 1 loads tile t + 1's K/V into registers while the kernel computes
+    #: tile t, 2 also the block table two tiles ahead (``PREFETCH``; with ``num_stages`` 1
+    #: instead of Triton's software pipelining); 0 leaves it to Triton.
+    fp8_prefetch: int = 0
 
 
 def parse_tiles(text: str, num_queries_per_kv: int) -> TileConfig:
@@ -378,7 +382,7 @@ def parse_decode_tiles(text: str, base: TileConfig) -> TileConfig:
     ``"TILE_N,WARPS,STAGES[,FLAG...]"``, flags ``cvtN`` (N in 0..3: `TileConfig.kv_convert`),
     ``s`` (unmasked interior tiles), ``i32`` (int32 K/V offsets), ``rN`` (``maxnreg``),
     ``kN`` (N in 0..3: `TileConfig.fp8_decode`), ``b4`` / ``b8`` / ``b16``
-    (`TileConfig.fp8_rows`).
+    (`TileConfig.fp8_rows`), ``pf1`` / ``pf2`` (`TileConfig.fp8_prefetch`).
 
     >>> base = TileConfig(block_m=16, block_q=4, tile_n=64, num_warps=4, num_stages=3)
     >>> cfg = parse_decode_tiles("128,4,5,cvt1,i32", base)
@@ -392,7 +396,7 @@ def parse_decode_tiles(text: str, base: TileConfig) -> TileConfig:
         tile_n = warps = stages = 0
     flags = fields[3:]
     cvt, regs = base.kv_convert, base.maxnreg
-    mode, rows = base.fp8_decode, base.fp8_rows
+    mode, rows, prefetch = base.fp8_decode, base.fp8_rows, base.fp8_prefetch
     ok = len(fields) >= 3 and tile_n >= 16 and tile_n & (tile_n - 1) == 0 and warps > 0
     ok = ok and stages > 0 and len(set(flags)) == len(flags)
     for flag in flags:
@@ -402,6 +406,8 @@ def parse_decode_tiles(text: str, base: TileConfig) -> TileConfig:
             mode = int(flag[1:])
         elif flag in ("b4", "b8", "b16"):
             rows = int(flag[1:])
+        elif flag in ("pf1", "pf2"):
+            prefetch = int(flag[2:])
         elif flag.startswith("r") and flag[1:].isdigit() and int(flag[1:]) > 0:
             regs = int(flag[1:])
         elif flag not in ("s", "i32"):
@@ -411,10 +417,11 @@ def parse_decode_tiles(text: str, base: TileConfig) -> TileConfig:
             f"{DECODE_TILES_ENV}={text!r}: expected 'TILE_N,WARPS,STAGES[,FLAG...]' with "
             "TILE_N a power of two >= 16, positive WARPS and STAGES, and each FLAG at most once, "
             "one of cvt0..cvt3, s, i32, rN, k0..k3 (fp8 decode kernel mode), b4/b8/b16 (its "
-            "rows); e.g. '128,4,5,cvt1' or '128,8,3,k3'"
+            "rows), pf1/pf2 (its register prefetch); e.g. '128,4,5,cvt1' or '64,4,1,k3,pf2'"
         )
     return attrs.evolve(base, tile_n=tile_n, num_warps=warps, num_stages=stages,
                         kv_convert=cvt, maxnreg=regs, fp8_decode=mode, fp8_rows=rows,
+                        fp8_prefetch=prefetch,
                         skip_interior_masks="s" in flags or base.skip_interior_masks,
                         int32_offsets="i32" in flags or base.int32_offsets)
 

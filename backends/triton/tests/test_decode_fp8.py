@@ -64,17 +64,17 @@ def _launch(c: dict[str, torch.Tensor], tiles: TileConfig, segments: int, **kw: 
 
 
 @pytest.mark.parametrize(
-    ("mode", "dtype", "segments", "with_sinks"),
-    [(1, torch.float8_e4m3fn, 1, False), (2, torch.float8_e5m2, 2, True),
-     (3, torch.float8_e4m3fn, 2, True), (3, torch.float8_e5m2, 1, False)],
+    ("mode", "dtype", "segments", "with_sinks", "prefetch"),
+    [(1, torch.float8_e4m3fn, 1, False, 1), (2, torch.float8_e5m2, 2, True, 0),
+     (3, torch.float8_e4m3fn, 2, True, 2), (3, torch.float8_e5m2, 1, False, 0)],
 )
 def test_each_mode_matches_the_reference(mode: int, dtype: torch.dtype, segments: int,
-                                         with_sinks: bool) -> None:
+                                         with_sinks: bool, prefetch: int) -> None:
     if torch.cuda.is_available():
         pytest.skip("runs the interpreter's float32 branches (the GPU sweep checks the rest)")
     c = _case(dtype, [37, 16, 70], seed=mode)
     tiles = TileConfig(block_m=16, block_q=4, tile_n=16, num_warps=4, num_stages=1,
-                       fp8_decode=mode)
+                       fp8_decode=mode, fp8_prefetch=prefetch)
     launch = _launch(c, tiles, segments, use_sinks=with_sinks)
     assert launch.kernel == "fp8_decode" and launch.grid == (3, HKV, segments)
     out = torch.full_like(c["q"], float("nan"))
@@ -100,8 +100,9 @@ def test_only_plain_fp8_decodes_are_routed() -> None:
 
 def test_decode_tiles_flags_pick_the_mode_and_rows() -> None:
     base = TileConfig(block_m=16, block_q=4, tile_n=64, num_warps=4, num_stages=3)
-    cfg = parse_decode_tiles("128,8,3,k3,b8,i32", base)
+    cfg = parse_decode_tiles("128,8,3,k3,b8,i32,pf2", base)
     assert (cfg.fp8_decode, cfg.fp8_rows, cfg.tile_n, cfg.num_warps) == (3, 8, 128, 8)
+    assert cfg.fp8_prefetch == 2
     assert parse_decode_tiles("64,4,3,k0", cfg).fp8_decode == 0
     with pytest.raises(ValueError, match=r"k0\.\.k3"):
         parse_decode_tiles("64,4,3,k7", base)
@@ -113,9 +114,10 @@ from triton.compiler import ASTSource
 from triton.backends.compiler import GPUTarget
 from pagedcore_triton.kernels.decode_fp8 import fp8_decode_kernel as kernel
 
-for mode, cache, rows in ((3, "*fp8e4nv", 16), (1, "*fp8e5", 16)):
-    c = dict(HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=16, QPK=4, BLOCK_M=rows, TILE_N=128,
-             NUM_SEGMENTS=2, MODE=mode, USE_SINKS=True, F32=False, OFF32=True, KV_FP8=True)
+for mode, cache, rows, pf in ((3, "*fp8e4nv", 8, 2), (1, "*fp8e5", 16, 0)):
+    c = dict(HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=16, QPK=4, BLOCK_M=rows, TILE_N=64,
+             NUM_SEGMENTS=2, MODE=mode, USE_SINKS=True, F32=False, OFF32=True, KV_FP8=True,
+             PREFETCH=pf)
     types = {"out_ptr": "*bf16", "q_ptr": "*bf16", "k_cache_ptr": cache,
              "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "k_scale_ptr": "*fp32",
              "v_scale_ptr": "*fp32", "sinks_ptr": "*fp32", "scale": "fp32"}

@@ -11,9 +11,10 @@ cache really holds (1 per fp8 element). Kernels are compiled ahead by a pool of 
 (sharing Triton's cache) in the order they are measured.
 
 Usage: ``python backends/triton/tools/fp8_decode_sweep.py OUT.jsonl [SECONDS [SET]]``
-(SET: ``round1``, the default, ``round2`` or ``round3``); it stops measuring after SECONDS
+(SET: ``round1``, the default, or ``round2`` .. ``round4``); it stops measuring after SECONDS
 (default 80) and prints a summary. ``--precompile [SET...]`` only compiles the shipped
-defaults' launches (and those of the SETs).
+defaults' launches (and those of the SETs); ``--best OUT.jsonl`` prints the
+``PAGEDCORE_TRITON_DECODE_TILES`` value of the fastest fp8 variant when it beats the default.
 """
 
 from __future__ import annotations
@@ -93,8 +94,80 @@ def jobs_round3() -> list[Job]:
     return out
 
 
+def jobs_round4() -> list[Job]:
+    """The fourth round: round 3 found every ``kernels/decode_fp8.py`` variant slower than the
+    shipped fp8 default, about 3.3 us per tile whatever its size: the block-table load, then
+    the K/V loads, waited for in every iteration (V reaches the registers by plain loads,
+    which Triton does not pipeline). Here the kernel prefetches them itself (flags ``p1``:
+    K/V one tile ahead, ``p2``: also the block table two ahead; 1 stage), and Triton's
+    5-stage pipelining is tried on it, against the shipped defaults and round 1's unmasked
+    interior tiles."""
+    out: list[Job] = []
+
+    def add(dt: str, cvt: int, tile: int, w: int, st: int, fl: str) -> None:
+        for b, ln in SHAPES:
+            j = (dt, b, ln, cvt, tile, w, st, DEFAULT_SEGS[(b, ln)], 0, fl)
+            if j not in out:
+                out.append(j)
+
+    add("bf16", 0, 64, 4, 3, "o")
+    add("e4m3", 1, 128, 4, 5, "o")
+    for tile, w, st, fl in [(64, 4, 1, "k3ob8p2"), (64, 4, 1, "k3op2"), (128, 8, 1, "k3op2"),
+                            (128, 8, 1, "k1ob8p2"), (32, 4, 1, "k3op2"), (64, 4, 1, "k3ob8p1"),
+                            (128, 4, 5, "k3o"), (128, 8, 5, "k3ob8"), (64, 4, 5, "k3ob8"),
+                            (64, 8, 1, "k3op2"), (64, 4, 1, "k1ob8p2")]:
+        add("e4m3", 0, tile, w, st, fl)
+    add("e4m3", 1, 128, 4, 5, "so")
+    return out
+
+
 JOB_SETS = {"round1": lambda: jobs(), "round2": lambda: jobs_round2(),
-            "round3": lambda: jobs_round3()}
+            "round3": lambda: jobs_round3(), "round4": lambda: jobs_round4()}
+
+
+def tiles_env(row: dict[str, Any]) -> str:
+    """The ``PAGEDCORE_TRITON_DECODE_TILES`` value of a sweep row's variant."""
+    fl = row["flags"]
+    parts = [str(row["tile"]), str(row["warps"]), str(row["stages"]), f"cvt{row['cvt']}"]
+    if "k" in fl:
+        parts.append(f"k{fl[fl.index('k') + 1]}")
+    if "b8" in fl:
+        parts.append("b8")
+    if "p" in fl:
+        parts.append(f"pf{fl[fl.index('p') + 1]}")
+    if "s" in fl:
+        parts.append("s")
+    if "o" in fl:
+        parts.append("i32")
+    if row.get("maxnreg"):
+        parts.append(f"r{row['maxnreg']}")
+    return ",".join(parts)
+
+
+def best_variant(path: str, dt: str = "e4m3") -> None:
+    """Print the ``PAGEDCORE_TRITON_DECODE_TILES`` value of the fastest `dt` variant of a
+    sweep file (geometric mean over the shapes it was measured at with each shape's default
+    split, correct ones only), or nothing when none beats the first (the shipped default)."""
+    rows = [json.loads(line) for line in open(path)][1:]
+    ok = [r for r in rows if r["kv"] == dt and "ms" in r and not r["nan"] and r["rel_err"] < 0.05
+          and r["segs"] == DEFAULT_SEGS[(r["B"], r["L"])]]
+    by: dict[str, dict[tuple[int, int], float]] = {}
+    for r in ok:
+        by.setdefault(tiles_env(r), {})[(r["B"], r["L"])] = r["ms"]
+    full = {k: v for k, v in by.items() if len(v) == len(SHAPES)}
+    if not full:
+        return
+    default = next(iter(full))
+
+    def gmean(v: dict[tuple[int, int], float]) -> float:
+        prod = 1.0
+        for x in v.values():
+            prod *= x
+        return float(prod ** (1 / len(v)))
+
+    best = min(full, key=lambda k: gmean(full[k]))
+    if best != default and gmean(full[best]) < 0.97 * gmean(full[default]):
+        print(best)
 
 
 def jobs() -> list[Job]:
@@ -162,6 +235,7 @@ def default_jobs() -> list[Job]:
             flags = ("s" if cfg.skip_interior_masks else "") + ("o" if cfg.int32_offsets else "")
             if dt != "bf16" and cfg.fp8_decode:
                 flags += f"k{cfg.fp8_decode}" + ("b8" if cfg.fp8_rows == 8 else "")
+                flags += f"p{cfg.fp8_prefetch}" if cfg.fp8_prefetch else ""
             job = (dt, b, ln, cfg.kv_convert, cfg.tile_n, cfg.num_warps, cfg.num_stages,
                    segs, cfg.maxnreg or 0, flags)
             out.append(job)
@@ -194,7 +268,8 @@ def _launch(job: Job, kv: Any, query: Any, seq_lens: Any) -> tuple[Any, Any]:
     tiles = TileConfig(block_m=16, block_q=4, tile_n=tile, num_warps=w, num_stages=st,
                        kv_convert=cvt, maxnreg=maxnreg or None,
                        skip_interior_masks="s" in flags, int32_offsets="o" in flags,
-                       fp8_decode=mode, fp8_rows=8 if "b8" in flags else 16)
+                       fp8_decode=mode, fp8_rows=8 if "b8" in flags else 16,
+                       fp8_prefetch=int(flags[flags.index("p") + 1]) if "p" in flags else 0)
     sinks = _sinks(query.device) if "x" in flags else None
     launch = prepare_launch(
         part, query_shape=tuple(query.shape), dtype=query.dtype,
@@ -334,6 +409,9 @@ def precompile(sets: list[str]) -> None:
 def main() -> None:
     if sys.argv[1] == "--precompile":
         precompile(sys.argv[2:])
+        return
+    if sys.argv[1] == "--best":
+        best_variant(sys.argv[2])
         return
     out_path = sys.argv[1]
     budget = float(sys.argv[2]) if len(sys.argv) > 2 else 80.0

@@ -40,24 +40,27 @@ def _fp8_f16(x):
 
 
 @triton.jit
-def _tile(q, m_i, l_i, acc, t, bt_row, k_cache_ptr, v_cache_ptr, kv_head_off, stride_cb,
-          stride_cs, d, d_ok, seq_len, qk_scale,
-          HEAD_PAD: tl.constexpr, PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-          TILE_N: tl.constexpr, MODE: tl.constexpr, MASKED: tl.constexpr,
-          F32: tl.constexpr, OFF32: tl.constexpr):
-    """One ``TILE_N``-token tile of the online softmax (base 2). MODE 1 keeps `acc` as
-    ``[HEAD_PAD, BLOCK_M]`` (transposed) and `m_i` / `l_i` along axis 1; MODE 2 keeps `acc`
-    ``[BLOCK_M, HEAD_PAD]``."""
+def _phys(t, limit, bt_row, kv_head_off, stride_cb, stride_cs, BLOCK_SIZE: tl.constexpr,
+          TILE_N: tl.constexpr, MASKED: tl.constexpr, OFF32: tl.constexpr):
+    """Tile `t`'s slot offsets (block table -> physical block) and which of its tokens are
+    below `limit`."""
     n = t * TILE_N + tl.arange(0, TILE_N)
     offs_ty = tl.int32 if OFF32 else tl.int64
     if MASKED:
-        n_ok = n < seq_len
+        n_ok = n < limit
         phys = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0).to(offs_ty)
     else:
         n_ok = n >= 0
         phys = tl.load(bt_row + n // BLOCK_SIZE).to(offs_ty)
-    slot_off = phys * stride_cb + (n % BLOCK_SIZE).to(offs_ty) * stride_cs + kv_head_off
-    ptrs = slot_off[:, None] + d[None, :]  # [TILE_N, HEAD_PAD], head dim contiguous
+    return phys * stride_cb + (n % BLOCK_SIZE).to(offs_ty) * stride_cs + kv_head_off, n_ok
+
+
+@triton.jit
+def _load_at(slot_off, n_ok, k_cache_ptr, v_cache_ptr, d, d_ok, PAD: tl.constexpr,
+             MASKED: tl.constexpr):
+    """K and V at `slot_off`, ``[TILE_N, HEAD_PAD]`` each (the head dimension contiguous);
+    masked lanes load 0, never the cache's content."""
+    ptrs = slot_off[:, None] + d[None, :]
     if MASKED:
         mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_cache_ptr + ptrs, mask=mask, other=0.0)
@@ -68,6 +71,37 @@ def _tile(q, m_i, l_i, acc, t, bt_row, k_cache_ptr, v_cache_ptr, kv_head_off, st
     else:
         k = tl.load(k_cache_ptr + ptrs)
         v = tl.load(v_cache_ptr + ptrs)
+    return k, v
+
+
+@triton.jit
+def _load_kv(t, limit, bt_row, k_cache_ptr, v_cache_ptr, kv_head_off, stride_cb, stride_cs, d,
+             d_ok, PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+             MASKED: tl.constexpr, OFF32: tl.constexpr):
+    """Tile `t`'s K and V and which of its tokens are below `limit`."""
+    slot_off, n_ok = _phys(t, limit, bt_row, kv_head_off, stride_cb, stride_cs, BLOCK_SIZE,
+                           TILE_N, MASKED, OFF32)
+    k, v = _load_at(slot_off, n_ok, k_cache_ptr, v_cache_ptr, d, d_ok, PAD, MASKED)
+    return k, v, n_ok
+
+
+@triton.jit
+def _tile(q, m_i, l_i, acc, t, bt_row, k_cache_ptr, v_cache_ptr, kv_head_off, stride_cb,
+          stride_cs, d, d_ok, seq_len, qk_scale,
+          HEAD_PAD: tl.constexpr, PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+          TILE_N: tl.constexpr, MODE: tl.constexpr, MASKED: tl.constexpr,
+          F32: tl.constexpr, OFF32: tl.constexpr):
+    """One ``TILE_N``-token tile of the online softmax (base 2), loaded here."""
+    k, v, n_ok = _load_kv(t, seq_len, bt_row, k_cache_ptr, v_cache_ptr, kv_head_off, stride_cb,
+                          stride_cs, d, d_ok, PAD, BLOCK_SIZE, TILE_N, MASKED, OFF32)
+    return _attend(q, m_i, l_i, acc, k, v, n_ok, qk_scale, MODE, MASKED, F32)
+
+
+@triton.jit
+def _attend(q, m_i, l_i, acc, k, v, n_ok, qk_scale, MODE: tl.constexpr, MASKED: tl.constexpr,
+            F32: tl.constexpr):
+    """The online softmax over one loaded K/V tile. MODE 1 / 3 keep `acc` as
+    ``[HEAD_PAD, BLOCK_M]`` (transposed), MODE 2 as ``[BLOCK_M, HEAD_PAD]``."""
     if MODE == 1:
         # scores transposed: [TILE_N, BLOCK_M] = K [TILE_N, D] @ Q^T [D, BLOCK_M]
         if F32:
@@ -166,6 +200,7 @@ def fp8_decode_kernel(
     F32: tl.constexpr = False,
     OFF32: tl.constexpr = False,
     KV_FP8: tl.constexpr = True,
+    PREFETCH: tl.constexpr = 0,
 ):
     """Grid ``(num_reqs, Hkv, NUM_SEGMENTS)``; request ``r`` has exactly one query token, row
     ``qsl[r]`` of `q_ptr` / `out_ptr` (the caller routes only pure single-token decodes here).
@@ -226,18 +261,54 @@ def fp8_decode_kernel(
     else:
         kv_head_off = kv_head.to(tl.int64) * stride_ch
 
-    for t in range(t_start, full_stop):
-        m_i, l_i, acc = _tile(
-            q, m_i, l_i, acc, t, bt_row, k_cache_ptr, v_cache_ptr, kv_head_off, stride_cb,
-            stride_cs, d, d_ok, seq_len, qk_scale, HEAD_PAD, HEAD_PAD != HEAD_SIZE,
-            BLOCK_SIZE, TILE_N, MODE, False, F32, OFF32,
-        )
-    for t in range(full_stop, t_stop):
-        m_i, l_i, acc = _tile(
-            q, m_i, l_i, acc, t, bt_row, k_cache_ptr, v_cache_ptr, kv_head_off, stride_cb,
-            stride_cs, d, d_ok, seq_len, qk_scale, HEAD_PAD, HEAD_PAD != HEAD_SIZE,
-            BLOCK_SIZE, TILE_N, MODE, True, F32, OFF32,
-        )
+    if PREFETCH == 1:
+        # K/V of tile t + 1 are loaded into registers while tile t is computed (the loop is
+        # not software-pipelined: num_stages 1); loads past the segment are masked off.
+        limit = tl.minimum(seq_len, t_stop * TILE_N)
+        k_n, v_n, ok_n = _load_kv(t_start, limit, bt_row, k_cache_ptr, v_cache_ptr,
+                                  kv_head_off, stride_cb, stride_cs, d, d_ok,
+                                  HEAD_PAD != HEAD_SIZE, BLOCK_SIZE, TILE_N, True, OFF32)
+        for t in range(t_start, t_stop):
+            k = k_n
+            v = v_n
+            ok = ok_n
+            k_n, v_n, ok_n = _load_kv(t + 1, limit, bt_row, k_cache_ptr, v_cache_ptr,
+                                      kv_head_off, stride_cb, stride_cs, d, d_ok,
+                                      HEAD_PAD != HEAD_SIZE, BLOCK_SIZE, TILE_N, True, OFF32)
+            m_i, l_i, acc = _attend(q, m_i, l_i, acc, k, v, ok, qk_scale, MODE, True, F32)
+    elif PREFETCH == 2:
+        # as 1, and the block table two tiles ahead: tile t + 1's K/V loads need no wait for
+        # their addresses
+        limit = tl.minimum(seq_len, t_stop * TILE_N)
+        off_n, ok_n = _phys(t_start, limit, bt_row, kv_head_off, stride_cb, stride_cs,
+                            BLOCK_SIZE, TILE_N, True, OFF32)
+        k_n, v_n = _load_at(off_n, ok_n, k_cache_ptr, v_cache_ptr, d, d_ok,
+                            HEAD_PAD != HEAD_SIZE, True)
+        off_nn, ok_nn = _phys(t_start + 1, limit, bt_row, kv_head_off, stride_cb, stride_cs,
+                              BLOCK_SIZE, TILE_N, True, OFF32)
+        for t in range(t_start, t_stop):
+            k = k_n
+            v = v_n
+            ok = ok_n
+            k_n, v_n = _load_at(off_nn, ok_nn, k_cache_ptr, v_cache_ptr, d, d_ok,
+                                HEAD_PAD != HEAD_SIZE, True)
+            ok_n = ok_nn
+            off_nn, ok_nn = _phys(t + 2, limit, bt_row, kv_head_off, stride_cb, stride_cs,
+                                  BLOCK_SIZE, TILE_N, True, OFF32)
+            m_i, l_i, acc = _attend(q, m_i, l_i, acc, k, v, ok, qk_scale, MODE, True, F32)
+    else:
+        for t in range(t_start, full_stop):
+            m_i, l_i, acc = _tile(
+                q, m_i, l_i, acc, t, bt_row, k_cache_ptr, v_cache_ptr, kv_head_off, stride_cb,
+                stride_cs, d, d_ok, seq_len, qk_scale, HEAD_PAD, HEAD_PAD != HEAD_SIZE,
+                BLOCK_SIZE, TILE_N, MODE, False, F32, OFF32,
+            )
+        for t in range(full_stop, t_stop):
+            m_i, l_i, acc = _tile(
+                q, m_i, l_i, acc, t, bt_row, k_cache_ptr, v_cache_ptr, kv_head_off, stride_cb,
+                stride_cs, d, d_ok, seq_len, qk_scale, HEAD_PAD, HEAD_PAD != HEAD_SIZE,
+                BLOCK_SIZE, TILE_N, MODE, True, F32, OFF32,
+            )
 
     if MODE == 1 or MODE == 3:
         acc = tl.trans(acc)  # [BLOCK_M, HEAD_PAD]
