@@ -505,7 +505,10 @@ def tile_config(
     if interpreting:  # the interpreter's small tiles, but the fp8 decode kernel the GPU runs
         fp8_mode = DECODE_TILES[1].get("fp8_decode", 0) if kv_itemsize == 1 else 0
         fp8_mode = fp8_mode if head_pad <= 128 else 0
-        return attrs.evolve(cfg, fp8_decode=fp8_mode) if fp8_mode else cfg
+        if not fp8_mode:
+            return cfg
+        return attrs.evolve(cfg, fp8_decode=fp8_mode,
+                            fp8_prefetch=DECODE_TILES[1].get("fp8_prefetch", 0))
     if head_pad <= 128:
         cfg = attrs.evolve(cfg, **DECODE_TILES[1 if kv_itemsize == 1 else 2])
     override = os.environ.get(DECODE_TILES_ENV)
