@@ -19,7 +19,9 @@ left() { echo $(( deadline - $(date +%s) )); }
 el() { echo "== $1 at +$(( $(date +%s) - t0 ))s (left $(left)s)"; }
 sweep=backends/triton/tools/fp8_decode_sweep.py
 echo "commit ${PAGEDCORE_GIT_COMMIT:-?} start $(date -u +%T) left $(left)s"
-timeout -k 1 17 python3 $sweep "$out/sweep_round4.jsonl" 12 round4 > "$out/sweep_round4.txt" 2>&1
+sweep_s=$(( $(left) - 25 )); [ $sweep_s -gt 17 ] && sweep_s=17; [ $sweep_s -lt 8 ] && sweep_s=8
+timeout -k 1 $sweep_s python3 $sweep "$out/sweep_round4.jsonl" $(( sweep_s - 5 )) round4 \
+    > "$out/sweep_round4.txt" 2>&1
 el "sweep rc=$?"; grep -E "^[0-9]+x|BAD" "$out/sweep_round4.txt" | cut -c1-200
 cand=$(python3 $sweep --best "$out/sweep_round4.jsonl" 2>/dev/null)
 echo "candidate: '${cand}'" | tee "$out/candidate.txt"
