@@ -76,15 +76,17 @@ def run_prefill(llm: Any, prompt_ids: list[list[int]], *,
                 warmup: list[list[int]]) -> dict[str, Any]:
     """Prompt tokens/s of `llm.generate` with one new token per prompt: a prefill-heavy
     workload (its steps are prefill chunks, no decodes), after a warm-up with other prompts of
-    the same lengths (no prefix-cache hits in the timed run)."""
+    the same lengths (no prefix-cache hits in the timed run). ``first_tokens`` (each prompt's
+    greedy token) lets runs of different backends on the same seeded model be compared."""
     from pagedcore.engine.sampling.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     llm.generate(warmup, params)
     steps0 = llm.num_steps
-    _, secs = _timed(lambda: llm.generate(prompt_ids, params), llm.device)
+    outs, secs = _timed(lambda: llm.generate(prompt_ids, params), llm.device)
     tokens = sum(len(p) for p in prompt_ids)
     return {
+        "first_tokens": [list(o.outputs[0].token_ids)[:1] for o in outs],
         "prompt_tok_s": tokens / secs,
         "seconds": secs,
         "prompts": len(prompt_ids),

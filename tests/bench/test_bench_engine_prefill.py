@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -23,7 +24,7 @@ class _FakeLLM:
     def generate(self, prompts: list[list[int]], params: Any) -> list[Any]:
         self.calls.append((len(prompts), params.max_tokens))
         self.num_steps += sum(-(-len(p) // 64) for p in prompts)
-        return []
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[p[0] + 1])]) for p in prompts]
 
 
 def test_run_prefill_counts_prompt_tokens_after_a_warmup() -> None:
@@ -32,6 +33,7 @@ def test_run_prefill_counts_prompt_tokens_after_a_warmup() -> None:
     assert llm.calls == [(1, 1), (2, 1)]  # the warm-up first, one new token each
     assert fig["prompt_tokens"] == 400 and fig["prompts"] == 2 and fig["steps"] == 7
     assert fig["prompt_tok_s"] == pytest.approx(400 / fig["seconds"])
+    assert fig["first_tokens"] == [[12], [13]]  # the timed prompts' own tokens
 
 
 def test_prefill_stage_runs_its_own_eager_engine(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Session 12, round 3 on the H200 (issue #21): `pagedcore bench kernels --backend triton
-# --backend flashinfer --case decode`, both backends in one run (eager and CUDA-graph rows),
-# with the Triton decode's split-KV default chosen from round 2's sweep; then, in the time
-# left, `pagedcore bench engine` with flex forced (a short workload: its kernels compile per
-# shape bucket). FlashInfer's modules come prebuilt (fi_setup.sh).
-# Env (the round runner): OUT_DIR, GPU_DEADLINE, ROOT_WHL.
+# Session 12, round 3 (the last) on the H200 (issue #21):
+# 1. `pagedcore bench kernels --backend triton --backend flashinfer --backend cuda_paged
+#    --case decode`: the backends side by side in one run, eager and CUDA-graph rows, with the
+#    Triton decode's split-KV default kept from round 2's sweep (none of the swept plans beat it);
+# 2. in the time left, `pagedcore bench engine --only prefill` with cuda_paged, triton and
+#    flashinfer forced (round 2 found cuda_paged 1.76x triton there: a second run, with each
+#    prompt's greedy first token recorded, so the backends' outputs can be compared).
+# FlashInfer's modules come prebuilt (fi_setup.sh). Env: OUT_DIR, GPU_DEADLINE, ROOT_WHL.
 set -u
 OUT=${OUT_DIR:?}
 T0=$(date +%s)
@@ -14,15 +16,16 @@ mark() { echo "$* (at +$(( $(date +%s) - T0 ))s)" | tee -a "$OUT/steps.txt"; }
 left() { echo $(( HARD - $(date +%s) )); }
 . backends/flashinfer/tools/gpu/fi_setup.sh
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$OUT/gpu.txt" 2>&1
-t=$(( $(left) - 12 )); (( t > 40 )) && t=40
+t=$(( $(left) - 14 )); (( t > 36 )) && t=36
 timeout -k 3 "$t" python3 -m pagedcore.cli bench kernels --backend triton --backend flashinfer \
-  --case decode --json "$OUT/kernels_decode_triton_flashinfer_h200.json" > "$OUT/kernels.log" 2>&1
+  --backend cuda_paged --case decode --json "$OUT/kernels_decode_h200.json" \
+  > "$OUT/kernels.log" 2>&1
 mark "bench kernels rc=$? cap=${t}s"
 t=$(left)
-if (( t >= 10 )); then
-  timeout -k 3 "$t" python3 backends/flashinfer/tools/engine_backends.py "$OUT/engine_" flex \
-    --only throughput --num-prompts 8 --max-new 8 --max-num-seqs 8 --skip-hf --skip-eager \
-    > "$OUT/engine_flex.log" 2>&1
-  mark "engine flex rc=$? cap=${t}s"
+if (( t >= 8 )); then
+  timeout -k 3 "$t" python3 backends/flashinfer/tools/engine_backends.py "$OUT/engine_prefill_" \
+    cuda_paged,triton,flashinfer --only prefill --skip-hf --enforce-eager > "$OUT/engine_prefill.log" 2>&1
+  mark "engine prefill rc=$? cap=${t}s (flashinfer prefill kernels: $FI_PREFILL)"
 fi
+grep -h "engine_backends:" "$OUT/engine_prefill.log" >> "$OUT/steps.txt" 2> /dev/null
 mark done
