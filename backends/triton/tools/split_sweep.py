@@ -25,7 +25,7 @@ Variants (``--variant``, repeatable; default `DEFAULT_VARIANTS`):
 Usage::
 
     python backends/triton/tools/split_sweep.py OUT.json [--shape 8x32768 ...] \
-        [--variant S16 ...] [--flashinfer] [--seconds 40] [--jobs 8]
+        [--variant S16 ...] [--flashinfer] [--seconds 40] [--jobs 8] [--compile-only]
 
 On CUDA the variants' kernels are first compiled by a pool of ``--jobs`` processes (sharing
 Triton's cache) on tiny caches with the full launches' specialization. ``--device cpu`` runs
@@ -316,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="stop timing new rows after this many seconds")
     parser.add_argument("--jobs", type=int, default=8, help="compile processes (CUDA)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--compile-only", action="store_true",
+                        help="only compile the variants' kernels into Triton's cache (e.g. "
+                             "ahead of `pagedcore bench kernels` on a fresh machine)")
     args = parser.parse_args(argv)
     t0 = time.time()
     shapes = [parse_shape(s) for s in args.shape or DEFAULT_SHAPES]
@@ -339,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
             secs = list(pool.map(compile_variant, jobs))
         print(f"compiled {len(jobs)} variants in {time.time() - t0:.1f} s "
               f"(longest {max(secs, default=0):.1f} s)", flush=True)
+    if args.compile_only:
+        return 0
     copy_gbps = copy_bandwidth_gbps(device, quick=False) if device.type == "cuda" else None
     sweep = Sweep(args.out, {
         "command": "python backends/triton/tools/split_sweep.py "

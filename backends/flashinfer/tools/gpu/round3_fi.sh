@@ -6,7 +6,8 @@
 # 2. in the time left, `pagedcore bench engine --only prefill` with cuda_paged, triton and
 #    flashinfer forced (round 2 found cuda_paged 1.76x triton there: a second run, with each
 #    prompt's greedy first token recorded, so the backends' outputs can be compared).
-# FlashInfer's modules come prebuilt (fi_setup.sh). Env: OUT_DIR, GPU_DEADLINE, ROOT_WHL.
+# FlashInfer's modules come prebuilt (fi_setup.sh); the Triton decode kernels are compiled
+# ahead, in parallel with that. Env: OUT_DIR, GPU_DEADLINE, ROOT_WHL.
 set -u
 OUT=${OUT_DIR:?}
 T0=$(date +%s)
@@ -14,7 +15,13 @@ HARD=$(( ${GPU_DEADLINE:-$(( T0 + 45 ))} + 12 ))   # a little before the kill
 export PYTHONUNBUFFERED=1 FLASHINFER_CUDA_ARCH_LIST=9.0
 mark() { echo "$* (at +$(( $(date +%s) - T0 ))s)" | tee -a "$OUT/steps.txt"; }
 left() { echo $(( HARD - $(date +%s) )); }
+# The Triton decode kernels of the three shapes compile (3 processes) while FlashInfer is set up.
+python3 backends/triton/tools/split_sweep.py /dev/null --compile-only --variant default \
+  --shape 64x4096 --shape 8x32768 --shape 256x1024 --jobs 3 > "$OUT/precompile.log" 2>&1 &
+pc=$!
 . backends/flashinfer/tools/gpu/fi_setup.sh
+wait "$pc"
+mark "precompile rc=$?"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$OUT/gpu.txt" 2>&1
 t=$(( $(left) - 14 )); (( t > 36 )) && t=36
 timeout -k 3 "$t" python3 -m pagedcore.cli bench kernels --backend triton --backend flashinfer \
