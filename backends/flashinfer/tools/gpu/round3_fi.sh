@@ -22,6 +22,10 @@ pc=$!
 . backends/flashinfer/tools/gpu/fi_setup.sh
 wait "$pc"
 mark "precompile rc=$?"
+# What the selector picks now, and why (beside the bench: it only reads the declarations).
+( python3 -m pagedcore.cli select --head-size 128 --explain > "$OUT/select_explain.txt" 2>&1
+  python3 -m pagedcore.cli select --head-size 64 --explain > "$OUT/select_explain_hs64.txt" 2>&1
+) &
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$OUT/gpu.txt" 2>&1
 t=$(( $(left) - 14 )); (( t > 36 )) && t=36
 timeout -k 3 "$t" python3 -m pagedcore.cli bench kernels --backend triton --backend flashinfer \
@@ -35,4 +39,5 @@ if (( t >= 8 )); then
   mark "engine prefill rc=$? cap=${t}s (flashinfer prefill kernels: $FI_PREFILL)"
 fi
 grep -h "engine_backends:" "$OUT/engine_prefill.log" >> "$OUT/steps.txt" 2> /dev/null
+wait
 mark done
