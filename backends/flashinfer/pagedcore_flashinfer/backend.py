@@ -38,11 +38,10 @@ class FlashInferBackend(AttentionBackend):
         "behind triton (20) and cuda_paged (30): `pagedcore bench engine` on the H200 "
         "(qwen2-0.5b-shaped, bf16, each backend forced in one run, decode steps as CUDA "
         "graphs) gave triton 10,827, cuda_paged 6,413 and flashinfer 3,999 tok/s, and on the "
-        "prefill-heavy stage (4 x 8192-token prompts, FA2 prefill) cuda_paged 208,721, "
-        "triton 118,909 and flashinfer 93,692 prompt tok/s "
-        "(docs/benchmarks/h200_s12_fi/round2/engine_*.json), though its decode kernel is up "
-        "to 3 % faster than triton's at few long requests "
-        "(docs/benchmarks/h200_s12_fi/round2/split_sweep_h200.json)"
+        "prefill-heavy stage (4 x 8192-token prompts, FA2 prefill) it was the slowest "
+        "(93,692 prompt tok/s; docs/benchmarks/h200_s12_fi/round2/engine_*.json), though its "
+        "decode kernel is up to 3.4 % faster than triton's at few long requests "
+        "(docs/benchmarks/h200_s12_fi/round3/kernels_decode_h200.json)"
     )
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float16", "bfloat16")
     supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)

@@ -55,9 +55,10 @@ class TritonAttentionBackend(AttentionBackend, metaclass=_TritonBackendMeta):
         "bf16, each backend forced in one run, decode steps as CUDA graphs) 10,827 tok/s "
         "against cuda_paged 6,413 and flashinfer 3,999 "
         "(docs/benchmarks/h200_s12_fi/round2/engine_*.json); its decode kernel is within 3 % "
-        "of FlashInfer's at 8 x 32768 (2.9 % eager, 1.9 % graph, "
-        "docs/benchmarks/h200_s12_fi/round2/split_sweep_h200.json); on the prefill-heavy "
-        "stage cuda_paged is 1.76x faster (208,721 against 118,909 prompt tok/s)"
+        "of FlashInfer's at 8 x 32768 with CUDA graphs (1.4-1.9 %) and 2.9-3.4 % behind eager "
+        "(docs/benchmarks/h200_s12_fi/round3/kernels_decode_h200.json); on the prefill-heavy "
+        "stage it ties cuda_paged (224,096 against 230,765 prompt tok/s, "
+        "docs/benchmarks/h200_s12_fi/round3/engine_prefill_*.json)"
     )
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float16", "bfloat16", "float32")
     supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = KV_CACHE_DTYPES
