@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# One timed GPU round for cascade attention (issue #26), inside a hard wall-clock cap:
-# the kernel bench's target step and where its time goes (prefix launch, suffix launch with
-# its fused merge, prefix-shape variants), then the triton shared-prefix conformance cases.
+# One timed GPU round for issue #26 (cascade attention, cuda_paged prefill), inside a hard
+# wall-clock cap. Steps (CASCADE_STEPS, comma list, in this order):
+#   cascade      triton's kernel bench of the cascade target step and where its time goes
+#                (prefix launch, suffix launch with its fused merge, prefix-shape variants)
+#   cuda_paged   `pagedcore bench kernels --case prefill` for cuda_paged (prompts handed to
+#                triton's Hopper kernel) and triton, against torch SDPA
+#   conformance  triton's shared-prefix conformance cases (NaN-poisoned slots)
 # Each step gets `timeout` from GPU_DEADLINE; results land in OUT_DIR as they finish.
 #
 #   OUT_DIR=/tmp/o GPU_DEADLINE=$(( $(date +%s) + 60 )) bash docs/benchmarks/cascade_gpu.sh
@@ -11,9 +15,12 @@ OUT=${OUT_DIR:-${OUT:-/tmp/cascade_out}}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 DEADLINE=${GPU_DEADLINE:-$(( $(date +%s) + 600 ))}
+STEPS=${CASCADE_STEPS:-cascade,cuda_paged,conformance}
 left() { echo $(( DEADLINE - $(date +%s) - ${1:-3} )); }
-VARIANTS=${CASCADE_VARIANTS:-"128,64,4,3,1;64,64,4,3,2;128,64,8,3,2;128,32,8,3,1"}
+VARIANTS=${CASCADE_VARIANTS:-"128,64,4,3,1;64,64,4,3,2;128,64,8,3,2"}
+smoke=0
 if [[ "${1:-}" == "--smoke" ]]; then
+    smoke=1
     export TRITON_INTERPRET=1
     bench=(--smoke --variants "16,16,4,1,2")
     conf=(--quick --device cpu -k shared_decode/float32/hs128/bs16/h8kv2/out_buffer)
@@ -22,20 +29,37 @@ else
     bench=(--variants "$VARIANTS")
     conf=(--device cuda -k shared_)
 fi
-echo "start $(date +%s) deadline $DEADLINE" | tee "$OUT/steps.txt"
-t=$(left 25)
-if (( t > 5 )); then
-    timeout "$t" "$PY" backends/triton/tools/cascade_bench.py "${bench[@]}" \
-        --parts target,components --json "$OUT/cascade_kernels.json" \
-        > "$OUT/cascade_bench.txt" 2>&1
-    echo "bench rc=$? at $(date +%s)" | tee -a "$OUT/steps.txt"
+echo "start $(date +%s) deadline $DEADLINE steps $STEPS" | tee "$OUT/steps.txt"
+has() { [[ ",$STEPS," == *",$1,"* ]]; }
+if has cascade; then
+    t=$(left 32)
+    if (( t > 5 )); then
+        timeout "$t" "$PY" backends/triton/tools/cascade_bench.py "${bench[@]}" \
+            --parts target,components --json "$OUT/cascade_kernels.json" \
+            > "$OUT/cascade_bench.txt" 2>&1
+        echo "cascade rc=$? at $(date +%s)" | tee -a "$OUT/steps.txt"
+    fi
+    tail -n 6 "$OUT/cascade_bench.txt"
 fi
-tail -n 8 "$OUT/cascade_bench.txt"
-t=$(left 2)
-if (( t > 5 )); then
-    timeout "$t" "$PY" -m pagedcore.cli conformance triton "${conf[@]}" \
-        --json "$OUT/cascade_conformance.json" > "$OUT/cascade_conformance.txt" 2>&1
-    echo "conformance rc=$? at $(date +%s)" | tee -a "$OUT/steps.txt"
+if has cuda_paged && (( ! smoke )); then
+    t=$(left 12)
+    if (( t > 5 )); then
+        "$PY" -c "from pagedcore_cuda_paged._ext import unavailable_reason as u; print('cuda_paged:', u() or 'available')" \
+            >> "$OUT/steps.txt" 2>&1
+        timeout "$t" "$PY" -m pagedcore.cli bench kernels --case prefill \
+            --backend cuda_paged --backend triton --json "$OUT/prefill_kernels.json" \
+            > "$OUT/prefill_kernels.txt" 2>&1
+        echo "cuda_paged rc=$? at $(date +%s)" | tee -a "$OUT/steps.txt"
+    fi
+    tail -n 12 "$OUT/prefill_kernels.txt"
 fi
-tail -n 3 "$OUT/cascade_conformance.txt"
+if has conformance; then
+    t=$(left 2)
+    if (( t > 5 )); then
+        timeout "$t" "$PY" -m pagedcore.cli conformance triton "${conf[@]}" \
+            --json "$OUT/cascade_conformance.json" > "$OUT/cascade_conformance.txt" 2>&1
+        echo "conformance rc=$? at $(date +%s)" | tee -a "$OUT/steps.txt"
+    fi
+    tail -n 3 "$OUT/cascade_conformance.txt"
+fi
 exit 0
