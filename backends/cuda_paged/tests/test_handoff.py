@@ -100,3 +100,13 @@ def test_mixed_step_with_handoff_matches_reference(
     prefills = [c for c in fake_ops.calls if c[0] == "prefill"]
     assert len(launches) == (0 if alibi else 2), launches
     assert len(prefills) == (2 if alibi else 1), fake_ops.calls
+
+
+def test_capability_table_says_so() -> None:
+    from pagedcore.plugins.cli import _features, _short_row
+
+    assert "prefill:triton" in _features(CudaPagedBackend)
+    row = {"name": "cuda_paged", "priority": 30, "devices": ["cuda"], "dtypes": ["float16"],
+           "head_sizes": [64], "block_sizes": ["16"], "unavailable_reason": None,
+           "features": _features(CudaPagedBackend)}
+    assert "pf:triton" in _short_row(row)[6]
