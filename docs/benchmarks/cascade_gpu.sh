@@ -5,6 +5,8 @@
 #                (prefix launch, suffix launch with its fused merge, prefix-shape variants)
 #   cuda_paged   `pagedcore bench kernels --case prefill` for cuda_paged (prompts handed to
 #                triton's Hopper kernel) and triton, against torch SDPA
+#   engine       `pagedcore bench prefix --shared-decode-only` (llama3-8b shape, random
+#                weights, eager engine: cascade off vs on)
 #   conformance  triton's shared-prefix conformance cases (NaN-poisoned slots)
 # Each step gets `timeout` from GPU_DEADLINE; results land in OUT_DIR as they finish.
 #
@@ -15,9 +17,9 @@ OUT=${OUT_DIR:-${OUT:-/tmp/cascade_out}}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 DEADLINE=${GPU_DEADLINE:-$(( $(date +%s) + 600 ))}
-STEPS=${CASCADE_STEPS:-cascade,cuda_paged,conformance}
+STEPS=${CASCADE_STEPS:-cascade,engine,cuda_paged}
 left() { echo $(( DEADLINE - $(date +%s) - ${1:-3} )); }
-VARIANTS=${CASCADE_VARIANTS:-"128,64,4,3,1;64,64,4,3,2;128,64,8,3,2"}
+VARIANTS=${CASCADE_VARIANTS:-"128,64,4,3,1;64,64,4,3,2"}
 smoke=0
 if [[ "${1:-}" == "--smoke" ]]; then
     smoke=1
@@ -32,7 +34,7 @@ fi
 echo "start $(date +%s) deadline $DEADLINE steps $STEPS" | tee "$OUT/steps.txt"
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
 if has cascade; then
-    t=$(left 32)
+    t=$(left 36)
     if (( t > 5 )); then
         timeout "$t" "$PY" backends/triton/tools/cascade_bench.py "${bench[@]}" \
             --parts target,components --json "$OUT/cascade_kernels.json" \
@@ -40,6 +42,15 @@ if has cascade; then
         echo "cascade rc=$? at $(date +%s)" | tee -a "$OUT/steps.txt"
     fi
     tail -n 6 "$OUT/cascade_bench.txt"
+fi
+if has engine && (( ! smoke )); then
+    t=$(left 13)
+    if (( t > 5 )); then
+        timeout "$t" "$PY" -m pagedcore.cli bench prefix --model llama3-8b --shared-decode-only \
+            --enforce-eager --json "$OUT/shared_decode_8b.json" > "$OUT/shared_decode_8b.txt" 2>&1
+        echo "engine rc=$? at $(date +%s)" | tee -a "$OUT/steps.txt"
+    fi
+    tail -n 4 "$OUT/shared_decode_8b.txt"
 fi
 if has cuda_paged && (( ! smoke )); then
     t=$(left 12)
