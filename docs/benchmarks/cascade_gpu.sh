@@ -8,6 +8,8 @@
 #   engine       `pagedcore bench prefix --shared-decode-only` (llama3-8b shape, random
 #                weights, eager engine: cascade off vs on)
 #   conformance  triton's shared-prefix conformance cases (NaN-poisoned slots)
+#   kernels      `pagedcore bench kernels --case cascade --backend triton` (the issue's form)
+#   cp_conf      cuda_paged's conformance cases with prompts (prefill, mixed: the handoff)
 # Each step gets `timeout` from GPU_DEADLINE; results land in OUT_DIR as they finish.
 #
 #   OUT_DIR=/tmp/o GPU_DEADLINE=$(( $(date +%s) + 60 )) bash docs/benchmarks/cascade_gpu.sh
@@ -72,5 +74,27 @@ if has conformance; then
         echo "conformance rc=$? at $(date +%s)" | tee -a "$OUT/steps.txt"
     fi
     tail -n 3 "$OUT/cascade_conformance.txt"
+fi
+if has kernels && (( ! smoke )); then
+    t=$(left 2)
+    if (( t > 5 )); then
+        timeout "$t" "$PY" -m pagedcore.cli bench kernels --case cascade --backend triton \
+            --json "$OUT/kernels_cascade.json" > "$OUT/kernels_cascade.txt" 2>&1
+        echo "kernels rc=$? at $(date +%s)" | tee -a "$OUT/steps.txt"
+    fi
+    tail -n 6 "$OUT/kernels_cascade.txt"
+fi
+if has cp_conf && (( ! smoke )); then
+    for k in prefill/ mixed/; do
+        t=$(left 2)
+        if (( t > 5 )); then
+            name=${k%/}
+            timeout "$t" "$PY" -m pagedcore.cli conformance cuda_paged --device cuda -k "$k" \
+                --json "$OUT/cuda_paged_conformance_$name.json" \
+                > "$OUT/cuda_paged_conformance_$name.txt" 2>&1
+            echo "cp_conf $k rc=$? at $(date +%s)" | tee -a "$OUT/steps.txt"
+            tail -n 2 "$OUT/cuda_paged_conformance_$name.txt"
+        fi
+    done
 fi
 exit 0

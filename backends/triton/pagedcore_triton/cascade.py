@@ -153,10 +153,11 @@ def _parse_override(text: str) -> tuple[int, int, int, int, float]:
 
 def prefix_config(
     *, num_tokens: int, num_heads: int, num_kv_heads: int, head_size: int, block_size: int,
-    prefix_len: int, num_sms: int, override: str | None = None,
+    prefix_len: int, num_sms: int, override: str | None = None, itemsize: int = 2,
 ) -> PrefixConfig:
     """The prefix launch's shape: rows ``T * QPK`` per KV head in tiles of up to 128 (8
-    warps; 16 in the interpreter), 64-token K/V tiles (32 above head size 128), 3 stages,
+    warps; 16 in the interpreter), 64-token K/V tiles, 3 stages (above head size 128 or for
+    float32, `itemsize` 4: up to 64 rows, 32-token tiles, 4 warps, 2 stages),
     and as many segments as fill one wave of `num_sms` programs, keeping at least
     `MIN_PREFIX_TILES_PER_SEGMENT` tiles per segment and the partials under
     `MAX_PREFIX_PARTIAL_BYTES`. `override` is ``PAGEDCORE_TRITON_CASCADE_PREFIX``'s text."""
@@ -167,11 +168,14 @@ def prefix_config(
         block_m, tile_n, warps, stages, per_sm = _parse_override(override)
     elif interpreting():
         block_m, tile_n, warps, stages = 16, max(16, block_size), 4, 1
+    elif head_pad > 128 or itemsize > 2:  # bound registers and shared memory
+        block_m = min(64, max(16, triton.next_power_of_2(rows)))
+        tile_n, warps, stages = 32, 4, 2
     else:
         block_m = min(128, max(16, triton.next_power_of_2(rows)))
-        tile_n = 64 if head_pad <= 128 else 32
+        tile_n = 64
         warps = 8 if block_m >= 128 else 4
-        stages = 3 if head_pad <= 128 else 2
+        stages = 3
     m_tiles = -(-rows // block_m)
     tiles = -(-prefix_len // tile_n)
     base = m_tiles * num_kv_heads
@@ -204,6 +208,7 @@ def run_prefix(
             num_tokens=num_tokens, num_heads=num_heads, num_kv_heads=num_kv_heads,
             head_size=head_size, block_size=block_size, prefix_len=plan.prefix_len,
             num_sms=_num_sms(query.device), override=os.environ.get(CASCADE_PREFIX_ENV),
+            itemsize=query.dtype.itemsize,
         )
         head_pad = triton.next_power_of_2(head_size)
         pfx_acc = torch.empty((num_tokens, num_heads, cfg.segments, head_pad),

@@ -113,3 +113,19 @@ def test_prefix_override_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
         with pytest.raises(ValueError, match=CASCADE_PREFIX_ENV):
             prefix_config(num_tokens=4, num_heads=4, num_kv_heads=2, head_size=64,
                           block_size=16, prefix_len=64, num_sms=4, override=bad)
+
+
+def test_prefix_config_bounds_wide_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU: 128-row tiles over one wave of SMs for 16-bit head size 128; float32 and head
+    size 256 take 64-row, 32-token tiles on 2 stages (shared memory and registers)."""
+    import pagedcore_triton.cascade as cascade
+
+    monkeypatch.setattr(cascade, "interpreting", lambda: False)
+    kw = dict(num_tokens=64, num_heads=32, num_kv_heads=8, block_size=16, prefix_len=4096,
+              num_sms=132)
+    cfg = cascade.prefix_config(head_size=128, **kw)
+    assert (cfg.block_m, cfg.tile_n, cfg.num_warps, cfg.m_tiles, cfg.segments) == (
+        128, 64, 8, 2, 8)
+    for wide in (cascade.prefix_config(head_size=256, **kw),
+                 cascade.prefix_config(head_size=128, itemsize=4, **kw)):
+        assert (wide.block_m, wide.tile_n, wide.num_stages) == (64, 32, 2), wide
