@@ -286,8 +286,8 @@ def prefix(small: bool, model_name: str, lengths: list[int] | None,
         lens = [512] if small else [4096]
     if lengths:
         lens = list(lengths)
-    decode_shape = dict(num_reqs=8, shared=512, own=32, max_tokens=8) if small else dict(
-        num_reqs=64, shared=4096, own=256, max_tokens=32)
+    decode_shape: dict[str, Any] = dict(num_reqs=8, shared=512, own=32, max_tokens=8) if small \
+        else dict(num_reqs=64, shared=4096, own=256, max_tokens=32)
     # The engine must hold a shared-decode request (prompt + generated tokens) too.
     longest = max(lens) + 1024
     if shared_decode or shared_decode_only:
@@ -414,7 +414,7 @@ def prefix(small: bool, model_name: str, lengths: list[int] | None,
             save()
 
 
-def _shared_decode(report: dict[str, Any], llm: Any, shape: dict[str, int], *, vocab: int,
+def _shared_decode(report: dict[str, Any], llm: Any, shape: dict[str, Any], *, vocab: int,
                    sync: Any) -> None:
     """The shared-prefix decode workload (cascade off vs on) into ``report``."""
     from pagedcore.bench.prefix_shared import measure_shared_decode
