@@ -324,52 +324,70 @@ def kernels(names: tuple[str, ...], json_path: str | None, quick: bool, kv_cache
     rows: list[dict[str, Any]] = []
     advance = click.get_current_context().with_resource(progress_bar(
         "bench kernels", sum(len(shapes[k]) for k in ("decode", "prefill", "mixed", "cascade"))))
+
+    def save() -> None:  # after every shape: a run cut short keeps what it measured
+        if json_path:
+            _write_json(json_path, rows, names=names, quick=quick, cases=cases,
+                        kv_cache_dtype=kv_cache_dtype, sinks=sinks, device=device,
+                        copy_gbps=copy_gbps, skipped=skipped)
+
     for kind in ("decode", "prefill"):
         for batch, length in shapes[kind] if kind in wanted else []:
             rows += bench_uniform(kind, batch, length, backends, device, copy_gbps,
                                   kv_cache_dtype=kv_cache_dtype, sinks=sinks)
             advance(1)
+            save()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     if kv_cache_dtype == "auto" and not sinks and "mixed" in wanted:
         for decodes, ctx, chunk, prefix in shapes["mixed"]:
             rows += bench_mixed(decodes, ctx, chunk, prefix, backends, device)
             advance(1)
+            save()
     if kv_cache_dtype == "auto" and not sinks and "cascade" in wanted:
         from pagedcore.bench.kernels_cascade import bench_cascade
 
         for num_reqs, prefix, own in shapes["cascade"]:
             rows += bench_cascade(num_reqs, prefix, own, backends, device)
             advance(1)
+            save()
     _print_table(rows, copy_gbps)
     if json_path:
-        command = ["pagedcore bench kernels"]
-        command += [f"--backend {n}" for n in names] + (["--quick"] if quick else [])
-        command += [f"--case {c}" for c in cases]
-        command += [f"--kv-cache-dtype {kv_cache_dtype}"] if kv_cache_dtype != "auto" else []
-        command += ["--sinks"] if sinks else []
-        command.append(f"--json {json_path}")
-        info = {
-            "command": " ".join(command),
-            "git_commit": git_commit(),
-            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-            "torch": torch.__version__,
-            "config": {"dtype": "bfloat16" if device.type == "cuda" else "float32",
-                       "kv_cache_dtype": kv_cache_dtype, "sinks": sinks,
-                       "num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS,
-                       "head_size": HEAD_SIZE, "block_size": BLOCK_SIZE,
-                       "sdpa": "torch SDPA on contiguous [B, H, S, D], enable_gqa=True",
-                       "timing": "median over samples of CUDA-event device time per call; a "
-                                 "sample is ~2 ms of back-to-back calls queued behind a GPU "
-                                 "spin after an L2 flush (the host runs ahead, as in a "
-                                 "multi-layer model); host_ms: host time per call, not "
-                                 "waiting for the device; NAME+cudagraph: the decode planned "
-                                 "by build_for_cudagraph_capture, replayed from a CUDA graph "
-                                 "of 10 calls"},
-            "copy_bandwidth_GBps": copy_gbps,
-            "skipped": skipped,
-            "results": rows,
-        }
-        with open(json_path, "w") as f:
-            json.dump(info, f, indent=2)
+        save()
         click.echo(f"wrote {json_path}")
+
+
+def _write_json(json_path: str, rows: list[dict[str, Any]], *, names: tuple[str, ...],
+                quick: bool, cases: tuple[str, ...], kv_cache_dtype: str, sinks: bool,
+                device: torch.device, copy_gbps: float, skipped: list[str]) -> None:
+    import torch
+
+    command = ["pagedcore bench kernels"]
+    command += [f"--backend {n}" for n in names] + (["--quick"] if quick else [])
+    command += [f"--case {c}" for c in cases]
+    command += [f"--kv-cache-dtype {kv_cache_dtype}"] if kv_cache_dtype != "auto" else []
+    command += ["--sinks"] if sinks else []
+    command.append(f"--json {json_path}")
+    info = {
+        "command": " ".join(command),
+        "git_commit": git_commit(),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "config": {"dtype": "bfloat16" if device.type == "cuda" else "float32",
+                   "kv_cache_dtype": kv_cache_dtype, "sinks": sinks,
+                   "num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS,
+                   "head_size": HEAD_SIZE, "block_size": BLOCK_SIZE,
+                   "sdpa": "torch SDPA on contiguous [B, H, S, D], enable_gqa=True",
+                   "timing": "median over samples of CUDA-event device time per call; a "
+                             "sample is ~2 ms of back-to-back calls queued behind a GPU "
+                             "spin after an L2 flush (the host runs ahead, as in a "
+                             "multi-layer model); host_ms: host time per call, not "
+                             "waiting for the device; NAME+cudagraph: the decode planned "
+                             "by build_for_cudagraph_capture, replayed from a CUDA graph "
+                             "of 10 calls"},
+        "copy_bandwidth_GBps": copy_gbps,
+        "skipped": skipped,
+        "results": rows,
+    }
+    with open(json_path, "w") as f:
+        json.dump(info, f, indent=2)

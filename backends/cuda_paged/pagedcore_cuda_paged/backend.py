@@ -34,6 +34,13 @@ class CudaPagedBackend(AttentionBackend):
 
     name: ClassVar[str] = "cuda_paged"
     priority: ClassVar[int] = 30
+    priority_reason: ClassVar[str | None] = (
+        "between triton (20) and flashinfer (35): `pagedcore bench engine` on the H200 "
+        "(qwen2-0.5b-shaped, bf16, each backend forced in one run, decode steps as CUDA "
+        "graphs) gave triton 10,827, cuda_paged 6,413 and flashinfer 3,999 tok/s; on the "
+        "prefill-heavy stage (4 x 8192-token prompts) cuda_paged led with 208,721 prompt "
+        "tok/s against triton's 118,909 (docs/benchmarks/h200_s12_fi/round2/engine_*.json)"
+    )
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float16", "bfloat16", "float32")
     supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
     supported_head_sizes: ClassVar[tuple[int, ...] | None] = SUPPORTED_HEAD_SIZES
