@@ -155,10 +155,10 @@ def prefix_config(
     *, num_tokens: int, num_heads: int, num_kv_heads: int, head_size: int, block_size: int,
     prefix_len: int, num_sms: int, override: str | None = None, itemsize: int = 2,
 ) -> PrefixConfig:
-    """The prefix launch's shape: rows ``T * QPK`` per KV head in tiles of up to 128 (8
-    warps; 16 in the interpreter), 64-token K/V tiles, 3 stages (above head size 128 or for
-    float32, `itemsize` 4: up to 64 rows, 32-token tiles, 4 warps, 2 stages),
-    and as many segments as fill one wave of `num_sms` programs, keeping at least
+    """The prefix launch's shape: rows ``T * QPK`` per KV head in tiles of up to 64 (4
+    warps; 16 in the interpreter), 64-token K/V tiles, 3 stages, two programs per SM (above
+    head size 128 or for float32, `itemsize` 4: 32-token tiles, 2 stages, one per SM),
+    and as many segments as fill that many programs on `num_sms` SMs, keeping at least
     `MIN_PREFIX_TILES_PER_SEGMENT` tiles per segment and the partials under
     `MAX_PREFIX_PARTIAL_BYTES`. `override` is ``PAGEDCORE_TRITON_CASCADE_PREFIX``'s text."""
     head_pad = triton.next_power_of_2(head_size)
@@ -171,11 +171,9 @@ def prefix_config(
     elif head_pad > 128 or itemsize > 2:  # bound registers and shared memory
         block_m = min(64, max(16, triton.next_power_of_2(rows)))
         tile_n, warps, stages = 32, 4, 2
-    else:
-        block_m = min(128, max(16, triton.next_power_of_2(rows)))
-        tile_n = 64
-        warps = 8 if block_m >= 128 else 4
-        stages = 3
+    else:  # measured on the H200 (docs/benchmarks/h200_s12_cascade/): 64 x 64, 2 per SM
+        block_m = min(64, max(16, triton.next_power_of_2(rows)))
+        tile_n, warps, stages, per_sm = 64, 4, 3, 2.0
     m_tiles = -(-rows // block_m)
     tiles = -(-prefix_len // tile_n)
     base = m_tiles * num_kv_heads

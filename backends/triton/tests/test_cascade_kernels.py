@@ -116,8 +116,8 @@ def test_prefix_override_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_prefix_config_bounds_wide_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a GPU: 128-row tiles over one wave of SMs for 16-bit head size 128; float32 and head
-    size 256 take 64-row, 32-token tiles on 2 stages (shared memory and registers)."""
+    """On a GPU: 64-row tiles, two programs per SM for 16-bit head size 128 (the H200's
+    fastest); float32 and head size 256 take 32-token tiles on 2 stages."""
     import pagedcore_triton.cascade as cascade
 
     monkeypatch.setattr(cascade, "interpreting", lambda: False)
@@ -125,7 +125,7 @@ def test_prefix_config_bounds_wide_rows(monkeypatch: pytest.MonkeyPatch) -> None
               num_sms=132)
     cfg = cascade.prefix_config(head_size=128, **kw)
     assert (cfg.block_m, cfg.tile_n, cfg.num_warps, cfg.m_tiles, cfg.segments) == (
-        128, 64, 8, 2, 8)
+        64, 64, 4, 4, 8)
     for wide in (cascade.prefix_config(head_size=256, **kw),
                  cascade.prefix_config(head_size=128, itemsize=4, **kw)):
         assert (wide.block_m, wide.tile_n, wide.num_stages) == (64, 32, 2), wide
