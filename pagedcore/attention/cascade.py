@@ -23,8 +23,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CASCADE_ENV",
+    "CASCADE_GRAPH_LOSS_BYTES_PER_LAYER",
     "CASCADE_MIN_REQUESTS",
     "CASCADE_MIN_SAVED_TOKENS",
+    "cascade_beats_graph",
     "cascade_mode",
     "cascade_pays",
     "check_common_prefix_len",
@@ -107,6 +109,27 @@ def cascade_pays(
     if prefix_len <= 0 or num_reqs < CASCADE_MIN_REQUESTS:
         return False
     return prefix_len * (num_reqs - 1) >= min_saved_tokens
+
+
+#: What a step that cascades gives up when a CUDA graph would otherwise serve it (a cascade
+#: plan follows the step's lengths, so such a step runs eagerly): the eager forward's
+#: launches and Python, ~0.5 ms per decoder layer on the H200 (Qwen2-0.5B shape, fused
+#: kernels: a 13.3 ms eager one-token forward against a ~1.5 ms graph step over 24 layers,
+#: ``docs/benchmarks/step_h200_r1/``), counted as the KV bytes read in that time at the copy
+#: bandwidth (~4.3 TB/s): ~2 GB per layer.
+CASCADE_GRAPH_LOSS_BYTES_PER_LAYER = 2_000_000_000
+
+
+def cascade_beats_graph(prefix_len: int, num_reqs: int, kv_bytes_per_token: int, *,
+                        loss_bytes: int | None = None) -> bool:
+    """Whether cascading a step that a CUDA graph would otherwise serve still pays: the KV
+    bytes per layer it saves, ``prefix_len * (num_reqs - 1) * kv_bytes_per_token`` (K and V
+    of one layer's KV heads per token), reach what the eager step costs in reads
+    (`CASCADE_GRAPH_LOSS_BYTES_PER_LAYER`, or `loss_bytes`)."""
+    loss = CASCADE_GRAPH_LOSS_BYTES_PER_LAYER if loss_bytes is None else loss_bytes
+    if prefix_len <= 0 or num_reqs < CASCADE_MIN_REQUESTS:
+        return False
+    return prefix_len * (num_reqs - 1) * kv_bytes_per_token >= loss
 
 
 def merge_attention_states(

@@ -25,9 +25,11 @@ def _tokens(n: int, *, vocab: int, seed: int) -> list[int]:
 
 def measure_shared_decode(
     llm: Any, *, num_reqs: int, shared: int, own: int, max_tokens: int, vocab: int,
-    sync: Callable[[], None] | None = None,
+    sync: Callable[[], None] | None = None, auto: bool = False,
 ) -> dict[str, Any]:
-    """Decode tokens/s of the shared-prefix batch, cascade off and on, and the speedup."""
+    """Decode tokens/s of the shared-prefix batch, cascade off and on (``always``), and the
+    speedup; with `auto` also the default mode's (``cascade_auto``), which with CUDA graphs
+    weighs the lost replay (`pagedcore.attention.cascade.cascade_beats_graph`)."""
     from pagedcore.engine.sampling.sampling_params import SamplingParams
 
     system = _tokens(shared, vocab=vocab, seed=501)
@@ -35,7 +37,7 @@ def measure_shared_decode(
     before = planner.mode
     rows: dict[str, Any] = {}
     try:
-        for mode in ("off", "always"):
+        for mode in ("off", "always", *(("auto",) if auto else ())):
             planner.set_mode(mode)
             times = []
             for rep, n_out in enumerate((1, 1 + max_tokens)):
@@ -58,7 +60,9 @@ def measure_shared_decode(
                           "num_cached_tokens_min": min(cached)}
     finally:
         planner.set_mode(before)
+    extra = {"cascade_auto": rows["auto"]} if auto else {}
     return {
+        **extra,
         "workload": f"{num_reqs} requests x ({shared} shared + {own} own tokens), "
                     f"{max_tokens} decode steps",
         "num_reqs": num_reqs, "shared": shared, "own": own, "max_tokens": max_tokens,

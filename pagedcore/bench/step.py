@@ -10,12 +10,18 @@ device-to-device copy). Per row: the host's time per step (schedule, prepare, up
 time it waited for the device), the host share on the critical path (without overlap all of
 the host time; with overlap the time the GPU sat idle, which is when the host was late), and
 the GPU idle time between steps (from a profiled window of steps: the span not covered by any
-kernel or copy). ``--profile-json`` adds a kernel-by-kernel summary of one graph step per
-batch size. On a machine without CUDA the same loop runs (no graphs, no device timeline).
+kernel or copy). ``--profile`` adds a kernel-by-kernel summary of a few steps per
+row. ``--prefix-hit N`` adds, per mode (graphs, eager), the first token of a request whose
+first N prompt tokens are in the prefix cache (warm: a priming request wrote them), each run
+alone: its wall time from `add_request` to the output (overlap on and off), the device time
+of its step, where the host's time goes (`pagedcore.bench.prefix_phases`), and with
+``--profile`` that step's kernels. On a machine without CUDA the same loop runs (no graphs,
+no device timeline).
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -29,8 +35,10 @@ from pagedcore.engine.engine_args_cli import engine_options
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["bytes_floor", "gpu_idle", "measure_step", "step"]
+__all__ = ["bytes_floor", "gpu_idle", "measure_prefix_hit", "measure_step", "step"]
 
+#: Own (uncached) prompt tokens after the shared prefix of ``--prefix-hit``.
+_PREFIX_USER = 64
 #: `--model-shape` choices: the engine experiments' shapes and a tiny CPU-friendly one.
 SHAPES = ("qwen2-0.5b", "llama3-8b", "tiny")
 
@@ -111,13 +119,14 @@ def _kernel_summary(prof: Any, steps: int, top: int = 25) -> list[dict[str, Any]
     return rows[:top]
 
 
-def _fill(llm: Any, batch: int, context: int, max_new: int, vocab: int, seed: int) -> list[str]:
+def _fill(llm: Any, batch: int, context: int, max_new: int, vocab: int, seed: int,
+          temperature: float = 0.0) -> list[str]:
     import torch
 
     from pagedcore import SamplingParams
 
     gen = torch.Generator().manual_seed(seed)
-    params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_new, temperature=temperature, ignore_eos=True)
     ids = []
     for i in range(batch):
         rid = f"s{seed}-{i}"
@@ -135,8 +144,12 @@ def _fill(llm: Any, batch: int, context: int, max_new: int, vocab: int, seed: in
 
 def measure_step(llm: Any, *, batch: int, context: int, steps: int, overlap: bool,
                  profile: bool = False, warmup: int = 3, seed: int = 0,
-                 trace_path: str | None = None) -> dict[str, Any]:
-    """Time `steps` decode steps of `batch` requests (prompts of `context` tokens).
+                 trace_path: str | None = None, temperature: float = 0.0,
+                 finished_only: bool = False) -> dict[str, Any]:
+    """Time `steps` decode steps of `batch` requests (prompts of `context` tokens), sampled
+    greedily (`temperature` 0) or at `temperature` (no seed, no filter). Each `LLM.step`
+    builds every running request's output (a server's loop), or with `finished_only` only
+    those of finished requests (``LLM.generate``'s loop).
 
     Returns the wall time per step, the host phases per step, the mean context, and with
     `profile` (CUDA only) the GPU idle time and a kernel summary of a few profiled steps
@@ -146,15 +159,15 @@ def measure_step(llm: Any, *, batch: int, context: int, steps: int, overlap: boo
     device = llm.device
     vocab = min(1000, int(llm.model.config.vocab_size))
     # Requests decode while later ones prefill: give them all the room max_model_len leaves.
-    ids = _fill(llm, batch, context, llm.max_model_len - context, vocab, seed)
+    ids = _fill(llm, batch, context, llm.max_model_len - context, vocab, seed, temperature)
     for _ in range(warmup):
-        llm.step()
+        llm.step(finished_only=finished_only)
     _sync(device)
     before = dict(llm.phase_time)
     marks = StepMarks(llm) if device.type == "cuda" else None
     t0 = time.perf_counter()
     for _ in range(steps):
-        llm.step()
+        llm.step(finished_only=finished_only)
     _sync(device)
     wall = (time.perf_counter() - t0) / steps
     if marks is not None:
@@ -162,7 +175,9 @@ def measure_step(llm: Any, *, batch: int, context: int, steps: int, overlap: boo
     phases = {k: (v - before.get(k, 0.0)) / steps * 1e3 for k, v in llm.phase_time.items()}
     seq = [r.num_computed_tokens for r in llm.scheduler.running]
     row: dict[str, Any] = {
-        "batch": batch, "overlap": bool(llm.async_scheduling), "step_ms": wall * 1e3,
+        "batch": batch, "overlap": bool(llm.async_scheduling), "temperature": temperature,
+        "outputs": "finished" if finished_only else "all",
+        "step_ms": wall * 1e3,
         "host_ms": {k: round(v, 4) for k, v in phases.items()},
         "mean_context": sum(seq) / max(len(seq), 1),
     }
@@ -210,6 +225,109 @@ def _write_trace(prof: Any, path: str) -> None:
             shutil.copyfileobj(src, dst)
 
 
+def measure_prefix_hit(llm: Any, *, prefix: int, user: int = 64, reps: int = 5,
+                       seed: int = 0, profile: bool = False) -> dict[str, Any]:
+    """The first token of a warm `prefix`-token prefix-cache hit, each request run alone.
+
+    A priming request (the shared `prefix` tokens + `user` own ones, ``max_tokens=1``) writes
+    the prefix; then `reps` requests with the same prefix and other `user` tokens each run
+    alone, with overlap on and then off. Per mode: the wall time from `add_request` until
+    `step` returns the finished output (median and all), the device time of the request's
+    step (CUDA events, overlap off), the cached tokens (proof of the hit: the prefix rounded
+    down to whole blocks) and the mixed-graph replays. Then the host phases of `reps` more
+    (`pagedcore.bench.prefix_phases.phase_breakdown`, each phase closed by a device sync),
+    and with `profile` (CUDA) the kernels of one request's step.
+    """
+    import statistics
+
+    import torch
+
+    from pagedcore import SamplingParams
+    from pagedcore.bench.prefix_phases import phase_breakdown
+
+    if llm.has_unfinished_requests():
+        raise ValueError("measure_prefix_hit needs an idle engine")
+    device = llm.device
+    cuda = device.type == "cuda"
+    vocab = min(1000, int(llm.model.config.vocab_size))
+    gen = torch.Generator().manual_seed(10_000 + seed)
+
+    def tokens(n: int) -> list[int]:
+        return [int(t) for t in torch.randint(3, vocab, (n,), generator=gen)]
+
+    shared = tokens(prefix)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    block = int(llm.kv_cache_config.groups[0].spec.block_size)
+    mixed = getattr(llm.runner, "mixed_graphs", None)
+
+    def run_one(rid: str, prompt: list[int]) -> tuple[float, int | None, int]:
+        _sync(device)
+        t0 = time.perf_counter()
+        llm.add_request(rid, prompt, params)
+        cached = None
+        steps = 0
+        while llm.has_unfinished_requests():
+            steps += 1
+            for out in llm.step():
+                if out.finished:
+                    cached = out.num_cached_tokens
+        return time.perf_counter() - t0, cached, steps
+
+    before = llm.async_scheduling
+    rows: dict[str, Any] = {"prefix_tokens": prefix, "user_tokens": user, "reps": reps,
+                            "expected_cached_tokens": prefix // block * block}
+    try:
+        llm.set_async_scheduling(False)
+        run_one(f"hit{seed}-prime", shared + tokens(user))
+        for overlap in (True, False):
+            llm.set_async_scheduling(overlap)
+            run_one(f"hit{seed}-{overlap}-warmup", shared + tokens(user))
+            replays = 0 if mixed is None else mixed.num_replays
+            marks = StepMarks(llm) if cuda and not overlap else None
+            walls, cached, steps = [], [], []
+            for r in range(reps):
+                wall, hit, n = run_one(f"hit{seed}-{overlap}-{r}", shared + tokens(user))
+                walls.append(wall * 1e3)
+                cached.append(hit)
+                steps.append(n)
+            key = "overlap" if overlap else "no_overlap"
+            row: dict[str, Any] = {
+                "first_token_ms_median": statistics.median(walls), "first_token_ms": walls,
+                "num_cached_tokens": cached, "steps": steps,
+                "mixed_graph_replays": None if mixed is None else mixed.num_replays - replays,
+            }
+            if marks is not None:
+                _sync(device)
+                marks.remove()
+                busy = marks.busy_ms()
+                if busy:
+                    row["gpu_step_ms_median"] = statistics.median(busy)
+            rows[key] = row
+        llm.set_async_scheduling(False)
+        breakdown = phase_breakdown(llm, [shared + tokens(user) for _ in range(reps)],
+                                    label=f"hit{seed}-phases",
+                                    sync=torch.cuda.synchronize if cuda else None)
+        rows["phases_ms"] = breakdown["phases_ms"]
+        rows["phases_total_ms"] = breakdown["total_ms"]
+        if profile and cuda:
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as torch_profile
+
+            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                run_one(f"hit{seed}-profiled", shared + tokens(user))
+                _sync(device)
+            idle = gpu_idle(_device_intervals(prof))
+            if idle is not None:
+                rows["profiled_gpu_busy_ms"] = idle["busy_us"] / 1e3
+            rows["kernels"] = _kernel_summary(prof, 1)
+    finally:
+        llm.set_async_scheduling(before)
+    rows["hits_proven"] = all(
+        c == rows["expected_cached_tokens"]
+        for k in ("overlap", "no_overlap") for c in rows.get(k, {}).get("num_cached_tokens", ()))
+    return rows
+
+
 class StepMarks:
     """CUDA events at the start of each step's device work (before its input upload) and at
     its end (after sampling), recorded by wrapping the runner's `prepare` and the sampler:
@@ -244,6 +362,10 @@ class StepMarks:
         del self._llm.runner.prepare
         del self._llm.sampler.sample_device
 
+    def busy_ms(self) -> list[float]:
+        """Device milliseconds of each marked step, from its start to its end mark."""
+        return [s.elapsed_time(e) for s, e in zip(self.starts, self.ends, strict=False)]
+
     def summary(self) -> dict[str, float]:
         """Mean device time per step from its start to its end mark, and the idle time
         between one step's end and the next one's start (a share of the wall per step)."""
@@ -275,19 +397,38 @@ def _critical_host_pct(row: dict[str, Any]) -> float | None:
               help="Prompt tokens per request.")
 @click.option("--steps", default=20, show_default=True, type=positive_int(),
               help="Timed decode steps per row.")
-@click.option("--no-eager", is_flag=True, help="Skip the eager (no CUDA graph) rows.")
+@click.option("--temperatures", default="0", show_default=True,
+              help="Comma-separated sampling temperatures, a row each (0: greedy; others "
+                   "sample every row at that temperature, unseeded).")
+@click.option("--outputs", "outputs", default="all", show_default=True,
+              help="Comma list of all (each step builds every running request's output, as "
+                   "a server's loop) and finished (only finished ones, as LLM.generate).")
+@click.option("--no-eager", is_flag=True,
+              help="Skip the eager (no CUDA graph) rows (which take the first temperature "
+                   "and outputs setting only).")
 @click.option("--profile", is_flag=True,
               help="Profile a few steps per row: GPU idle time and kernel summary (CUDA).")
+@click.option("--prefix-hit", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Also time the first token of a warm prefix-cache hit of this many "
+                   "tokens (+ 64 own), per mode; 0: off.")
+@click.option("--prefix-reps", default=5, show_default=True, type=positive_int(),
+              help="With --prefix-hit: requests timed per overlap setting.")
+@click.option("--shared-decode", is_flag=True,
+              help="With --prefix-hit: also decode min(64, largest batch) requests sharing "
+                   "that prefix (+64 own tokens, 16 steps) with cascade off, always and auto "
+                   "(decode tokens/s; not in the eager pass).")
 @click.option("--json", "json_path", default=None, type=OutputPath(),
               help="Write the figures to this JSON file.")
 @click.option("--trace-dir", default=None, type=click.Path(file_okay=False),
               help="With --profile: write each overlapped row's profiled steps there as a "
-                   "gzipped Chrome trace (step_<mode>_b<batch>.json.gz).")
+                   "gzipped Chrome trace (step_<mode>_b<batch>_t<temperature>_<outputs>.json.gz).")
 @engine_options(model=None, overrides=True, exclude=(
     "enforce_eager", "async_scheduling", "cudagraph_capture_sizes", "max_num_seqs"))
-def step(shape: str, batch_sizes: list[int], context: int, steps: int, no_eager: bool,
-         profile: bool, json_path: str | None, trace_dir: str | None,
-         engine_overrides: dict[str, Any]) -> None:
+def step(shape: str, batch_sizes: list[int], context: int, steps: int, temperatures: str,
+         outputs: str, no_eager: bool,
+         profile: bool, prefix_hit: int, prefix_reps: int, shared_decode: bool,
+         json_path: str | None,
+         trace_dir: str | None, engine_overrides: dict[str, Any]) -> None:
     """Decode-step time vs the bytes floor: graphs and eager, overlap on and off (the bench
     switches CUDA graphs and overlap itself; the other engine options given apply)."""
     from rich.console import Console
@@ -304,58 +445,107 @@ def step(shape: str, batch_sizes: list[int], context: int, steps: int, no_eager:
     from pagedcore.engine.llm import LLM
 
     sizes = sorted(set(batch_sizes))
+    try:
+        temps = [float(t) for t in temperatures.split(",") if t.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{temperatures!r} is not a comma list of numbers",
+                                 param_hint="--temperatures") from None
+    kinds = [k.strip() for k in outputs.split(",") if k.strip()]
+    if not kinds or set(kinds) - {"all", "finished"}:
+        raise click.BadParameter(f"{outputs!r}: give a comma list of all, finished",
+                                 param_hint="--outputs")
+    if not temps or any(not 0.0 <= t <= 100.0 for t in temps):
+        raise click.BadParameter(f"{temperatures!r}: give temperatures in [0, 100]",
+                                 param_hint="--temperatures")
     small = shape == "tiny"
     device = engine_overrides.get("device")
     dev, dtype, config = engine_bench_model(small, device, "qwen2-0.5b" if small else shape,
                                             dtype=engine_overrides.get("dtype"))
     # Room for every request to decode while the last ones prefill, then the timed steps.
-    max_len = context + 512
+    max_len = max(context + 512, prefix_hit + _PREFIX_USER + 32 if prefix_hit else 0)
     config.max_position_embeddings = max(int(config.max_position_embeddings), max_len)
     cuda = dev.type == "cuda"
     copy_gbps = copy_bandwidth_gbps(dev, quick=not cuda) if cuda else None
     kv_budget = None if cuda else 64 << 20
     report: dict[str, Any] = {"environment": environment(dev), "copy_bandwidth_GBps": copy_gbps,
-                              "context": context, "steps": steps, "rows": []}
+                              "context": context, "steps": steps, "rows": [],
+                              "prefix_hit": []}
     modes = [("graphs", False)] + ([] if no_eager or not cuda else [("eager", True)])
     llm = LLM(config, device=dev, dtype=dtype, **with_overrides(dict(
         backend=None, max_model_len=max_len, max_num_seqs=max(sizes),
         kv_cache_memory_bytes=kv_budget, max_num_batched_tokens=max(2048, max(sizes)),
         cudagraph_capture_sizes=sizes if cuda else None), engine_overrides))
     report["model"] = model_shape(config, dtype=dtype, kv_dtype=dtype, name=shape)
+    report["max_model_len"] = max_len  # (sizes the block tables and the capture plans)
     report["backends"] = llm.backend_names
     weights = weight_bytes(llm.model)
     kv_tok = kv_bytes_per_token(llm)
     advance = click.get_current_context().with_resource(
-        progress_bar("bench step", len(modes) * len(sizes) * 2))
+        progress_bar("bench step", len(sizes) * len(temps) * len(kinds) * 2 + (
+            len(sizes) * 2 if len(modes) > 1 else 0) + (len(modes) if prefix_hit else 0)))
     for mode, eager in modes:
         if eager:
             runner: Any = llm.runner  # (one process: a ModelRunner)
             runner.release_graphs()
-        for batch in sizes:
-            for overlap in (True, False):
-                advance(1)
-                trace = None
-                if trace_dir is not None and overlap and profile and cuda:
-                    import os
+        # (Eager rows: the first temperature and outputs setting.)
+        axes = (temps, kinds) if not eager else (temps[:1], kinds[:1])
+        for batch, temperature, kind, overlap in itertools.product(sizes, *axes,
+                                                                   (True, False)):
+            advance(1)
+            trace = None
+            if trace_dir is not None and overlap and profile and cuda:
+                import os
 
-                    os.makedirs(trace_dir, exist_ok=True)
-                    trace = os.path.join(trace_dir, f"step_{mode}_b{batch}.json.gz")
-                row = measure_step(llm, batch=batch, context=context, steps=steps,
-                                   overlap=overlap, profile=profile and cuda, trace_path=trace)
-                row["mode"] = mode if llm.cudagraph_status()["enabled"] else "eager"
-                row.update(bytes_floor(weights=weights, kv_per_token=kv_tok,
-                                       context_tokens=int(row["mean_context"] * batch),
-                                       copy_gbps=copy_gbps))
-                floor = row["floor_ms"]
-                row["ratio"] = row["step_ms"] / floor if floor else None
-                row["critical_host_pct"] = _critical_host_pct(row)
-                report["rows"].append(row)
-                click.echo(f"  {row['mode']} batch {batch} overlap {overlap}: "
-                           f"{row['step_ms']:.3f} ms", err=True)
+                os.makedirs(trace_dir, exist_ok=True)
+                trace = os.path.join(
+                    trace_dir, f"step_{mode}_b{batch}_t{temperature:g}_{kind}.json.gz")
+            row = measure_step(llm, batch=batch, context=context, steps=steps,
+                               overlap=overlap, profile=profile and cuda, trace_path=trace,
+                               temperature=temperature, finished_only=kind == "finished")
+            row["mode"] = mode if llm.cudagraph_status()["enabled"] else "eager"
+            row.update(bytes_floor(weights=weights, kv_per_token=kv_tok,
+                                   context_tokens=int(row["mean_context"] * batch),
+                                   copy_gbps=copy_gbps))
+            floor = row["floor_ms"]
+            row["ratio"] = row["step_ms"] / floor if floor else None
+            row["critical_host_pct"] = _critical_host_pct(row)
+            report["rows"].append(row)
+            click.echo(f"  {row['mode']} batch {batch} temperature {temperature} "
+                       f"outputs {kind} overlap {overlap}: "
+                       f"{row['step_ms']:.3f} ms", err=True)
+            if json_path:
+                write_json(json_path, report)
+        if prefix_hit:
+            advance(1)
+            # (Another seed per mode: the eager pass must not hit the graph pass's prompts.)
+            hit = measure_prefix_hit(llm, prefix=prefix_hit, user=_PREFIX_USER,
+                                     reps=prefix_reps, profile=profile and cuda,
+                                     seed=len(report["prefix_hit"]))
+            hit["mode"] = "graphs" if llm.cudagraph_status()["enabled"] else "eager"
+            report["prefix_hit"].append(hit)
+            for key in ("overlap", "no_overlap"):
+                click.echo(f"  {hit['mode']} prefix hit {prefix_hit} {key}: first token "
+                           f"{hit[key]['first_token_ms_median']:.3f} ms (cached "
+                           f"{hit[key]['num_cached_tokens']})", err=True)
+            if json_path:
+                write_json(json_path, report)
+            if shared_decode and not eager:  # (without graphs, auto is always's rule)
+                from pagedcore.bench.prefix_shared import measure_shared_decode
+
+                row = measure_shared_decode(
+                    llm, num_reqs=min(64, max(sizes)), shared=prefix_hit, own=_PREFIX_USER,
+                    max_tokens=16, vocab=min(1000, int(config.vocab_size)),
+                    sync=(lambda: _sync(dev)), auto=True)
+                row["mode"] = hit["mode"]
+                report.setdefault("shared_decode", []).append(row)
+                click.echo(f"  {row['mode']} shared-prefix decode {row['workload']}: tok/s "
+                           + " ".join(f"{k} {row['cascade_' + k]['decode_tokens_per_s']:.0f}"
+                                      for k in ("off", "on", "auto")), err=True)
                 if json_path:
                     write_json(json_path, report)
     table = Table(title=f"decode step vs bytes floor: {shape}, context ~{context}")
-    for col in ("mode", "batch", "overlap", "step ms", "floor ms", "ratio", "host ms",
+    for col in ("mode", "batch", "temp.", "outputs", "overlap", "step ms", "floor ms", "ratio",
+                "host ms",
                 "critical host %", "GPU idle %"):
         table.add_column(col, justify="right")
 
@@ -363,10 +553,24 @@ def step(shape: str, batch_sizes: list[int], context: int, steps: int, no_eager:
         return "-" if v is None else format(v, spec)
 
     for r in report["rows"]:
-        table.add_row(r["mode"], str(r["batch"]), "on" if r["overlap"] else "off",
+        table.add_row(r["mode"], str(r["batch"]), f"{r['temperature']:g}", r["outputs"],
+                      "on" if r["overlap"] else "off",
                       fmt(r["step_ms"], ".3f"), fmt(r["floor_ms"], ".3f"), fmt(r["ratio"]),
                       fmt(r["host_ms_total"], ".3f"), fmt(r["critical_host_pct"], ".1f"),
                       fmt(r.get("gpu_idle_pct"), ".1f"))
     Console(width=140).print(table)
+    if report["prefix_hit"]:
+        hits = Table(title=f"first token of a warm {prefix_hit}-token prefix hit "
+                           f"(+{_PREFIX_USER} own tokens), medians of {prefix_reps}")
+        for col in ("mode", "overlap on ms", "overlap off ms", "GPU step ms", "hits proven",
+                    "host phases ms (synced)"):
+            hits.add_column(col, justify="right")
+        for h in report["prefix_hit"]:
+            phases = " ".join(f"{k} {v:.2f}" for k, v in h["phases_ms"].items())
+            hits.add_row(h["mode"], fmt(h["overlap"]["first_token_ms_median"], ".3f"),
+                         fmt(h["no_overlap"]["first_token_ms_median"], ".3f"),
+                         fmt(h["no_overlap"].get("gpu_step_ms_median"), ".3f"),
+                         str(h["hits_proven"]), phases)
+        Console(width=160).print(hits)
     if json_path:
         write_json(json_path, report)

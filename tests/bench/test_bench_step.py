@@ -8,9 +8,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 from click.testing import CliRunner
 
-from pagedcore.bench.step import bytes_floor, gpu_idle, measure_step, weight_bytes
+from pagedcore.bench.step import (
+    bytes_floor,
+    gpu_idle,
+    measure_prefix_hit,
+    measure_step,
+    weight_bytes,
+)
 
 
 def test_gpu_idle_merges_overlapping_intervals() -> None:
@@ -43,21 +50,57 @@ def test_measure_step_with_and_without_overlap(make_llm: Callable[..., Any]) -> 
     assert not llm.has_unfinished_requests() and llm._inflight is None
 
 
+def test_prefix_hit_is_proven_and_timed_with_and_without_overlap(
+    make_llm: Callable[..., Any],
+) -> None:
+    llm = make_llm(max_num_seqs=4)
+    llm.set_async_scheduling(True)
+    hit = measure_prefix_hit(llm, prefix=40, user=8, reps=2)
+    assert hit["expected_cached_tokens"] == 32 and hit["hits_proven"]  # whole blocks of 16
+    for key, steps in (("overlap", 2), ("no_overlap", 1)):
+        row = hit[key]
+        assert row["num_cached_tokens"] == [32, 32] and len(row["first_token_ms"]) == 2
+        # With overlap the token arrives one step() call later; no second forward runs.
+        assert row["steps"] == [steps, steps] and row["first_token_ms_median"] > 0
+    assert hit["phases_ms"]["execute"] > 0 and set(hit["phases_ms"]) >= {"add", "schedule"}
+    assert not llm.has_unfinished_requests() and llm.async_scheduling  # restored
+    # Another seed (the bench's next mode) hits its own prefix only, not these prompts.
+    again = measure_prefix_hit(llm, prefix=40, user=8, reps=1, seed=1)
+    assert again["hits_proven"] and again["no_overlap"]["num_cached_tokens"] == [32]
+    llm.add_request("busy", [5] * 10)
+    with pytest.raises(ValueError, match="idle engine"):
+        measure_prefix_hit(llm, prefix=16)
+
+
 def test_cli_writes_a_row_per_batch_and_overlap(tmp_path: Path) -> None:
     from pagedcore.bench.cli import bench
 
     out = tmp_path / "step.json"
     result = CliRunner().invoke(bench, ["step", "--model-shape", "tiny", "--device", "cpu",
                                         "--batch-sizes", "1,2", "--steps", "2",
-                                        "--context", "16", "--json", str(out)])
+                                        "--context", "16", "--temperatures", "0,1.5",
+                                        "--outputs", "finished", "--prefix-hit", "20",
+                                        "--prefix-reps", "1", "--shared-decode",
+                                        "--json", str(out)])
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
-    assert [(r["batch"], r["overlap"]) for r in report["rows"]] == [
-        (1, True), (1, False), (2, True), (2, False)]
+    assert [(r["batch"], r["temperature"], r["overlap"]) for r in report["rows"]] == [
+        (b, t, o) for b in (1, 2) for t in (0.0, 1.5) for o in (True, False)]
+    assert {r["outputs"] for r in report["rows"]} == {"finished"}
     assert all(r["floor_ms"] is None and r["bytes"] > r["weight_bytes"] > 0
                for r in report["rows"])
+    [shared] = report["shared_decode"]
+    assert shared["num_reqs"] == 2 and shared["shared"] == 20
+    assert all(shared[f"cascade_{k}"]["decode_tokens_per_s"] > 0 for k in ("off", "on", "auto"))
+    [hit] = report["prefix_hit"]
+    assert hit["mode"] == "eager" and hit["hits_proven"] and hit["expected_cached_tokens"] == 16
     bad = CliRunner().invoke(bench, ["step", "--batch-sizes", "a,b"])
     assert bad.exit_code == 2 and "'a' in 'a,b' is not an integer" in bad.output
+    for option, value, message in (("--temperatures", "0,hot", "comma list of numbers"),
+                                   ("--temperatures", "-1", "in [0, 100]"),
+                                   ("--outputs", "some", "all, finished")):
+        bad = CliRunner().invoke(bench, ["step", option, value])
+        assert bad.exit_code == 2 and message in bad.output, bad.output
 
 
 def test_engine_bench_takes_the_model_shape(monkeypatch: Any) -> None:

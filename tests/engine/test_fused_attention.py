@@ -36,6 +36,7 @@ from pagedcore.engine.models.fused_decoder import (  # noqa: E402
 from pagedcore.engine.models.fused_ops import (  # noqa: E402
     FUSED_KERNELS_ENV,
     FUSED_KINDS,
+    GPU_CHECKED_KINDS,
     FusedSiLUMulMLP,
     add_rms_norm,
     fused_kinds_setting,
@@ -151,7 +152,7 @@ def test_qwen3_and_mistral_attention_are_left_alone() -> None:
 
 def test_kinds_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(FUSED_KERNELS_ENV, raising=False)
-    assert fused_kinds_setting() == {"rms_norm", "silu_mul"}  # the GPU-checked kinds only
+    assert fused_kinds_setting() == frozenset(GPU_CHECKED_KINDS) == frozenset(FUSED_KINDS)
     for all_kinds in ("1", "all", " ON "):
         monkeypatch.setenv(FUSED_KERNELS_ENV, all_kinds)
         assert fused_kinds_setting() == frozenset(FUSED_KINDS)

@@ -191,17 +191,27 @@ def test_engine_on_cpu_keeps_transformers_modules(monkeypatch: pytest.MonkeyPatc
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-def test_engine_swaps_on_cuda_and_matches_unswapped_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The engine swaps on CUDA; bf16 greedy tokens and log-probabilities agree with the
-    engine with the swap turned off by the environment switch."""
+@pytest.mark.parametrize(("arch", "expected_swaps"), [
+    # Qwen3 keeps its attention (q/k norms): no rotary / qkv swap.
+    ("qwen3", {"rms_norm": 9, "silu_mul": 2, "gate_up": 2, "rotary": 0, "qkv": 0,
+               "add_rms_norm": 2}),
+    ("llama", {"rms_norm": 5, "silu_mul": 2, "gate_up": 2, "rotary": 2, "qkv": 2,
+               "add_rms_norm": 2}),
+])
+def test_engine_swaps_on_cuda_and_matches_unswapped_bf16(
+    monkeypatch: pytest.MonkeyPatch, arch: str, expected_swaps: dict[str, int]
+) -> None:
+    """The engine swaps every GPU-checked kind on CUDA by default; bf16 greedy tokens and
+    log-probabilities agree with the engine with the swap turned off by the environment
+    switch."""
     from pagedcore import LLM, SamplingParams
 
-    config = tiny_config("qwen3", hidden_size=128, head_dim=64, num_attention_heads=4,
+    config = tiny_config(arch, hidden_size=128, head_dim=64, num_attention_heads=4,
                          num_key_value_heads=2)
     prompts = random_prompts([7, 40, 100], seed=9)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
     runs = []
-    for setting in (None, "0"):  # unset: the default, GPU-checked kinds (rms_norm, silu_mul)
+    for setting in (None, "0"):  # unset: the default, the GPU-checked kinds (all of them)
         if setting is None:
             monkeypatch.delenv(FUSED_KERNELS_ENV, raising=False)
         else:
@@ -211,7 +221,7 @@ def test_engine_swaps_on_cuda_and_matches_unswapped_bf16(monkeypatch: pytest.Mon
         llm = LLM(model, device="cuda", dtype="bfloat16", block_size=16, max_model_len=256,
                   kv_cache_memory_bytes=64 << 20)
         runner: Any = llm.runner
-        expected = {"rms_norm": 9, "silu_mul": 2} if setting is None else {}
+        expected = expected_swaps if setting is None else {}
         assert runner.fused_kernels == expected, runner.fused_kernels_disabled_reason
         runs.append(llm.generate(prompts, params))
     for fused, plain in zip(*runs, strict=True):

@@ -80,6 +80,30 @@ def test_per_request_seed_is_reproducible_and_batch_independent() -> None:
     assert alone != again or steps[0][0].equal(steps[0][2])  # different rows differ
 
 
+def test_unseeded_rows_share_one_draw_and_seeded_rows_keep_their_own() -> None:
+    """Rows without a seed race one `[R, V]` exponential draw of the sampler's generator (one
+    launch for all of them); a seeded row among them still draws from its own generator."""
+    logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(11)) * 3
+    temps = [1.0, 0.7, 1.3, 1.0, 0.9]
+    params = [SamplingParams(temperature=t) for t in temps]
+    tokens, _ = Sampler(seed=4).sample(logits, params, [str(i) for i in range(5)])
+    probs = (logits / torch.tensor(temps).unsqueeze(1)).softmax(-1)
+    noise = torch.empty_like(probs).exponential_(generator=torch.Generator().manual_seed(4))
+    assert tokens == (probs / noise).argmax(-1).tolist()
+    # Greedy, seeded and top-k rows next to unseeded ones.
+    mixed = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=9),
+             SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=1),
+             SamplingParams(temperature=0.5)]
+    got, _ = Sampler(seed=4).sample(logits, mixed, [str(i) for i in range(5)])
+    alone, _ = Sampler(seed=0).sample(logits[1:2], [mixed[1]], ["x"])
+    assert got[0] == int(logits[0].argmax()) and got[3] == int(logits[3].argmax())
+    assert got[1] == alone[0]
+    sub = logits[[2, 3, 4]] / torch.tensor([1.0, 1.0, 0.5]).unsqueeze(1)
+    sub[1] = torch.where(sub[1] < sub[1].max(), float("-inf"), sub[1])  # top_k=1
+    noise = torch.empty(3, 40).exponential_(generator=torch.Generator().manual_seed(4))
+    assert got[2:] == (sub.softmax(-1) / noise).argmax(-1).tolist()
+
+
 def test_logprobs_are_log_softmax_of_raw_logits() -> None:
     logits = torch.randn(2, 20, generator=torch.Generator().manual_seed(3))
     params = [SamplingParams(temperature=0.0, logprobs=3), SamplingParams(temperature=0.0)]

@@ -24,6 +24,10 @@ class CudaPagedBackend(AttentionBackend):
     KV cache per layer: ``[2, num_blocks, num_kv_heads * head_size * block_size]``, K and V
     views described in `pagedcore_cuda_paged.layout`.
 
+    Prefill: prompts with nothing cached before them go to triton's Hopper prefill kernel
+    where it runs (``prefill:triton`` in ``pagedcore backends``; `pagedcore_cuda_paged.handoff`),
+    the other prefills to csrc/'s.
+
     CUDA graphs: uniform single-token decode steps (`build_for_cudagraph_capture` plans the
     launch for the largest length; the forward pass makes no host reads of device data).
     """
@@ -46,6 +50,9 @@ class CudaPagedBackend(AttentionBackend):
     supports_sliding_window: ClassVar[bool] = True
     supports_alibi: ClassVar[bool] = True
     supports_logits_soft_cap: ClassVar[bool] = True
+    #: Prompts with no cached context run on triton's Hopper prefill kernel where the triton
+    #: backend is installed and the GPU is compute capability 9.x (`pagedcore_cuda_paged.handoff`).
+    prefill_handoff: ClassVar[str | None] = "triton"
     cudagraph_support: ClassVar[CudaGraphSupport] = (
         CudaGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE
     )

@@ -220,11 +220,15 @@ def run_launch(
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     sinks: torch.Tensor | None = None,
     merge: bool = True,
+    prefix_partials: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Run a prepared launch for one layer (see `paged_attention` for the tensors).
 
     ``merge=False`` leaves a split launch's partials unmerged in ``launch.part_acc`` /
     ``launch.part_ml`` (cascade attention merges them with the prefix's).
+    `prefix_partials` (cascade attention, an unsplit classic-grid launch only): the shared
+    prefix's ``[T, Hq, S, HEAD_PAD]`` / ``[T, Hq, S, 2]`` partials, merged into the output
+    by the launch itself.
     """
     grid = launch.grid
     if grid is None:
@@ -246,6 +250,12 @@ def run_launch(
     v_offset, stride_cb, stride_cs, stride_ch, stride_bt = launch.static_args
     part_acc = output if launch.part_acc is None else launch.part_acc
     part_ml = output if launch.part_ml is None else launch.part_ml
+    extra = {}
+    if prefix_partials is not None:
+        if launch.part_acc is not None or launch.constexprs["FLAT"]:
+            raise ValueError("prefix_partials need an unsplit classic-grid launch")
+        part_acc, part_ml = prefix_partials
+        extra["PREFIX_SEGMENTS"] = part_acc.shape[2]
     paged_attention_kernel[grid](
         output,
         query,
@@ -274,6 +284,7 @@ def run_launch(
         stride_ch,
         stride_bt,
         **launch.constexprs,
+        **extra,
     )
     if launch.part_acc is not None and merge:
         c = launch.constexprs

@@ -53,11 +53,12 @@ FUSED_KERNELS_ENV = "PAGEDCORE_FUSED_KERNELS"
 #: layer's residual add fused into the norm after it.
 FUSED_KINDS = ("rms_norm", "silu_mul", "gate_up", "rotary", "qkv", "add_rms_norm")
 #: The kinds swapped when `FUSED_KERNELS_ENV` is unset: those whose outputs were compared with
-#: transformers' on the GPU (``tests/engine/test_fused_ops.py`` / ``test_engine_gpu.py`` on the
-#: H200, docs/engine.md). The others (``gate_up``, ``rotary``, ``qkv``, ``add_rms_norm``) are
-#: checked in Triton's interpreter only until ``docs/benchmarks/fused_check.py`` has run on a
-#: GPU; ``1`` turns them on.
-GPU_CHECKED_KINDS = ("rms_norm", "silu_mul")
+#: transformers' (or main's fused norm and MLP) on the GPU. ``rms_norm`` / ``silu_mul``:
+#: ``tests/engine/test_fused_ops.py`` / ``test_engine_gpu.py`` on the H200; ``gate_up``,
+#: ``rotary``, ``qkv`` and ``add_rms_norm``: ``docs/benchmarks/fused_check.py --quick`` on the
+#: H200 (Qwen2-0.5B shape, bf16 logits of a prefill and of decode rows bit-identical with every
+#: kind on; ``docs/benchmarks/step_h200_r1/fused_check.json``). So every kind, today.
+GPU_CHECKED_KINDS = FUSED_KINDS
 _ON = ("1", "true", "on", "yes", "all", "")
 _OFF = ("0", "false", "off", "no")
 #: RMSNorm classes computing ``w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)`` (not Gemma's

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from pagedcore.attention.cascade import (
     CASCADE_MIN_REQUESTS,
+    cascade_beats_graph,
     cascade_mode,
     cascade_pays,
     common_prefix_len,
@@ -35,11 +36,23 @@ class CascadePlanner:
     ) -> None:
         self.mode = cascade_mode()
         self.block_sizes = [g.spec.block_size for g in groups]
+        #: K and V bytes of one layer per token, per group (what a cascade saves per read).
+        self.token_bytes = [g.spec.page_size_bytes // g.spec.block_size for g in groups]
         self.eligible = [
             b.supports_cascade and type(g.spec) is FullAttentionSpec
             for g, b in zip(groups, backends, strict=True)
         ]
         self.enabled = self.mode != "off" and any(self.eligible)
+
+    def against_graph(self, use: tuple[int, ...], num_reqs: int) -> tuple[int, ...]:
+        """`use` for a step that a CUDA graph would serve were it not cascaded: unchanged in
+        ``always`` mode or when some group's saved reads outweigh the eager step
+        (`cascade_beats_graph`), else no cascade at all (the step replays its graph)."""
+        if self.mode == "always" or any(
+            cascade_beats_graph(p, num_reqs, b) for p, b in zip(use, self.token_bytes,
+                                                                 strict=True)):
+            return use
+        return (0,) * len(use)
 
     def set_mode(self, mode: str) -> None:
         """Switch between ``auto``, ``off`` and ``always`` (benchmarks compare them)."""

@@ -413,6 +413,18 @@ class ModelRunner:
             return None
         return self.graphs.bucket_for(n)
 
+    def _graph_would_serve(self, scheduled: Sequence[ScheduledRequest],
+                           decode_graph: bool) -> bool:
+        """A decode or mixed-step graph would replay this step if it did not cascade."""
+        if decode_graph and self._graph_bucket(scheduled) is not None:
+            return True
+        mixed = self.mixed_graphs
+        if mixed is None or self._kv_scales_pending():
+            return False
+        tokens = (len(scheduled) if isinstance(scheduled, DecodeBatch)
+                  else sum(s.num_new_tokens for s in scheduled))
+        return 0 < tokens <= max(mixed.sizes) and len(scheduled) <= mixed.buffers.num_reqs
+
     # ---- the step -------------------------------------------------------------------------
 
     def prepare(
@@ -426,7 +438,10 @@ class ModelRunner:
         bucket when the step is all single-token decodes and graphs are enabled; never with
         ``decode_graph=False``: a tensor-parallel worker follows rank 0's choice)."""
         shared, use = self.cascade.plan(scheduled, block_ids)
-        # A cascade plan follows this step's lengths: such a step is never a graph replay.
+        if any(use) and self._graph_would_serve(scheduled, decode_graph):
+            # A cascade plan follows this step's lengths, so a cascading step runs eagerly:
+            # only when the reads it saves outweigh the lost replay.
+            use = self.cascade.against_graph(use, len(scheduled))
         bucket = None if any(use) or not decode_graph else self._graph_bucket(scheduled)
         if bucket is not None:
             assert self.graphs is not None
