@@ -219,6 +219,10 @@ class AttentionBackend(abc.ABC):
     #: True when `MetadataBuilder.build` may be given ``common_prefix_len > 0`` (cascade
     #: attention, `pagedcore.attention.cascade`); the engine passes 0 to the others.
     supports_cascade: ClassVar[bool] = False
+    #: The backend whose kernel serves some prefills instead of this one's (named in the
+    #: capability table as ``prefill:<name>``; the metadata builder decides per step, e.g.
+    #: cuda_paged hands prompts without cached context to triton's Hopper kernel), or None.
+    prefill_handoff: ClassVar[str | None] = None
     cudagraph_support: ClassVar[CudaGraphSupport] = CudaGraphSupport.NEVER
 
     def __init__(self) -> None:  # pragma: no cover - guard

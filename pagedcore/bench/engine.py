@@ -2,7 +2,9 @@
 
 Measures output tokens/s on one workload (prompts of random token ids, EOS ignored, greedy) for
 pagedcore with CUDA graphs for decode steps and without (eager), and for transformers; CUDA
-graphs vs eager parity; the host-side share (scheduling + input preparation) of step time with
+graphs vs eager parity; prompt tokens/s of a prefill-heavy workload (`PREFILL_WORKLOAD`: long
+prompts, one new token each, on an eager engine), where the backend's prefill kernel weighs
+most; the host-side share (scheduling + input preparation) of step time with
 256 running requests; a larger workload; and a preemption stress check: many requests under a
 tight KV budget must finish with outputs identical to an unconstrained run. With ``--json`` the
 file is rewritten after every stage, so a run cut short keeps what it measured.
@@ -24,15 +26,20 @@ from pagedcore.bench.engine_runs import (
     run_hf_continuous,
     run_hf_static,
     run_pagedcore,
+    run_prefill,
 )
 from pagedcore.cli_progress import progress_bar
 from pagedcore.cli_types import OutputPath, positive_int
 from pagedcore.engine.engine_args_cli import engine_options
 
-__all__ = ["STAGES", "engine"]
+__all__ = ["PREFILL_WORKLOAD", "STAGES", "engine"]
 
 #: The stages of `pagedcore bench engine`, in the order they run (``--only`` picks some).
-STAGES = ("parity", "throughput", "host_share", "hf", "big", "stress")
+STAGES = ("parity", "throughput", "prefill", "host_share", "hf", "big", "stress")
+
+#: The prefill-heavy stage: prompts x tokens each, one new token (``--small``: tiny).
+PREFILL_WORKLOAD = (4, 8192)
+PREFILL_WORKLOAD_SMALL = (2, 128)
 
 
 def _llm(model: Any, *, device: Any, dtype: Any, backend: str | None, **kw: Any) -> Any:
@@ -107,7 +114,8 @@ def engine(small: bool, model_name: str, num_prompts: int | None,
            host_profile: str | None, json_path: str | None,
            engine_overrides: dict[str, Any]) -> None:
     """pagedcore (CUDA graphs / eager) vs transformers generate() / generate_batch(): tokens/s,
-    graph parity, host share at 256 running, a larger workload, preemption stress.
+    graph parity, a prefill-heavy workload, host share at 256 running, a larger workload,
+    preemption stress.
 
     The engine options given apply to the measured engines (not to the preemption stress
     stage's tiny float32 model and tight KV budget, except --device and --backend)."""
@@ -226,6 +234,9 @@ def _run_engine_bench(
                    (f"pagedcore (eager), {num_prompts} prompts", _tok_s(run_e["tok_s"])))
         report.add("graph_speedup", run["tok_s"] / run_e["tok_s"])
 
+    if "prefill" in stages:
+        _prefill_stage(report, model, engine_kw, small=small, vocab=vocab)
+
     if "host_share" in stages:
         share = host_share(llm, num_requests=256, vocab=vocab,
                            decode_steps=8 if small else 16, profile_path=host_profile)
@@ -281,6 +292,24 @@ def _run_engine_bench(
     for name, value in report.rows:
         table.add_row(name, value)
     Console().print(table)
+
+
+def _prefill_stage(report: _Report, model: Any, engine_kw: dict[str, Any], *, small: bool,
+                   vocab: int) -> None:
+    """The prefill-heavy workload (`PREFILL_WORKLOAD`) on an eager engine of its own whose
+    ``max_model_len`` fits it: every step is a prefill chunk (``max_num_batched_tokens``
+    tokens, the later chunks over a cached prefix), where the attention backend's prefill
+    kernel weighs most; eager for every backend alike (no graph covers such steps)."""
+    n, length = PREFILL_WORKLOAD_SMALL if small else PREFILL_WORKLOAD
+    llm = _llm(copy.deepcopy(model), enforce_eager=True,
+               **{**engine_kw, "max_model_len": length + 64})
+    run = run_prefill(llm, prompts(n, length, length, vocab=vocab, seed=5),
+                      warmup=prompts(n, length, length, vocab=vocab, seed=6))
+    report.add("prefill_heavy", run, (
+        f"prefill-heavy (eager), {n} prompts x {length} tokens, 1 new",
+        f"{run['prompt_tok_s']:,.0f} prompt tok/s ({1e3 * run['seconds']:.0f} ms, "
+        f"{run['steps']} steps)"))
+    del llm
 
 
 def _stress(dev: Any, backend: str | None, num_requests: int) -> dict[str, Any]:

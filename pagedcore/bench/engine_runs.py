@@ -19,6 +19,7 @@ __all__ = [
     "run_hf_continuous",
     "run_hf_static",
     "run_pagedcore",
+    "run_prefill",
 ]
 
 
@@ -68,6 +69,29 @@ def run_pagedcore(llm: Any, prompt_ids: list[list[int]], max_new: int, *,
         "output_tokens": tokens,
         "steps": steps,
         "host_share": (llm.host_time - host0) / max(llm.step_time - step0, 1e-9),
+    }
+
+
+def run_prefill(llm: Any, prompt_ids: list[list[int]], *,
+                warmup: list[list[int]]) -> dict[str, Any]:
+    """Prompt tokens/s of `llm.generate` with one new token per prompt: a prefill-heavy
+    workload (its steps are prefill chunks, no decodes), after a warm-up with other prompts of
+    the same lengths (no prefix-cache hits in the timed run). ``first_tokens`` (each prompt's
+    greedy token) lets runs of different backends on the same seeded model be compared."""
+    from pagedcore.engine.sampling.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    llm.generate(warmup, params)
+    steps0 = llm.num_steps
+    outs, secs = _timed(lambda: llm.generate(prompt_ids, params), llm.device)
+    tokens = sum(len(p) for p in prompt_ids)
+    return {
+        "first_tokens": [list(o.outputs[0].token_ids)[:1] for o in outs],
+        "prompt_tok_s": tokens / secs,
+        "seconds": secs,
+        "prompts": len(prompt_ids),
+        "prompt_tokens": tokens,
+        "steps": llm.num_steps - steps0,
     }
 
 

@@ -9,7 +9,11 @@ paged cache.
 Cases (bf16, 32 query heads / 8 KV heads, head size 128, block size 16): decode at
 batch x context 64x4096, 8x32768, 256x1024; causal prefill of 4x2048 and 4x8192 tokens; a mixed
 batch of 64 decodes (context 4096) plus one 2,048-token chunk continuing a 2,048-token cached
-prefix, against the decode and prefill parts run as two separate ``forward`` calls.
+prefix, against the decode and prefill parts run as two separate ``forward`` calls; for
+backends that declare ``supports_cascade``, the ``cascade`` case (issue #26's target: 64
+decodes sharing a 4,096-token prefix in the same blocks plus 256 own tokens each), planned
+plainly and with ``common_prefix_len``, and the same batch with private prefixes
+(`pagedcore.bench.kernels_cascade`).
 
 Decode rows of backends that support CUDA graphs get a second row, ``NAME+cudagraph``: the
 step planned by ``build_for_cudagraph_capture`` and replayed from a captured graph.
@@ -56,11 +60,13 @@ FULL: dict[str, list[tuple[int, ...]]] = {
     "decode": [(64, 4096), (8, 32768), (256, 1024)],
     "prefill": [(4, 2048), (4, 8192)],
     "mixed": [(64, 4096, 2048, 2048)],  # decodes, their context, chunk tokens, cached prefix
+    "cascade": [(64, 4096, 256)],  # decodes sharing a prefix of that many tokens, own tokens
 }
 QUICK: dict[str, list[tuple[int, ...]]] = {
     "decode": [(8, 1024)],
     "prefill": [(1, 512)],
     "mixed": [(8, 1024, 256, 256)],
+    "cascade": [(4, 64, 16)],
 }
 
 
@@ -263,7 +269,8 @@ def _print_table(rows: list[dict[str, Any]], copy_gbps: float) -> None:
 
     table = Table(title=f"attention kernels (copy bandwidth {copy_gbps:.0f} GB/s)")
     cols = ["case", "shape", "impl", "ms", "host_ms", "kv_GBps", "pct_copy", "TFLOPs",
-            "speed_vs_sdpa", "separate_ms", "mixed_over_separate", "rel_err_vs_sdpa",
+            "speed_vs_sdpa", "separate_ms", "mixed_over_separate", "plain_ms", "speedup",
+            "unshared_ms", "rel_err_vs_sdpa",
             "rel_err_mixed_vs_separate", "error"]
     for c in cols:
         table.add_column(c)
@@ -294,7 +301,7 @@ def _print_table(rows: list[dict[str, Any]], copy_gbps: float) -> None:
 )
 @click.option("--sinks", is_flag=True, help="Give every layer per-head attention-sink logits.")
 @click.option(
-    "--case", "cases", multiple=True, type=click.Choice(["decode", "prefill", "mixed"]),
+    "--case", "cases", multiple=True, type=click.Choice(["decode", "prefill", "mixed", "cascade"]),
     help="Run only these cases (repeatable; default: all).",
 )
 def kernels(names: tuple[str, ...], json_path: str | None, quick: bool, kv_cache_dtype: str,
@@ -309,54 +316,78 @@ def kernels(names: tuple[str, ...], json_path: str | None, quick: bool, kv_cache
     torch.manual_seed(0)
     backends, skipped = _pick_backends(names, device, kv_cache_dtype=kv_cache_dtype,
                                        sinks=sinks)
-    wanted = set(cases) or {"decode", "prefill", "mixed"}
+    wanted = set(cases) or {"decode", "prefill", "mixed", "cascade"}
     for s in skipped:
         click.echo(f"skipped {s}", err=True)
     shapes = QUICK if quick else FULL
     copy_gbps = copy_bandwidth_gbps(device, quick=quick)
     rows: list[dict[str, Any]] = []
     advance = click.get_current_context().with_resource(progress_bar(
-        "bench kernels", sum(len(shapes[k]) for k in ("decode", "prefill", "mixed"))))
+        "bench kernels", sum(len(shapes[k]) for k in ("decode", "prefill", "mixed", "cascade"))))
+
+    def save() -> None:  # after every shape: a run cut short keeps what it measured
+        if json_path:
+            _write_json(json_path, rows, names=names, quick=quick, cases=cases,
+                        kv_cache_dtype=kv_cache_dtype, sinks=sinks, device=device,
+                        copy_gbps=copy_gbps, skipped=skipped)
+
     for kind in ("decode", "prefill"):
         for batch, length in shapes[kind] if kind in wanted else []:
             rows += bench_uniform(kind, batch, length, backends, device, copy_gbps,
                                   kv_cache_dtype=kv_cache_dtype, sinks=sinks)
             advance(1)
+            save()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     if kv_cache_dtype == "auto" and not sinks and "mixed" in wanted:
         for decodes, ctx, chunk, prefix in shapes["mixed"]:
             rows += bench_mixed(decodes, ctx, chunk, prefix, backends, device)
             advance(1)
+            save()
+    if kv_cache_dtype == "auto" and not sinks and "cascade" in wanted:
+        from pagedcore.bench.kernels_cascade import bench_cascade
+
+        for num_reqs, prefix, own in shapes["cascade"]:
+            rows += bench_cascade(num_reqs, prefix, own, backends, device)
+            advance(1)
+            save()
     _print_table(rows, copy_gbps)
     if json_path:
-        command = ["pagedcore bench kernels"]
-        command += [f"--backend {n}" for n in names] + (["--quick"] if quick else [])
-        command += [f"--case {c}" for c in cases]
-        command += [f"--kv-cache-dtype {kv_cache_dtype}"] if kv_cache_dtype != "auto" else []
-        command += ["--sinks"] if sinks else []
-        command.append(f"--json {json_path}")
-        info = {
-            "command": " ".join(command),
-            "git_commit": git_commit(),
-            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-            "torch": torch.__version__,
-            "config": {"dtype": "bfloat16" if device.type == "cuda" else "float32",
-                       "kv_cache_dtype": kv_cache_dtype, "sinks": sinks,
-                       "num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS,
-                       "head_size": HEAD_SIZE, "block_size": BLOCK_SIZE,
-                       "sdpa": "torch SDPA on contiguous [B, H, S, D], enable_gqa=True",
-                       "timing": "median over samples of CUDA-event device time per call; a "
-                                 "sample is ~2 ms of back-to-back calls queued behind a GPU "
-                                 "spin after an L2 flush (the host runs ahead, as in a "
-                                 "multi-layer model); host_ms: host time per call, not "
-                                 "waiting for the device; NAME+cudagraph: the decode planned "
-                                 "by build_for_cudagraph_capture, replayed from a CUDA graph "
-                                 "of 10 calls"},
-            "copy_bandwidth_GBps": copy_gbps,
-            "skipped": skipped,
-            "results": rows,
-        }
-        with open(json_path, "w") as f:
-            json.dump(info, f, indent=2)
+        save()
         click.echo(f"wrote {json_path}")
+
+
+def _write_json(json_path: str, rows: list[dict[str, Any]], *, names: tuple[str, ...],
+                quick: bool, cases: tuple[str, ...], kv_cache_dtype: str, sinks: bool,
+                device: torch.device, copy_gbps: float, skipped: list[str]) -> None:
+    import torch
+
+    command = ["pagedcore bench kernels"]
+    command += [f"--backend {n}" for n in names] + (["--quick"] if quick else [])
+    command += [f"--case {c}" for c in cases]
+    command += [f"--kv-cache-dtype {kv_cache_dtype}"] if kv_cache_dtype != "auto" else []
+    command += ["--sinks"] if sinks else []
+    command.append(f"--json {json_path}")
+    info = {
+        "command": " ".join(command),
+        "git_commit": git_commit(),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "config": {"dtype": "bfloat16" if device.type == "cuda" else "float32",
+                   "kv_cache_dtype": kv_cache_dtype, "sinks": sinks,
+                   "num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS,
+                   "head_size": HEAD_SIZE, "block_size": BLOCK_SIZE,
+                   "sdpa": "torch SDPA on contiguous [B, H, S, D], enable_gqa=True",
+                   "timing": "median over samples of CUDA-event device time per call; a "
+                             "sample is ~2 ms of back-to-back calls queued behind a GPU "
+                             "spin after an L2 flush (the host runs ahead, as in a "
+                             "multi-layer model); host_ms: host time per call, not "
+                             "waiting for the device; NAME+cudagraph: the decode planned "
+                             "by build_for_cudagraph_capture, replayed from a CUDA graph "
+                             "of 10 calls"},
+        "copy_bandwidth_GBps": copy_gbps,
+        "skipped": skipped,
+        "results": rows,
+    }
+    with open(json_path, "w") as f:
+        json.dump(info, f, indent=2)

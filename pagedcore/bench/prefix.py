@@ -249,14 +249,18 @@ def _plot(report: dict[str, Any], path: str) -> None:
 @click.option("--shared-decode", is_flag=True,
               help="Also run the shared-prefix decode workload (64 requests x 4,096 shared + "
                    "256 own tokens; --small: 8 x 512 + 32), cascade attention off vs on.")
+@click.option("--shared-decode-only", is_flag=True,
+              help="Run only the shared-prefix decode workload (one engine, warmed at "
+                   "--lengths; default 4096), not the cold/warm TTFT figures or the chat "
+                   "trace.")
 @click.option("--profile-dir", default=None, type=click.Path(file_okay=False),
               help="With --phases: also profile one cold and one warm request per length "
                    "(torch.profiler tables written here).")
 @engine_options(model=None, overrides=True, exclude=("enable_prefix_caching",))
 def prefix(small: bool, model_name: str, lengths: list[int] | None,
            reps: int | None, json_path: str | None, plot_path: str | None,
-           phases: bool, shared_decode: bool, profile_dir: str | None,
-           engine_overrides: dict[str, Any]) -> None:
+           phases: bool, shared_decode: bool, shared_decode_only: bool,
+           profile_dir: str | None, engine_overrides: dict[str, Any]) -> None:
     """Prefix caching: cold vs warm TTFT at shared system prompts, and a multi-turn chat.
 
     The engine options given apply to both engines (prefix caching on and off)."""
@@ -278,19 +282,28 @@ def prefix(small: bool, model_name: str, lengths: list[int] | None,
         lens = [1024, 4096, 8192]
     else:
         lens = [1024, 4096, 16384]
+    if shared_decode_only:
+        lens = [512] if small else [4096]
     if lengths:
         lens = list(lengths)
+    decode_shape: dict[str, Any] = dict(num_reqs=8, shared=512, own=32, max_tokens=8) if small \
+        else dict(num_reqs=64, shared=4096, own=256, max_tokens=32)
+    # The engine must hold a shared-decode request (prompt + generated tokens) too.
+    longest = max(lens) + 1024
+    if shared_decode or shared_decode_only:
+        longest = max(longest, decode_shape["shared"] + decode_shape["own"]
+                      + decode_shape["max_tokens"] + 64)
     device, backend = engine_overrides.get("device"), engine_overrides.get("backend")
     dev, dtype, config = engine_bench_model(small, device, model_name,
                                             dtype=engine_overrides.get("dtype"))
-    if int(config.max_position_embeddings) < max(lens) + 1024:
+    if int(config.max_position_embeddings) < longest:
         dev, dtype, config = engine_bench_model(small, device, model_name,
-                                                max_position_embeddings=max(lens) + 1024,
+                                                max_position_embeddings=longest,
                                                 dtype=engine_overrides.get("dtype"))
     reps = reps or (3 if small else 5)
     vocab = int(config.vocab_size)
     engine_cfg: dict[str, Any] = dict(
-        block_size=16, max_model_len=max(lens) + 1024, max_num_seqs=64,
+        block_size=16, max_model_len=longest, max_num_seqs=64,
         max_num_batched_tokens=4096 if small else 8192, enable_chunked_prefill=True,
         long_prefill_token_threshold=None,
         kv_cache_memory_bytes=(512 << 20) if dev.type == "cpu" else (16 << 30),
@@ -353,6 +366,11 @@ def prefix(small: bool, model_name: str, lengths: list[int] | None,
         progress_bar("bench prefix", 3))
     llm = engine(True)
     report["backend"] = ",".join(sorted(set(llm.backend_names)))
+    report["cudagraphs"] = llm.runner.cudagraph_disabled_reason or "decode graphs in use"
+    if shared_decode_only:
+        _shared_decode(report, llm, decode_shape, vocab=vocab, sync=sync)
+        save()
+        return
     report["shared_system_prompt"] = measure_prefix(llm, lengths=lens, reps=reps, user_len=64,
                                                     vocab=vocab, clock=clock)
     for r in report["shared_system_prompt"]:
@@ -363,19 +381,7 @@ def prefix(small: bool, model_name: str, lengths: list[int] | None,
     save()
     advance(1)
     if shared_decode:
-        from pagedcore.bench.prefix_shared import measure_shared_decode
-
-        shape: dict[str, Any] = dict(num_reqs=8, shared=512, own=32, max_tokens=8) if small \
-            else dict(num_reqs=64, shared=4096, own=256, max_tokens=32)
-        row = measure_shared_decode(llm, vocab=vocab, sync=sync, **shape)
-        report["shared_prefix_decode"] = row
-        def rate(v: float | None, spec: str = ".0f") -> str:
-            return "-" if v is None else format(v, spec)
-
-        print(f"KEY shared-prefix decode {row['workload']}: cascade off "
-              f"{rate(row['cascade_off']['decode_tokens_per_s'])} tok/s, on "
-              f"{rate(row['cascade_on']['decode_tokens_per_s'])} tok/s "
-              f"(x{rate(row['speedup'], '.2f')})", flush=True)
+        _shared_decode(report, llm, decode_shape, vocab=vocab, sync=sync)
         save()
     report["chat_trace"]["caching_on"] = chat_trace(llm, vocab=vocab, prefix="chat-True",
                                                     clock=clock, **chat)
@@ -406,6 +412,22 @@ def prefix(small: bool, model_name: str, lengths: list[int] | None,
                 llm, lengths=lens, user_len=64, vocab=vocab, profile_dir=profile_dir,
                 echo=print)
             save()
+
+
+def _shared_decode(report: dict[str, Any], llm: Any, shape: dict[str, Any], *, vocab: int,
+                   sync: Any) -> None:
+    """The shared-prefix decode workload (cascade off vs on) into ``report``."""
+    from pagedcore.bench.prefix_shared import measure_shared_decode
+
+    row = measure_shared_decode(llm, vocab=vocab, sync=sync, **shape)
+    report["shared_prefix_decode"] = row
+    def rate(v: float | None, spec: str = ".0f") -> str:
+        return "-" if v is None else format(v, spec)
+
+    print(f"KEY shared-prefix decode {row['workload']}: cascade off "
+          f"{rate(row['cascade_off']['decode_tokens_per_s'])} tok/s, on "
+          f"{rate(row['cascade_on']['decode_tokens_per_s'])} tok/s "
+          f"(x{rate(row['speedup'], '.2f')})", flush=True)
 
 
 def _print(report: dict[str, Any]) -> None:

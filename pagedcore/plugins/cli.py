@@ -51,6 +51,8 @@ def _features(cls: type[AttentionBackend]) -> list[str]:
         "mla_only" if cls.mla_only else "mla": cls.supports_mla or cls.mla_only,
     }
     names = [name for name, on in flags.items() if on]
+    if cls.prefill_handoff:
+        names.append(f"prefill:{cls.prefill_handoff}")
     if cls.cudagraph_support:
         names.append(f"cudagraph:{cls.cudagraph_support.name.lower()}")
     return names
@@ -133,7 +135,8 @@ def _short_row(b: dict[str, Any]) -> list[str]:
         head_text = f"{heads[0]}..{heads[-1]} ({len(heads)})"
     features = [
         _SHORT_FEATURES.get(f, f.replace("cudagraph:", "graph:").replace(
-            "uniform_single_token_decode", "decode").replace("uniform_batch", "uniform"))
+            "uniform_single_token_decode", "decode").replace("uniform_batch", "uniform")
+            .replace("prefill:", "pf:"))
         for f in b["features"]
     ]
     why = b["unavailable_reason"]

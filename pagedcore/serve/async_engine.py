@@ -29,7 +29,7 @@ from collections.abc import AsyncGenerator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pagedcore.serve.core_loop import EngineInfo
-from pagedcore.serve.deltas import CoreError, StreamDelta, merge_deltas
+from pagedcore.serve.deltas import CoreError, StreamDelta, merge_raw_deltas
 from pagedcore.serve.engine_thread import EngineThread, RequestStream
 from pagedcore.serve.errors import (
     BadRequestError,
@@ -47,6 +47,8 @@ if TYPE_CHECKING:
     from pagedcore.serve.metrics import ServeMetrics
 
 __all__ = ["AsyncEngine", "StreamDelta"]
+
+_FINISH = StreamDelta._fields.index("finish_reason")
 
 
 class AsyncEngine(EngineThread):
@@ -189,7 +191,7 @@ class AsyncEngine(EngineThread):
             for rid, item in message[1]:
                 stream = streams.get(rid)
                 if stream is not None:
-                    stream.queue.put_nowait(item)
+                    stream.push(item)
             return
         if kind == "dead":
             self._dead = str(message[1])
@@ -201,7 +203,7 @@ class AsyncEngine(EngineThread):
             error = CoreError("shutdown", "the server shut down")
         self._loop_done = True
         for stream in list(self._streams.values()):
-            stream.queue.put_nowait(error)
+            stream.push(error)
 
     @property
     def is_running(self) -> bool:
@@ -350,18 +352,17 @@ class AsyncEngine(EngineThread):
                 raise EngineDeadError(f"the engine stopped after a failure: {self._dead}") \
                     if self._dead else ShuttingDownError("the server shut down")
             while True:
-                raw = await stream.queue.get()
-                if isinstance(raw, CoreError):
-                    done = True
-                    raise raw.to_exception()
-                item = StreamDelta._make(raw)
-                # Behind the engine (a slow client): what waits is merged into one delta.
-                while not stream.queue.empty() and item.finish_reason is None:
-                    raw = stream.queue.get_nowait()
+                # Behind the engine (a slow client, a busy event loop): every delta waiting
+                # is merged into one.
+                raws = []
+                for raw in await stream.take():
                     if isinstance(raw, CoreError):
                         done = True
                         raise raw.to_exception()
-                    item = merge_deltas(item, StreamDelta._make(raw))
+                    raws.append(raw)
+                    if raw[_FINISH] is not None:
+                        break
+                item = merge_raw_deltas(raws)
                 if item.token_ids and first_token is None:
                     first_token = time.perf_counter()
                 if item.finish_reason is not None:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from pagedcore.engine.output_builder import DELTA_FIELDS
 from pagedcore.engine.scheduling.fits import RequestFit
 from pagedcore.serve.deltas import CoreError, StreamDelta
 
@@ -29,6 +30,8 @@ __all__ = ["STATS_INTERVAL", "Command", "CoreLoop", "Emit", "EngineInfo", "Item"
 
 #: Where a raw delta (`StreamDelta`'s fields, in order) holds ``num_generated_tokens``.
 _NUM_GENERATED = StreamDelta._fields.index("num_generated_tokens")
+_FINISH = StreamDelta._fields.index("finish_reason")
+assert StreamDelta._fields == DELTA_FIELDS, "the engine's raw deltas are StreamDelta's fields"
 
 #: Seconds between two stats snapshots of the loop (for /metrics).
 STATS_INTERVAL = 0.05
@@ -136,12 +139,24 @@ class CoreLoop:
         self._steps += 1
         # Outputs are deltas: a step that builds none leaves its tokens to the next that does.
         finished_only = self._steps % self.stream_interval != 0
+        # Most outputs come as raw deltas already (one-sample requests without logprobs);
+        # `step` returns the others as `RequestOutput`s.
+        raw: list[tuple[Any, ...]] = []
         try:
-            outputs = self.llm.step(finished_only=finished_only)
+            outputs = self.llm.step(finished_only=finished_only, deltas=raw)
         except EngineStepError as exc:
             outputs = exc.outputs
         items: list[tuple[str, Item]] = []
         generated = self._generated
+        for delta in raw:
+            rid = delta[0]
+            if rid not in generated:
+                continue
+            if delta[_FINISH] is None:
+                generated[rid] = delta[_NUM_GENERATED]
+            else:
+                del generated[rid]
+            items.append((rid, delta))
         for out in outputs:
             rid = out.request_id
             seen = generated.get(rid)

@@ -7,7 +7,8 @@ of them per step. A consumer that fell behind merges the deltas waiting for it i
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import attrs
 
@@ -22,7 +23,7 @@ from pagedcore.serve.errors import (
 if TYPE_CHECKING:
     from pagedcore.engine.outputs import Logprob
 
-__all__ = ["CoreError", "StreamDelta", "merge_deltas"]
+__all__ = ["CoreError", "StreamDelta", "merge_deltas", "merge_raw_deltas"]
 
 
 class StreamDelta(NamedTuple):
@@ -75,6 +76,26 @@ def merge_deltas(first: StreamDelta, later: StreamDelta) -> StreamDelta:
     return later._replace(text=first.text + later.text,
                           token_ids=first.token_ids + later.token_ids, logprobs=logprobs,
                           prompt_logprobs=prompt_logprobs)
+
+
+def merge_raw_deltas(raws: Sequence[tuple[Any, ...]]) -> StreamDelta:
+    """One `StreamDelta` holding what the raw deltas `raws` (`StreamDelta`'s fields, of one
+    sequence, oldest first, at least one) hold: their tokens, text and logprobs concatenated
+    once (not pairwise: a stream far behind may have hundreds waiting), the rest from the
+    last (the prompt logprobs from the last that has them)."""
+    last = raws[-1]
+    if len(raws) == 1:
+        return StreamDelta._make(last)
+    tokens: list[int] = []
+    for raw in raws:
+        tokens += raw[2]
+    text = "".join([raw[1] for raw in raws])
+    logprobs = None
+    if any(raw[3] is not None for raw in raws):
+        logprobs = [entry for raw in raws for entry in (raw[3] or ())]
+    prompt_logprobs = next((raw[9] for raw in reversed(raws) if raw[9] is not None), None)
+    return StreamDelta(last[0], text, tokens, logprobs, last[4], last[5], last[6], last[7],
+                       last[8], prompt_logprobs)
 
 
 #: `CoreError.kind` -> the `ServeError` the consumer raises.

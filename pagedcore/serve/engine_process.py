@@ -91,6 +91,23 @@ class _Frames:
         return messages
 
 
+#: Bytes the engine's output pipe may hold (Linux; the default is 64 KiB): at stream interval
+#: 1 a step's frame is a few KiB per hundred streams, so the default holds only a few steps, and
+#: the engine blocks on its write while the front end's event loop is busy; 1 MiB (the largest
+#: an unprivileged process may ask for by default) holds ~100.
+PIPE_BYTES = 1 << 20
+
+
+def _grow_pipe(fd: int) -> None:
+    """Ask for a `PIPE_BYTES` pipe buffer where the platform allows it (else keep its own)."""
+    try:
+        import fcntl
+
+        fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), PIPE_BYTES)
+    except (ImportError, OSError):
+        pass
+
+
 def run_engine_core(args: EngineArgs, commands: Connection, out: Connection,
                     threads: int | None, stream_interval: int) -> None:
     """The engine process: build the `LLM` from `args`, then run `CoreLoop` until told to
@@ -98,6 +115,7 @@ def run_engine_core(args: EngineArgs, commands: Connection, out: Connection,
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     out_fd = out.fileno()
+    _grow_pipe(out_fd)
 
     def send(message: tuple[Any, ...]) -> None:
         view = memoryview(_frame(message))

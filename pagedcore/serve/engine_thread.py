@@ -24,26 +24,53 @@ __all__ = ["EngineThread", "RequestStream"]
 
 
 class RequestStream:
-    """The asyncio side of one request: the queue its items arrive on."""
+    """The asyncio side of one request: the items that arrived for it and not taken yet.
 
-    __slots__ = ("loop", "queue")
+    Not an `asyncio.Queue`: the consumer takes everything waiting at once (`take`), and with
+    hundreds of streams a queue's per-item put / get / wake-up cost shows in the event loop;
+    here an item is one list append, and a wake-up one future per batch.
+    """
+
+    __slots__ = ("items", "loop", "waiter")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.queue: asyncio.Queue[Item] = asyncio.Queue()
+        self.items: list[Item] = []
+        self.waiter: asyncio.Future[None] | None = None
+
+    def push(self, item: Item) -> None:
+        """Hand `item` over (on the event loop)."""
+        self.items.append(item)
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
 
     def put(self, item: Item) -> None:
         """Hand `item` over from another thread."""
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(self.push, item)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
+
+    async def take(self) -> list[Item]:
+        """Every item waiting, in arrival order (waits for at least one)."""
+        while not self.items:
+            waiter = self.waiter = self.loop.create_future()
+            try:
+                await waiter
+            finally:
+                if self.waiter is waiter:
+                    self.waiter = None
+        items, self.items = self.items, []
+        return items
 
 
 def _deliver(batch: list[tuple[RequestStream, Item]]) -> None:
     """On the event loop: put each item on its request's queue."""
     for stream, item in batch:
-        stream.queue.put_nowait(item)
+        stream.push(item)
 
 
 class EngineThread:

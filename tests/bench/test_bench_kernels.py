@@ -87,6 +87,28 @@ def test_cli_quick_writes_json(no_timing: None, tmp_path: Path) -> None:
     assert {("decode", "reference"), ("prefill", "reference"), ("mixed", "reference")} <= cases
 
 
+def test_json_holds_the_shapes_measured_before_a_cut(no_timing: None, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The report is rewritten after every shape: a run killed at its time cap (as on a GPU
+    slot) keeps the shapes it finished."""
+    from pagedcore.cli import main
+
+    monkeypatch.setitem(kernels.QUICK, "decode", [(2, 64), (2, 128)])
+    real = kernels.bench_uniform
+
+    def cut_at_the_second(kind: str, batch: int, length: int, *a: Any, **kw: Any) -> Any:
+        if length == 128:
+            raise KeyboardInterrupt  # what the cap's signal looks like to the run
+        return real(kind, batch, length, *a, **kw)
+
+    monkeypatch.setattr(kernels, "bench_uniform", cut_at_the_second)
+    out = tmp_path / "k.json"
+    CliRunner().invoke(main, ["bench", "kernels", "--backend", "reference", "--quick",
+                              "--case", "decode", "--json", str(out)])
+    shapes = {r["shape"] for r in json.loads(out.read_text())["results"]}
+    assert shapes == {"2x64"}
+
+
 def test_fp8_decode_counts_fp8_bytes_and_stays_close_to_sdpa(no_timing: None) -> None:
     torch.manual_seed(0)
     (auto,) = [r for r in kernels.bench_uniform("decode", 2, 40, [ReferenceBackend], CPU, 1.0)
@@ -114,3 +136,21 @@ def test_cli_records_the_fp8_and_sink_flags(no_timing: None, tmp_path: Path) -> 
     assert info["config"]["kv_cache_dtype"] == "fp8" and info["config"]["sinks"] is True
     assert "--kv-cache-dtype fp8" in info["command"] and "--sinks" in info["command"]
     assert {r["case"] for r in info["results"]} == {"decode"}
+
+
+def test_cascade_case_checks_both_plans_against_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ``cascade`` case: the tables share exactly the prefix, the unshared copy shares
+    nothing, every result (from a NaN-filled cache) matches SDPA; a backend without cascade
+    gets no row."""
+    from pagedcore.bench import kernels_cascade
+
+    monkeypatch.setattr(kernels_cascade, "time_ms", _once)
+    torch.manual_seed(0)
+    plain = type("NoCascade", (ReferenceBackend,), {"supports_cascade": False, "name": "x"})
+    (row,) = kernels_cascade.bench_cascade(3, 32, 5, [ReferenceBackend, plain], CPU)
+    assert row["impl"] == "reference" and row["shape"] == "3x(32+5)"
+    assert row["common_prefix_len"] == 32 and not row["nan"]
+    for key in ("rel_err_vs_sdpa", "rel_err_plain_vs_sdpa", "rel_err_unshared_vs_sdpa"):
+        assert row[key] < 1e-5, (key, row)
+    with pytest.raises(ValueError, match="multiple of the block size"):
+        kernels_cascade.bench_cascade(3, 30, 5, [ReferenceBackend], CPU)

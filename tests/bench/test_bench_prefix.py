@@ -89,3 +89,22 @@ def test_shared_prefix_decode_reports_no_rate_without_decode_time(
     for key in ("cascade_off", "cascade_on"):
         assert row[key]["decode_tokens_per_s"] is None and "no decode time" in row[key]["error"]
     assert row["speedup"] is None
+
+
+def test_cli_shared_decode_only_runs_just_that_workload(tmp_path: Any) -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from pagedcore.cli import main
+
+    out = tmp_path / "sd.json"
+    res = CliRunner().invoke(main, ["bench", "prefix", "--small", "--shared-decode-only",
+                                    "--device", "cpu", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    report = json.loads(out.read_text())
+    row = report["shared_prefix_decode"]
+    assert row["num_reqs"] == 8 and row["shared"] == 512
+    assert row["cascade_on"]["num_cached_tokens_min"] == 512
+    assert report["shared_system_prompt"] == []  # the TTFT figures were not run
+    assert report["engine_config"]["max_model_len"] >= 512 + 32 + 8

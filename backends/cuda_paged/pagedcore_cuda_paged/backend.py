@@ -24,12 +24,24 @@ class CudaPagedBackend(AttentionBackend):
     KV cache per layer: ``[2, num_blocks, num_kv_heads * head_size * block_size]``, K and V
     views described in `pagedcore_cuda_paged.layout`.
 
+    Prefill: prompts with nothing cached before them go to triton's Hopper prefill kernel
+    where it runs (``prefill:triton`` in ``pagedcore backends``; `pagedcore_cuda_paged.handoff`),
+    the other prefills to csrc/'s.
+
     CUDA graphs: uniform single-token decode steps (`build_for_cudagraph_capture` plans the
     launch for the largest length; the forward pass makes no host reads of device data).
     """
 
     name: ClassVar[str] = "cuda_paged"
     priority: ClassVar[int] = 30
+    priority_reason: ClassVar[str | None] = (
+        "between triton (20) and flashinfer (35): `pagedcore bench engine` on the H200 "
+        "(qwen2-0.5b-shaped, bf16, each backend forced in one run, decode steps as CUDA "
+        "graphs) gave triton 10,827, cuda_paged 6,413 and flashinfer 3,999 tok/s "
+        "(docs/benchmarks/h200_s12_fi/round2/engine_*.json); on the prefill-heavy stage "
+        "(4 x 8192-token prompts) it ties triton (230,765 against 224,096 prompt tok/s, "
+        "docs/benchmarks/h200_s12_fi/round3/engine_prefill_*.json)"
+    )
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float16", "bfloat16", "float32")
     supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
     supported_head_sizes: ClassVar[tuple[int, ...] | None] = SUPPORTED_HEAD_SIZES
@@ -38,6 +50,9 @@ class CudaPagedBackend(AttentionBackend):
     supports_sliding_window: ClassVar[bool] = True
     supports_alibi: ClassVar[bool] = True
     supports_logits_soft_cap: ClassVar[bool] = True
+    #: Prompts with no cached context run on triton's Hopper prefill kernel where the triton
+    #: backend is installed and the GPU is compute capability 9.x (`pagedcore_cuda_paged.handoff`).
+    prefill_handoff: ClassVar[str | None] = "triton"
     cudagraph_support: ClassVar[CudaGraphSupport] = (
         CudaGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE
     )

@@ -139,7 +139,56 @@ class CudaPagedImpl(AttentionImpl[CudaPagedMetadata]):
                 self.num_kv_heads, self.scale, cap, alibi, window, metadata.causal,
                 metadata.prefill_variant, metadata.prefill_rows,
             )
+        if metadata.handoff_parts:
+            if self._hopper_serves(query, key, value, metadata):
+                self._run_handoff(query, key, value, kv_cache, metadata, out, block_size)
+            else:
+                assert metadata.handoff_tiles is not None
+                ops.prefill(
+                    out, query, kv_cache, *common, metadata.handoff_tiles, block_size,
+                    self.num_kv_heads, self.scale, cap, alibi, window, metadata.causal,
+                    metadata.prefill_variant, metadata.prefill_rows,
+                )
         if output is not None and out is not output:
             output.copy_(out)
             return output
         return out
+
+    def _hopper_serves(
+        self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
+        metadata: CudaPagedMetadata,
+    ) -> bool:
+        """Whether this layer runs the handed-off prompts on triton's Hopper kernel
+        (`pagedcore_cuda_paged.handoff`; `pagedcore_triton.plan_tma.tma_layer_reason`)."""
+        from pagedcore_triton._env import interpreting
+        from pagedcore_triton.plan_tma import tma_layer_reason
+
+        plain = (self.alibi_slopes is None and self.sliding_window is None
+                 and self.logits_soft_cap is None and self.sinks is None)
+        token_end = max(p.token_end for p in metadata.handoff_parts)
+        return tma_layer_reason(query, key, value, token_end=token_end, plain=plain,
+                                interpreting=interpreting()) is None
+
+    def _run_handoff(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        kv_cache: torch.Tensor, metadata: CudaPagedMetadata, out: torch.Tensor,
+        block_size: int,
+    ) -> None:
+        """The handed-off prompts on triton's Hopper kernel: it reads their keys and values
+        from `key` / `value` (no cached context, so never cuda_paged's cache)."""
+        from pagedcore_triton.ops_tma import prepare_tma, run_tma
+
+        # The kernel reads the cache only for a cached context (none here); the shape it is
+        # given is triton's view of as many elements, for its (unused) strides.
+        shape = (2, int(kv_cache.shape[1]), block_size, self.num_kv_heads, self.head_size)
+        for i, part in enumerate(metadata.handoff_parts):
+            cache_key = ("tma", i, query.shape[1], query.dtype, shape)
+            launch = metadata.launches.get(cache_key)
+            if launch is None:
+                launch = prepare_tma(
+                    part, num_heads=query.shape[1], dtype=query.dtype, kv_cache_shape=shape,
+                    query_start_loc=metadata.query_start_loc, seq_lens=metadata.seq_lens,
+                    block_table=metadata.block_table, causal=metadata.causal,
+                )
+                metadata.launches[cache_key] = launch
+            run_tma(launch, query, key, value, kv_cache, out, scale=self.scale)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 
 from pagedcore.attention.backend import MetadataBuilder
+from pagedcore_cuda_paged.handoff import handoff_reason, handoff_runs, launch_parts
 from pagedcore_cuda_paged.plan import (
     DEFAULT_PREFILL_KERNEL,
     DecodePolicy,
@@ -54,6 +55,15 @@ class CudaPagedMetadata:
     decode_max_seq_len:
         Set by `CudaPagedMetadataBuilder.build_for_cudagraph_capture`: the decode launch is
         planned for any lengths up to this (``decode_seq_lens`` are then placeholders).
+    handoff_parts:
+        Prompts with no cached context handed to triton's Hopper prefill kernel
+        (`pagedcore_cuda_paged.handoff`): one ``pagedcore_triton.plan.LaunchPart`` per
+        contiguous run of them; their tiles are not in `prefill_tiles`.
+    handoff_tiles:
+        ``[n, 2]`` int32: the handed-off requests' own prefill tiles, which a layer the
+        Hopper kernel does not serve runs instead (None without a handoff).
+    launches:
+        Hopper-kernel launches prepared by the first layer, reused by the others.
     """
 
     num_actual_tokens: int
@@ -71,6 +81,9 @@ class CudaPagedMetadata:
     prefill_rows: int = 128
     causal: bool = True
     decode_max_seq_len: int | None = None
+    handoff_parts: tuple[Any, ...] = ()
+    handoff_tiles: torch.Tensor | None = None
+    launches: dict[tuple[Any, ...], Any] = attrs.field(factory=dict, eq=False, repr=False)
 
     @property
     def num_decodes(self) -> int:
@@ -92,6 +105,12 @@ class CudaPagedMetadataBuilder(MetadataBuilder[CudaPagedMetadata]):
         Decode kernel and pass policy (defaults measured on the H200).
     prefill_kernel:
         See `CudaPagedMetadata.prefill_kernel`.
+
+    Attributes
+    ----------
+    handoff_why_not:
+        None when prompts with no cached context go to triton's Hopper prefill kernel
+        (`pagedcore_cuda_paged.handoff`), else why they stay on cuda_paged's prefill.
     """
 
     reorder_batch_threshold: ClassVar[int] = 1
@@ -108,6 +127,7 @@ class CudaPagedMetadataBuilder(MetadataBuilder[CudaPagedMetadata]):
         super().__init__(kv_cache_spec, layer_names, device)
         self.policy = DecodePolicy() if policy is None else policy
         self.prefill_kernel = prefill_kernel
+        self.handoff_why_not = handoff_reason(kv_cache_spec, device)
 
     def build(
         self, common: CommonAttentionMetadata, *, common_prefix_len: int = 0
@@ -122,6 +142,14 @@ class CudaPagedMetadataBuilder(MetadataBuilder[CudaPagedMetadata]):
                                             is_float32=spec.dtype == "float32")
         tiles = prefill_tiles(query_lens, rows)
         device = common.query_start_loc.device
+        parts: tuple[Any, ...] = ()
+        handed: list[tuple[int, int]] = []
+        runs = handoff_runs(query_lens, seq_lens) if self.handoff_why_not is None else []
+        if runs:
+            fresh = {i for a, b in runs for i in range(a, b)}
+            handed = [t for t in tiles if t[0] in fresh]
+            tiles = [t for t in tiles if t[0] not in fresh]
+            parts = launch_parts(runs, common.query_start_loc_cpu.tolist(), query_lens)
 
         def int32(rows: list[int] | list[tuple[int, int]], shape: tuple[int, ...]) -> torch.Tensor:
             cpu = torch.tensor(rows, dtype=torch.int32).reshape(shape)
@@ -142,6 +170,8 @@ class CudaPagedMetadataBuilder(MetadataBuilder[CudaPagedMetadata]):
             prefill_variant=variant,
             prefill_rows=rows,
             causal=common.causal,
+            handoff_parts=parts,
+            handoff_tiles=int32(handed, (len(handed), 2)) if parts else None,
         )
 
     def build_for_cudagraph_capture(self, common: CommonAttentionMetadata) -> CudaPagedMetadata:

@@ -32,15 +32,16 @@ class FlashInferBackend(AttentionBackend):
     """
 
     name: ClassVar[str] = "flashinfer"
-    #: Behind the Triton backend (20): set from the engine bench (`priority_reason`).
-    priority: ClassVar[int] = 25
+    #: Behind triton (20) and cuda_paged (30): set from the engine bench (`priority_reason`).
+    priority: ClassVar[int] = 35
     priority_reason: ClassVar[str | None] = (
-        "behind triton (20): end to end on the H200 it ran 1,053 tok/s eager against triton's "
-        "9,739 tok/s with CUDA graphs (docs/benchmarks/h200_s11/engine_*.json: its decode "
-        "graphs failed to capture on a cache-write bug, fixed since and confirmed by a test, "
-        "but the engine bench with them has not run), though its kernels lead in prefill "
-        "(1.27-1.42x triton's TFLOP/s) and at decode over few long requests "
-        "(docs/benchmarks/h200_s9)"
+        "behind triton (20) and cuda_paged (30): `pagedcore bench engine` on the H200 "
+        "(qwen2-0.5b-shaped, bf16, each backend forced in one run, decode steps as CUDA "
+        "graphs) gave triton 10,827, cuda_paged 6,413 and flashinfer 3,999 tok/s, and on the "
+        "prefill-heavy stage (4 x 8192-token prompts, FA2 prefill) it was the slowest "
+        "(93,692 prompt tok/s; docs/benchmarks/h200_s12_fi/round2/engine_*.json), though its "
+        "decode kernel is up to 3.4 % faster than triton's at few long requests "
+        "(docs/benchmarks/h200_s12_fi/round3/kernels_decode_h200.json)"
     )
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float16", "bfloat16")
     supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)

@@ -14,6 +14,8 @@ links them there on this machine, so that their first use does not rebuild them.
     MAX_JOBS=16 python backends/flashinfer/tools/prebuild_jit.py --prefill fa2 --mla
     python backends/flashinfer/tools/prebuild_jit.py --no-conformance --mla --extra bfloat16:64
     python backends/flashinfer/tools/prebuild_jit.py --prefill fa2 --mla --pack fi_aot.tar.xz
+    python backends/flashinfer/tools/prebuild_jit.py --no-conformance --extra bfloat16:128 \
+        --pack fi_aot.tar.xz --pack-only
 
 ``--prefill`` names the prefill wrapper's kernels (``fa2``, ``fa3`` or both, comma-separated);
 the tensor-core decode always uses the FA2 module of the same variant. Needs only the CPU and
@@ -144,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip", default="",
                         help="comma-separated substrings: leave modules whose name has one out")
     parser.add_argument("--pack", metavar="FILE", help="write the built .so files as a tar.xz")
+    parser.add_argument("--pack-only", action="store_true",
+                        help="with --pack: build nothing, pack the modules already built")
     parser.add_argument("--as-aot", action="store_true",
                         help="link the built modules into FlashInfer's AOT directory, so "
                              "their first use loads them instead of rebuilding them")
@@ -171,6 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     for spec in specs:
         print(("built  " if spec.jit_library_path.exists() else "to build ") + spec.name)
     if args.list:
+        return 0
+    if args.pack_only:
+        if not args.pack:
+            parser.error("--pack-only needs --pack FILE")
+        pack(specs, args.pack)
         return 0
     from flashinfer.jit.core import build_jit_specs
 

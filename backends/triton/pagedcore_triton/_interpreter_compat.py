@@ -45,5 +45,5 @@ def patch_scalar_index(interpreter: ModuleType | None = None) -> bool:
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
 
     setattr(patched, _MARK, True)
-    interpreter._patch_lang_tensor = patched  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patched  # type: ignore[union-attr]
     return True

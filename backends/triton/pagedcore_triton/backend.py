@@ -52,10 +52,13 @@ class TritonAttentionBackend(AttentionBackend, metaclass=_TritonBackendMeta):
     priority: ClassVar[int] = 20
     priority_reason: ClassVar[str | None] = (
         "fastest correct end to end on the H200: `pagedcore bench engine` (qwen2-0.5b-shaped, "
-        "bf16, decode steps as CUDA graphs) 9,739 tok/s, flashinfer 1,053 tok/s eager "
-        "(docs/benchmarks/h200_s11/engine_*.json); its decode kernel is within 2-5 % of "
-        "FlashInfer's, its prefill 0.81-0.91x (Hopper kernel, docs/benchmarks/h200_s11_prefill, "
-        "against FlashInfer's h200_s9 figures)"
+        "bf16, each backend forced in one run, decode steps as CUDA graphs) 10,827 tok/s "
+        "against cuda_paged 6,413 and flashinfer 3,999 "
+        "(docs/benchmarks/h200_s12_fi/round2/engine_*.json); its decode kernel is within 3 % "
+        "of FlashInfer's at 8 x 32768 with CUDA graphs (1.4-1.9 %) and 2.9-3.4 % behind eager "
+        "(docs/benchmarks/h200_s12_fi/round3/kernels_decode_h200.json); on the prefill-heavy "
+        "stage it ties cuda_paged (224,096 against 230,765 prompt tok/s, "
+        "docs/benchmarks/h200_s12_fi/round3/engine_prefill_*.json)"
     )
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float16", "bfloat16", "float32")
     supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = KV_CACHE_DTYPES

@@ -1,18 +1,28 @@
 """Cascade attention in the Triton backend: plan (in the builder) and run (in the impl).
 
-A cascade step is three launches per layer: the shared prefix for all queries at once
-(`cascade_prefix_kernel`), the per-request suffixes (`paged_attention_kernel` over the block
-table and ``seq_lens`` shifted past the prefix, forced to split so that it leaves partials),
-and `cascade_merge_kernel`. Shifting keeps the causal mask right (it is aligned to each
-sequence's end) and ALiBi would be too (relative positions), but layers with ALiBi or a
-sliding window run the plain plan instead: the prefix kernel has neither (declared in the
-plugin guide). Soft-cap is applied in both parts.
+A cascade step is two launches per layer: the shared prefix for all queries at once
+(`cascade_prefix_kernel`: every request's query rows of a KV head in dense tiles, the prefix
+split over the GPU's SMs), then the per-request suffixes (`paged_attention_kernel` over the
+block table and ``seq_lens`` shifted past the prefix), which folds the prefix's partial
+states into its own before writing the output. When the suffix launch itself splits (long
+suffixes, few requests) it leaves partials and `cascade_merge_kernel` merges both sets (three
+launches). Shifting keeps the causal mask right (it is aligned to each sequence's end) and
+ALiBi would be too (relative positions), but layers with ALiBi or a sliding window run the
+plain plan instead: the prefix kernel has neither (declared in the plugin guide). Soft-cap
+is applied in both parts.
 
 Cascade steps are planned from this step's lengths, so they run eagerly, never under a CUDA
 graph: the engine plans a captured step with ``common_prefix_len=0`` (``docs/engine.md``).
+
+``PAGEDCORE_TRITON_CASCADE_PREFIX`` (tuning) overrides the prefix launch's shape:
+``BLOCK_M,TILE_N,num_warps,num_stages,programs_per_sm`` (see `prefix_config`).
 """
 
 from __future__ import annotations
+
+import functools
+import os
+from typing import Any
 
 import attrs
 import torch
@@ -23,14 +33,23 @@ from pagedcore_triton._env import interpreting
 from pagedcore_triton.launch import PreparedLaunch
 from pagedcore_triton.plan import LaunchPart
 
-__all__ = ["CascadePlan", "plan_cascade", "run_cascade"]
+__all__ = [
+    "CASCADE_PREFIX_ENV",
+    "CascadePlan",
+    "PrefixConfig",
+    "plan_cascade",
+    "prefix_config",
+    "run_cascade",
+]
 
-#: Prefix programs the planner aims at (about two waves of an H200's 132 SMs).
-TARGET_PREFIX_PROGRAMS = 512
+#: Tuning override of the prefix launch (`prefix_config`).
+CASCADE_PREFIX_ENV = "PAGEDCORE_TRITON_CASCADE_PREFIX"
 #: Fewest prefix tiles a split-KV segment of the prefix holds.
 MIN_PREFIX_TILES_PER_SEGMENT = 4
 #: Largest prefix partials (bytes) a step may hold before the prefix stops splitting.
 MAX_PREFIX_PARTIAL_BYTES = 64 << 20
+#: SMs assumed where the device cannot say (Triton's interpreter).
+_DEFAULT_SMS = 4
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -48,9 +67,13 @@ class CascadePlan:
     suffix_table:
         ``[B, max_blocks - P // block_size]`` int32 view of the block table past the prefix.
     suffix_part:
-        The suffix launch over all requests and tokens (at least two segments: partials).
+        The suffix launch over all requests and tokens (its split-KV segments planned for
+        the suffix lengths; unsplit, it merges the prefix's partials itself).
     num_tokens:
         Real query tokens ``T``.
+    scratch:
+        The prefix partials of the step's layer shapes (the layers run one after the other),
+        filled by `run_cascade`.
     """
 
     prefix_len: int
@@ -59,21 +82,37 @@ class CascadePlan:
     suffix_table: torch.Tensor
     suffix_part: LaunchPart
     num_tokens: int
+    scratch: dict[tuple[Any, ...], Any] = attrs.field(factory=dict, repr=False)
+
+
+@attrs.frozen(kw_only=True)
+class PrefixConfig:
+    """Shape of one prefix launch: ``(m_tiles, Hkv, segments)`` programs of ``block_m``
+    query rows, walking ``tile_n``-token tiles on ``num_warps`` warps and ``num_stages``
+    pipeline stages."""
+
+    block_m: int
+    tile_n: int
+    num_warps: int
+    num_stages: int
+    m_tiles: int
+    segments: int
 
 
 def plan_cascade(
     common: CommonAttentionMetadata, prefix_len: int, block_size: int, part: LaunchPart
 ) -> CascadePlan:
     """The cascade plan of a step whose requests share `prefix_len` tokens; `part` is the
-    builder's one-launch part over the whole step (its segment count is kept, at least 2)."""
+    builder's one-launch part over the whole step, with the split-KV segments it chose for
+    the suffix lengths."""
     num_reqs = common.num_reqs
     n_blocks = prefix_len // block_size
     suffix_part = attrs.evolve(
         part,
-        num_segments=max(2, part.num_segments),
         flat_programs=None,
         balanced_programs=None,
         min_segment_tokens=0,
+        tma_prefill=False,
     )
     return CascadePlan(
         prefix_len=prefix_len,
@@ -85,22 +124,110 @@ def plan_cascade(
     )
 
 
-def _prefix_grid(
-    plan: CascadePlan, *, num_heads: int, num_kv_heads: int, head_pad: int, tile_n: int
-) -> tuple[int, int, int, int]:
-    """``(BLOCK_M, m_tiles, segments)`` and the tile count of the prefix launch."""
-    rows = plan.num_tokens * (num_heads // num_kv_heads)
-    block_m = min(16 if interpreting() else 128, max(16, triton.next_power_of_2(rows)))
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _DEFAULT_SMS
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def _parse_override(text: str) -> tuple[int, int, int, int, float]:
+    try:
+        block_m, tile_n, warps, stages = (int(x) for x in text.split(",")[:4])
+        per_sm = float(text.split(",")[4]) if text.count(",") >= 4 else 1.0
+    except ValueError:
+        raise ValueError(
+            f"{CASCADE_PREFIX_ENV}={text!r}: expected BLOCK_M,TILE_N,num_warps,num_stages"
+            "[,programs_per_sm] (integers; e.g. 128,64,8,3,1); unset it for the default"
+        ) from None
+    for name, v in (("BLOCK_M", block_m), ("TILE_N", tile_n)):
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"{CASCADE_PREFIX_ENV}: {name}={v} must be a power of two >= 16")
+    if warps not in (1, 2, 4, 8, 16) or stages < 1 or per_sm <= 0:
+        raise ValueError(
+            f"{CASCADE_PREFIX_ENV}={text!r}: num_warps must be 1/2/4/8/16, num_stages >= 1, "
+            "programs_per_sm > 0"
+        )
+    return block_m, tile_n, warps, stages, per_sm
+
+
+def prefix_config(
+    *, num_tokens: int, num_heads: int, num_kv_heads: int, head_size: int, block_size: int,
+    prefix_len: int, num_sms: int, override: str | None = None, itemsize: int = 2,
+) -> PrefixConfig:
+    """The prefix launch's shape: rows ``T * QPK`` per KV head in tiles of up to 64 (4
+    warps; 16 in the interpreter), 64-token K/V tiles, 3 stages, two programs per SM (above
+    head size 128 or for float32, `itemsize` 4: 32-token tiles, 2 stages, one per SM),
+    and as many segments as fill that many programs on `num_sms` SMs, keeping at least
+    `MIN_PREFIX_TILES_PER_SEGMENT` tiles per segment and the partials under
+    `MAX_PREFIX_PARTIAL_BYTES`. `override` is ``PAGEDCORE_TRITON_CASCADE_PREFIX``'s text."""
+    head_pad = triton.next_power_of_2(head_size)
+    rows = num_tokens * (num_heads // num_kv_heads)
+    per_sm = 1.0
+    if override:
+        block_m, tile_n, warps, stages, per_sm = _parse_override(override)
+    elif interpreting():
+        block_m, tile_n, warps, stages = 16, max(16, block_size), 4, 1
+    elif head_pad > 128 or itemsize > 2:  # bound registers and shared memory
+        block_m = min(64, max(16, triton.next_power_of_2(rows)))
+        tile_n, warps, stages = 32, 4, 2
+    else:  # measured on the H200 (docs/benchmarks/h200_s12_cascade/): 64 x 64, 2 per SM
+        block_m = min(64, max(16, triton.next_power_of_2(rows)))
+        tile_n, warps, stages, per_sm = 64, 4, 3, 2.0
     m_tiles = -(-rows // block_m)
-    tiles = -(-plan.prefix_len // tile_n)
-    segments = 2  # at least 2: the merge reduces over a segment axis (an empty one weighs 0)
-    while (
-        m_tiles * num_kv_heads * segments * 2 <= TARGET_PREFIX_PROGRAMS
-        and tiles // (segments * 2) >= MIN_PREFIX_TILES_PER_SEGMENT
-        and plan.num_tokens * num_heads * segments * 2 * head_pad * 4 <= MAX_PREFIX_PARTIAL_BYTES
-    ):
-        segments *= 2
-    return block_m, m_tiles, segments, tiles
+    tiles = -(-prefix_len // tile_n)
+    base = m_tiles * num_kv_heads
+    segments = max(1, int(num_sms * per_sm) // base)
+    segments = min(segments, max(1, tiles // MIN_PREFIX_TILES_PER_SEGMENT))
+    row_bytes = num_tokens * num_heads * (head_pad + 2) * 4
+    segments = max(1, min(segments, MAX_PREFIX_PARTIAL_BYTES // max(1, row_bytes)))
+    return PrefixConfig(block_m=block_m, tile_n=tile_n, num_warps=warps, num_stages=stages,
+                        m_tiles=m_tiles, segments=segments)
+
+
+def run_prefix(
+    plan: CascadePlan,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    *,
+    scale: float,
+    logits_soft_cap: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prefix launch for one layer: its partials ``[T, Hq, S, HEAD_PAD]`` and
+    ``[T, Hq, S, 2]`` float32."""
+    from pagedcore_triton.kernels.cascade import cascade_prefix_kernel
+
+    _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
+    num_tokens, num_heads = plan.num_tokens, query.shape[1]
+    key = (num_heads, query.dtype, tuple(kv_cache.shape))
+    entry = plan.scratch.get(key)
+    if entry is None:
+        cfg = prefix_config(
+            num_tokens=num_tokens, num_heads=num_heads, num_kv_heads=num_kv_heads,
+            head_size=head_size, block_size=block_size, prefix_len=plan.prefix_len,
+            num_sms=_num_sms(query.device), override=os.environ.get(CASCADE_PREFIX_ENV),
+            itemsize=query.dtype.itemsize,
+        )
+        head_pad = triton.next_power_of_2(head_size)
+        pfx_acc = torch.empty((num_tokens, num_heads, cfg.segments, head_pad),
+                              dtype=torch.float32, device=query.device)
+        pfx_ml = torch.empty((num_tokens, num_heads, cfg.segments, 2), dtype=torch.float32,
+                             device=query.device)
+        entry = plan.scratch[key] = (cfg, pfx_acc, pfx_ml)
+    cfg, pfx_acc, pfx_ml = entry
+    stride_cs = num_kv_heads * head_size
+    cascade_prefix_kernel[(cfg.m_tiles, num_kv_heads, cfg.segments)](
+        query, kv_cache, num_blocks * block_size * stride_cs, plan.prefix_blocks, pfx_acc,
+        pfx_ml, num_tokens, plan.prefix_len, scale,
+        1.0 if logits_soft_cap is None else logits_soft_cap,
+        query.stride(0), query.stride(1), block_size * stride_cs, stride_cs, head_size,
+        HEAD_SIZE=head_size, HEAD_PAD=pfx_acc.shape[-1], BLOCK_SIZE=block_size,
+        QPK=num_heads // num_kv_heads, BLOCK_M=cfg.block_m, TILE_N=cfg.tile_n,
+        NUM_SEGMENTS=cfg.segments, USE_SOFTCAP=logits_soft_cap is not None,
+        DOT_FP32=interpreting() or query.dtype == torch.float32, STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return pfx_acc, pfx_ml
 
 
 def run_cascade(
@@ -116,44 +243,28 @@ def run_cascade(
     """Attention of a cascade step for one layer, written into `output` ``[T, Hq, D]``.
 
     `suffix` is `plan.suffix_part` prepared by `pagedcore_triton.ops.prepare_launch` over
-    `plan.suffix_seq_lens` / `plan.suffix_table` (so it holds the suffix partials).
+    `plan.suffix_seq_lens` / `plan.suffix_table`.
     """
-    from pagedcore_triton.kernels.cascade import cascade_merge_kernel, cascade_prefix_kernel
+    from pagedcore_triton.kernels.cascade import cascade_merge_kernel
     from pagedcore_triton.ops import run_launch
 
-    _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
-    num_tokens, num_heads = plan.num_tokens, query.shape[1]
-    if num_tokens == 0:
+    if plan.num_tokens == 0:
         return
+    pfx_acc, pfx_ml = run_prefix(plan, query, kv_cache, scale=scale,
+                                 logits_soft_cap=logits_soft_cap)
+    fused = suffix.part_acc is None
     run_launch(suffix, query, kv_cache, output, scale=scale, alibi_slopes=None,
-               sliding_window=None, logits_soft_cap=logits_soft_cap, merge=False)
+               sliding_window=None, logits_soft_cap=logits_soft_cap, merge=False,
+               prefix_partials=(pfx_acc, pfx_ml) if fused else None)
+    if fused:
+        return
     assert suffix.part_acc is not None and suffix.part_ml is not None
-    head_pad = triton.next_power_of_2(head_size)
-    tile_n = max(block_size, 16 if interpreting() else 64)
-    block_m, m_tiles, segments, _ = _prefix_grid(
-        plan, num_heads=num_heads, num_kv_heads=num_kv_heads, head_pad=head_pad, tile_n=tile_n
-    )
-    device = query.device
-    pfx_acc = torch.empty((num_tokens, num_heads, segments, head_pad), dtype=torch.float32,
-                          device=device)
-    pfx_ml = torch.empty((num_tokens, num_heads, segments, 2), dtype=torch.float32,
-                         device=device)
-    stride_cs = num_kv_heads * head_size
-    cascade_prefix_kernel[(m_tiles, num_kv_heads, segments)](
-        query, kv_cache, num_blocks * block_size * stride_cs, plan.prefix_blocks, pfx_acc,
-        pfx_ml, num_tokens, plan.prefix_len, scale,
-        1.0 if logits_soft_cap is None else logits_soft_cap,
-        query.stride(0), query.stride(1), block_size * stride_cs, stride_cs, head_size,
-        HEAD_SIZE=head_size, HEAD_PAD=head_pad, BLOCK_SIZE=block_size,
-        QPK=num_heads // num_kv_heads, BLOCK_M=block_m, TILE_N=tile_n, NUM_SEGMENTS=segments,
-        USE_SOFTCAP=logits_soft_cap is not None,
-        DOT_FP32=interpreting() or query.dtype == torch.float32,
-        num_warps=8 if block_m >= 128 else 4, num_stages=2,
-    )
-    cascade_merge_kernel[(num_tokens, num_heads)](
-        output, suffix.part_acc, suffix.part_ml, pfx_acc, pfx_ml,
+    num_heads, head_size = query.shape[1], query.shape[2]
+    cascade_merge_kernel[(plan.num_tokens,)](
+        output, suffix.part_acc, suffix.part_ml, pfx_acc, pfx_ml, num_heads,
         output.stride(0), output.stride(1),
-        HEAD_SIZE=head_size, HEAD_PAD=head_pad,
-        SUFFIX_SEGMENTS=suffix.constexprs["NUM_SEGMENTS"], PREFIX_SEGMENTS=segments,
+        HEAD_SIZE=head_size, HEAD_PAD=pfx_acc.shape[-1],
+        HEADS_PAD=triton.next_power_of_2(num_heads),
+        SUFFIX_SEGMENTS=suffix.constexprs["NUM_SEGMENTS"], PREFIX_SEGMENTS=pfx_acc.shape[2],
         num_warps=4,
     )

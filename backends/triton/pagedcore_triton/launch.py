@@ -38,6 +38,9 @@ class PreparedLaunch:
     info:
         A balanced part's split-request table, ``[1 + 3 * G]`` int32 (see
         ``kernels/balanced.py``); None otherwise.
+    kernel:
+        ``"paged"`` (``kernels/attention.py``) or ``"fp8_decode"`` (``kernels/decode_fp8.py``,
+        single-token decodes over an fp8 cache).
     """
 
     grid: tuple[int, int, int] | None
@@ -52,6 +55,7 @@ class PreparedLaunch:
     static_args: tuple[Any, ...]
     constexprs: dict[str, Any]
     info: torch.Tensor | None = None
+    kernel: str = "paged"
 
 
 def part_tensors(

@@ -241,7 +241,11 @@ class TritonMetadataBuilder(MetadataBuilder[TritonAttentionMetadata]):
             )
             from pagedcore_triton.cascade import plan_cascade
 
-            whole = self._part(common, 0, num_reqs, allow_split=True)
+            whole = self._part(common, 0, num_reqs, allow_split=False)
+            if whole.max_query_len <= 1:  # decodes: split-KV by the suffix lengths
+                longest = int(common.seq_lens_cpu[:num_reqs].max()) - common_prefix_len
+                whole = attrs.evolve(whole, num_segments=self.decode_segments(
+                    num_reqs=num_reqs, max_seq_len=longest))
             plan = plan_cascade(common, common_prefix_len, self.kv_cache_spec.block_size, whole)
             meta = attrs.evolve(meta, cascade=plan)
         return meta

@@ -17,6 +17,7 @@ import triton
 from pagedcore_triton._env import interpreting
 from pagedcore_triton.kernels.attention import merge_segments_kernel, paged_attention_kernel
 from pagedcore_triton.kernels.cache_write import write_kv_cache
+from pagedcore_triton.kernels.decode_fp8 import fp8_decode_kernel
 from pagedcore_triton.launch import PreparedLaunch, cache_strides, part_tensors
 from pagedcore_triton.ops_balanced import prepare_balanced, run_balanced
 from pagedcore_triton.plan import (
@@ -72,6 +73,12 @@ def prepare_launch(
         raise ValueError(f"num_segments must be a power of two, got {segments}")
     num_tokens = part.token_end - part.token_begin
     views = part_tensors(part, query_start_loc, seq_lens, block_table)
+    if (cfg.fp8_decode and kv_fp8 and part.max_query_len == 1 and part.flat_programs is None
+            and causal and not use_alibi and sliding_window is None
+            and logits_soft_cap is None):
+        return _prepare_fp8_decode(part, cfg, views, num_heads=num_heads, head_pad=head_pad,
+                                   kv_cache_shape=kv_cache_shape, use_sinks=use_sinks,
+                                   f32=interp or dtype == torch.float32)
     grid = None
     flat = part.flat_programs is not None
     if part.num_reqs > 0 and num_tokens > 0 and part.flat_programs is not None:
@@ -137,6 +144,69 @@ def prepare_launch(
     )
 
 
+def _prepare_fp8_decode(
+    part: LaunchPart, cfg: TileConfig, views: dict[str, torch.Tensor], *, num_heads: int,
+    head_pad: int, kv_cache_shape: tuple[int, ...], use_sinks: bool, f32: bool,
+) -> PreparedLaunch:
+    """A launch of `fp8_decode_kernel` (``kernels/decode_fp8.py``) for a part of single-token
+    decodes over an fp8 cache: grid ``(requests, Hkv, segments)``."""
+    _, _, block_size, num_kv_heads, head_size = kv_cache_shape
+    qpk = num_heads // num_kv_heads
+    segments = part.num_segments
+    num_tokens = part.token_end - part.token_begin
+    rows = triton.next_power_of_2(qpk)
+    rows = max(rows, cfg.fp8_rows if cfg.fp8_decode != 2 else 1)
+    if cfg.fp8_decode != 2:
+        rows = max(rows, 16 if f32 else 8)  # the smallest dot (8 rows on the GPU only)
+    grid = (part.num_reqs, num_kv_heads, segments) if part.num_reqs and num_tokens else None
+    part_acc = part_ml = None
+    if segments > 1 and grid is not None:
+        device = views["qsl"].device
+        part_acc = torch.empty((num_tokens, num_heads, segments, head_pad), dtype=torch.float32,
+                               device=device)
+        part_ml = torch.empty((num_tokens, num_heads, segments, 2), dtype=torch.float32,
+                              device=device)
+    return PreparedLaunch(
+        grid=grid, **views, part_acc=part_acc, part_ml=part_ml, num_reqs=part.num_reqs,
+        token_begin=part.token_begin, num_tokens=num_tokens,
+        static_args=(*cache_strides(kv_cache_shape), views["block_table"].stride(0)),
+        constexprs={
+            "HEAD_SIZE": head_size, "HEAD_PAD": head_pad, "BLOCK_SIZE": block_size,
+            "QPK": qpk, "BLOCK_M": rows, "TILE_N": cfg.tile_n, "NUM_SEGMENTS": segments,
+            "MODE": cfg.fp8_decode, "USE_SINKS": use_sinks, "F32": f32,
+            "OFF32": cfg.int32_offsets and math.prod(kv_cache_shape) < 2**31,
+            "KV_FP8": True, "PREFETCH": cfg.fp8_prefetch,
+            "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+            **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
+        },
+        kernel="fp8_decode",
+    )
+
+
+def _run_fp8_decode(launch: PreparedLaunch, query: torch.Tensor, kv_cache: torch.Tensor,
+                    output: torch.Tensor, *, scale: float, k_scale: torch.Tensor,
+                    v_scale: torch.Tensor, sinks: torch.Tensor, merge: bool) -> None:
+    """Run a launch prepared by `_prepare_fp8_decode` (and its split-KV merge)."""
+    assert launch.grid is not None
+    v_offset, stride_cb, stride_cs, stride_ch, stride_bt = launch.static_args
+    part_acc = output if launch.part_acc is None else launch.part_acc
+    part_ml = output if launch.part_ml is None else launch.part_ml
+    fp8_decode_kernel[launch.grid](
+        output, query, kv_cache, v_offset, launch.block_table, launch.seq_lens, launch.qsl,
+        part_acc, part_ml, k_scale, v_scale, sinks, launch.token_begin, scale,
+        query.stride(0), query.stride(1), output.stride(0), output.stride(1),
+        stride_cb, stride_cs, stride_ch, stride_bt, **launch.constexprs,
+    )
+    if launch.part_acc is not None and merge:
+        c = launch.constexprs
+        merge_segments_kernel[(launch.num_tokens, query.shape[1])](
+            output, launch.part_acc, part_ml, launch.token_begin, output.stride(0),
+            output.stride(1), launch.qsl, launch.num_reqs, launch.grid[0],
+            HEAD_SIZE=c["HEAD_SIZE"], HEAD_PAD=c["HEAD_PAD"], NUM_SEGMENTS=c["NUM_SEGMENTS"],
+            num_warps=4,
+        )
+
+
 def run_launch(
     launch: PreparedLaunch,
     query: torch.Tensor,
@@ -150,11 +220,15 @@ def run_launch(
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     sinks: torch.Tensor | None = None,
     merge: bool = True,
+    prefix_partials: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Run a prepared launch for one layer (see `paged_attention` for the tensors).
 
     ``merge=False`` leaves a split launch's partials unmerged in ``launch.part_acc`` /
     ``launch.part_ml`` (cascade attention merges them with the prefix's).
+    `prefix_partials` (cascade attention, an unsplit classic-grid launch only): the shared
+    prefix's ``[T, Hq, S, HEAD_PAD]`` / ``[T, Hq, S, 2]`` partials, merged into the output
+    by the launch itself.
     """
     grid = launch.grid
     if grid is None:
@@ -164,6 +238,10 @@ def run_launch(
     if launch.constexprs["USE_SINKS"] and sinks is None:
         raise ValueError("the launch was prepared with sinks; pass sinks=[Hq] float32")
     k_scale, v_scale = (query, query) if kv_scales is None else kv_scales
+    if launch.kernel == "fp8_decode":
+        _run_fp8_decode(launch, query, kv_cache, output, scale=scale, k_scale=k_scale,
+                        v_scale=v_scale, sinks=query if sinks is None else sinks, merge=merge)
+        return
     if launch.info is not None:
         run_balanced(launch, query, kv_cache, output, scale=scale, alibi_slopes=alibi_slopes,
                       sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
@@ -172,6 +250,12 @@ def run_launch(
     v_offset, stride_cb, stride_cs, stride_ch, stride_bt = launch.static_args
     part_acc = output if launch.part_acc is None else launch.part_acc
     part_ml = output if launch.part_ml is None else launch.part_ml
+    extra = {}
+    if prefix_partials is not None:
+        if launch.part_acc is not None or launch.constexprs["FLAT"]:
+            raise ValueError("prefix_partials need an unsplit classic-grid launch")
+        part_acc, part_ml = prefix_partials
+        extra["PREFIX_SEGMENTS"] = part_acc.shape[2]
     paged_attention_kernel[grid](
         output,
         query,
@@ -200,6 +284,7 @@ def run_launch(
         stride_ch,
         stride_bt,
         **launch.constexprs,
+        **extra,
     )
     if launch.part_acc is not None and merge:
         c = launch.constexprs

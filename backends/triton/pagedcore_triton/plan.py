@@ -327,6 +327,16 @@ class TileConfig:
     kv_convert: int = 0
     #: Registers per thread at most (Triton's ``maxnreg``; None: the compiler's choice).
     maxnreg: int | None = None
+    #: fp8 single-token decodes only: 0 runs the general kernel; 1, 2 or 3 runs
+    #: ``kernels/decode_fp8.py`` with that ``MODE`` (1: swapped dots, K/V tiles the A
+    #: operands; 2: float32 multiply-adds, no dots; 3: Q @ K^T, then V^T @ P^T) and
+    #: `fp8_rows` rows (the GQA group padded, at least 16 for the dots of modes 1 and 3).
+    fp8_decode: int = 0
+    fp8_rows: int = 16
+    #: With `fp8_decode`: 1 loads tile t + 1's K/V into registers while the kernel computes
+    #: tile t, 2 also the block table two tiles ahead (``PREFETCH``; with ``num_stages`` 1
+    #: instead of Triton's software pipelining); 0 leaves it to Triton.
+    fp8_prefetch: int = 0
 
 
 def parse_tiles(text: str, num_queries_per_kv: int) -> TileConfig:
@@ -370,7 +380,9 @@ def parse_tiles(text: str, num_queries_per_kv: int) -> TileConfig:
 def parse_decode_tiles(text: str, base: TileConfig) -> TileConfig:
     """`base` (a decode `TileConfig`) with the ``PAGEDCORE_TRITON_DECODE_TILES`` text applied:
     ``"TILE_N,WARPS,STAGES[,FLAG...]"``, flags ``cvtN`` (N in 0..3: `TileConfig.kv_convert`),
-    ``s`` (unmasked interior tiles), ``i32`` (int32 K/V offsets), ``rN`` (``maxnreg``).
+    ``s`` (unmasked interior tiles), ``i32`` (int32 K/V offsets), ``rN`` (``maxnreg``),
+    ``kN`` (N in 0..3: `TileConfig.fp8_decode`), ``b4`` / ``b8`` / ``b16``
+    (`TileConfig.fp8_rows`), ``pf1`` / ``pf2`` (`TileConfig.fp8_prefetch`).
 
     >>> base = TileConfig(block_m=16, block_q=4, tile_n=64, num_warps=4, num_stages=3)
     >>> cfg = parse_decode_tiles("128,4,5,cvt1,i32", base)
@@ -384,11 +396,18 @@ def parse_decode_tiles(text: str, base: TileConfig) -> TileConfig:
         tile_n = warps = stages = 0
     flags = fields[3:]
     cvt, regs = base.kv_convert, base.maxnreg
+    mode, rows, prefetch = base.fp8_decode, base.fp8_rows, base.fp8_prefetch
     ok = len(fields) >= 3 and tile_n >= 16 and tile_n & (tile_n - 1) == 0 and warps > 0
     ok = ok and stages > 0 and len(set(flags)) == len(flags)
     for flag in flags:
         if flag.startswith("cvt") and flag[3:] in ("0", "1", "2", "3"):
             cvt = int(flag[3:])
+        elif flag in ("k0", "k1", "k2", "k3"):
+            mode = int(flag[1:])
+        elif flag in ("b4", "b8", "b16"):
+            rows = int(flag[1:])
+        elif flag in ("pf1", "pf2"):
+            prefetch = int(flag[2:])
         elif flag.startswith("r") and flag[1:].isdigit() and int(flag[1:]) > 0:
             regs = int(flag[1:])
         elif flag not in ("s", "i32"):
@@ -397,10 +416,12 @@ def parse_decode_tiles(text: str, base: TileConfig) -> TileConfig:
         raise ValueError(
             f"{DECODE_TILES_ENV}={text!r}: expected 'TILE_N,WARPS,STAGES[,FLAG...]' with "
             "TILE_N a power of two >= 16, positive WARPS and STAGES, and each FLAG at most once, "
-            "one of cvt0..cvt3, s, i32, rN; e.g. '128,4,5,cvt1'"
+            "one of cvt0..cvt3, s, i32, rN, k0..k3 (fp8 decode kernel mode), b4/b8/b16 (its "
+            "rows), pf1/pf2 (its register prefetch); e.g. '128,4,5,cvt1' or '64,4,1,k3,pf2'"
         )
     return attrs.evolve(base, tile_n=tile_n, num_warps=warps, num_stages=stages,
-                        kv_convert=cvt, maxnreg=regs,
+                        kv_convert=cvt, maxnreg=regs, fp8_decode=mode, fp8_rows=rows,
+                        fp8_prefetch=prefetch,
                         skip_interior_masks="s" in flags or base.skip_interior_masks,
                         int32_offsets="i32" in flags or base.int32_offsets)
 
@@ -479,8 +500,15 @@ def tile_config(
         longest_first=max_query_len > 1,
         int32_offsets=max_query_len > 1,
     )
-    if max_query_len > 1 or interpreting:
+    if max_query_len > 1:
         return cfg
+    if interpreting:  # the interpreter's small tiles, but the fp8 decode kernel the GPU runs
+        fp8_mode = DECODE_TILES[1].get("fp8_decode", 0) if kv_itemsize == 1 else 0
+        fp8_mode = fp8_mode if head_pad <= 128 else 0
+        if not fp8_mode:
+            return cfg
+        return attrs.evolve(cfg, fp8_decode=fp8_mode,
+                            fp8_prefetch=DECODE_TILES[1].get("fp8_prefetch", 0))
     if head_pad <= 128:
         cfg = attrs.evolve(cfg, **DECODE_TILES[1 if kv_itemsize == 1 else 2])
     override = os.environ.get(DECODE_TILES_ENV)

@@ -19,6 +19,7 @@ import subprocess
 import time
 from typing import Any
 
+import attrs
 import torch
 
 
@@ -148,6 +149,93 @@ def measure(num_reqs: int, prefix: int, own: int, args: argparse.Namespace,
     }
 
 
+def components(args: argparse.Namespace, device: torch.device, *,
+               variants: list[str]) -> dict[str, Any]:
+    """Where the target step's cascade time goes: the prefix launch alone, the suffix launch
+    (with its fused merge) alone, and the whole step under each prefix-launch variant of
+    `variants` (``PAGEDCORE_TRITON_CASCADE_PREFIX`` texts; "" is the default shape)."""
+    from pagedcore_triton.cascade import CASCADE_PREFIX_ENV, prefix_config, run_prefix
+
+    from pagedcore.attention.cascade import common_prefix_len
+
+    dtype = getattr(torch, args.dtype)
+    step = Step(args.reqs, args.prefix, args.own, shared=True, heads=args.heads,
+                kv_heads=args.kv_heads, head_size=args.head_size,
+                block_size=args.block_size, dtype=dtype, device=device)
+    builder, impl = _setup(step, args, device)
+    p = common_prefix_len(step.tables, step.contexts, args.block_size)
+    plain_meta = builder.build(step.common)
+    out_plain = torch.empty_like(step.query)
+    impl.forward(step.query, step.query, step.query, step.cache, plain_meta, output=out_plain)
+    timer = _timer(args.smoke, device, 200.0)
+    rows: dict[str, Any] = {"plain_ms": timer(lambda: impl.forward(
+        step.query, step.query, step.query, step.cache, plain_meta, output=out_plain))}
+    before = os.environ.get(CASCADE_PREFIX_ENV)
+    variant_rows = []
+    try:
+        for text in variants:
+            if text:
+                os.environ[CASCADE_PREFIX_ENV] = text
+            else:
+                os.environ.pop(CASCADE_PREFIX_ENV, None)
+            meta = builder.build(step.common, common_prefix_len=p)
+            plan = meta.cascade
+            assert plan is not None
+            out = torch.empty_like(step.query)
+
+            def cascade(meta: Any = meta, out: torch.Tensor = out) -> None:
+                impl.forward(step.query, step.query, step.query, step.cache, meta, output=out)
+
+            try:
+                cascade()
+            except Exception as e:  # a variant the compiler rejects (shared memory, ...)
+                variant_rows.append({"variant": text, "error": f"{type(e).__name__}: {e}"[:300]})
+                print(f"variant {text!r}: {e}"[:300], flush=True)
+                continue
+            err = float((out.float() - out_plain.float()).abs().max()
+                        / out_plain.float().abs().max())
+            cfg = prefix_config(num_tokens=plan.num_tokens, num_heads=args.heads,
+                                num_kv_heads=args.kv_heads, head_size=args.head_size,
+                                block_size=args.block_size, prefix_len=p,
+                                num_sms=(torch.cuda.get_device_properties(device)
+                                         .multi_processor_count if device.type == "cuda"
+                                         else 4),
+                                override=text or None)
+            row: dict[str, Any] = {"variant": text or "default", "config": attrs.asdict(cfg),
+                                   "cascade_ms": timer(cascade), "rel_err": err,
+                                   "nan": bool(torch.isnan(out).any())}
+            row["speedup"] = rows["plain_ms"] / row["cascade_ms"]
+            if not text:
+                row["prefix_only_ms"] = timer(lambda plan=plan: run_prefix(
+                    plan, step.query, step.cache, scale=impl.scale, logits_soft_cap=None))
+                launch = impl._prepared(  # the bench times the suffix launch alone
+                    meta, ("cascade", args.heads, dtype, step.cache.shape, impl._features),
+                    plan.suffix_part, step.query, step.cache, seq_lens=plan.suffix_seq_lens,
+                    block_table=plan.suffix_table, use_alibi=False, sliding_window=None)
+                from pagedcore_triton.ops import run_launch
+
+                pfx = run_prefix(plan, step.query, step.cache, scale=impl.scale,
+                                 logits_soft_cap=None)
+                row["suffix_segments"] = launch.constexprs["NUM_SEGMENTS"]
+
+                def suffix(launch: Any = launch, pfx: Any = pfx, out: Any = out) -> None:
+                    run_launch(launch, step.query, step.cache, out, scale=impl.scale,
+                               alibi_slopes=None, sliding_window=None, logits_soft_cap=None,
+                               merge=False,
+                               prefix_partials=pfx if launch.part_acc is None else None)
+
+                row["suffix_with_merge_ms"] = timer(suffix)
+            print(f"variant {row['variant']}: {row}", flush=True)
+            variant_rows.append(row)
+    finally:
+        if before is None:
+            os.environ.pop(CASCADE_PREFIX_ENV, None)
+        else:
+            os.environ[CASCADE_PREFIX_ENV] = before
+    rows["variants"] = variant_rows
+    return rows
+
+
 def unshared(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     """Nothing shared: the plain path's time and the engine-side planner's host cost."""
     from pagedcore.attention.cascade import common_prefix_len
@@ -178,49 +266,78 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", required=True)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, CPU interpreter")
+    ap.add_argument("--parts", default="target,components,unshared,sweep",
+                    help="comma list of target, components, unshared, sweep (in that order; "
+                         "the JSON is rewritten after each)")
+    ap.add_argument("--variants", default="",
+                    help="';'-separated PAGEDCORE_TRITON_CASCADE_PREFIX texts the components "
+                         "part also times (the default shape always runs first)")
+    ap.add_argument("--sweep-reqs", default=None, help="comma list (default: 2..64)")
+    ap.add_argument("--sweep-prefix", default=None, help="comma list (default: 256,1024,4096)")
     args = ap.parse_args(argv)
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    unknown = set(parts) - {"target", "components", "unshared", "sweep"}
+    if unknown:
+        ap.error(f"--parts: unknown {sorted(unknown)}; pick from target, components, "
+                 "unshared, sweep")
     if args.smoke:
         args.reqs, args.prefix, args.own = 4, 32, 16
         args.heads, args.kv_heads, args.head_size, args.block_size = 4, 2, 64, 16
-        args.dtype, sweep_reqs, sweep_prefix = "float32", (2, 4), (32,)
+        args.dtype, sweep_reqs, sweep_prefix = "float32", [2, 4], [32]
         device = torch.device("cpu")
     else:
         args.reqs, args.prefix, args.own = 64, 4096, 256
         args.heads, args.kv_heads, args.head_size, args.block_size = 32, 8, 128, 16
-        args.dtype, sweep_reqs, sweep_prefix = "bfloat16", (2, 4, 8, 16, 32, 64), (256, 1024,
-                                                                                   4096)
+        args.dtype, sweep_reqs, sweep_prefix = "bfloat16", [2, 4, 8, 16, 32, 64], [256, 1024,
+                                                                                   4096]
         device = torch.device("cuda")
-    target = measure(args.reqs, args.prefix, args.own, args, device, budget_ms=400.0)
-    print(f"target: {target}", flush=True)
-    none = unshared(args, device)
-    print(f"unshared: {none}", flush=True)
-    sweep = []
-    for p in sweep_prefix:
-        for n in sweep_reqs:
-            row = measure(n, p, args.own, args, device, budget_ms=120.0)
-            print(f"sweep: n={n} P={p} plain {row['plain_ms']:.4f} ms cascade "
-                  f"{row['cascade_ms']:.4f} ms x{row['speedup']:.2f} "
-                  f"pays={row['rule_pays']} err {row['rel_err_cascade_vs_plain']:.1e}",
-                  flush=True)
-            sweep.append(row)
-    result = {
+    if args.sweep_reqs:
+        sweep_reqs = [int(x) for x in args.sweep_reqs.split(",")]
+    if args.sweep_prefix:
+        sweep_prefix = [int(x) for x in args.sweep_prefix.split(",")]
+    result: dict[str, Any] = {
         "command": "bash docs/benchmarks/run_cascade_h200.sh" + (" --smoke" if args.smoke
                                                                  else ""),
-        "commit": _commit(),
+        "commit": os.environ.get("PAGEDCORE_GIT_COMMIT") or _commit(),
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.node(),
         "shape": {"heads": args.heads, "kv_heads": args.kv_heads, "head_size": args.head_size,
                   "block_size": args.block_size, "dtype": args.dtype},
         "interpreter": os.environ.get("TRITON_INTERPRET") == "1",
-        "target": target,
-        "target_met": target["speedup"] >= 4.0,
-        "unshared": none,
-        "sweep": sweep,
-        # Where the rule (cascade_pays) and the measurement disagree: tune the constant.
-        "rule_disagrees": [(r["num_reqs"], r["prefix"], round(r["speedup"], 3))
-                           for r in sweep if r["rule_pays"] != (r["speedup"] > 1.0)],
     }
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=2)
+
+    def save() -> None:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+    for part in parts:
+        if part == "target":
+            target = measure(args.reqs, args.prefix, args.own, args, device, budget_ms=400.0)
+            print(f"target: {target}", flush=True)
+            result["target"] = target
+            result["target_met"] = target["speedup"] >= 4.0
+        elif part == "components":
+            variants = [""] + [v.strip() for v in args.variants.split(";") if v.strip()]
+            result["components"] = components(args, device, variants=variants)
+        elif part == "unshared":
+            none = unshared(args, device)
+            print(f"unshared: {none}", flush=True)
+            result["unshared"] = none
+        else:
+            sweep = result["sweep"] = []
+            for p in sweep_prefix:
+                for n in sweep_reqs:
+                    row = measure(n, p, args.own, args, device, budget_ms=120.0)
+                    print(f"sweep: n={n} P={p} plain {row['plain_ms']:.4f} ms cascade "
+                          f"{row['cascade_ms']:.4f} ms x{row['speedup']:.2f} "
+                          f"pays={row['rule_pays']} err {row['rel_err_cascade_vs_plain']:.1e}",
+                          flush=True)
+                    sweep.append(row)
+                    # Where the rule (cascade_pays) and the measurement disagree: tune it.
+                    result["rule_disagrees"] = [
+                        (r["num_reqs"], r["prefix"], round(r["speedup"], 3))
+                        for r in sweep if r["rule_pays"] != (r["speedup"] > 1.0)]
+                    save()
+        save()
     print(f"wrote {args.json}")
     return result
 

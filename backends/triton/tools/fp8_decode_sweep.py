@@ -11,9 +11,10 @@ cache really holds (1 per fp8 element). Kernels are compiled ahead by a pool of 
 (sharing Triton's cache) in the order they are measured.
 
 Usage: ``python backends/triton/tools/fp8_decode_sweep.py OUT.jsonl [SECONDS [SET]]``
-(SET: ``round1``, the default, or ``round2``); it stops measuring after SECONDS (default 80)
-and prints a summary. ``--precompile [SET...]`` only compiles the shipped defaults' launches
-(and those of the SETs).
+(SET: ``round1``, the default, or ``round2`` .. ``round4``); it stops measuring after SECONDS
+(default 80) and prints a summary. ``--precompile [SET...]`` only compiles the shipped
+defaults' launches (and those of the SETs); ``--best OUT.jsonl`` prints the
+``PAGEDCORE_TRITON_DECODE_TILES`` value of the fastest fp8 variant when it beats the default.
 """
 
 from __future__ import annotations
@@ -53,7 +54,120 @@ def jobs_round2() -> list[Job]:
     return out
 
 
-JOB_SETS = {"round1": lambda: jobs(), "round2": lambda: jobs_round2()}
+def jobs_round3() -> list[Job]:
+    """The third round: ``kernels/decode_fp8.py`` (flags ``k1`` / ``k2`` / ``k3``: its MODE;
+    ``b8``: 8 rows instead of 16) against the shipped bf16 and fp8 defaults, more split-KV
+    segments at 8x32768, and the sink logits' cost (flag ``x``) on the bf16 default and the
+    new kernel."""
+    out: list[Job] = []
+
+    def add(dt: str, cvt: int, tile: int, w: int, st: int, fl: str,
+            segs: dict[tuple[int, int], list[int]] | None = None) -> None:
+        for b, ln in SHAPES:
+            for sg in (segs or {}).get((b, ln), [DEFAULT_SEGS[(b, ln)]]):
+                j = (dt, b, ln, cvt, tile, w, st, sg, 0, fl)
+                if j not in out:
+                    out.append(j)
+
+    add("bf16", 0, 64, 4, 3, "o")
+    add("e4m3", 1, 128, 4, 5, "o")
+    add("bf16", 0, 64, 4, 3, "ox")
+    # (tile, warps, stages, maxnreg, flags); b8: 8 rows; registers bound the CTAs per SM
+    for tile, w, st, reg, fl in [
+            (64, 4, 3, 0, "k3o"), (64, 4, 3, 0, "k3ob8"), (64, 8, 3, 0, "k3o"),
+            (32, 4, 3, 0, "k3o"), (128, 8, 3, 0, "k3o"), (64, 4, 3, 128, "k3ob8"),
+            (128, 4, 3, 0, "k3o"), (64, 4, 3, 0, "k1ob8"), (128, 8, 3, 0, "k1o"),
+            (128, 8, 3, 0, "k1ob8"), (64, 4, 4, 0, "k3ob8"), (64, 4, 2, 0, "k3ob8"),
+            (32, 4, 4, 0, "k3o"), (128, 8, 4, 0, "k3ob8"), (64, 8, 4, 0, "k3o"),
+            (32, 8, 3, 0, "k3o")]:
+        for b, ln in SHAPES:
+            j = ("e4m3", b, ln, 0, tile, w, st, DEFAULT_SEGS[(b, ln)], reg, fl)
+            if j not in out:
+                out.append(j)
+    more = {(64, 4096): [2], (8, 32768): [16, 32], (256, 1024): []}
+    for tile, w, st, fl in [(64, 4, 3, "k3ob8"), (128, 8, 3, "k3o"), (32, 4, 3, "k3o")]:
+        add("e4m3", 0, tile, w, st, fl, more)
+    add("e4m3", 0, 64, 4, 3, "k3ob8x")
+    add("e4m3", 0, 64, 8, 2, "k2o")
+    add("e5m2", 0, 64, 4, 3, "k3o")
+    add("e4m3", 1, 128, 4, 1, "o")  # general kernel, V converted in registers, unpipelined
+    return out
+
+
+def jobs_round4() -> list[Job]:
+    """The fourth round: round 3 found every ``kernels/decode_fp8.py`` variant slower than the
+    shipped fp8 default, about 3.3 us per tile whatever its size: the block-table load, then
+    the K/V loads, waited for in every iteration (V reaches the registers by plain loads,
+    which Triton does not pipeline). Here the kernel prefetches them itself (flags ``p1``:
+    K/V one tile ahead, ``p2``: also the block table two ahead; 1 stage), and Triton's
+    5-stage pipelining is tried on it, against the shipped defaults and round 1's unmasked
+    interior tiles."""
+    out: list[Job] = []
+
+    def add(dt: str, cvt: int, tile: int, w: int, st: int, fl: str) -> None:
+        for b, ln in SHAPES:
+            j = (dt, b, ln, cvt, tile, w, st, DEFAULT_SEGS[(b, ln)], 0, fl)
+            if j not in out:
+                out.append(j)
+
+    add("bf16", 0, 64, 4, 3, "o")
+    add("e4m3", 1, 128, 4, 5, "o")
+    for tile, w, st, fl in [(64, 4, 1, "k3ob8p2"), (64, 4, 1, "k3op2"), (128, 8, 1, "k3op2"),
+                            (128, 8, 1, "k1ob8p2"), (32, 4, 1, "k3op2"), (64, 8, 1, "k3ob8p2"),
+                            (128, 8, 1, "k3ob8p2"), (32, 4, 1, "k3ob8p2"), (64, 4, 1, "k3ob8p1"),
+                            (64, 8, 1, "k3op2"), (64, 4, 1, "k1ob8p2"), (128, 4, 5, "k3o")]:
+        add("e4m3", 0, tile, w, st, fl)
+    add("e4m3", 1, 128, 4, 5, "so")
+    return out
+
+
+JOB_SETS = {"round1": lambda: jobs(), "round2": lambda: jobs_round2(),
+            "round3": lambda: jobs_round3(), "round4": lambda: jobs_round4()}
+
+
+def tiles_env(row: dict[str, Any]) -> str:
+    """The ``PAGEDCORE_TRITON_DECODE_TILES`` value of a sweep row's variant."""
+    fl = row["flags"]
+    parts = [str(row["tile"]), str(row["warps"]), str(row["stages"]), f"cvt{row['cvt']}"]
+    if "k" in fl:
+        parts.append(f"k{fl[fl.index('k') + 1]}")
+    if "b8" in fl:
+        parts.append("b8")
+    if "p" in fl:
+        parts.append(f"pf{fl[fl.index('p') + 1]}")
+    if "s" in fl:
+        parts.append("s")
+    if "o" in fl:
+        parts.append("i32")
+    if row.get("maxnreg"):
+        parts.append(f"r{row['maxnreg']}")
+    return ",".join(parts)
+
+
+def best_variant(path: str, dt: str = "e4m3") -> None:
+    """Print the ``PAGEDCORE_TRITON_DECODE_TILES`` value of the fastest `dt` variant of a
+    sweep file (geometric mean over the shapes it was measured at with each shape's default
+    split, correct ones only), or nothing when none beats the first (the shipped default)."""
+    rows = [json.loads(line) for line in open(path)][1:]
+    ok = [r for r in rows if r["kv"] == dt and "ms" in r and not r["nan"] and r["rel_err"] < 0.05
+          and r["segs"] == DEFAULT_SEGS.get((r["B"], r["L"]))]
+    by: dict[str, dict[tuple[int, int], float]] = {}
+    for r in ok:
+        by.setdefault(tiles_env(r), {})[(r["B"], r["L"])] = r["ms"]
+    full = {k: v for k, v in by.items() if len(v) == len(SHAPES)}
+    if not full:
+        return
+    default = next(iter(full))
+
+    def gmean(v: dict[tuple[int, int], float]) -> float:
+        prod = 1.0
+        for x in v.values():
+            prod *= x
+        return float(prod ** (1 / len(v)))
+
+    best = min(full, key=lambda k: gmean(full[k]))
+    if best != default and gmean(full[best]) < 0.97 * gmean(full[default]):
+        print(best)
 
 
 def jobs() -> list[Job]:
@@ -103,6 +217,7 @@ def jobs() -> list[Job]:
 def default_jobs() -> list[Job]:
     """The launches the shipped defaults make at each shape and cache dtype (`tile_config`
     and the builder's split rule), for ``--precompile``."""
+    import torch
     from pagedcore_triton.metadata import TritonMetadataBuilder
     from pagedcore_triton.plan import tile_config
 
@@ -114,13 +229,26 @@ def default_jobs() -> list[Job]:
         cfg = tile_config(1, HQ // HKV, D, interpreting=False, itemsize=2, kv_itemsize=item)
         spec = FullAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=D,
                                  dtype="bfloat16" if dt == "bf16" else _TORCH_DT[dt])
-        builder = TritonMetadataBuilder(spec, ["sweep"], "cpu")  # type: ignore[arg-type]
+        builder = TritonMetadataBuilder(spec, ["sweep"], torch.device("cpu"))
         for b, ln in SHAPES:
             segs = builder.decode_segments(num_reqs=b, max_seq_len=ln)
             flags = ("s" if cfg.skip_interior_masks else "") + ("o" if cfg.int32_offsets else "")
-            out.append((dt, b, ln, cfg.kv_convert, cfg.tile_n, cfg.num_warps, cfg.num_stages,
-                        segs, cfg.maxnreg or 0, flags))
+            if dt != "bf16" and cfg.fp8_decode:
+                flags += f"k{cfg.fp8_decode}" + ("b8" if cfg.fp8_rows == 8 else "")
+                flags += f"p{cfg.fp8_prefetch}" if cfg.fp8_prefetch else ""
+            job = (dt, b, ln, cfg.kv_convert, cfg.tile_n, cfg.num_warps, cfg.num_stages,
+                   segs, cfg.maxnreg or 0, flags)
+            out.append(job)
+            if dt == "bf16":  # `bench kernels --sinks` compares these with the plain ones
+                out.append((*job[:-1], flags + "x"))
     return out
+
+
+def _sinks(dev: Any) -> Any:
+    """The sink logits of the ``x`` variants (fixed: the reference uses the same)."""
+    import torch
+
+    return (torch.arange(HQ, dtype=torch.float32, device=dev) % 5 - 2.0) * 1.5
 
 
 _TORCH_DT = {"bf16": "bfloat16", "e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
@@ -136,21 +264,27 @@ def _launch(job: Job, kv: Any, query: Any, seq_lens: Any) -> tuple[Any, Any]:
     cache, table, qsl, scales = kv
     part = LaunchPart(req_begin=0, req_end=b, token_begin=0, token_end=b, max_query_len=1,
                       num_segments=segs)
+    mode = int(flags[flags.index("k") + 1]) if "k" in flags else 0
     tiles = TileConfig(block_m=16, block_q=4, tile_n=tile, num_warps=w, num_stages=st,
                        kv_convert=cvt, maxnreg=maxnreg or None,
-                       skip_interior_masks="s" in flags, int32_offsets="o" in flags)
+                       skip_interior_masks="s" in flags, int32_offsets="o" in flags,
+                       fp8_decode=mode, fp8_rows=8 if "b8" in flags else 16,
+                       fp8_prefetch=int(flags[flags.index("p") + 1]) if "p" in flags else 0)
+    sinks = _sinks(query.device) if "x" in flags else None
     launch = prepare_launch(
         part, query_shape=tuple(query.shape), dtype=query.dtype,
         kv_cache_shape=tuple(cache.shape), query_start_loc=qsl, seq_lens=seq_lens,
         block_table=table, causal=True, use_alibi=False, sliding_window=None,
-        logits_soft_cap=None, tiles=tiles, kv_fp8=dt != "bf16",
+        logits_soft_cap=None, tiles=tiles, kv_fp8=dt != "bf16", use_sinks=sinks is not None,
     )
+    if mode and launch.kernel != "fp8_decode":
+        raise RuntimeError(f"{job}: not routed to the fp8 decode kernel")
     out = torch.empty_like(query)
 
     def run() -> Any:
         run_launch(launch, query, cache, out, scale=D**-0.5, alibi_slopes=None,
                    sliding_window=None, logits_soft_cap=None,
-                   kv_scales=scales if dt != "bf16" else None)
+                   kv_scales=scales if dt != "bf16" else None, sinks=sinks)
         return out
 
     return launch, run
@@ -242,9 +376,14 @@ def build_cache(dt: str, b: int, ln: int, gen: Any) -> dict[str, Any]:
     s = torch.einsum("bhgd,blhd->bhgl", q4, kd) * D**-0.5
     s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
     ref = torch.einsum("bhgl,blhd->bhgd", s.softmax(-1), vd).reshape(b, HQ, D)
-    del kd, vd, s, key, val, kq, vq
+    # with sink logits: one more score per row, in the denominator only
+    sk = _sinks(dev).view(1, HKV, HQ // HKV, 1).expand(b, -1, -1, 1)
+    w = torch.cat([s, sk], -1).softmax(-1)[..., :-1]
+    ref_sink = torch.einsum("bhgl,blhd->bhgd", w, vd).reshape(b, HQ, D)
+    del kd, vd, s, w, key, val, kq, vq
     qsl = torch.arange(b + 1, dtype=torch.int32, device=dev)
     return {"kv": (cache, table, qsl, (ks, vs)), "query": query, "ref": ref,
+            "ref_sink": ref_sink,
             "lens_c": lens_c, "lens_t": torch.full((b,), ln, dtype=torch.int32, device=dev),
             "bytes": 2 * b * ln * HKV * D * cache.element_size()}
 
@@ -270,6 +409,9 @@ def precompile(sets: list[str]) -> None:
 def main() -> None:
     if sys.argv[1] == "--precompile":
         precompile(sys.argv[2:])
+        return
+    if sys.argv[1] == "--best":
+        best_variant(sys.argv[2])
         return
     out_path = sys.argv[1]
     budget = float(sys.argv[2]) if len(sys.argv) > 2 else 80.0
@@ -315,12 +457,13 @@ def main() -> None:
             try:
                 try:
                     if fut is not None:
-                        row["compile_s"] = round(fut.result(timeout=max(1.0, budget)), 2)
+                        wait = max(1.0, budget - (time.perf_counter() - t_start))
+                        row["compile_s"] = round(fut.result(timeout=wait), 2)
                 except Exception as exc:  # a broken pool: compile here instead
                     row["pool_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
                 _, run_c = _launch(job, c["kv"], c["query"], c["lens_c"])
                 got = run_c().float()
-                ref = c["ref"]
+                ref = c["ref_sink"] if "x" in job[-1] else c["ref"]
                 row["rel_err"] = float((got - ref).norm() / ref.norm())
                 row["nan"] = bool(torch.isnan(got).any())
                 _, run_t = _launch(job, c["kv"], c["query"], c["lens_t"])

@@ -286,6 +286,7 @@ def paged_attention_kernel(
     KV_FP8: tl.constexpr = False,
     USE_SINKS: tl.constexpr = False,
     KV_CVT: tl.constexpr = 0,
+    PREFIX_SEGMENTS: tl.constexpr = 0,
 ):
     """Grid ``(q_blocks, Hkv, NUM_SEGMENTS)``, or ``(P, Hkv, 1)`` with ``FLAT``.
 
@@ -309,6 +310,10 @@ def paged_attention_kernel(
     logits, which the first segment of each row starts its softmax with. ``KV_CVT`` (fp8
     only): how K/V tiles become dot operands, see `_fp8_operand`; with 1 or 2 the query and
     the probabilities enter the dots as float16.
+
+    ``PREFIX_SEGMENTS > 0`` (cascade attention's suffix launch, classic grid, one segment):
+    `part_acc_ptr` / `part_ml_ptr` hold the shared prefix's ``[T, Hq, PREFIX_SEGMENTS]``
+    partials (`cascade_prefix_kernel`), merged into each row's state before it is written.
     """
     kv_head = tl.program_id(1)
     if FLAT:
@@ -461,6 +466,11 @@ def paged_attention_kernel(
             _store_partials(part_acc_ptr, part_ml_ptr, acc, m_i, l_i, prow, d, row_ok,
                             HEAD_PAD)
     elif NUM_SEGMENTS == 1:
+        if PREFIX_SEGMENTS > 0:
+            prow = (q_rows - token_base) * (QPK * tl.num_programs(1)) + head
+            prow *= PREFIX_SEGMENTS
+            m_i, l_i, acc = _fold_partials(part_acc_ptr, part_ml_ptr, m_i, l_i, acc, prow, d,
+                                           row_ok, HEAD_PAD, PREFIX_SEGMENTS)
         # The classic grid's stores stay inline, as they were when its timings were taken.
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(
@@ -479,6 +489,28 @@ def paged_attention_kernel(
         )
         tl.store(part_ml_ptr + prow * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + prow * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _fold_partials(part_acc_ptr, part_ml_ptr, m_i, l_i, acc, prow, d, row_ok,
+                   HEAD_PAD: tl.constexpr, S: tl.constexpr):
+    """Fold ``S`` partial states ``(acc, max, sum)`` at rows ``prow + s`` (base 2) into a
+    row's running state; a partial that saw no key (max -inf) weighs nothing, and its other
+    fields are never read."""
+    for s in tl.static_range(S):
+        m_s = tl.load(part_ml_ptr + (prow + s) * 2, mask=row_ok, other=float("-inf"))
+        seen = m_s > float("-inf")
+        l_s = tl.load(part_ml_ptr + (prow + s) * 2 + 1, mask=seen, other=0.0)
+        a_s = tl.load(part_acc_ptr + (prow + s)[:, None] * HEAD_PAD + d[None, :],
+                      mask=seen[:, None], other=0.0)
+        m_new = tl.maximum(m_i, m_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        beta = tl.exp2(m_s - m_safe)
+        acc = acc * alpha[:, None] + a_s * beta[:, None]
+        l_i = l_i * alpha + l_s * beta
+        m_i = m_new
+    return m_i, l_i, acc
 
 
 @triton.jit
