@@ -326,3 +326,25 @@ class BackendUnderTest:
             return impl.forward(query, key, value, cache, metadata, output=out)
 
         return run
+
+
+def sdpa_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
+) -> torch.Tensor:
+    """``q [B, Hq, L, D]``, ``k, v [B, Hkv, S, D]`` -> ``[B, Hq, L, D]`` (GQA via enable_gqa)."""
+    import torch.nn.functional as F
+
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+
+
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative L2 error of ``a`` against ``b`` (any shapes that match), in float32."""
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def failure_row(case: str, shape: str, name: str, exc: Exception) -> dict[str, Any]:
+    """The row a backend's failure leaves in a bench table (and says on stderr)."""
+    import click
+
+    click.echo(f"{name} failed on {case} {shape}: {type(exc).__name__}: {exc}", err=True)
+    return {"case": case, "shape": shape, "impl": name, "error": f"{type(exc).__name__}: {exc}"}

@@ -42,6 +42,15 @@ from pagedcore.bench.kernel_primitives import (
     host_ms,
     time_ms,
 )
+from pagedcore.bench.kernel_primitives import (
+    failure_row as _failure,
+)
+from pagedcore.bench.kernel_primitives import (
+    rel_error as _rel,
+)
+from pagedcore.bench.kernel_primitives import (
+    sdpa_reference as _sdpa,
+)
 from pagedcore.bench.report import git_commit
 from pagedcore.cli_progress import progress_bar
 from pagedcore.cli_types import BACKEND, OutputPath
@@ -68,17 +77,6 @@ QUICK: dict[str, list[tuple[int, ...]]] = {
     "mixed": [(8, 1024, 256, 256)],
     "cascade": [(4, 64, 16)],
 }
-
-
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool) -> torch.Tensor:
-    """``q [B, Hq, L, D]``, ``k, v [B, Hkv, S, D]`` -> ``[B, Hq, L, D]`` (GQA via enable_gqa)."""
-    import torch.nn.functional as F
-
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
 
 
 def bench_uniform(
@@ -173,11 +171,6 @@ def _graph_row(
     except Exception as exc:
         click.echo(f"{name} failed: {type(exc).__name__}: {exc}", err=True)
         row(name, float("nan"), None, error=f"{type(exc).__name__}: {exc}")
-
-
-def _failure(case: str, shape: str, name: str, exc: Exception) -> dict[str, Any]:
-    click.echo(f"{name} failed on {case} {shape}: {type(exc).__name__}: {exc}", err=True)
-    return {"case": case, "shape": shape, "impl": name, "error": f"{type(exc).__name__}: {exc}"}
 
 
 def _chain(*fns: Callable[[], Any]) -> Callable[[], None]:

@@ -60,7 +60,8 @@ def bench_cascade(
     import torch
 
     from pagedcore.attention.cascade import cascade_pays, common_prefix_len
-    from pagedcore.bench.kernels import _failure, _sdpa
+    from pagedcore.bench.kernel_primitives import failure_row as _failure
+    from pagedcore.bench.kernel_primitives import sdpa_reference as _sdpa
 
     if prefix % block_size:
         raise ValueError(f"prefix {prefix} must be a multiple of the block size {block_size}")
@@ -130,7 +131,7 @@ def _backend_row(backend: type[AttentionBackend], step: dict[str, Any],
     """Plain, cascade and private-prefix times of one backend, and their errors vs SDPA."""
     import torch
 
-    from pagedcore.bench.kernels import _rel
+    from pagedcore.bench.kernel_primitives import rel_error as _rel
     from pagedcore.kv_cache.spec import FullAttentionSpec
 
     bs, dtype, query = step["block_size"], step["dtype"], step["query"]
