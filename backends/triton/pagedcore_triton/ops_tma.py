@@ -45,9 +45,13 @@ def prepare_tma(
                                    override=os.environ.get(TMA_TILES_ENV))
     views = part_tensors(part, query_start_loc, seq_lens, block_table)
     grid = None
+    # The grid's axis 1 holds at most 65535 programs.
+    heads_fast = cfg.heads_fast
     if part.num_reqs > 0 and part.token_end > part.token_begin:
         q_blocks = part.token_end // cfg.block_q - part.token_begin // cfg.block_q
-        grid = (q_blocks + part.num_reqs, num_kv_heads, 1)
+        heads_fast = heads_fast and q_blocks + part.num_reqs <= 65535
+        grid = ((num_kv_heads, q_blocks + part.num_reqs, 1) if heads_fast
+                else (q_blocks + part.num_reqs, num_kv_heads, 1))
     edge_stages = 1 if cfg.unpipelined_edges else cfg.num_stages
     return PreparedLaunch(
         grid=grid,
@@ -76,8 +80,10 @@ def prepare_tma(
             "EDGE_STAGES": edge_stages,
             "WARP_SPECIALIZE": cfg.warp_specialize,
             "DIAG_N": cfg.diag_tile_n if causal else 0,
+            "HEADS_FAST": heads_fast,
             "num_warps": cfg.num_warps,
             "num_stages": cfg.num_stages,
+            **({} if cfg.maxnreg is None or interp else {"maxnreg": cfg.maxnreg}),
         },
     )
 

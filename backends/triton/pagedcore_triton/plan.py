@@ -327,6 +327,8 @@ class TileConfig:
     kv_convert: int = 0
     #: Registers per thread at most (Triton's ``maxnreg``; None: the compiler's choice).
     maxnreg: int | None = None
+    #: Hopper prefill kernel only: the KV head is the grid's fast axis (``plan_tma``).
+    heads_fast: bool = False
 
 
 def parse_tiles(text: str, num_queries_per_kv: int) -> TileConfig:

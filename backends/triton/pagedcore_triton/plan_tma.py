@@ -38,8 +38,13 @@ TMA_HEAD_SIZES = (64, 128)
 #: Flags of `parse_tma_tiles`: ``ws`` asks Triton to warp-specialize the unmasked loop,
 #: ``fwd`` keeps the natural q-block order, ``e1`` leaves the diagonal loop unpipelined,
 #: ``dN`` walks the keys next to the causal diagonal in tiles of ``N`` (16, 32 or 64, at
-#: most the q-block's tokens) so that only the last one is masked.
-TMA_TILE_FLAGS = ("ws", "fwd", "e1", "d16", "d32", "d64")
+#: most the q-block's tokens) so that only the last one is masked, ``hm`` makes the KV
+#: head the grid's fast axis (all heads of the longest q-block first), ``rN`` caps the
+#: registers per thread at ``N`` (Triton's ``maxnreg``: 128 on 8 warps fits two programs
+#: per SM where the shared memory allows it).
+TMA_TILE_FLAGS = ("ws", "fwd", "e1", "d16", "d32", "d64", "hm")
+#: Register caps `parse_tma_tiles` accepts (``rN``).
+TMA_MAXNREG = (64, 80, 96, 112, 128, 168, 255)
 
 
 def tma_prefill_device(device: torch.device, *, interpreting: bool) -> bool:
@@ -103,7 +108,8 @@ def parse_tma_tiles(text: str, num_queries_per_kv: int) -> TileConfig:
     """A Hopper-kernel `TileConfig` from ``"BLOCK_M,TILE_N,WARPS,STAGES[,FLAG...]"``.
 
     Flags: ``ws`` (warp-specialize the unmasked loop), ``fwd`` (natural q-block order),
-    ``e1`` (the diagonal loop not pipelined), ``dN`` (diagonal keys in tiles of ``N``).
+    ``e1`` (the diagonal loop not pipelined), ``dN`` (diagonal keys in tiles of ``N``),
+    ``hm`` (KV heads on the grid's fast axis), ``rN`` (at most ``N`` registers per thread).
     """
     fields = [f.strip() for f in text.split(",")]
     try:
@@ -111,7 +117,11 @@ def parse_tma_tiles(text: str, num_queries_per_kv: int) -> TileConfig:
     except ValueError:
         block_m = tile_n = warps = stages = 0
     flags = fields[4:]
+    regs = [f for f in flags if f.startswith("r") and f[1:].isdigit()]
+    flags = [f for f in flags if f not in regs]
+    maxnreg = int(regs[-1][1:]) if regs else None
     ok = len(fields) >= 4 and all(f in TMA_TILE_FLAGS for f in flags)
+    ok = ok and (maxnreg is None or (maxnreg in TMA_MAXNREG and len(regs) == 1))
     pow2 = all(x >= 16 and x & (x - 1) == 0 for x in (block_m, tile_n))
     block_q = max(1, block_m // num_queries_per_kv)
     diag = max([int(f[1:]) for f in flags if f.startswith("d")], default=0)
@@ -122,8 +132,9 @@ def parse_tma_tiles(text: str, num_queries_per_kv: int) -> TileConfig:
             f"{TMA_TILES_ENV}={text!r}: expected 'BLOCK_M,TILE_N,WARPS,STAGES[,FLAG...]' with "
             "BLOCK_M and TILE_N powers of two >= 16 (BLOCK_M at least the query heads per KV "
             f"head), positive WARPS and STAGES, flags among {', '.join(TMA_TILE_FLAGS)} (dN: "
-            "N at most TILE_N and BLOCK_M / query heads per KV head, a power of two); e.g. "
-            "'128,128,8,3'"
+            "N at most TILE_N and BLOCK_M / query heads per KV head, a power of two) and at "
+            f"most one rN (N in {', '.join(map(str, TMA_MAXNREG))}); e.g. '128,128,8,3' or "
+            "'128,64,8,2,r128'"
         )
     return TileConfig(
         block_m=block_m,
@@ -137,6 +148,8 @@ def parse_tma_tiles(text: str, num_queries_per_kv: int) -> TileConfig:
         int32_offsets=True,
         warp_specialize="ws" in flags,
         diag_tile_n=diag,
+        maxnreg=maxnreg,
+        heads_fast="hm" in flags,
     )
 
 

@@ -87,7 +87,7 @@ def test_mixed_batch(tma: pytest.MonkeyPatch, dtype: torch.dtype, heads: tuple[i
     assert err < TOL[dtype], err
 
 
-@pytest.mark.parametrize("tiles", ["64,32,4,1,d16", "32,16,4,1,fwd,e1"])
+@pytest.mark.parametrize("tiles", ["64,32,4,1,d16", "32,16,4,1,fwd,e1", "32,16,4,1,hm,r128"])
 def test_tile_variants(tma: pytest.MonkeyPatch, tiles: str) -> None:
     tma.setenv(TMA_TILES_ENV, tiles)
     err, ran = _run([(0, 70), (20, 45), (0, 3)])
@@ -135,6 +135,9 @@ def test_selection(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_parse_tiles() -> None:
     cfg = parse_tma_tiles("128,128,8,3,d32", 4)
     assert (cfg.block_q, cfg.diag_tile_n, cfg.longest_first) == (32, 32, True)
-    for bad in ("128,128,8", "128,96,8,3", "128,128,8,3,d64", "128,128,8,3,zz"):
+    cfg = parse_tma_tiles("128,64,8,2,hm,r128", 4)
+    assert (cfg.heads_fast, cfg.maxnreg, cfg.maxnreg is None) == (True, 128, False)
+    for bad in ("128,128,8", "128,96,8,3", "128,128,8,3,d64", "128,128,8,3,zz",
+                "128,64,8,2,r100", "128,64,8,2,r128,r96"):
         with pytest.raises(ValueError, match="PAGEDCORE_TRITON_TMA_TILES"):
             parse_tma_tiles(bad, 4)

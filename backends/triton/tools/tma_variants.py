@@ -22,12 +22,18 @@ and skipped once ``--budget`` seconds (default 115) have passed:
 4. ``conformance.json``: the conformance suite's prefill cases (``prefill`` in the name) on
    the default.
 
-``--warm VARIANT`` only compiles `VARIANT` (or ``gather``) for the timing shapes, and
+``--warm VARIANT [CHECK_JSON]`` only compiles `VARIANT` (or ``gather``) for the timing shapes
+(then, with `CHECK_JSON`, runs step 1's bf16 check of `VARIANT` into that file), and
 ``--warm-mixed`` the mixed step's launches, so that several processes started beside the
 main one (or before ``pagedcore bench kernels``) fill Triton's on-disk cache in parallel.
 
 ``--small`` shrinks every shape for a logic check on CPU (``TRITON_INTERPRET=1`` and
-``PAGEDCORE_TRITON_PREFILL_KERNEL=tma``).
+``PAGEDCORE_TRITON_PREFILL_KERNEL=tma``). ``--steps check,time,...`` runs only the steps
+named (default: all four), ``--checks N`` checks the first N variants (default 3).
+
+``--best OUT`` prints the variant of ``OUT/time.json`` whose worse ratio to SDPA over the
+two shapes is highest (``default`` when none was timed), for a job to run the conformance
+suite on it next.
 """
 
 from __future__ import annotations
@@ -228,19 +234,53 @@ def warm_mixed(small: bool) -> None:
     print(f"warm mixed at {time.time() - T0:.1f}s", flush=True)
 
 
+def best(out_dir: Path) -> str:
+    """The timed variant whose lower ratio to SDPA over the shapes is the highest."""
+    import json
+
+    ratios: dict[str, list[float]] = {}
+    path = out_dir / "time.json"
+    rows = json.loads(path.read_text())["rows"] if path.exists() else []
+    for row in rows:
+        if row.get("impl") == "triton" and row.get("variant") not in (None, "gather"):
+            if row.get("rel_err_vs_sdpa", 1.0) < 2e-2:
+                ratios.setdefault(row["variant"], []).append(row["vs_sdpa_last"])
+    timed = {v: min(r) for v, r in ratios.items() if len(r) == 2}
+    return max(timed, key=lambda v: timed[v]) if timed else "default"
+
+
+def _opt(args: list[str], name: str, default: str) -> str:
+    if name not in args:
+        return default
+    i = args.index(name)
+    value = args[i + 1]
+    del args[i : i + 2]
+    return value
+
+
 def main() -> None:
     args = sys.argv[1:]
+    if args and args[0] == "--best":
+        print(best(Path(args[1])))
+        return
     small = "--small" in args
     if args and args[0] == "--warm":
         warm(args[1], small)
+        if len(args) > 2 and not args[2].startswith("--"):
+            out = _Out(Path(args[2]))
+            dtype = torch.float32 if small else torch.bfloat16
+            try:
+                out.add(_check(args[1], dtype, small, False))
+            except Exception as exc:
+                out.add({"variant": args[1], "dtype": str(dtype), "ok": False,
+                         "error": f"{type(exc).__name__}: {str(exc)[:600]}"})
         return
     if args and args[0] == "--warm-mixed":
         warm_mixed(small)
         return
-    budget = 115.0
-    if "--budget" in args:
-        budget = float(args[args.index("--budget") + 1])
-        del args[args.index("--budget") : args.index("--budget") + 2]
+    budget = float(_opt(args, "--budget", "115"))
+    steps = _opt(args, "--steps", "check,time,mixed,conformance").split(",")
+    checks = int(_opt(args, "--checks", "3"))
     args = [a for a in args if a != "--small"]
     if not args:
         raise SystemExit(__doc__)
@@ -248,14 +288,16 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     variants = args[1:] or ["default"]
     torch.manual_seed(0)
-    step_check(out_dir, variants[:3], small)
-    print(f"== check done at {time.time() - T0:.1f}s", flush=True)
-    step_time(out_dir, variants, small, budget - 30)
-    print(f"== time done at {time.time() - T0:.1f}s", flush=True)
-    if time.time() - T0 < budget - 25:
+    if "check" in steps:
+        step_check(out_dir, variants[:checks], small)
+        print(f"== check done at {time.time() - T0:.1f}s", flush=True)
+    if "time" in steps:
+        step_time(out_dir, variants, small, budget - 30 if "mixed" in steps else budget)
+        print(f"== time done at {time.time() - T0:.1f}s", flush=True)
+    if "mixed" in steps and time.time() - T0 < budget - 25:
         step_mixed(out_dir, small)
         print(f"== mixed done at {time.time() - T0:.1f}s", flush=True)
-    if time.time() - T0 < budget - 15:
+    if "conformance" in steps and time.time() - T0 < budget - 15:
         step_conformance(out_dir)
         print(f"== conformance done at {time.time() - T0:.1f}s", flush=True)
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pagedcore_triton.kernels.attention import _attend_tile, _grid_q_block
+from pagedcore_triton.kernels.attention import _attend_tile, _find_request, _grid_q_block
 
 __all__ = ["prefill_tma_kernel"]
 
@@ -103,8 +103,10 @@ def prefill_tma_kernel(
     EDGE_STAGES: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
     DIAG_N: tl.constexpr = 0,
+    HEADS_FAST: tl.constexpr = False,
 ):
-    """Grid ``(q_blocks, Hkv)``: q-block numbering as in `paged_attention_kernel`.
+    """Grid ``(q_blocks, Hkv)``, or ``(Hkv, q_blocks)`` with ``HEADS_FAST`` (every KV head
+    of a q-block before the next q-block): q-block numbering as in `paged_attention_kernel`.
 
     `k_desc` / `v_desc`: tensor descriptors over the step's own ``key`` / ``value`` viewed as
     ``[token_end, Hkv * HEAD_SIZE]`` with ``[TILE_N, HEAD_SIZE]`` blocks; row ``t`` is the
@@ -116,10 +118,21 @@ def prefill_tma_kernel(
     ``[2, N, BLOCK_SIZE, Hkv, HEAD_SIZE]`` (V at `v_offset` elements from K) through the
     block table.
     """
-    kv_head = tl.program_id(1)
-    q_block_id, req, q_begin, q_len, first_block = _grid_q_block(
-        qsl_ptr, num_reqs, BLOCK_Q, LONGEST_FIRST
-    )
+    if HEADS_FAST:
+        kv_head = tl.program_id(0)
+        if LONGEST_FIRST:
+            q_block_id = tl.num_programs(1) - 1 - tl.program_id(1)
+        else:
+            q_block_id = tl.program_id(1)
+        req = _find_request(qsl_ptr, num_reqs, q_block_id, BLOCK_Q)
+        q_begin = tl.load(qsl_ptr + req)
+        q_len = tl.load(qsl_ptr + req + 1) - q_begin
+        first_block = q_begin // BLOCK_Q - tl.load(qsl_ptr) // BLOCK_Q + req
+    else:
+        kv_head = tl.program_id(1)
+        q_block_id, req, q_begin, q_len, first_block = _grid_q_block(
+            qsl_ptr, num_reqs, BLOCK_Q, LONGEST_FIRST
+        )
     q_off = (q_block_id - first_block) * BLOCK_Q
     if q_off >= q_len:  # spare program of the over-provisioned grid
         return
