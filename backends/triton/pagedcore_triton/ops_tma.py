@@ -83,7 +83,9 @@ def prepare_tma(
             "HEADS_FAST": heads_fast,
             "num_warps": cfg.num_warps,
             "num_stages": cfg.num_stages,
-            **({} if cfg.maxnreg is None or interp else {"maxnreg": cfg.maxnreg}),
+            # A cached prefix's gather (`_attend_tile`) spills under a register cap.
+            **({} if cfg.maxnreg is None or interp or part.has_context
+               else {"maxnreg": cfg.maxnreg}),
         },
     )
 

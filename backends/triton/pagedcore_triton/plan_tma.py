@@ -41,7 +41,8 @@ TMA_HEAD_SIZES = (64, 128)
 #: most the q-block's tokens) so that only the last one is masked, ``hm`` makes the KV
 #: head the grid's fast axis (all heads of the longest q-block first), ``rN`` caps the
 #: registers per thread at ``N`` (Triton's ``maxnreg``: 128 on 8 warps fits two programs
-#: per SM where the shared memory allows it).
+#: per SM where the shared memory allows it) in launches without a cached prefix (whose
+#: gather would spill under the cap).
 TMA_TILE_FLAGS = ("ws", "fwd", "e1", "d16", "d32", "d64", "hm")
 #: Register caps `parse_tma_tiles` accepts (``rN``).
 TMA_MAXNREG = (64, 80, 96, 112, 128, 168, 255)

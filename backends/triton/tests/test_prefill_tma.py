@@ -141,3 +141,30 @@ def test_parse_tiles() -> None:
                 "128,64,8,2,r100", "128,64,8,2,r128,r96"):
         with pytest.raises(ValueError, match="PAGEDCORE_TRITON_TMA_TILES"):
             parse_tma_tiles(bad, 4)
+
+
+def test_register_cap_and_grid_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``rN`` reaches the launch as ``maxnreg`` on a GPU, except for a cached prefix (whose
+    gather spills under the cap); ``hm`` puts the KV heads on the grid's fast axis."""
+    from pagedcore_triton import ops_tma
+    from pagedcore_triton.plan import LaunchPart
+
+    monkeypatch.setattr(ops_tma, "interpreting", lambda: False)
+    qsl = torch.tensor([0, 100, 300], dtype=torch.int32)
+    seq_lens = torch.tensor([100, 250], dtype=torch.int32)
+    bt = torch.zeros((2, 16), dtype=torch.int32)
+
+    def plan(has_context: bool, tiles: str) -> Any:
+        part = LaunchPart(req_begin=0, req_end=2, token_begin=0, token_end=300,
+                          max_query_len=200, prefill_only=True, tma_prefill=True,
+                          has_context=has_context)
+        return ops_tma.prepare_tma(part, num_heads=32, dtype=torch.bfloat16,
+                                   kv_cache_shape=(2, 20, 16, 8, 128), query_start_loc=qsl,
+                                   seq_lens=seq_lens, block_table=bt, causal=True,
+                                   tiles=parse_tma_tiles(tiles, 4))
+
+    fresh, cached = plan(False, "128,64,8,2,hm,r128"), plan(True, "128,64,8,2,hm,r128")
+    assert fresh.constexprs["maxnreg"] == 128 and "maxnreg" not in cached.constexprs
+    assert fresh.grid == (8, 300 // 32 + 2, 1) and fresh.constexprs["HEADS_FAST"]
+    plain = plan(False, "128,64,8,2")
+    assert plain.grid == (300 // 32 + 2, 8, 1) and "maxnreg" not in plain.constexprs
