@@ -10,11 +10,13 @@ from __future__ import annotations
 import math
 import os
 
+import attrs
 import torch
+import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from pagedcore_triton._env import interpreting
-from pagedcore_triton.kernels.prefill_tma import prefill_tma_kernel
+from pagedcore_triton.kernels.prefill_tma import prefill_tma_kernel, prefill_tma_ws_kernel
 from pagedcore_triton.launch import PreparedLaunch, cache_strides, part_tensors
 from pagedcore_triton.plan import LaunchPart, TileConfig
 from pagedcore_triton.plan_tma import TMA_TILES_ENV, tma_tile_config
@@ -44,6 +46,12 @@ def prepare_tma(
     cfg = tiles or tma_tile_config(qpk, head_size, interpreting=interp,
                                    override=os.environ.get(TMA_TILES_ENV))
     views = part_tensors(part, query_start_loc, seq_lens, block_table)
+    if cfg.tma_ws and part.has_context:  # the GQA-packed kernel reads the prefix
+        cfg = attrs.evolve(cfg, tma_ws=False, block_q=max(1, cfg.block_m // qpk))
+    if cfg.tma_ws:
+        return _prepare_ws(part, cfg, views, num_heads=num_heads, qpk=qpk,
+                           head_size=head_size, causal=causal,
+                           dot_fp32=interp or dtype == torch.float32, interp=interp)
     grid = None
     # The grid's axis 1 holds at most 65535 programs.
     heads_fast = cfg.heads_fast
@@ -90,6 +98,66 @@ def prepare_tma(
     )
 
 
+def _prepare_ws(part: LaunchPart, cfg: TileConfig, views: dict[str, torch.Tensor], *,
+                num_heads: int, qpk: int, head_size: int, causal: bool, dot_fp32: bool,
+                interp: bool) -> PreparedLaunch:
+    """`prepare_tma` for the warp-specialized kernel (a part without a cached prefix)."""
+    grid = None
+    if part.num_reqs > 0 and part.token_end > part.token_begin:
+        q_blocks = part.token_end // cfg.block_m - part.token_begin // cfg.block_m
+        grid = (q_blocks + part.num_reqs, num_heads, 1)
+    return PreparedLaunch(
+        grid=grid,
+        **views,
+        part_acc=None,
+        part_ml=None,
+        num_reqs=part.num_reqs,
+        token_begin=part.token_begin,
+        num_tokens=part.token_end - part.token_begin,
+        static_args=("ws", part.token_end),
+        constexprs={
+            "HEAD_SIZE": head_size,
+            "QPK": qpk,
+            "BLOCK_M": cfg.block_m,
+            "TILE_N": cfg.tile_n,
+            "CAUSAL": causal,
+            "DOT_FP32": dot_fp32,
+            "REQ_PAD": triton.next_power_of_2(part.num_reqs + 1),
+            "STAGES": cfg.num_stages,
+            "WARP_SPECIALIZE": not interp,
+            "num_warps": cfg.num_warps,
+            "num_stages": cfg.num_stages,
+            **({} if cfg.maxnreg is None or interp else {"maxnreg": cfg.maxnreg}),
+        },
+    )
+
+
+def _tma_rows(t: torch.Tensor) -> bool:
+    """Whether ``[T, H, D]`` `t` can be a 2-D ``[T, H * D]`` tensor descriptor."""
+    return (t.stride(2) == 1 and t.stride(1) == t.shape[2] and t.data_ptr() % 16 == 0
+            and (t.stride(0) * t.element_size()) % 16 == 0)
+
+
+def _run_ws(launch: PreparedLaunch, query: torch.Tensor, key: torch.Tensor,
+            value: torch.Tensor, output: torch.Tensor, *, scale: float) -> None:
+    grid = launch.grid
+    assert grid is not None
+    token_end = launch.static_args[1]
+    c = launch.constexprs
+    if not _tma_rows(query):
+        query = query.contiguous()
+    width = key.shape[1] * key.shape[2]
+    box = [c["TILE_N"], c["HEAD_SIZE"]]
+    k_desc = TensorDescriptor(key, [token_end, width], [key.stride(0), 1], box)
+    v_desc = TensorDescriptor(value, [token_end, width], [value.stride(0), 1], box)
+    q_desc = TensorDescriptor(query, [token_end, query.shape[1] * query.shape[2]],
+                              [query.stride(0), 1], [c["BLOCK_M"], c["HEAD_SIZE"]])
+    prefill_tma_ws_kernel[grid](
+        output, q_desc, k_desc, v_desc, launch.qsl, launch.num_reqs, scale,
+        output.stride(0), output.stride(1), **c,
+    )
+
+
 def run_tma(
     launch: PreparedLaunch,
     query: torch.Tensor,
@@ -107,6 +175,9 @@ def run_tma(
     paged `kv_cache` for cached prefixes."""
     grid = launch.grid
     if grid is None:
+        return
+    if launch.static_args[0] == "ws":
+        _run_ws(launch, query, key, value, output, scale=scale)
         return
     v_offset, stride_cb, stride_cs, stride_ch, stride_bt, token_end = launch.static_args
     c = launch.constexprs

@@ -329,6 +329,9 @@ class TileConfig:
     maxnreg: int | None = None
     #: Hopper prefill kernel only: the KV head is the grid's fast axis (``plan_tma``).
     heads_fast: bool = False
+    #: Hopper prefill kernel only: the warp-specialized kernel for launches without a
+    #: cached prefix (``prefill_tma_ws_kernel``; ``block_q == block_m``, no GQA packing).
+    tma_ws: bool = False
 
 
 def parse_tiles(text: str, num_queries_per_kv: int) -> TileConfig:

@@ -43,7 +43,9 @@ TMA_HEAD_SIZES = (64, 128)
 #: registers per thread at ``N`` (Triton's ``maxnreg``: 128 on 8 warps fits two programs
 #: per SM where the shared memory allows it) in launches without a cached prefix (whose
 #: gather would spill under the cap).
-TMA_TILE_FLAGS = ("ws", "fwd", "e1", "d16", "d32", "d64", "hm")
+#: ``wsk`` runs launches without a cached prefix on the warp-specialized kernel
+#: (``prefill_tma_ws_kernel``: one query head per program, one branch-free key loop).
+TMA_TILE_FLAGS = ("ws", "fwd", "e1", "d16", "d32", "d64", "hm", "wsk")
 #: Register caps `parse_tma_tiles` accepts (``rN``).
 TMA_MAXNREG = (64, 80, 96, 112, 128, 168, 255)
 
@@ -124,7 +126,7 @@ def parse_tma_tiles(text: str, num_queries_per_kv: int) -> TileConfig:
     ok = len(fields) >= 4 and all(f in TMA_TILE_FLAGS for f in flags)
     ok = ok and (maxnreg is None or (maxnreg in TMA_MAXNREG and len(regs) == 1))
     pow2 = all(x >= 16 and x & (x - 1) == 0 for x in (block_m, tile_n))
-    block_q = max(1, block_m // num_queries_per_kv)
+    block_q = block_m if "wsk" in flags else max(1, block_m // num_queries_per_kv)
     diag = max([int(f[1:]) for f in flags if f.startswith("d")], default=0)
     if diag and (diag > min(block_q, tile_n) or block_q & (block_q - 1)):
         ok = False
@@ -151,6 +153,7 @@ def parse_tma_tiles(text: str, num_queries_per_kv: int) -> TileConfig:
         diag_tile_n=diag,
         maxnreg=maxnreg,
         heads_fast="hm" in flags,
+        tma_ws="wsk" in flags,
     )
 
 

@@ -87,7 +87,9 @@ def test_mixed_batch(tma: pytest.MonkeyPatch, dtype: torch.dtype, heads: tuple[i
     assert err < TOL[dtype], err
 
 
-@pytest.mark.parametrize("tiles", ["64,32,4,1,d16", "32,16,4,1,fwd,e1", "32,16,4,1,hm,r128"])
+@pytest.mark.parametrize(
+    "tiles", ["64,32,4,1,d16", "32,16,4,1,fwd,e1", "32,16,4,1,hm,r128", "16,16,4,1,wsk"]
+)
 def test_tile_variants(tma: pytest.MonkeyPatch, tiles: str) -> None:
     tma.setenv(TMA_TILES_ENV, tiles)
     err, ran = _run([(0, 70), (20, 45), (0, 3)])
@@ -168,3 +170,14 @@ def test_register_cap_and_grid_order(monkeypatch: pytest.MonkeyPatch) -> None:
     assert fresh.grid == (8, 300 // 32 + 2, 1) and fresh.constexprs["HEADS_FAST"]
     plain = plan(False, "128,64,8,2")
     assert plain.grid == (300 // 32 + 2, 8, 1) and "maxnreg" not in plain.constexprs
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_warp_specialized_kernel(tma: pytest.MonkeyPatch, causal: bool) -> None:
+    """``wsk``: prefills without a cached prefix on ``prefill_tma_ws_kernel`` (one query head
+    per program, the mask on every tile); a part with a prefix keeps the packed kernel."""
+    tma.setenv(TMA_TILES_ENV, "16,16,4,1,wsk")
+    err, ran = _run([(0, 37), (0, 16), (0, 3)], causal=causal)
+    assert ran and err < TOL[torch.float32], err
+    err, ran = _run([(0, 37), (5, 20)], causal=causal)
+    assert ran and err < TOL[torch.float32], err

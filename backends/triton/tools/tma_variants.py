@@ -56,6 +56,9 @@ TILES = "PAGEDCORE_TRITON_TMA_TILES"
 #: (context, query), decode-first as the engine orders a step: decodes, prefills, chunks.
 RAGGED = [(35, 1), (4000, 1), (0, 300), (517, 211), (1000, 77), (0, 64), (130, 1000), (7, 33)]
 RAGGED_SMALL = [(3, 1), (0, 21), (17, 9), (40, 16)]
+#: Prefills without a cached prefix only (the launch a ``wsk`` variant serves itself).
+FRESH = [(0, 300), (0, 64), (0, 1000), (0, 33), (0, 517), (0, 129)]
+FRESH_SMALL = [(0, 21), (0, 9), (0, 40)]
 T0 = time.time()
 
 
@@ -66,7 +69,8 @@ def _select(variant: str) -> None:
         os.environ[TILES] = variant
 
 
-def _check(variant: str, dtype: torch.dtype, small: bool, features: bool) -> dict[str, Any]:
+def _check(variant: str, dtype: torch.dtype, small: bool, features: bool,
+           fresh: bool = False) -> dict[str, Any]:
     from _reference import make_batch, reference_attention, rel_error
     from pagedcore_triton import TritonAttentionBackend
 
@@ -74,7 +78,8 @@ def _check(variant: str, dtype: torch.dtype, small: bool, features: bool) -> dic
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     heads, kv_heads, head_size = (8, 2, 64) if small else (32, 8, 128)
-    batch = make_batch(RAGGED_SMALL if small else RAGGED, num_heads=heads,
+    reqs = (FRESH_SMALL if small else FRESH) if fresh else (RAGGED_SMALL if small else RAGGED)
+    batch = make_batch(reqs, num_heads=heads,
                        num_kv_heads=kv_heads, head_size=head_size, block_size=16,
                        dtype=dtype, device=dev, num_padding=3, seed=7)
     n = batch.common.num_actual_tokens
@@ -98,7 +103,8 @@ def _check(variant: str, dtype: torch.dtype, small: bool, features: bool) -> dic
     err = rel_error(out[:n], ref)
     tol = {torch.bfloat16: 2e-2, torch.float16: 3e-3}.get(dtype, 1e-4)
     finite = bool(torch.isfinite(out[:n]).all())
-    return {"variant": variant, "dtype": str(dtype), "features": features, "rel_err": err,
+    return {"variant": variant, "dtype": str(dtype), "features": features, "fresh": fresh,
+            "rel_err": err,
             "tol": tol, "finite": finite, "ok": bool(err < tol and finite),
             "tma_ran": any(k[0] == "tma" for k in metadata.launches)}
 
@@ -269,11 +275,13 @@ def main() -> None:
         if len(args) > 2 and not args[2].startswith("--"):
             out = _Out(Path(args[2]))
             dtype = torch.float32 if small else torch.bfloat16
-            try:
-                out.add(_check(args[1], dtype, small, False))
-            except Exception as exc:
-                out.add({"variant": args[1], "dtype": str(dtype), "ok": False,
-                         "error": f"{type(exc).__name__}: {str(exc)[:600]}"})
+            for fresh in (False, True):
+                try:
+                    out.add(_check(args[1], dtype, small, False, fresh))
+                except Exception as exc:
+                    out.add({"variant": args[1], "dtype": str(dtype), "ok": False,
+                             "fresh": fresh,
+                             "error": f"{type(exc).__name__}: {str(exc)[:600]}"})
         return
     if args and args[0] == "--warm-mixed":
         warm_mixed(small)

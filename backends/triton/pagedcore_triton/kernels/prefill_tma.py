@@ -27,7 +27,7 @@ import triton.language as tl
 
 from pagedcore_triton.kernels.attention import _attend_tile, _find_request, _grid_q_block
 
-__all__ = ["prefill_tma_kernel"]
+__all__ = ["prefill_tma_kernel", "prefill_tma_ws_kernel"]
 
 
 @triton.jit
@@ -229,4 +229,104 @@ def prefill_tma_kernel(
         out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
         out.to(out_ptr.dtype.element_ty),
         mask=row_ok[:, None],
+    )
+
+
+@triton.jit
+def prefill_tma_ws_kernel(
+    out_ptr,
+    q_desc,
+    k_desc,
+    v_desc,
+    qsl_ptr,
+    num_reqs,
+    scale,
+    stride_ot,
+    stride_oh,
+    HEAD_SIZE: tl.constexpr,
+    QPK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    REQ_PAD: tl.constexpr,
+    STAGES: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+):
+    """Prefill without a cached prefix, written for Triton's Hopper warp specialization.
+
+    Grid ``(q_blocks, Hq)``: a program owns ``BLOCK_M`` query tokens of one query head (no
+    GQA packing: its K/V tiles are re-read by the ``QPK`` heads of the group, from L2).
+    Every load is a tensor-descriptor (TMA) load and the key loop is one branch-free loop
+    (the causal mask applied to every tile), the form in which Triton 3.6 splits the
+    program into a producer warpgroup and consumer warpgroups (``WARP_SPECIALIZE``); a
+    second loop, an ``if`` inside the loop or a plain pointer load make its pass fail or
+    leave the kernel unspecialized. The request search is a vector compare (``REQ_PAD`` >
+    `num_reqs`, a power of two) for the same reason; spare programs run no tiles.
+
+    `q_desc`: the step's ``query`` as ``[token_end, Hq * HEAD_SIZE]`` with ``[BLOCK_M,
+    HEAD_SIZE]`` blocks; `k_desc` / `v_desc`: ``key`` / ``value`` as ``[token_end, Hkv *
+    HEAD_SIZE]`` with ``[TILE_N, HEAD_SIZE]`` blocks. Rows past a request are the next
+    request's (finite) or TMA's zero fill past `token_end`; they reach only rows that are
+    not stored or keys that are masked.
+    """
+    head = tl.program_id(1)
+    kv_head = head // QPK
+    q_block_id = tl.num_programs(0) - 1 - tl.program_id(0)  # longest first
+    ridx = tl.arange(0, REQ_PAD)
+    qs = tl.load(qsl_ptr + ridx, mask=ridx <= num_reqs, other=0)
+    base = tl.load(qsl_ptr) // BLOCK_M
+    first = tl.where(ridx < num_reqs, qs // BLOCK_M - base + ridx, 2**30)
+    req = tl.sum((first <= q_block_id).to(tl.int32), 0) - 1
+    q_begin = tl.sum(tl.where(ridx == req, qs, 0), 0)
+    q_len = tl.sum(tl.where(ridx == req + 1, qs, 0), 0) - q_begin
+    first_block = q_begin // BLOCK_M - base + req
+    q_off = tl.minimum((q_block_id - first_block) * BLOCK_M, q_len)
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = q_off + rows
+    q = q_desc.load([q_begin + q_off, head * HEAD_SIZE])
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    qk_scale = scale * 1.4426950408889634  # the softmax runs in base 2
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_SIZE], tl.float32)
+    col = kv_head * HEAD_SIZE
+    # The last key each row sees: one compare per score.
+    if CAUSAL:
+        hi = tl.cdiv(tl.minimum(q_off + BLOCK_M, q_len), TILE_N)
+        last = tl.minimum(tok, q_len - 1)
+    else:
+        hi = tl.cdiv(q_len, TILE_N)
+        last = tl.zeros([BLOCK_M], tl.int32) + (q_len - 1)
+    hi = tl.where(q_off < q_len, hi, 0)  # spare program of the over-provisioned grid
+    for t in tl.range(0, hi, num_stages=STAGES, warp_specialize=WARP_SPECIALIZE):
+        k = k_desc.load([q_begin + t * TILE_N, col])
+        if DOT_FP32:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        j = t * TILE_N + tl.arange(0, TILE_N)
+        s = tl.where(j[None, :] <= last[:, None], s, float("-inf"))
+        # Key 0 is in the first tile and visible to every row: m_new is finite.
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v = v_desc.load([q_begin + t * TILE_N, col])
+        if DOT_FP32:
+            acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    d = tl.arange(0, HEAD_SIZE)
+    q_rows = (q_begin + tok).to(tl.int64)
+    tl.store(
+        out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=(tok < q_len)[:, None],
     )
