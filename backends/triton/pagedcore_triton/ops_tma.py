@@ -103,9 +103,12 @@ def _prepare_ws(part: LaunchPart, cfg: TileConfig, views: dict[str, torch.Tensor
                 interp: bool) -> PreparedLaunch:
     """`prepare_tma` for the warp-specialized kernel (a part without a cached prefix)."""
     grid = None
+    heads_fast = cfg.heads_fast
     if part.num_reqs > 0 and part.token_end > part.token_begin:
         q_blocks = part.token_end // cfg.block_m - part.token_begin // cfg.block_m
-        grid = (q_blocks + part.num_reqs, num_heads, 1)
+        heads_fast = heads_fast and q_blocks + part.num_reqs <= 65535
+        grid = ((num_heads, q_blocks + part.num_reqs, 1) if heads_fast
+                else (q_blocks + part.num_reqs, num_heads, 1))
     return PreparedLaunch(
         grid=grid,
         **views,
@@ -125,6 +128,7 @@ def _prepare_ws(part: LaunchPart, cfg: TileConfig, views: dict[str, torch.Tensor
             "REQ_PAD": triton.next_power_of_2(part.num_reqs + 1),
             "STAGES": cfg.num_stages,
             "WARP_SPECIALIZE": not interp,
+            "HEADS_FAST": heads_fast,
             "num_warps": cfg.num_warps,
             "num_stages": cfg.num_stages,
             **({} if cfg.maxnreg is None or interp else {"maxnreg": cfg.maxnreg}),

@@ -176,8 +176,9 @@ def test_register_cap_and_grid_order(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_warp_specialized_kernel(tma: pytest.MonkeyPatch, causal: bool) -> None:
     """``wsk``: prefills without a cached prefix on ``prefill_tma_ws_kernel`` (one query head
     per program, the mask on every tile); a part with a prefix keeps the packed kernel."""
-    tma.setenv(TMA_TILES_ENV, "16,16,4,1,wsk")
-    err, ran = _run([(0, 37), (0, 16), (0, 3)], causal=causal)
-    assert ran and err < TOL[torch.float32], err
+    for tiles in ("16,16,4,1,wsk", "32,16,4,1,wsk,hm"):
+        tma.setenv(TMA_TILES_ENV, tiles)
+        err, ran = _run([(0, 37), (0, 16), (0, 3)], causal=causal)
+        assert ran and err < TOL[torch.float32], err
     err, ran = _run([(0, 37), (5, 20)], causal=causal)
     assert ran and err < TOL[torch.float32], err

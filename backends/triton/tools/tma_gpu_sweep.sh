@@ -19,7 +19,7 @@ L0=$(left)  # the budget: ~42% compiles + checks, ~30% timing, the rest conforma
 cap() { local l; l=$(( $(left) - $2 )); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
 t0=$(date +%s)
 T=backends/triton/tools
-VARIANTS=${VARIANTS:-"default 128,128,4,2,wsk 128,64,4,3,wsk 128,64,8,2,r128 64,64,4,3 128,32,8,3 128,32,8,4 128,64,4,4,wsk 128,64,4,2,wsk 128,64,8,2,r128,hm 128,128,8,3,e1,hm 128,32,8,4,hm"}
+VARIANTS=${VARIANTS:-"default 128,128,4,2,wsk 128,64,4,3,wsk 128,128,4,2,wsk,hm 128,64,8,2,r128 64,64,4,3 128,32,8,3 128,64,4,4,wsk 128,64,4,2,wsk 128,64,4,3,wsk,hm 128,32,8,4 128,128,8,3,e1,hm"}
 echo "variants: $VARIANTS" | tee "$OUT/log.txt"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv >> "$OUT/log.txt" 2>&1
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" >> "$OUT/log.txt" 2>&1

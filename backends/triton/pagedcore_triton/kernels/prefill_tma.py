@@ -252,11 +252,13 @@ def prefill_tma_ws_kernel(
     REQ_PAD: tl.constexpr,
     STAGES: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
+    HEADS_FAST: tl.constexpr = False,
 ):
     """Prefill without a cached prefix, written for Triton's Hopper warp specialization.
 
-    Grid ``(q_blocks, Hq)``: a program owns ``BLOCK_M`` query tokens of one query head (no
-    GQA packing: its K/V tiles are re-read by the ``QPK`` heads of the group, from L2).
+    Grid ``(q_blocks, Hq)`` (``(Hq, q_blocks)`` with ``HEADS_FAST``): a program owns
+    ``BLOCK_M`` query tokens of one query head (no GQA packing: its K/V tiles are re-read
+    by the ``QPK`` heads of the group, from L2).
     Every load is a tensor-descriptor (TMA) load and the key loop is one branch-free loop
     (the causal mask applied to every tile), the form in which Triton 3.6 splits the
     program into a producer warpgroup and consumer warpgroups (``WARP_SPECIALIZE``); a
@@ -270,9 +272,13 @@ def prefill_tma_ws_kernel(
     request's (finite) or TMA's zero fill past `token_end`; they reach only rows that are
     not stored or keys that are masked.
     """
-    head = tl.program_id(1)
+    if HEADS_FAST:
+        head = tl.program_id(0)
+        q_block_id = tl.num_programs(1) - 1 - tl.program_id(1)  # longest first
+    else:
+        head = tl.program_id(1)
+        q_block_id = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = head // QPK
-    q_block_id = tl.num_programs(0) - 1 - tl.program_id(0)  # longest first
     ridx = tl.arange(0, REQ_PAD)
     qs = tl.load(qsl_ptr + ridx, mask=ridx <= num_reqs, other=0)
     base = tl.load(qsl_ptr) // BLOCK_M
