@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import os
 
-import attrs
 import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -19,7 +18,7 @@ from pagedcore_triton._env import interpreting
 from pagedcore_triton.kernels.prefill_tma import prefill_tma_kernel, prefill_tma_ws_kernel
 from pagedcore_triton.launch import PreparedLaunch, cache_strides, part_tensors
 from pagedcore_triton.plan import LaunchPart, TileConfig
-from pagedcore_triton.plan_tma import TMA_TILES_ENV, tma_tile_config
+from pagedcore_triton.plan_tma import TMA_TILES_ENV, packed_tile_config, tma_tile_config
 
 __all__ = ["prepare_tma", "run_tma"]
 
@@ -44,10 +43,11 @@ def prepare_tma(
     qpk = num_heads // num_kv_heads
     interp = interpreting()
     cfg = tiles or tma_tile_config(qpk, head_size, interpreting=interp,
-                                   override=os.environ.get(TMA_TILES_ENV))
+                                   override=os.environ.get(TMA_TILES_ENV),
+                                   has_context=part.has_context)
     views = part_tensors(part, query_start_loc, seq_lens, block_table)
     if cfg.tma_ws and part.has_context:  # the GQA-packed kernel reads the prefix
-        cfg = attrs.evolve(cfg, tma_ws=False, block_q=max(1, cfg.block_m // qpk))
+        cfg = packed_tile_config(qpk, head_size, interpreting=interp)
     if cfg.tma_ws:
         return _prepare_ws(part, cfg, views, num_heads=num_heads, qpk=qpk,
                            head_size=head_size, causal=causal,

@@ -20,6 +20,7 @@ __all__ = [
     "PREFILL_KERNEL_ENV",
     "TMA_HEAD_SIZES",
     "TMA_TILES_ENV",
+    "packed_tile_config",
     "parse_tma_tiles",
     "tma_layer_reason",
     "tma_prefill_device",
@@ -159,17 +160,27 @@ def parse_tma_tiles(text: str, num_queries_per_kv: int) -> TileConfig:
 
 def tma_tile_config(
     num_queries_per_kv: int, head_size: int, *, interpreting: bool,
-    override: str | None = None,
+    override: str | None = None, has_context: bool = False,
 ) -> TileConfig:
-    """Tiles of a Hopper-kernel launch: `override` (``TMA_TILES_ENV``) when given; in the
-    interpreter 32 rows x 16 keys; else 128 rows (query tokens x the GQA group) x 128 keys
-    on 8 warps, the unmasked loop in 3 stages and the diagonal's masked loop unpipelined
-    (``e1``), 128 x 64 for head size 64 (not timed). Of the variants timed on the H200
+    """Tiles of a Hopper-kernel launch: `override` (``TMA_TILES_ENV``) when given, else
+    `packed_tile_config`. A launch with a cached prefix (`has_context`) never gets a
+    ``wsk`` configuration: it runs the GQA-packed kernel with `packed_tile_config`."""
+    if override:
+        cfg = parse_tma_tiles(override, num_queries_per_kv)
+        if not (cfg.tma_ws and has_context):
+            return cfg
+    return packed_tile_config(num_queries_per_kv, head_size, interpreting=interpreting)
+
+
+def packed_tile_config(num_queries_per_kv: int, head_size: int, *,
+                       interpreting: bool) -> TileConfig:
+    """Tiles of the GQA-packed kernel (``prefill_tma_kernel``): in the interpreter 32 rows x
+    16 keys; else 128 rows (query tokens x the GQA group) x 128 keys on 8 warps, the
+    unmasked loop in 3 stages and the diagonal's masked loop unpipelined (``e1``), 128 x 64
+    for head size 64 (not timed). Of the variants timed on the H200
     (``docs/benchmarks/triton.md``, "Hopper prefill kernel") 128 x 128 on 8 warps was the
     fastest at both 4x2048 and 4x8192; ``e1`` gained 1.6% at 4x2048 and lost 0.6% at
     4x8192."""
-    if override:
-        return parse_tma_tiles(override, num_queries_per_kv)
     rows = 1 << max(0, num_queries_per_kv - 1).bit_length()
     if interpreting:
         return parse_tma_tiles(f"{max(32, rows)},16,4,1", num_queries_per_kv)

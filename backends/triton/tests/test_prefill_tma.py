@@ -21,6 +21,7 @@ from pagedcore_triton.plan_tma import (
     TMA_TILES_ENV,
     parse_tma_tiles,
     tma_prefill_device,
+    tma_tile_config,
 )
 
 from pagedcore.kv_cache.spec import FullAttentionSpec
@@ -137,6 +138,11 @@ def test_selection(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_parse_tiles() -> None:
     cfg = parse_tma_tiles("128,128,8,3,d32", 4)
     assert (cfg.block_q, cfg.diag_tile_n, cfg.longest_first) == (32, 32, True)
+    ws = tma_tile_config(4, 128, interpreting=False, override="128,128,4,2,wsk")
+    assert (ws.tma_ws, ws.block_q, ws.num_warps) == (True, 128, 4)
+    packed = tma_tile_config(4, 128, interpreting=False, override="128,128,4,2,wsk",
+                             has_context=True)  # a cached prefix: the packed kernel
+    assert (packed.tma_ws, packed.block_q, packed.num_warps) == (False, 32, 8)
     cfg = parse_tma_tiles("128,64,8,2,hm,r128", 4)
     assert (cfg.heads_fast, cfg.maxnreg, cfg.maxnreg is None) == (True, 128, False)
     for bad in ("128,128,8", "128,96,8,3", "128,128,8,3,d64", "128,128,8,3,zz",
