@@ -11,7 +11,6 @@ import math
 import os
 
 import torch
-import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from pagedcore_triton._env import interpreting
@@ -125,7 +124,7 @@ def _prepare_ws(part: LaunchPart, cfg: TileConfig, views: dict[str, torch.Tensor
             "TILE_N": cfg.tile_n,
             "CAUSAL": causal,
             "DOT_FP32": dot_fp32,
-            "REQ_PAD": triton.next_power_of_2(part.num_reqs + 1),
+            "SEARCH_STEPS": max(1, part.num_reqs.bit_length()),
             "STAGES": cfg.num_stages,
             "WARP_SPECIALIZE": not interp,
             "HEADS_FAST": heads_fast,

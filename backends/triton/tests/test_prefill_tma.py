@@ -188,3 +188,10 @@ def test_warp_specialized_kernel(tma: pytest.MonkeyPatch, causal: bool) -> None:
         assert ran and err < TOL[torch.float32], err
     err, ran = _run([(0, 37), (5, 20)], causal=causal)
     assert ran and err < TOL[torch.float32], err
+
+
+def test_warp_specialized_request_search(tma: pytest.MonkeyPatch) -> None:
+    """The unrolled binary search finds every request among many short ones."""
+    tma.setenv(TMA_TILES_ENV, "16,16,4,1,wsk")
+    err, ran = _run([(0, 5)] * 9 + [(0, 40), (0, 17)])
+    assert ran and err < TOL[torch.float32], err

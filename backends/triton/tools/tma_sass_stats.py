@@ -63,7 +63,7 @@ def ws_stats(variant: str) -> dict[str, Any]:
     cfg = _parse(variant)
     consts: dict[str, Any] = {
         "HEAD_SIZE": 128, "QPK": 4, "BLOCK_M": cfg["block_m"], "TILE_N": cfg["tile_n"],
-        "CAUSAL": True, "DOT_FP32": False, "REQ_PAD": 8, "STAGES": cfg["stages"],
+        "CAUSAL": True, "DOT_FP32": False, "SEARCH_STEPS": 3, "STAGES": cfg["stages"],
         "WARP_SPECIALIZE": True, "HEADS_FAST": cfg["hm"],
     }
     types = {"q_desc": f"tensordesc<bf16[{cfg['block_m']}, 128]>",

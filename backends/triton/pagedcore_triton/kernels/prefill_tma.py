@@ -249,7 +249,7 @@ def prefill_tma_ws_kernel(
     TILE_N: tl.constexpr,
     CAUSAL: tl.constexpr,
     DOT_FP32: tl.constexpr,
-    REQ_PAD: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
     STAGES: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
     HEADS_FAST: tl.constexpr = False,
@@ -263,8 +263,9 @@ def prefill_tma_ws_kernel(
     (the causal mask applied to every tile), the form in which Triton 3.6 splits the
     program into a producer warpgroup and consumer warpgroups (``WARP_SPECIALIZE``); a
     second loop, an ``if`` inside the loop or a plain pointer load make its pass fail or
-    leave the kernel unspecialized. The request search is a vector compare (``REQ_PAD`` >
-    `num_reqs`, a power of two) for the same reason; spare programs run no tiles.
+    leave the kernel unspecialized. The request search is a binary search unrolled into
+    ``SEARCH_STEPS`` (`num_reqs`'s bit length) steps for the same reason; spare programs run no
+    tiles.
 
     `q_desc`: the step's ``query`` as ``[token_end, Hq * HEAD_SIZE]`` with ``[BLOCK_M,
     HEAD_SIZE]`` blocks; `k_desc` / `v_desc`: ``key`` / ``value`` as ``[token_end, Hkv *
@@ -279,13 +280,22 @@ def prefill_tma_ws_kernel(
         head = tl.program_id(1)
         q_block_id = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = head // QPK
-    ridx = tl.arange(0, REQ_PAD)
-    qs = tl.load(qsl_ptr + ridx, mask=ridx <= num_reqs, other=0)
+    # The request: a binary search of `_find_request`, unrolled (scalar loads
+    # only: no loop and no cross-warp reduction, which the warp partitions could not share).
     base = tl.load(qsl_ptr) // BLOCK_M
-    first = tl.where(ridx < num_reqs, qs // BLOCK_M - base + ridx, 2**30)
-    req = tl.sum((first <= q_block_id).to(tl.int32), 0) - 1
-    q_begin = tl.sum(tl.where(ridx == req, qs, 0), 0)
-    q_len = tl.sum(tl.where(ridx == req + 1, qs, 0), 0) - q_begin
+    lo = 0
+    hi = num_reqs
+    for _ in tl.static_range(SEARCH_STEPS):
+        mid = (lo + hi) // 2
+        first = tl.load(qsl_ptr + mid) // BLOCK_M - base + mid
+        active = lo < hi
+        right = active & (first <= q_block_id)
+        left = active & (first > q_block_id)
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(left, mid, hi)
+    req = lo - 1
+    q_begin = tl.load(qsl_ptr + req)
+    q_len = tl.load(qsl_ptr + req + 1) - q_begin
     first_block = q_begin // BLOCK_M - base + req
     q_off = tl.minimum((q_block_id - first_block) * BLOCK_M, q_len)
 
