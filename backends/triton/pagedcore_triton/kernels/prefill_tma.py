@@ -264,8 +264,8 @@ def prefill_tma_ws_kernel(
     program into a producer warpgroup and consumer warpgroups (``WARP_SPECIALIZE``); a
     second loop, an ``if`` inside the loop or a plain pointer load make its pass fail or
     leave the kernel unspecialized. The request search is a binary search unrolled into
-    ``SEARCH_STEPS`` (`num_reqs`'s bit length) steps for the same reason; spare programs run no
-    tiles.
+    ``SEARCH_STEPS`` (`num_reqs`'s bit length) steps for the same reason; spare programs run one
+    tile and store nothing.
 
     `q_desc`: the step's ``query`` as ``[token_end, Hq * HEAD_SIZE]`` with ``[BLOCK_M,
     HEAD_SIZE]`` blocks; `k_desc` / `v_desc`: ``key`` / ``value`` as ``[token_end, Hkv *
@@ -316,7 +316,10 @@ def prefill_tma_ws_kernel(
     else:
         hi = tl.cdiv(q_len, TILE_N)
         last = tl.zeros([BLOCK_M], tl.int32) + (q_len - 1)
-    hi = tl.where(q_off < q_len, hi, 0)  # spare program of the over-provisioned grid
+    # A spare program of the over-provisioned grid runs one tile (stores nothing): a
+    # warp-specialized loop that runs no iteration would leave the query's TMA load in
+    # flight at exit.
+    hi = tl.where(q_off < q_len, hi, 1)
     for t in tl.range(0, hi, num_stages=STAGES, warp_specialize=WARP_SPECIALIZE):
         k = k_desc.load([q_begin + t * TILE_N, col])
         if DOT_FP32:
