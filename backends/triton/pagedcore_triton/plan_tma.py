@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PREFILL_KERNEL_ENV",
+    "TMA_DEFAULT_TILES_128",
     "TMA_HEAD_SIZES",
     "TMA_TILES_ENV",
     "packed_tile_config",
@@ -47,6 +48,10 @@ TMA_HEAD_SIZES = (64, 128)
 #: ``wsk`` runs launches without a cached prefix on the warp-specialized kernel
 #: (``prefill_tma_ws_kernel``: one query head per program, one branch-free key loop).
 TMA_TILE_FLAGS = ("ws", "fwd", "e1", "d16", "d32", "d64", "hm", "wsk")
+#: The default tiles for head size 128 on the GPU when not `packed_tile_config`'s (None):
+#: set only from a variant that passed the conformance suite on the H200 and beat the
+#: packed default there (``docs/benchmarks/triton.md``, "Session 12").
+TMA_DEFAULT_TILES_128: str | None = None
 #: Register caps `parse_tma_tiles` accepts (``rN``).
 TMA_MAXNREG = (64, 80, 96, 112, 128, 168, 255)
 
@@ -163,10 +168,13 @@ def tma_tile_config(
     override: str | None = None, has_context: bool = False,
 ) -> TileConfig:
     """Tiles of a Hopper-kernel launch: `override` (``TMA_TILES_ENV``) when given, else
-    `packed_tile_config`. A launch with a cached prefix (`has_context`) never gets a
-    ``wsk`` configuration: it runs the GQA-packed kernel with `packed_tile_config`."""
-    if override:
-        cfg = parse_tma_tiles(override, num_queries_per_kv)
+    `TMA_DEFAULT_TILES_128` for head size 128 when set, else `packed_tile_config`. A launch
+    with a cached prefix (`has_context`) never gets a ``wsk`` configuration: it runs the
+    GQA-packed kernel with `packed_tile_config`."""
+    text = override or (TMA_DEFAULT_TILES_128 if head_size == 128 and not interpreting
+                        else None)
+    if text:
+        cfg = parse_tma_tiles(text, num_queries_per_kv)
         if not (cfg.tma_ws and has_context):
             return cfg
     return packed_tile_config(num_queries_per_kv, head_size, interpreting=interpreting)

@@ -195,3 +195,18 @@ def test_warp_specialized_request_search(tma: pytest.MonkeyPatch) -> None:
     tma.setenv(TMA_TILES_ENV, "16,16,4,1,wsk")
     err, ran = _run([(0, 5)] * 9 + [(0, 40), (0, 17)])
     assert ran and err < TOL[torch.float32], err
+
+
+def test_default_tiles_for_head_size_128(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`TMA_DEFAULT_TILES_128` replaces the packed default for head size 128 on the GPU only;
+    the override wins, and a cached prefix never gets a ``wsk`` default."""
+    from pagedcore_triton import plan_tma
+
+    monkeypatch.setattr(plan_tma, "TMA_DEFAULT_TILES_128", "128,128,4,2,wsk")
+    cfg = plan_tma.tma_tile_config(4, 128, interpreting=False)
+    assert cfg.tma_ws and cfg.num_warps == 4
+    assert not plan_tma.tma_tile_config(4, 128, interpreting=False, has_context=True).tma_ws
+    assert not plan_tma.tma_tile_config(4, 64, interpreting=False).tma_ws
+    assert not plan_tma.tma_tile_config(4, 128, interpreting=True).tma_ws
+    assert plan_tma.tma_tile_config(4, 128, interpreting=False,
+                                    override="128,64,8,2").tile_n == 64
