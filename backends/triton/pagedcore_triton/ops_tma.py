@@ -11,6 +11,7 @@ import math
 import os
 
 import torch
+import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from pagedcore_triton._env import interpreting
@@ -153,12 +154,27 @@ def _run_ws(launch: PreparedLaunch, query: torch.Tensor, key: torch.Tensor,
     box = [c["TILE_N"], c["HEAD_SIZE"]]
     k_desc = TensorDescriptor(key, [token_end, width], [key.stride(0), 1], box)
     v_desc = TensorDescriptor(value, [token_end, width], [value.stride(0), 1], box)
-    q_desc = TensorDescriptor(query, [token_end, query.shape[1] * query.shape[2]],
-                              [query.stride(0), 1], [c["BLOCK_M"], c["HEAD_SIZE"]])
+    _ensure_allocator()
     prefill_tma_ws_kernel[grid](
-        output, q_desc, k_desc, v_desc, launch.qsl, launch.num_reqs, scale,
-        output.stride(0), output.stride(1), **c,
+        output, query, k_desc, v_desc, launch.qsl, launch.num_reqs, scale, token_end,
+        query.shape[1] * query.shape[2], query.stride(0), output.stride(0), output.stride(1),
+        **c,
     )
+
+
+def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_allocator() -> None:
+    """The warp-specialized kernel builds its query descriptor on the device, in global
+    scratch memory from Triton's allocator: install one (torch's) unless the caller did."""
+    from triton.runtime import _allocation
+
+    current = getattr(_allocation, "_allocator", None)
+    null = getattr(_allocation, "NullAllocator", None)
+    if current is None or null is None or isinstance(current.get(), null):
+        triton.set_allocator(_scratch)
 
 
 def run_tma(

@@ -66,7 +66,7 @@ def ws_stats(variant: str) -> dict[str, Any]:
         "CAUSAL": True, "DOT_FP32": False, "SEARCH_STEPS": 3, "STAGES": cfg["stages"],
         "WARP_SPECIALIZE": True, "HEADS_FAST": cfg["hm"],
     }
-    types = {"q_desc": f"tensordesc<bf16[{cfg['block_m']}, 128]>",
+    types = {"q_ptr": "*bf16",
              "k_desc": f"tensordesc<bf16[{cfg['tile_n']}, 128]>",
              "v_desc": f"tensordesc<bf16[{cfg['tile_n']}, 128]>",
              "out_ptr": "*bf16", "scale": "fp32"}

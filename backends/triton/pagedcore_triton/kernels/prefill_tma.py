@@ -235,12 +235,15 @@ def prefill_tma_kernel(
 @triton.jit
 def prefill_tma_ws_kernel(
     out_ptr,
-    q_desc,
+    q_ptr,
     k_desc,
     v_desc,
     qsl_ptr,
     num_reqs,
     scale,
+    token_end,
+    q_width,
+    stride_qt,
     stride_ot,
     stride_oh,
     HEAD_SIZE: tl.constexpr,
@@ -267,11 +270,11 @@ def prefill_tma_ws_kernel(
     ``SEARCH_STEPS`` (`num_reqs`'s bit length) steps for the same reason; spare programs run one
     tile and store nothing.
 
-    `q_desc`: the step's ``query`` as ``[token_end, Hq * HEAD_SIZE]`` with ``[BLOCK_M,
-    HEAD_SIZE]`` blocks; `k_desc` / `v_desc`: ``key`` / ``value`` as ``[token_end, Hkv *
-    HEAD_SIZE]`` with ``[TILE_N, HEAD_SIZE]`` blocks. Rows past a request are the next
-    request's (finite) or TMA's zero fill past `token_end`; they reach only rows that are
-    not stored or keys that are masked.
+    `q_ptr`: the step's ``query``, read as ``[token_end, q_width = Hq * HEAD_SIZE]`` (row
+    stride `stride_qt`) in ``[BLOCK_M, HEAD_SIZE]`` blocks; `k_desc` / `v_desc`: ``key`` /
+    ``value`` as ``[token_end, Hkv * HEAD_SIZE]`` with ``[TILE_N, HEAD_SIZE]`` blocks. Rows
+    past a request are the next request's (finite) or TMA's zero fill past `token_end`; they
+    reach only rows that are not stored or keys that are masked.
     """
     if HEADS_FAST:
         head = tl.program_id(0)
@@ -301,6 +304,11 @@ def prefill_tma_ws_kernel(
 
     rows = tl.arange(0, BLOCK_M)
     tok = q_off + rows
+    # Built here, not on the host: the warp specialization splits this load between the two
+    # consumer warpgroups (64 rows each) and rewrites the descriptor's box to match; a host
+    # descriptor keeps its 128-row box and overruns the halves (it hung on the H200).
+    q_desc = tl.make_tensor_descriptor(q_ptr, [token_end, q_width], [stride_qt, 1],
+                                       [BLOCK_M, HEAD_SIZE])
     q = q_desc.load([q_begin + q_off, head * HEAD_SIZE])
     if DOT_FP32:
         q = q.to(tl.float32)
