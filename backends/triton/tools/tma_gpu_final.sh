@@ -28,7 +28,7 @@ VARIANTS=${VARIANTS:-"default 128,32,8,4 128,64,8,2,r128 128,128,8,3,e1,hm"}
 # Warp-specialized variants (they hung in round 2): timed only if they compile, run and pass
 # the NaN-poisoned prefix-free check (check_p<i>.json; launches with a prefix run the default's
 # packed kernel, checked in round 2) within the warm step's 15 s.
-PROBES=${PROBES-"128,128,4,2,wsk 128,64,4,3,wsk"}
+PROBES=${PROBES-"128,128,4,2,wsk 128,128,4,2,wsk,hm 128,64,4,3,wsk"}
 echo "variants: $VARIANTS; probes: $PROBES" | tee "$OUT/log.txt"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv >> "$OUT/log.txt" 2>&1
 i=0
