@@ -27,18 +27,18 @@ T=backends/triton/tools
 VARIANTS=${VARIANTS:-"default 128,32,8,4"}
 # Warp-specialized variants (they hung in round 2): timed only if they compile, run and pass
 # the NaN-poisoned prefix-free check (check_p<i>.json; launches with a prefix run the default's
-# packed kernel, checked in round 2) within the warm step's 15 s.
+# packed kernel, checked in round 2) within the warm step's 13 s.
 PROBES=${PROBES-"128,128,4,2,wsk 128,128,4,2,wsk,hm 128,64,4,3,wsk"}
 echo "variants: $VARIANTS; probes: $PROBES" | tee "$OUT/log.txt"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv >> "$OUT/log.txt" 2>&1
 i=0
 for v in $VARIANTS; do
-  timeout -k 1 "${WARM_CAP:-12}" python3 $T/tma_variants.py --warm "$v" ${SMALL:-} > "$OUT/warm_$i.log" 2>&1 &
+  timeout -k 1 "${WARM_CAP:-10}" python3 $T/tma_variants.py --warm "$v" ${SMALL:-} > "$OUT/warm_$i.log" 2>&1 &
   i=$((i + 1))
 done
 i=0
 for v in $PROBES; do
-  timeout -k 1 "${PROBE_CAP:-15}" python3 $T/tma_variants.py --warm "$v" "$OUT/check_p$i.json" --fresh-only ${SMALL:-} > "$OUT/warm_p$i.log" 2>&1 &
+  timeout -k 1 "${PROBE_CAP:-13}" python3 $T/tma_variants.py --warm "$v" "$OUT/check_p$i.json" --fresh-only ${SMALL:-} > "$OUT/warm_p$i.log" 2>&1 &
   i=$((i + 1))
 done
 wait
