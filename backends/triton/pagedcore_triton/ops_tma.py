@@ -11,13 +11,14 @@ import math
 import os
 
 import torch
+import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from pagedcore_triton._env import interpreting
-from pagedcore_triton.kernels.prefill_tma import prefill_tma_kernel
+from pagedcore_triton.kernels.prefill_tma import prefill_tma_kernel, prefill_tma_ws_kernel
 from pagedcore_triton.launch import PreparedLaunch, cache_strides, part_tensors
 from pagedcore_triton.plan import LaunchPart, TileConfig
-from pagedcore_triton.plan_tma import TMA_TILES_ENV, tma_tile_config
+from pagedcore_triton.plan_tma import TMA_TILES_ENV, packed_tile_config, tma_tile_config
 
 __all__ = ["prepare_tma", "run_tma"]
 
@@ -42,12 +43,23 @@ def prepare_tma(
     qpk = num_heads // num_kv_heads
     interp = interpreting()
     cfg = tiles or tma_tile_config(qpk, head_size, interpreting=interp,
-                                   override=os.environ.get(TMA_TILES_ENV))
+                                   override=os.environ.get(TMA_TILES_ENV),
+                                   has_context=part.has_context)
     views = part_tensors(part, query_start_loc, seq_lens, block_table)
+    if cfg.tma_ws and part.has_context:  # the GQA-packed kernel reads the prefix
+        cfg = packed_tile_config(qpk, head_size, interpreting=interp)
+    if cfg.tma_ws:
+        return _prepare_ws(part, cfg, views, num_heads=num_heads, qpk=qpk,
+                           head_size=head_size, causal=causal,
+                           dot_fp32=interp or dtype == torch.float32, interp=interp)
     grid = None
+    # The grid's axis 1 holds at most 65535 programs.
+    heads_fast = cfg.heads_fast
     if part.num_reqs > 0 and part.token_end > part.token_begin:
         q_blocks = part.token_end // cfg.block_q - part.token_begin // cfg.block_q
-        grid = (q_blocks + part.num_reqs, num_kv_heads, 1)
+        heads_fast = heads_fast and q_blocks + part.num_reqs <= 65535
+        grid = ((num_kv_heads, q_blocks + part.num_reqs, 1) if heads_fast
+                else (q_blocks + part.num_reqs, num_kv_heads, 1))
     edge_stages = 1 if cfg.unpipelined_edges else cfg.num_stages
     return PreparedLaunch(
         grid=grid,
@@ -76,10 +88,93 @@ def prepare_tma(
             "EDGE_STAGES": edge_stages,
             "WARP_SPECIALIZE": cfg.warp_specialize,
             "DIAG_N": cfg.diag_tile_n if causal else 0,
+            "HEADS_FAST": heads_fast,
             "num_warps": cfg.num_warps,
             "num_stages": cfg.num_stages,
+            # A cached prefix's gather (`_attend_tile`) spills under a register cap.
+            **({} if cfg.maxnreg is None or interp or part.has_context
+               else {"maxnreg": cfg.maxnreg}),
         },
     )
+
+
+def _prepare_ws(part: LaunchPart, cfg: TileConfig, views: dict[str, torch.Tensor], *,
+                num_heads: int, qpk: int, head_size: int, causal: bool, dot_fp32: bool,
+                interp: bool) -> PreparedLaunch:
+    """`prepare_tma` for the warp-specialized kernel (a part without a cached prefix)."""
+    grid = None
+    heads_fast = cfg.heads_fast
+    if part.num_reqs > 0 and part.token_end > part.token_begin:
+        q_blocks = part.token_end // cfg.block_m - part.token_begin // cfg.block_m
+        heads_fast = heads_fast and q_blocks + part.num_reqs <= 65535
+        grid = ((num_heads, q_blocks + part.num_reqs, 1) if heads_fast
+                else (q_blocks + part.num_reqs, num_heads, 1))
+    return PreparedLaunch(
+        grid=grid,
+        **views,
+        part_acc=None,
+        part_ml=None,
+        num_reqs=part.num_reqs,
+        token_begin=part.token_begin,
+        num_tokens=part.token_end - part.token_begin,
+        static_args=("ws", part.token_end),
+        constexprs={
+            "HEAD_SIZE": head_size,
+            "QPK": qpk,
+            "BLOCK_M": cfg.block_m,
+            "TILE_N": cfg.tile_n,
+            "CAUSAL": causal,
+            "DOT_FP32": dot_fp32,
+            "SEARCH_STEPS": max(1, part.num_reqs.bit_length()),
+            "STAGES": cfg.num_stages,
+            "WARP_SPECIALIZE": not interp,
+            "HEADS_FAST": heads_fast,
+            "num_warps": cfg.num_warps,
+            "num_stages": cfg.num_stages,
+            **({} if cfg.maxnreg is None or interp else {"maxnreg": cfg.maxnreg}),
+        },
+    )
+
+
+def _tma_rows(t: torch.Tensor) -> bool:
+    """Whether ``[T, H, D]`` `t` can be a 2-D ``[T, H * D]`` tensor descriptor."""
+    return (t.stride(2) == 1 and t.stride(1) == t.shape[2] and t.data_ptr() % 16 == 0
+            and (t.stride(0) * t.element_size()) % 16 == 0)
+
+
+def _run_ws(launch: PreparedLaunch, query: torch.Tensor, key: torch.Tensor,
+            value: torch.Tensor, output: torch.Tensor, *, scale: float) -> None:
+    grid = launch.grid
+    assert grid is not None
+    token_end = launch.static_args[1]
+    c = launch.constexprs
+    if not _tma_rows(query):
+        query = query.contiguous()
+    width = key.shape[1] * key.shape[2]
+    box = [c["TILE_N"], c["HEAD_SIZE"]]
+    k_desc = TensorDescriptor(key, [token_end, width], [key.stride(0), 1], box)
+    v_desc = TensorDescriptor(value, [token_end, width], [value.stride(0), 1], box)
+    _ensure_allocator()
+    prefill_tma_ws_kernel[grid](
+        output, query, k_desc, v_desc, launch.qsl, launch.num_reqs, scale, token_end,
+        query.shape[1] * query.shape[2], query.stride(0), output.stride(0), output.stride(1),
+        **c,
+    )
+
+
+def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_allocator() -> None:
+    """The warp-specialized kernel builds its query descriptor on the device, in global
+    scratch memory from Triton's allocator: install one (torch's) unless the caller did."""
+    from triton.runtime import _allocation
+
+    current = getattr(_allocation, "_allocator", None)
+    null = getattr(_allocation, "NullAllocator", None)
+    if current is None or null is None or isinstance(current.get(), null):
+        triton.set_allocator(_scratch)
 
 
 def run_tma(
@@ -99,6 +194,9 @@ def run_tma(
     paged `kv_cache` for cached prefixes."""
     grid = launch.grid
     if grid is None:
+        return
+    if launch.static_args[0] == "ws":
+        _run_ws(launch, query, key, value, output, scale=scale)
         return
     v_offset, stride_cb, stride_cs, stride_ch, stride_bt, token_end = launch.static_args
     c = launch.constexprs

@@ -337,6 +337,11 @@ class TileConfig:
     #: tile t, 2 also the block table two tiles ahead (``PREFETCH``; with ``num_stages`` 1
     #: instead of Triton's software pipelining); 0 leaves it to Triton.
     fp8_prefetch: int = 0
+    #: Hopper prefill kernel only: the KV head is the grid's fast axis (``plan_tma``).
+    heads_fast: bool = False
+    #: Hopper prefill kernel only: the warp-specialized kernel for launches without a
+    #: cached prefix (``prefill_tma_ws_kernel``; ``block_q == block_m``, no GQA packing).
+    tma_ws: bool = False
 
 
 def parse_tiles(text: str, num_queries_per_kv: int) -> TileConfig:

@@ -18,8 +18,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PREFILL_KERNEL_ENV",
+    "TMA_DEFAULT_TILES_128",
     "TMA_HEAD_SIZES",
     "TMA_TILES_ENV",
+    "packed_tile_config",
     "parse_tma_tiles",
     "tma_layer_reason",
     "tma_prefill_device",
@@ -38,8 +40,22 @@ TMA_HEAD_SIZES = (64, 128)
 #: Flags of `parse_tma_tiles`: ``ws`` asks Triton to warp-specialize the unmasked loop,
 #: ``fwd`` keeps the natural q-block order, ``e1`` leaves the diagonal loop unpipelined,
 #: ``dN`` walks the keys next to the causal diagonal in tiles of ``N`` (16, 32 or 64, at
-#: most the q-block's tokens) so that only the last one is masked.
-TMA_TILE_FLAGS = ("ws", "fwd", "e1", "d16", "d32", "d64")
+#: most the q-block's tokens) so that only the last one is masked, ``hm`` makes the KV
+#: head the grid's fast axis (all heads of the longest q-block first), ``rN`` caps the
+#: registers per thread at ``N`` (Triton's ``maxnreg``: 128 on 8 warps fits two programs
+#: per SM where the shared memory allows it) in launches without a cached prefix (whose
+#: gather would spill under the cap).
+#: ``wsk`` runs launches without a cached prefix on the warp-specialized kernel
+#: (``prefill_tma_ws_kernel``: one query head per program, one branch-free key loop).
+TMA_TILE_FLAGS = ("ws", "fwd", "e1", "d16", "d32", "d64", "hm", "wsk")
+#: The default tiles for head size 128 on the GPU when not `packed_tile_config`'s (None):
+#: set only from a variant that passed the conformance suite on the H200 and beat the
+#: packed default there (``docs/benchmarks/triton.md``, "Session 12": the warp-specialized
+#: kernel, 0.795x / 0.895x SDPA at 4x2048 / 4x8192 against the packed kernel's 0.707x /
+#: 0.859x; 34 of 50 conformance cases ran in the cap, all passed).
+TMA_DEFAULT_TILES_128: str | None = "128,128,4,2,wsk,hm"
+#: Register caps `parse_tma_tiles` accepts (``rN``).
+TMA_MAXNREG = (64, 80, 96, 112, 128, 168, 255)
 
 
 def tma_prefill_device(device: torch.device, *, interpreting: bool) -> bool:
@@ -103,7 +119,8 @@ def parse_tma_tiles(text: str, num_queries_per_kv: int) -> TileConfig:
     """A Hopper-kernel `TileConfig` from ``"BLOCK_M,TILE_N,WARPS,STAGES[,FLAG...]"``.
 
     Flags: ``ws`` (warp-specialize the unmasked loop), ``fwd`` (natural q-block order),
-    ``e1`` (the diagonal loop not pipelined), ``dN`` (diagonal keys in tiles of ``N``).
+    ``e1`` (the diagonal loop not pipelined), ``dN`` (diagonal keys in tiles of ``N``),
+    ``hm`` (KV heads on the grid's fast axis), ``rN`` (at most ``N`` registers per thread).
     """
     fields = [f.strip() for f in text.split(",")]
     try:
@@ -111,9 +128,15 @@ def parse_tma_tiles(text: str, num_queries_per_kv: int) -> TileConfig:
     except ValueError:
         block_m = tile_n = warps = stages = 0
     flags = fields[4:]
+    regs = [f for f in flags if f.startswith("r") and f[1:].isdigit()]
+    flags = [f for f in flags if f not in regs]
+    maxnreg = int(regs[-1][1:]) if regs else None
     ok = len(fields) >= 4 and all(f in TMA_TILE_FLAGS for f in flags)
+    ok = ok and (maxnreg is None or (maxnreg in TMA_MAXNREG and len(regs) == 1))
+    # wsk with keys tiles narrower than the query block returned NaN on the H200 (round 3).
+    ok = ok and ("wsk" not in flags or tile_n == block_m)
     pow2 = all(x >= 16 and x & (x - 1) == 0 for x in (block_m, tile_n))
-    block_q = max(1, block_m // num_queries_per_kv)
+    block_q = block_m if "wsk" in flags else max(1, block_m // num_queries_per_kv)
     diag = max([int(f[1:]) for f in flags if f.startswith("d")], default=0)
     if diag and (diag > min(block_q, tile_n) or block_q & (block_q - 1)):
         ok = False
@@ -122,8 +145,9 @@ def parse_tma_tiles(text: str, num_queries_per_kv: int) -> TileConfig:
             f"{TMA_TILES_ENV}={text!r}: expected 'BLOCK_M,TILE_N,WARPS,STAGES[,FLAG...]' with "
             "BLOCK_M and TILE_N powers of two >= 16 (BLOCK_M at least the query heads per KV "
             f"head), positive WARPS and STAGES, flags among {', '.join(TMA_TILE_FLAGS)} (dN: "
-            "N at most TILE_N and BLOCK_M / query heads per KV head, a power of two); e.g. "
-            "'128,128,8,3'"
+            "N at most TILE_N and BLOCK_M / query heads per KV head, a power of two) and at "
+            f"most one rN (N in {', '.join(map(str, TMA_MAXNREG))}); e.g. '128,128,8,3' or "
+            "'128,64,8,2,r128'"
         )
     return TileConfig(
         block_m=block_m,
@@ -137,22 +161,38 @@ def parse_tma_tiles(text: str, num_queries_per_kv: int) -> TileConfig:
         int32_offsets=True,
         warp_specialize="ws" in flags,
         diag_tile_n=diag,
+        maxnreg=maxnreg,
+        heads_fast="hm" in flags,
+        tma_ws="wsk" in flags,
     )
 
 
 def tma_tile_config(
     num_queries_per_kv: int, head_size: int, *, interpreting: bool,
-    override: str | None = None,
+    override: str | None = None, has_context: bool = False,
 ) -> TileConfig:
-    """Tiles of a Hopper-kernel launch: `override` (``TMA_TILES_ENV``) when given; in the
-    interpreter 32 rows x 16 keys; else 128 rows (query tokens x the GQA group) x 128 keys
-    on 8 warps, the unmasked loop in 3 stages and the diagonal's masked loop unpipelined
-    (``e1``), 128 x 64 for head size 64 (not timed). Of the variants timed on the H200
+    """Tiles of a Hopper-kernel launch: `override` (``TMA_TILES_ENV``) when given, else
+    `TMA_DEFAULT_TILES_128` for head size 128 when set, else `packed_tile_config`. A launch
+    with a cached prefix (`has_context`) never gets a ``wsk`` configuration: it runs the
+    GQA-packed kernel with `packed_tile_config`."""
+    text = override or (TMA_DEFAULT_TILES_128 if head_size == 128 and not interpreting
+                        else None)
+    if text:
+        cfg = parse_tma_tiles(text, num_queries_per_kv)
+        if not (cfg.tma_ws and has_context):
+            return cfg
+    return packed_tile_config(num_queries_per_kv, head_size, interpreting=interpreting)
+
+
+def packed_tile_config(num_queries_per_kv: int, head_size: int, *,
+                       interpreting: bool) -> TileConfig:
+    """Tiles of the GQA-packed kernel (``prefill_tma_kernel``): in the interpreter 32 rows x
+    16 keys; else 128 rows (query tokens x the GQA group) x 128 keys on 8 warps, the
+    unmasked loop in 3 stages and the diagonal's masked loop unpipelined (``e1``), 128 x 64
+    for head size 64 (not timed). Of the variants timed on the H200
     (``docs/benchmarks/triton.md``, "Hopper prefill kernel") 128 x 128 on 8 warps was the
     fastest at both 4x2048 and 4x8192; ``e1`` gained 1.6% at 4x2048 and lost 0.6% at
     4x8192."""
-    if override:
-        return parse_tma_tiles(override, num_queries_per_kv)
     rows = 1 << max(0, num_queries_per_kv - 1).bit_length()
     if interpreting:
         return parse_tma_tiles(f"{max(32, rows)},16,4,1", num_queries_per_kv)

@@ -21,6 +21,7 @@ from pagedcore_triton.plan_tma import (
     TMA_TILES_ENV,
     parse_tma_tiles,
     tma_prefill_device,
+    tma_tile_config,
 )
 
 from pagedcore.kv_cache.spec import FullAttentionSpec
@@ -87,7 +88,9 @@ def test_mixed_batch(tma: pytest.MonkeyPatch, dtype: torch.dtype, heads: tuple[i
     assert err < TOL[dtype], err
 
 
-@pytest.mark.parametrize("tiles", ["64,32,4,1,d16", "32,16,4,1,fwd,e1"])
+@pytest.mark.parametrize(
+    "tiles", ["64,32,4,1,d16", "32,16,4,1,fwd,e1", "32,16,4,1,hm,r128", "16,16,4,1,wsk"]
+)
 def test_tile_variants(tma: pytest.MonkeyPatch, tiles: str) -> None:
     tma.setenv(TMA_TILES_ENV, tiles)
     err, ran = _run([(0, 70), (20, 45), (0, 3)])
@@ -135,6 +138,75 @@ def test_selection(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_parse_tiles() -> None:
     cfg = parse_tma_tiles("128,128,8,3,d32", 4)
     assert (cfg.block_q, cfg.diag_tile_n, cfg.longest_first) == (32, 32, True)
-    for bad in ("128,128,8", "128,96,8,3", "128,128,8,3,d64", "128,128,8,3,zz"):
+    ws = tma_tile_config(4, 128, interpreting=False, override="128,128,4,2,wsk")
+    assert (ws.tma_ws, ws.block_q, ws.num_warps) == (True, 128, 4)
+    packed = tma_tile_config(4, 128, interpreting=False, override="128,128,4,2,wsk",
+                             has_context=True)  # a cached prefix: the packed kernel
+    assert (packed.tma_ws, packed.block_q, packed.num_warps) == (False, 32, 8)
+    cfg = parse_tma_tiles("128,64,8,2,hm,r128", 4)
+    assert (cfg.heads_fast, cfg.maxnreg, cfg.maxnreg is None) == (True, 128, False)
+    for bad in ("128,128,8", "128,96,8,3", "128,128,8,3,d64", "128,128,8,3,zz",
+                "128,64,8,2,r100", "128,64,8,2,r128,r96", "128,64,4,3,wsk"):
         with pytest.raises(ValueError, match="PAGEDCORE_TRITON_TMA_TILES"):
             parse_tma_tiles(bad, 4)
+
+
+def test_register_cap_and_grid_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``rN`` reaches the launch as ``maxnreg`` on a GPU, except for a cached prefix (whose
+    gather spills under the cap); ``hm`` puts the KV heads on the grid's fast axis."""
+    from pagedcore_triton import ops_tma
+    from pagedcore_triton.plan import LaunchPart
+
+    monkeypatch.setattr(ops_tma, "interpreting", lambda: False)
+    qsl = torch.tensor([0, 100, 300], dtype=torch.int32)
+    seq_lens = torch.tensor([100, 250], dtype=torch.int32)
+    bt = torch.zeros((2, 16), dtype=torch.int32)
+
+    def plan(has_context: bool, tiles: str) -> Any:
+        part = LaunchPart(req_begin=0, req_end=2, token_begin=0, token_end=300,
+                          max_query_len=200, prefill_only=True, tma_prefill=True,
+                          has_context=has_context)
+        return ops_tma.prepare_tma(part, num_heads=32, dtype=torch.bfloat16,
+                                   kv_cache_shape=(2, 20, 16, 8, 128), query_start_loc=qsl,
+                                   seq_lens=seq_lens, block_table=bt, causal=True,
+                                   tiles=parse_tma_tiles(tiles, 4))
+
+    fresh, cached = plan(False, "128,64,8,2,hm,r128"), plan(True, "128,64,8,2,hm,r128")
+    assert fresh.constexprs["maxnreg"] == 128 and "maxnreg" not in cached.constexprs
+    assert fresh.grid == (8, 300 // 32 + 2, 1) and fresh.constexprs["HEADS_FAST"]
+    plain = plan(False, "128,64,8,2")
+    assert plain.grid == (300 // 32 + 2, 8, 1) and "maxnreg" not in plain.constexprs
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_warp_specialized_kernel(tma: pytest.MonkeyPatch, causal: bool) -> None:
+    """``wsk``: prefills without a cached prefix on ``prefill_tma_ws_kernel`` (one query head
+    per program, the mask on every tile); a part with a prefix keeps the packed kernel."""
+    for tiles in ("16,16,4,1,wsk", "32,32,4,1,wsk,hm"):
+        tma.setenv(TMA_TILES_ENV, tiles)
+        err, ran = _run([(0, 37), (0, 16), (0, 3)], causal=causal)
+        assert ran and err < TOL[torch.float32], err
+    err, ran = _run([(0, 37), (5, 20)], causal=causal)
+    assert ran and err < TOL[torch.float32], err
+
+
+def test_warp_specialized_request_search(tma: pytest.MonkeyPatch) -> None:
+    """The unrolled binary search finds every request among many short ones."""
+    tma.setenv(TMA_TILES_ENV, "16,16,4,1,wsk")
+    err, ran = _run([(0, 5)] * 9 + [(0, 40), (0, 17)])
+    assert ran and err < TOL[torch.float32], err
+
+
+def test_default_tiles_for_head_size_128(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`TMA_DEFAULT_TILES_128` replaces the packed default for head size 128 on the GPU only;
+    the override wins, and a cached prefix never gets a ``wsk`` default."""
+    from pagedcore_triton import plan_tma
+
+    monkeypatch.setattr(plan_tma, "TMA_DEFAULT_TILES_128", "128,128,4,2,wsk")
+    cfg = plan_tma.tma_tile_config(4, 128, interpreting=False)
+    assert cfg.tma_ws and cfg.num_warps == 4
+    assert not plan_tma.tma_tile_config(4, 128, interpreting=False, has_context=True).tma_ws
+    assert not plan_tma.tma_tile_config(4, 64, interpreting=False).tma_ws
+    assert not plan_tma.tma_tile_config(4, 128, interpreting=True).tma_ws
+    assert plan_tma.tma_tile_config(4, 128, interpreting=False,
+                                    override="128,64,8,2").tile_n == 64

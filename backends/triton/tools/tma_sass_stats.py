@@ -32,12 +32,14 @@ def _load(path: Path, name: str) -> Any:
     return module
 
 
-def _kernel() -> Any:
+def _kernel(ws: bool = False) -> Any:
     for name in ("pagedcore_triton", "pagedcore_triton.kernels"):
         sys.modules.setdefault(name, types.ModuleType(name))
     _load(PKG / "kernels" / "merge.py", "pagedcore_triton.kernels.merge")
     _load(PKG / "kernels" / "attention.py", "pagedcore_triton.kernels.attention")
-    return _load(PKG / "kernels" / "prefill_tma.py", "_pc_prefill_tma").prefill_tma_kernel
+    module = sys.modules.get("_pc_prefill_tma") or _load(PKG / "kernels" / "prefill_tma.py",
+                                                          "_pc_prefill_tma")
+    return module.prefill_tma_ws_kernel if ws else module.prefill_tma_kernel
 
 
 def _parse(variant: str) -> dict[str, Any]:
@@ -45,8 +47,39 @@ def _parse(variant: str) -> dict[str, Any]:
     block_m, tile_n, warps, stages = (int(f) for f in fields[:4])
     flags = fields[4:]
     diag = max([int(f[1:]) for f in flags if f.startswith("d")], default=0)
+    regs = [int(f[1:]) for f in flags if f.startswith("r") and f[1:].isdigit()]
     return {"block_m": block_m, "tile_n": tile_n, "warps": warps, "stages": stages,
-            "ws": "ws" in flags, "edge": 1 if "e1" in flags else stages, "diag": diag}
+            "ws": "ws" in flags, "edge": 1 if "e1" in flags else stages, "diag": diag,
+            "wsk": "wsk" in flags, "hm": "hm" in flags, "maxnreg": regs[0] if regs else None}
+
+
+def ws_stats(variant: str) -> dict[str, Any]:
+    """`stats` for a ``wsk`` variant (``prefill_tma_ws_kernel``, no cached prefix)."""
+    import triton
+
+    sys.path.insert(0, str(HERE))
+    from sass_stats import compile_for_sm90, cubin_facts, sass_loops
+
+    cfg = _parse(variant)
+    consts: dict[str, Any] = {
+        "HEAD_SIZE": 128, "QPK": 4, "BLOCK_M": cfg["block_m"], "TILE_N": cfg["tile_n"],
+        "CAUSAL": True, "DOT_FP32": False, "SEARCH_STEPS": 3, "STAGES": cfg["stages"],
+        "WARP_SPECIALIZE": True, "HEADS_FAST": cfg["hm"],
+    }
+    types = {"q_ptr": "*bf16",
+             "k_desc": f"tensordesc<bf16[{cfg['tile_n']}, 128]>",
+             "v_desc": f"tensordesc<bf16[{cfg['tile_n']}, 128]>",
+             "out_ptr": "*bf16", "scale": "fp32"}
+    compiled = compile_for_sm90(_kernel(ws=True), consts, types, cfg["warps"], cfg["stages"])
+    regs, stack, sass = cubin_facts(compiled.asm["cubin"])
+    loops = [c for c in sass_loops(sass) if c["HGMMA"]]
+    return {
+        "variant": variant, "prefix": False, "triton": triton.__version__,
+        "warps_launched": compiled.metadata.num_warps, "setmaxnreg": sass.count("USETMAXREG"),
+        "registers": regs, "stack_bytes": stack, "shared_bytes": compiled.metadata.shared,
+        "loops": [{"instr": sum(c.values()), "hgmma": c["HGMMA"], "mufu": c["MUFU"],
+                   "fsel": c["FSEL"], "local": c["STL"] + c["LDL"]} for c in loops],
+    }
 
 
 def stats(variant: str, *, prefix: bool = False) -> dict[str, Any]:
@@ -85,6 +118,13 @@ def stats(variant: str, *, prefix: bool = False) -> dict[str, Any]:
 
 def main() -> None:
     for variant in sys.argv[1:] or ["128,128,8,3"]:
+        if "wsk" in variant.split(","):
+            try:
+                print(json.dumps(ws_stats(variant)), flush=True)
+            except Exception as exc:
+                print(json.dumps({"variant": variant,
+                                  "error": f"{type(exc).__name__}: {exc}"[:2000]}), flush=True)
+            continue
         for prefix in (False, True):
             try:
                 print(json.dumps(stats(variant, prefix=prefix)), flush=True)

@@ -16,18 +16,26 @@ and skipped once ``--budget`` seconds (default 115) have passed:
    whether the Hopper kernel ran is recorded per check.
 2. ``time.json``: causal 4x2048 and 4x8192 (bf16, 32 q / 8 KV heads, d 128, block 16) with
    `pagedcore.bench.kernels` timing: torch SDPA on contiguous K/V (re-timed after every two
-   variants), the gather kernel, then every variant (both shapes after each other).
+   variants), the gather kernel (not with ``TMA_NO_GATHER=1``), then every variant (both
+   shapes after each other).
 3. ``mixed.json``: `pagedcore.bench.kernels.bench_mixed` (64 decodes @4096 + a 2048-token
    chunk @2048) with the Hopper kernel and with the gather kernel.
 4. ``conformance.json``: the conformance suite's prefill cases (``prefill`` in the name) on
    the default.
 
-``--warm VARIANT`` only compiles `VARIANT` (or ``gather``) for the timing shapes, and
+``--warm VARIANT [CHECK_JSON]`` only compiles `VARIANT` (or ``gather``) for the timing shapes
+(then, with `CHECK_JSON`, runs step 1's bf16 check of `VARIANT` into that file, with
+``--fresh-only`` on the prefix-free batch only), and
 ``--warm-mixed`` the mixed step's launches, so that several processes started beside the
 main one (or before ``pagedcore bench kernels``) fill Triton's on-disk cache in parallel.
 
 ``--small`` shrinks every shape for a logic check on CPU (``TRITON_INTERPRET=1`` and
-``PAGEDCORE_TRITON_PREFILL_KERNEL=tma``).
+``PAGEDCORE_TRITON_PREFILL_KERNEL=tma``). ``--steps check,time,...`` runs only the steps
+named (default: all four), ``--checks N`` checks the first N variants (default 3).
+
+``--best OUT`` prints the variant of ``OUT/time.json`` with the highest geometric mean of its
+ratios to SDPA at the two shapes (``default`` when none was timed or none beats it by 2%),
+for a job to run the conformance suite on it next.
 """
 
 from __future__ import annotations
@@ -50,6 +58,9 @@ TILES = "PAGEDCORE_TRITON_TMA_TILES"
 #: (context, query), decode-first as the engine orders a step: decodes, prefills, chunks.
 RAGGED = [(35, 1), (4000, 1), (0, 300), (517, 211), (1000, 77), (0, 64), (130, 1000), (7, 33)]
 RAGGED_SMALL = [(3, 1), (0, 21), (17, 9), (40, 16)]
+#: Prefills without a cached prefix only (the launch a ``wsk`` variant serves itself).
+FRESH = [(0, 300), (0, 64), (0, 1000), (0, 33), (0, 517), (0, 129)]
+FRESH_SMALL = [(0, 21), (0, 9), (0, 40)]
 T0 = time.time()
 
 
@@ -60,7 +71,8 @@ def _select(variant: str) -> None:
         os.environ[TILES] = variant
 
 
-def _check(variant: str, dtype: torch.dtype, small: bool, features: bool) -> dict[str, Any]:
+def _check(variant: str, dtype: torch.dtype, small: bool, features: bool,
+           fresh: bool = False) -> dict[str, Any]:
     from _reference import make_batch, reference_attention, rel_error
     from pagedcore_triton import TritonAttentionBackend
 
@@ -68,7 +80,8 @@ def _check(variant: str, dtype: torch.dtype, small: bool, features: bool) -> dic
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     heads, kv_heads, head_size = (8, 2, 64) if small else (32, 8, 128)
-    batch = make_batch(RAGGED_SMALL if small else RAGGED, num_heads=heads,
+    reqs = (FRESH_SMALL if small else FRESH) if fresh else (RAGGED_SMALL if small else RAGGED)
+    batch = make_batch(reqs, num_heads=heads,
                        num_kv_heads=kv_heads, head_size=head_size, block_size=16,
                        dtype=dtype, device=dev, num_padding=3, seed=7)
     n = batch.common.num_actual_tokens
@@ -92,7 +105,8 @@ def _check(variant: str, dtype: torch.dtype, small: bool, features: bool) -> dic
     err = rel_error(out[:n], ref)
     tol = {torch.bfloat16: 2e-2, torch.float16: 3e-3}.get(dtype, 1e-4)
     finite = bool(torch.isfinite(out[:n]).all())
-    return {"variant": variant, "dtype": str(dtype), "features": features, "rel_err": err,
+    return {"variant": variant, "dtype": str(dtype), "features": features, "fresh": fresh,
+            "rel_err": err,
             "tol": tol, "finite": finite, "ok": bool(err < tol and finite),
             "tma_ran": any(k[0] == "tma" for k in metadata.launches)}
 
@@ -136,7 +150,8 @@ def step_time(out_dir: Path, variants: list[str], small: bool, budget: float) ->
                      "TFLOPs": flops / last[shape] / 1e9})
 
     time_sdpa()
-    for i, variant in enumerate(["gather", *variants]):
+    first = [] if os.environ.get("TMA_NO_GATHER") else ["gather"]
+    for i, variant in enumerate([*first, *variants]):
         if time.time() - T0 > budget:
             out.add({"variant": variant, "skipped": "over budget"})
             continue
@@ -228,19 +243,61 @@ def warm_mixed(small: bool) -> None:
     print(f"warm mixed at {time.time() - T0:.1f}s", flush=True)
 
 
+def best(out_dir: Path) -> str:
+    """The timed variant with the highest geometric mean of its ratios to SDPA."""
+    import json
+
+    ratios: dict[str, list[float]] = {}
+    path = out_dir / "time.json"
+    rows = json.loads(path.read_text())["rows"] if path.exists() else []
+    for row in rows:
+        if row.get("impl") == "triton" and row.get("variant") not in (None, "gather"):
+            if row.get("rel_err_vs_sdpa", 1.0) < 2e-2:
+                ratios.setdefault(row["variant"], []).append(row["vs_sdpa_last"])
+    timed = {v: (r[0] * r[1]) ** 0.5 for v, r in ratios.items() if len(r) == 2}
+    if not timed:
+        return "default"
+    top = max(timed, key=lambda v: timed[v])
+    # A variant replaces the default only by more than the run-to-run spread (~1-2%).
+    if "default" in timed and timed[top] < 1.02 * timed["default"]:
+        return "default"
+    return top
+
+
+def _opt(args: list[str], name: str, default: str) -> str:
+    if name not in args:
+        return default
+    i = args.index(name)
+    value = args[i + 1]
+    del args[i : i + 2]
+    return value
+
+
 def main() -> None:
     args = sys.argv[1:]
+    if args and args[0] == "--best":
+        print(best(Path(args[1])))
+        return
     small = "--small" in args
     if args and args[0] == "--warm":
         warm(args[1], small)
+        if len(args) > 2 and not args[2].startswith("--"):
+            out = _Out(Path(args[2]))
+            dtype = torch.float32 if small else torch.bfloat16
+            for fresh in (True,) if "--fresh-only" in args else (False, True):
+                try:
+                    out.add(_check(args[1], dtype, small, False, fresh))
+                except Exception as exc:
+                    out.add({"variant": args[1], "dtype": str(dtype), "ok": False,
+                             "fresh": fresh,
+                             "error": f"{type(exc).__name__}: {str(exc)[:600]}"})
         return
     if args and args[0] == "--warm-mixed":
         warm_mixed(small)
         return
-    budget = 115.0
-    if "--budget" in args:
-        budget = float(args[args.index("--budget") + 1])
-        del args[args.index("--budget") : args.index("--budget") + 2]
+    budget = float(_opt(args, "--budget", "115"))
+    steps = _opt(args, "--steps", "check,time,mixed,conformance").split(",")
+    checks = int(_opt(args, "--checks", "3"))
     args = [a for a in args if a != "--small"]
     if not args:
         raise SystemExit(__doc__)
@@ -248,14 +305,16 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     variants = args[1:] or ["default"]
     torch.manual_seed(0)
-    step_check(out_dir, variants[:3], small)
-    print(f"== check done at {time.time() - T0:.1f}s", flush=True)
-    step_time(out_dir, variants, small, budget - 30)
-    print(f"== time done at {time.time() - T0:.1f}s", flush=True)
-    if time.time() - T0 < budget - 25:
+    if "check" in steps:
+        step_check(out_dir, variants[:checks], small)
+        print(f"== check done at {time.time() - T0:.1f}s", flush=True)
+    if "time" in steps:
+        step_time(out_dir, variants, small, budget - 30 if "mixed" in steps else budget)
+        print(f"== time done at {time.time() - T0:.1f}s", flush=True)
+    if "mixed" in steps and time.time() - T0 < budget - 25:
         step_mixed(out_dir, small)
         print(f"== mixed done at {time.time() - T0:.1f}s", flush=True)
-    if time.time() - T0 < budget - 15:
+    if "conformance" in steps and time.time() - T0 < budget - 15:
         step_conformance(out_dir)
         print(f"== conformance done at {time.time() - T0:.1f}s", flush=True)
 

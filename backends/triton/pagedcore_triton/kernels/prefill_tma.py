@@ -25,9 +25,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pagedcore_triton.kernels.attention import _attend_tile, _grid_q_block
+from pagedcore_triton.kernels.attention import _attend_tile, _find_request, _grid_q_block
 
-__all__ = ["prefill_tma_kernel"]
+__all__ = ["prefill_tma_kernel", "prefill_tma_ws_kernel"]
 
 
 @triton.jit
@@ -103,8 +103,10 @@ def prefill_tma_kernel(
     EDGE_STAGES: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
     DIAG_N: tl.constexpr = 0,
+    HEADS_FAST: tl.constexpr = False,
 ):
-    """Grid ``(q_blocks, Hkv)``: q-block numbering as in `paged_attention_kernel`.
+    """Grid ``(q_blocks, Hkv)``, or ``(Hkv, q_blocks)`` with ``HEADS_FAST`` (every KV head
+    of a q-block before the next q-block): q-block numbering as in `paged_attention_kernel`.
 
     `k_desc` / `v_desc`: tensor descriptors over the step's own ``key`` / ``value`` viewed as
     ``[token_end, Hkv * HEAD_SIZE]`` with ``[TILE_N, HEAD_SIZE]`` blocks; row ``t`` is the
@@ -116,10 +118,21 @@ def prefill_tma_kernel(
     ``[2, N, BLOCK_SIZE, Hkv, HEAD_SIZE]`` (V at `v_offset` elements from K) through the
     block table.
     """
-    kv_head = tl.program_id(1)
-    q_block_id, req, q_begin, q_len, first_block = _grid_q_block(
-        qsl_ptr, num_reqs, BLOCK_Q, LONGEST_FIRST
-    )
+    if HEADS_FAST:
+        kv_head = tl.program_id(0)
+        if LONGEST_FIRST:
+            q_block_id = tl.num_programs(1) - 1 - tl.program_id(1)
+        else:
+            q_block_id = tl.program_id(1)
+        req = _find_request(qsl_ptr, num_reqs, q_block_id, BLOCK_Q)
+        q_begin = tl.load(qsl_ptr + req)
+        q_len = tl.load(qsl_ptr + req + 1) - q_begin
+        first_block = q_begin // BLOCK_Q - tl.load(qsl_ptr) // BLOCK_Q + req
+    else:
+        kv_head = tl.program_id(1)
+        q_block_id, req, q_begin, q_len, first_block = _grid_q_block(
+            qsl_ptr, num_reqs, BLOCK_Q, LONGEST_FIRST
+        )
     q_off = (q_block_id - first_block) * BLOCK_Q
     if q_off >= q_len:  # spare program of the over-provisioned grid
         return
@@ -216,4 +229,131 @@ def prefill_tma_kernel(
         out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
         out.to(out_ptr.dtype.element_ty),
         mask=row_ok[:, None],
+    )
+
+
+@triton.jit
+def prefill_tma_ws_kernel(
+    out_ptr,
+    q_ptr,
+    k_desc,
+    v_desc,
+    qsl_ptr,
+    num_reqs,
+    scale,
+    token_end,
+    q_width,
+    stride_qt,
+    stride_ot,
+    stride_oh,
+    HEAD_SIZE: tl.constexpr,
+    QPK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
+    STAGES: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+    HEADS_FAST: tl.constexpr = False,
+):
+    """Prefill without a cached prefix, written for Triton's Hopper warp specialization.
+
+    Grid ``(q_blocks, Hq)`` (``(Hq, q_blocks)`` with ``HEADS_FAST``): a program owns
+    ``BLOCK_M`` query tokens of one query head (no GQA packing: its K/V tiles are re-read
+    by the ``QPK`` heads of the group, from L2).
+    Every load is a tensor-descriptor (TMA) load and the key loop is one branch-free loop
+    (the causal mask applied to every tile), the form in which Triton 3.6 splits the
+    program into a producer warpgroup and consumer warpgroups (``WARP_SPECIALIZE``); a
+    second loop, an ``if`` inside the loop or a plain pointer load make its pass fail or
+    leave the kernel unspecialized. The request search is a binary search unrolled into
+    ``SEARCH_STEPS`` (`num_reqs`'s bit length) steps for the same reason; spare programs run one
+    tile and store nothing.
+
+    `q_ptr`: the step's ``query``, read as ``[token_end, q_width = Hq * HEAD_SIZE]`` (row
+    stride `stride_qt`) in ``[BLOCK_M, HEAD_SIZE]`` blocks; `k_desc` / `v_desc`: ``key`` /
+    ``value`` as ``[token_end, Hkv * HEAD_SIZE]`` with ``[TILE_N, HEAD_SIZE]`` blocks. Rows
+    past a request are the next request's (finite) or TMA's zero fill past `token_end`; they
+    reach only rows that are not stored or keys that are masked.
+    """
+    if HEADS_FAST:
+        head = tl.program_id(0)
+        q_block_id = tl.num_programs(1) - 1 - tl.program_id(1)  # longest first
+    else:
+        head = tl.program_id(1)
+        q_block_id = tl.num_programs(0) - 1 - tl.program_id(0)
+    kv_head = head // QPK
+    # The request: a binary search of `_find_request`, unrolled (scalar loads
+    # only: no loop and no cross-warp reduction, which the warp partitions could not share).
+    base = tl.load(qsl_ptr) // BLOCK_M
+    lo = 0
+    hi = num_reqs
+    for _ in tl.static_range(SEARCH_STEPS):
+        mid = (lo + hi) // 2
+        first = tl.load(qsl_ptr + mid) // BLOCK_M - base + mid
+        active = lo < hi
+        right = active & (first <= q_block_id)
+        left = active & (first > q_block_id)
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(left, mid, hi)
+    req = lo - 1
+    q_begin = tl.load(qsl_ptr + req)
+    q_len = tl.load(qsl_ptr + req + 1) - q_begin
+    first_block = q_begin // BLOCK_M - base + req
+    q_off = tl.minimum((q_block_id - first_block) * BLOCK_M, q_len)
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = q_off + rows
+    # Built here, not on the host: the warp specialization splits this load between the two
+    # consumer warpgroups (64 rows each) and rewrites the descriptor's box to match; a host
+    # descriptor keeps its 128-row box and overruns the halves (it hung on the H200).
+    q_desc = tl.make_tensor_descriptor(q_ptr, [token_end, q_width], [stride_qt, 1],
+                                       [BLOCK_M, HEAD_SIZE])
+    q = q_desc.load([q_begin + q_off, head * HEAD_SIZE])
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    qk_scale = scale * 1.4426950408889634  # the softmax runs in base 2
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_SIZE], tl.float32)
+    col = kv_head * HEAD_SIZE
+    # The last key each row sees: one compare per score.
+    if CAUSAL:
+        hi = tl.cdiv(tl.minimum(q_off + BLOCK_M, q_len), TILE_N)
+        last = tl.minimum(tok, q_len - 1)
+    else:
+        hi = tl.cdiv(q_len, TILE_N)
+        last = tl.zeros([BLOCK_M], tl.int32) + (q_len - 1)
+    # A spare program of the over-provisioned grid runs one tile (stores nothing): a
+    # warp-specialized loop that runs no iteration would leave the query's TMA load in
+    # flight at exit.
+    hi = tl.where(q_off < q_len, hi, 1)
+    for t in tl.range(0, hi, num_stages=STAGES, warp_specialize=WARP_SPECIALIZE):
+        k = k_desc.load([q_begin + t * TILE_N, col])
+        if DOT_FP32:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        j = t * TILE_N + tl.arange(0, TILE_N)
+        s = tl.where(j[None, :] <= last[:, None], s, float("-inf"))
+        # Key 0 is in the first tile and visible to every row: m_new is finite.
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v = v_desc.load([q_begin + t * TILE_N, col])
+        if DOT_FP32:
+            acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    d = tl.arange(0, HEAD_SIZE)
+    q_rows = (q_begin + tok).to(tl.int64)
+    tl.store(
+        out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=(tok < q_len)[:, None],
     )
