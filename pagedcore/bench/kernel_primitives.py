@@ -145,14 +145,17 @@ class PagedKV:
     seq_lens:
         Tokens of each request.
     dtype, device:
-        Of ``key`` / ``value`` (``[sum(seq_lens), NUM_KV_HEADS, HEAD_SIZE]``).
+        Of ``key`` / ``value`` (``[sum(seq_lens), num_kv_heads, head_size]``).
     block_size:
         Tokens per block (B); the block table is a random permutation of blocks ``1..N-1``.
+    num_kv_heads, head_size:
+        The KV heads' shape (default: the bench's 8 x 128).
     """
 
     def __init__(
         self, seq_lens: list[int], dtype: torch.dtype, device: torch.device, *,
-        block_size: int = BLOCK_SIZE,
+        block_size: int = BLOCK_SIZE, num_kv_heads: int = NUM_KV_HEADS,
+        head_size: int = HEAD_SIZE,
     ) -> None:
         import torch
 
@@ -160,6 +163,7 @@ class PagedKV:
             raise ValueError(f"block_size must be a positive number of tokens, got {block_size}")
         self.seq_lens = seq_lens
         self.block_size = block_size
+        self.num_kv_heads, self.head_size = num_kv_heads, head_size
         blocks = [math.ceil(s / self.block_size) for s in seq_lens]
         self.num_blocks = 1 + sum(blocks)  # block 0 is the null block
         perm = torch.randperm(self.num_blocks - 1) + 1
@@ -169,7 +173,7 @@ class PagedKV:
             self.block_table[r, :n] = perm[cursor : cursor + n].to(torch.int32)
             cursor += n
         total = sum(seq_lens)
-        shape = (total, NUM_KV_HEADS, HEAD_SIZE)
+        shape = (total, num_kv_heads, head_size)
         self.key = torch.randn(shape, dtype=dtype, device=device)
         self.value = torch.randn(shape, dtype=dtype, device=device)
         self.slots = torch.cat([self.slots_of(r, 0, s) for r, s in enumerate(seq_lens)])
@@ -202,13 +206,14 @@ class PagedKV:
         import torch
 
         cache = torch.zeros(
-            (2, self.num_blocks * self.block_size, NUM_KV_HEADS, HEAD_SIZE),
+            (2, self.num_blocks * self.block_size, self.num_kv_heads, self.head_size),
             dtype=self.key.dtype,
             device=self.key.device,
         )
         cache[0, self.slots] = self.key
         cache[1, self.slots] = self.value
-        return cache.view(2, self.num_blocks, self.block_size, NUM_KV_HEADS, HEAD_SIZE)
+        return cache.view(2, self.num_blocks, self.block_size, self.num_kv_heads,
+                          self.head_size)
 
     def common(self, q_lens: list[int], reqs: list[int]) -> CommonAttentionMetadata:
         """Metadata of a step in which request ``reqs[i]`` has its last ``q_lens[i]`` tokens new."""
@@ -239,11 +244,12 @@ class PagedKV:
 
 
 class BackendUnderTest:
-    """One backend's cache (filled by its own cache write), builder and impl for a batch."""
+    """One backend's cache (filled by its own cache write), builder and impl for a batch
+    (`num_heads` query heads over `kv`'s KV heads; default the bench's 32)."""
 
     def __init__(
         self, backend: type[AttentionBackend], kv: PagedKV, *, kv_cache_dtype: str = "auto",
-        sinks: list[float] | None = None,
+        sinks: list[float] | None = None, num_heads: int = NUM_HEADS,
     ) -> None:
         import torch
 
@@ -255,9 +261,10 @@ class BackendUnderTest:
         from pagedcore.kv_cache.spec import FullAttentionSpec
 
         dtype, device, block_size = kv.key.dtype, kv.key.device, kv.block_size
+        hkv, head_size = kv.num_kv_heads, kv.head_size
         self.backend = backend
         shape = backend.get_kv_cache_shape(
-            kv.num_blocks, block_size, NUM_KV_HEADS, HEAD_SIZE, kv_cache_dtype
+            kv.num_blocks, block_size, hkv, head_size, kv_cache_dtype
         )
         cache_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype)
         self.kv_cache = torch.empty(shape, dtype=cache_dtype, device=device)
@@ -269,12 +276,12 @@ class BackendUnderTest:
         # The spec carries the cache's dtype, as the engine's do (an fp8 cache: 1-byte elements,
         # which a builder may plan by).
         spec = FullAttentionSpec(
-            block_size=block_size, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE,
+            block_size=block_size, num_kv_heads=hkv, head_size=head_size,
             dtype=cache_dtype,
         )
         self.builder = backend.get_builder_cls()(spec, ["bench"], device)
         self.impl = backend.get_impl_cls()(
-            NUM_HEADS, HEAD_SIZE, HEAD_SIZE**-0.5, num_kv_heads=NUM_KV_HEADS,
+            num_heads, head_size, head_size**-0.5, num_kv_heads=hkv,
             kv_cache_dtype=kv_cache_dtype, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
         )
         chunk = 1 << 16

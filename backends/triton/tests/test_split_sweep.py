@@ -25,9 +25,13 @@ def _once(fn: Any, device: torch.device, **_: Any) -> float:
     return 1.0
 
 
+@pytest.mark.parametrize("heads", [(32, 8, 128), (14, 2, 64)])
 def test_rows_use_the_named_plans_and_match_sdpa(monkeypatch: pytest.MonkeyPatch,
-                                                 tmp_path: pathlib.Path) -> None:
+                                                 tmp_path: pathlib.Path,
+                                                 heads: tuple[int, int, int]) -> None:
+    """The bench's heads and Qwen2-0.5B's (``--heads 14,2,64``: GQA 7, head size 64)."""
     monkeypatch.setattr(kp, "time_ms", _once)
+    monkeypatch.setattr(sweep, "HEADS", heads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     out = sweep.Sweep(str(tmp_path / "s.json"), {})
     variants = [sweep.parse_variant(v) for v in ("default", "S2@32,4,2,i32")]
@@ -52,6 +56,12 @@ def test_poisoned_cache_and_check() -> None:
     with pytest.raises(RuntimeError, match="relative error"):
         sweep.check(ref * 1.1, ref)
     assert sweep.check(ref, ref) == 0.0
+
+
+@pytest.mark.parametrize("bad", ["14,3,64", "14,2", "8,2,48", "a,b,c"])
+def test_bad_heads_are_a_clear_error(bad: str) -> None:
+    with pytest.raises(SystemExit, match="--heads"):
+        sweep.parse_heads(bad)
 
 
 @pytest.mark.parametrize("bad", ["S3", "balanced:x", "S8@", "foo"])

@@ -43,6 +43,8 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 DEFAULT_SHAPES = ["8x32768"]
+#: ``(query heads, KV heads, head size)`` of the sweep (``--heads``; default the bench's).
+HEADS: tuple[int, int, int] = (32, 8, 128)
 DEFAULT_VARIANTS = [
     "default", "S8", "S16", "S32", "S8@64,4,2,i32", "S16@64,4,2,i32", "S8@64,4,4,i32",
     "S16@64,4,4,i32", "balanced", "balanced:1024",
@@ -79,6 +81,21 @@ def parse_variant(text: str) -> dict[str, Any]:
         f"--variant {text!r}: expected default, S<n> (n a power of two), "
         "S<n>@TILE_N,WARPS,STAGES[,FLAG...] or balanced[:TARGET_PROGRAMS]"
     )
+
+
+def parse_heads(text: str) -> tuple[int, int, int]:
+    """``(Hq, Hkv, D)`` from ``HQ,HKV,D`` (``--heads``; e.g. ``14,2,64``, the Qwen2-0.5B shape).
+
+    >>> parse_heads("14,2,64")
+    (14, 2, 64)
+    """
+    fields = text.split(",")
+    if len(fields) == 3 and all(f.strip().isdigit() for f in fields):
+        hq, hkv, d = (int(f) for f in fields)
+        if hkv > 0 and hq % hkv == 0 and d in (32, 64, 128, 256):
+            return hq, hkv, d
+    raise SystemExit(f"--heads {text!r}: expected HQ,HKV,D with HQ a multiple of HKV and D one "
+                     "of 32, 64, 128, 256, e.g. 14,2,64")
 
 
 def parse_shape(text: str) -> tuple[int, int]:
@@ -120,15 +137,15 @@ def _set_env(env: dict[str, str | None]) -> None:
 
 
 def default_segments(batch: int, length: int) -> int:
-    """What the shipped builder gives a bf16 decode of `batch` x `length` (head size 128)."""
+    """What the shipped builder gives a bf16 decode of `batch` x `length` (`HEADS`)."""
     import torch
     from pagedcore_triton.metadata import TritonMetadataBuilder
 
-    from pagedcore.bench.kernel_primitives import BLOCK_SIZE, HEAD_SIZE, NUM_KV_HEADS
+    from pagedcore.bench.kernel_primitives import BLOCK_SIZE
     from pagedcore.kv_cache.spec import FullAttentionSpec
 
-    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS,
-                             head_size=HEAD_SIZE, dtype="bfloat16")
+    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=HEADS[1],
+                             head_size=HEADS[2], dtype="bfloat16")
     builder = TritonMetadataBuilder(spec, ["sweep"], torch.device("cpu"))
     return builder.decode_segments(num_reqs=batch, max_seq_len=length)
 
@@ -137,7 +154,7 @@ def poisoned(backend: Any, kv: Any) -> Any:
     """`BackendUnderTest` whose cache is NaN wherever the batch wrote nothing."""
     from pagedcore.bench.kernel_primitives import BackendUnderTest
 
-    under = BackendUnderTest(backend, kv)
+    under = BackendUnderTest(backend, kv, num_heads=HEADS[0])
     under.kv_cache.fill_(float("nan"))
     chunk = 1 << 16
     for start in range(0, kv.key.shape[0], chunk):
@@ -178,18 +195,21 @@ def triton_runs(under: Any, kv: Any, query: Any, variant: dict[str, Any], segmen
     return runs
 
 
-def compile_variant(job: tuple[dict[str, Any], int, int, str]) -> float:
+def compile_variant(job: tuple[dict[str, Any], int, int, str, tuple[int, int, int]]) -> float:
     """Compile one variant's launches on a tiny cache (same batch: same specialization)."""
-    variant, batch, segments, device = job
+    global HEADS
+    variant, batch, segments, device, HEADS = job
     import torch
     from pagedcore_triton import TritonAttentionBackend
 
-    from pagedcore.bench.kernel_primitives import HEAD_SIZE, NUM_HEADS, PagedKV
+    from pagedcore.bench.kernel_primitives import PagedKV
 
     t0 = time.perf_counter()
     dev = torch.device(device)
-    kv = PagedKV([max(256, 64 * segments)] * batch, torch.bfloat16, dev)
-    query = torch.randn((batch, NUM_HEADS, HEAD_SIZE), dtype=torch.bfloat16, device=dev)
+    hq, hkv, d = HEADS
+    kv = PagedKV([max(256, 64 * segments)] * batch, torch.bfloat16, dev, num_kv_heads=hkv,
+                 head_size=d)
+    query = torch.randn((batch, hq, d), dtype=torch.bfloat16, device=dev)
     under = poisoned(TritonAttentionBackend, kv)
     for _, fn in triton_runs(under, kv, query, variant, segments, graphs=True):
         fn()
@@ -220,13 +240,11 @@ def reference(kv: Any, query: Any, lens: list[int], length: int) -> Any:
     import torch
     import torch.nn.functional as F
 
-    from pagedcore.bench.kernel_primitives import HEAD_SIZE, NUM_HEADS, NUM_KV_HEADS
-
+    hq, hkv, d = HEADS
     batch, dev = len(lens), query.device
 
     def contiguous(x: Any) -> Any:
-        out = torch.zeros((batch, length, NUM_KV_HEADS, HEAD_SIZE), dtype=torch.float32,
-                          device=dev)
+        out = torch.zeros((batch, length, hkv, d), dtype=torch.float32, device=dev)
         for r, n in enumerate(lens):
             out[r, :n] = x[kv.token_slice(r)].float()
         return out.transpose(1, 2)
@@ -234,7 +252,7 @@ def reference(kv: Any, query: Any, lens: list[int], length: int) -> Any:
     mask = torch.zeros((batch, 1, 1, length), dtype=torch.bool, device=dev)
     for r, n in enumerate(lens):
         mask[r, ..., :n] = True
-    q4 = query.float().view(batch, 1, NUM_HEADS, HEAD_SIZE).transpose(1, 2)
+    q4 = query.float().view(batch, 1, hq, d).transpose(1, 2)
     ref = F.scaled_dot_product_attention(q4, contiguous(kv.key), contiguous(kv.value),
                                          attn_mask=mask, enable_gqa=True)
     return ref.transpose(1, 2).reshape(query.shape)
@@ -248,14 +266,15 @@ def run_shape(sweep: Sweep, batch: int, length: int, variants: list[dict[str, An
     from pagedcore_triton import TritonAttentionBackend
 
     from pagedcore.bench import kernel_primitives as kp
-    from pagedcore.bench.kernel_primitives import HEAD_SIZE, NUM_HEADS, NUM_KV_HEADS, PagedKV
+    from pagedcore.bench.kernel_primitives import PagedKV
 
+    hq, hkv, d = HEADS
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     lens = seq_lens_of(batch, length)
-    kv = PagedKV(lens, dtype, device)
-    query = torch.randn((batch, NUM_HEADS, HEAD_SIZE), dtype=dtype, device=device)
+    kv = PagedKV(lens, dtype, device, num_kv_heads=hkv, head_size=d)
+    query = torch.randn((batch, hq, d), dtype=dtype, device=device)
     ref = reference(kv, query, lens, length)
-    nbytes = 2 * sum(lens) * NUM_KV_HEADS * HEAD_SIZE * dtype.itemsize
+    nbytes = 2 * sum(lens) * hkv * d * dtype.itemsize
     shape = f"{batch}x{length}"
 
     def row(impl: str, mode: str, fn: Any, **extra: Any) -> None:
@@ -310,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", help="JSON file (rewritten after every row)")
     parser.add_argument("--shape", action="append", default=[], help="BATCHxCONTEXT")
     parser.add_argument("--variant", action="append", default=[])
+    parser.add_argument("--heads", default="32,8,128",
+                        help="HQ,HKV,D (default the bench's; 14,2,64 is Qwen2-0.5B's)")
     parser.add_argument("--flashinfer", action="store_true", help="also FlashInfer's decode")
     parser.add_argument("--no-graphs", action="store_true", help="eager rows only")
     parser.add_argument("--seconds", type=float, default=45.0,
@@ -321,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
                              "ahead of `pagedcore bench kernels` on a fresh machine)")
     args = parser.parse_args(argv)
     t0 = time.time()
+    global HEADS
+    HEADS = parse_heads(args.heads)
     shapes = [parse_shape(s) for s in args.shape or DEFAULT_SHAPES]
     variants = [parse_variant(v) for v in args.variant or DEFAULT_VARIANTS]
     import torch
@@ -337,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
         for b, ln in shapes:
             default = default_segments(b, ln)
             for v in variants:
-                jobs.append((v, b, default if v["segments"] is None else v["segments"], "cuda"))
+                jobs.append((v, b, default if v["segments"] is None else v["segments"], "cuda",
+                             HEADS))
         with ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn")) as pool:
             secs = list(pool.map(compile_variant, jobs))
         print(f"compiled {len(jobs)} variants in {time.time() - t0:.1f} s "
@@ -352,7 +376,9 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "copy_bandwidth_GBps": copy_gbps,
-        "method": "bf16, 32 query / 8 KV heads, head size 128, block size 16, blocks permuted; "
+        "heads": list(HEADS),
+        "method": f"bf16, {HEADS[0]} query / {HEADS[1]} KV heads, head size {HEADS[2]}, "
+                  "block size 16, blocks permuted; "
                   "each request 1-13 tokens short of the context (NaN-poisoned cache tails); "
                   "output checked finite and within 1e-2 of float32 SDPA, then timed by "
                   "pagedcore.bench.kernel_primitives.time_ms (eager) / graph_time_ms (graph); "
