@@ -9,6 +9,7 @@ if TYPE_CHECKING:
     from pagedcore.engine.outputs import Logprob
 
 __all__ = [
+    "ChunkTemplate",
     "chat_chunk",
     "chat_logprobs",
     "completion_chunk",
@@ -36,6 +37,61 @@ def sse(payload: dict[str, Any] | str) -> bytes:
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False,
                                                                separators=(",", ":"))
     return f"data: {data}\n\n".encode()
+
+
+class ChunkTemplate:
+    """The server-sent events of one streamed choice, as bytes, without a dict or a
+    `json.dumps` per token: the chunk's fixed fields are encoded once per request, and a
+    token's chunk is a prefix, the JSON string of its text and a suffix.
+
+    `text_event` returns exactly ``sse(completion_chunk(...))`` (or ``sse(chat_chunk(...))``
+    with ``delta={"content": text}``, ``{}`` for no text) of a chunk without logprobs: the
+    same keys in the same order, the text escaped by the same encoder as `sse`'s
+    ``json.dumps(..., ensure_ascii=False)``. At a stream interval of 1 the front end writes one
+    chunk per token of every stream, so this is on its hottest path (see docs/serving.md).
+
+    Parameters
+    ----------
+    request_id, created, model:
+        The chunk's ``id``, ``created`` and ``model``.
+    index:
+        The choice's ``index``.
+    chat:
+        ``chat.completion.chunk`` chunks (the text in ``delta.content``) instead of
+        ``text_completion`` ones (the text in ``text``).
+    """
+
+    __slots__ = ("_empty", "_head", "_tail")
+
+    def __init__(self, request_id: str, created: int, model: str, index: int, *,
+                 chat: bool = False) -> None:
+        import json
+
+        def enc(value: Any) -> str:
+            return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        head = (f'data: {{"id":{enc(request_id)},"object":"{kind}","created":{int(created)},'
+                f'"model":{enc(model)},"choices":[{{"index":{int(index)},')
+        if chat:
+            self._head = (head + '"delta":{"content":').encode()
+            self._empty = (head + '"delta":{},').encode()
+            self._tail = b'},"logprobs":null,"finish_reason":'
+        else:
+            self._head = (head + '"text":').encode()
+            self._empty = b""
+            self._tail = b',"logprobs":null,"finish_reason":'
+
+    def text_event(self, text: str, finish_reason: str | None) -> bytes:
+        """The event of a chunk with `text` (str; may be empty) and `finish_reason`."""
+        from json.encoder import encode_basestring
+
+        finish = b"null" if finish_reason is None else encode_basestring(finish_reason).encode()
+        if self._empty and not text:  # chat: an empty delta is ``{}``
+            return b"".join((self._empty, b'"logprobs":null,"finish_reason":', finish,
+                             b'}],"usage":null}\n\n'))
+        return b"".join((self._head, encode_basestring(text).encode(), self._tail, finish,
+                         b'}],"usage":null}\n\n'))
 
 
 def _token_text(tokenizer: Any, token_id: int) -> str:
