@@ -150,6 +150,11 @@ PY
   fi
   child=$(pgrep -P "$pid" -f spawn_main | head -1); child=${child:-$pid}
   echo "== up at $(date +%T); pagedcore bench serve ($N requests at $RATES req/s)"
+  # The engine's own steps during this run (its /metrics counters before and after): how much
+  # of the run's wall time the engine spent inside steps, i.e. whether it ever waited.
+  steps() { curl -s "http://127.0.0.1:$PORT/metrics" \
+    | awk '/^pagedcore:engine_steps_total/{n=$2} /^pagedcore:engine_step_seconds_total/{s=$2} END{print n+0, s+0}'; }
+  m0=$(steps)
   s0=$(cpu "$pid"); e0=$(cpu "$child"); t0=$(date +%s.%N)
   TIMEFORMAT="%U %S"
   { time timeout "$(left)" pagedcore bench serve --base-url "http://127.0.0.1:$PORT" --num-requests "$N" \
@@ -159,12 +164,14 @@ PY
       --num-workers "${BENCH_WORKERS:-4}" --no-progress > "$D/bench_serve_$m.txt" 2>&1 ; } 2> "$D/client_time_$m.txt" \
     || { echo "FAILED: pagedcore bench serve on $m" >&2; rc=1; }
   cat "$D/bench_serve_$m.txt"
-  python - "$D/cpu_$m.json" "$(cpu "$pid")" "$s0" "$(cpu "$child")" "$e0" "$t0" "$D/client_time_$m.txt" <<'PY'
+  python - "$D/cpu_$m.json" "$(cpu "$pid")" "$s0" "$(cpu "$child")" "$e0" "$t0" "$D/client_time_$m.txt" "$m0" "$(steps)" <<'PY'
 import json, sys, time
-out, s1, s0, e1, e0, t0, client = sys.argv[1:]
+out, s1, s0, e1, e0, t0, client, m0, m1 = sys.argv[1:]
 u, s = (open(client).read().split() + ["0", "0"])[:2]
 rep = {"wall_s": time.time() - float(t0), "server_cpu_s": float(s1) - float(s0),
        "engine_process_cpu_s": float(e1) - float(e0), "client_cpu_s": float(u) + float(s)}
+(n0, x0), (n1, x1) = (map(float, m.split()) for m in (m0, m1))
+rep["engine_steps"], rep["engine_step_s"] = int(n1 - n0), x1 - x0
 json.dump(rep, open(out, "w"), indent=1); print("cpu:", rep)
 PY
   if [ -n "${LOW_RATES:-}" ] && [ "$(date +%s)" -lt "${LOW_DEADLINE:-$DEADLINE}" ]; then
