@@ -172,6 +172,7 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_kernel(AttentionParam
   const int seq_len = p.seq_lens[req];
   const int ctx = seq_len - q_len;  // position of query row 0
   const int rows = min(BM, q_len - row0);
+  if (rows <= 0) return;  // a padding tile (fp8 path: 64-row tiles split from 128-row ones)
   const int kv_head = head / (p.num_heads / p.num_kv_heads);
   const float slope = p.alibi_slopes != nullptr ? p.alibi_slopes[head] : 0.f;
 
