@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # cuda_paged fp8 KV cache on the H200 (issue 24), about 150 s: build the extension (sm_90), the
 # conformance suite's fp8 cases on CUDA (-k fp8), then the decode kernel bench with an fp8
-# cache and in bf16 (auto) for comparison. Each step under its own timeout; results in $OUT.
+# cache and in bf16 (auto) for comparison, then a compute-sanitizer memcheck of one fp8 step. Each step under its own timeout; results in $OUT.
 # Usage (repo root): OUT=/some/dir bash gpu/fp8_cuda.sh
 set -o pipefail
 R=${OUT:?set OUT to the result directory}
@@ -36,4 +36,10 @@ timeout 35 python3 -m pagedcore.cli bench kernels --backend cuda_paged --case de
   --json "$R/bench_decode_auto.json" > "$R/bench_decode_auto.log" 2>&1
 el "bench auto rc=$?"
 tail -15 "$R/bench_decode_auto.log"
+el "memcheck of one mixed fp8 step (cache write, decode_fp8, prefill_fp8), last: optional"
+timeout 40 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pagedcore.cli \
+  conformance cuda_paged --device cuda -k mixed/float16/hs128/bs16/h8kv2/fp8_e4m3 \
+  > "$R/memcheck_fp8.log" 2>&1
+el "memcheck rc=$?"
+tail -8 "$R/memcheck_fp8.log"
 el "done"
