@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # cuda_paged fp8 KV cache on the H200 (issue 24), about 150 s: build the extension (sm_90), the
 # conformance suite's fp8 cases on CUDA (-k fp8), then the decode kernel bench with an fp8
-# cache and in bf16 (auto) for comparison, then a compute-sanitizer memcheck of one fp8 step. Each step under its own timeout; results in $OUT.
+# cache and in bf16 (auto) for comparison, then a compute-sanitizer memcheck of one fp8 step.
+# Each step under its own timeout; results in $OUT.
 # Usage (repo root): OUT=/some/dir bash gpu/fp8_cuda.sh
 set -o pipefail
 R=${OUT:?set OUT to the result directory}
