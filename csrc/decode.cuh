@@ -28,9 +28,12 @@ __device__ __forceinline__ DecodeSpan decode_span(const AttentionParams& p, int 
   return s;
 }
 
-template <typename T, int HEAD, int BLOCK>
+// C is the cache element type: T, or an fp8 type (then K and V are read as 16 fp8 elements
+// per 16-byte vector, widened exactly, and the scales are applied once: k_scale on each key's
+// dot product, v_scale on the output row).
+template <typename T, int HEAD, int BLOCK, typename C = T>
 __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(AttentionParams p) {
-  constexpr int X = vec_elems<T>();
+  constexpr int X = vec_elems<C>();
   constexpr int NWARPS = kDecodeThreads / 32;
   constexpr int TG = 32 / BLOCK;  // threads per key in the QK phase
   constexpr int CHUNKS = HEAD / X;
@@ -67,9 +70,14 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(AttentionParams 
   __syncthreads();
 
   const int* bt = p.block_table + static_cast<int64_t>(req) * p.block_table_stride;
-  const T* k_cache = static_cast<const T*>(p.k_cache);
-  const T* v_cache = static_cast<const T*>(p.v_cache);
+  const C* k_cache = static_cast<const C*>(p.k_cache);
+  const C* v_cache = static_cast<const C*>(p.v_cache);
   const int64_t head_stride = static_cast<int64_t>(HEAD) * BLOCK;
+  float k_scale = 1.f, v_scale = 1.f;
+  if constexpr (is_fp8<C>()) {
+    k_scale = *p.k_scale;
+    v_scale = *p.v_scale;
+  }
 
   // QK: a warp takes one block; TG lanes share a key, each summing every TG-th 16-byte chunk.
   const int tok = lane / TG;
@@ -77,17 +85,18 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(AttentionParams 
   float qk_max = -INFINITY;
   for (int blk = blk_begin + warp; blk < blk_end; blk += NWARPS) {
     const int64_t phys = bt[blk];
-    const T* kb = k_cache + (phys * p.num_kv_heads + kv_head) * head_stride;
+    const C* kb = k_cache + (phys * p.num_kv_heads + kv_head) * head_stride;
     float acc = 0.f;
 #pragma unroll
     for (int c = g; c < CHUNKS; c += TG) {
       float kv[X];
-      load_vec<T>(kb + (c * BLOCK + tok) * X, kv);
+      load_vec<C>(kb + (c * BLOCK + tok) * X, kv);
 #pragma unroll
       for (int i = 0; i < X; ++i) acc += q_s[c * X + i] * kv[i];
     }
 #pragma unroll
     for (int m = TG / 2; m >= 1; m /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+    if constexpr (is_fp8<C>()) acc *= k_scale;
     if (g == 0) {
       const int pos = blk * BLOCK + tok;
       const bool visible = pos >= span.ctx_start && pos < p_end;
@@ -107,7 +116,8 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(AttentionParams 
     exp_sum += e;
   }
   exp_sum = block_sum<NWARPS>(exp_sum, scratch);
-  const float inv_sum = exp_sum > 0.f ? 1.f / exp_sum : 0.f;
+  float inv_sum = exp_sum > 0.f ? 1.f / exp_sum : 0.f;
+  if constexpr (is_fp8<C>()) inv_sum *= v_scale;  // the partial output is linear in V
 
   // PV: lane covers V rows row0 + r * V_ROWS and the vv-th 16-byte vector of the block's keys.
   const int vv = lane % V_VECS;
@@ -117,7 +127,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(AttentionParams 
   for (int r = 0; r < V_ROWS_PER_THREAD; ++r) acc[r] = 0.f;
   for (int blk = blk_begin + warp; blk < blk_end; blk += NWARPS) {
     const int64_t phys = bt[blk];
-    const T* vb = v_cache + (phys * p.num_kv_heads + kv_head) * head_stride;
+    const C* vb = v_cache + (phys * p.num_kv_heads + kv_head) * head_stride;
     const int tok0 = blk * BLOCK + vv * X;
     float pr[X];
     bool keep[X];
@@ -131,7 +141,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(AttentionParams 
       const int d = row0 + r * V_ROWS;
       if (HEAD % V_ROWS == 0 || d < HEAD) {
         float v[X];
-        load_vec<T>(vb + d * BLOCK + vv * X, v);
+        load_vec<C>(vb + d * BLOCK + vv * X, v);
 #pragma unroll
         for (int i = 0; i < X; ++i) acc[r] += pr[i] * (keep[i] ? v[i] : 0.f);
       }
@@ -224,10 +234,10 @@ cudaError_t launch_decode_reduce(const AttentionParams& p, cudaStream_t stream) 
   return cudaGetLastError();
 }
 
-template <typename T, int HEAD, int BLOCK>
+template <typename T, int HEAD, int BLOCK, typename C = T>
 cudaError_t launch_decode_block(const AttentionParams& p, cudaStream_t stream) {
   const int smem = decode_smem_bytes(HEAD, p.partition_size);
-  auto kernel = decode_kernel<T, HEAD, BLOCK>;
+  auto kernel = decode_kernel<T, HEAD, BLOCK, C>;
   if (smem > 48 * 1024) {
     const cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -279,6 +289,44 @@ cudaError_t launch_decode(const AttentionParams& p, int head_size, cudaStream_t 
     default:
       return cudaErrorInvalidValue;
   }
+}
+
+// fp8 cache: per-head blocks (never grouped), block sizes 16 and 32.
+template <typename T, typename C>
+cudaError_t launch_decode_fp8_cache(const AttentionParams& p, int head_size,
+                                    cudaStream_t stream) {
+  if (p.num_items == 0) return cudaSuccess;
+  if (p.grouped || (p.block_size != 16 && p.block_size != 32)) return cudaErrorInvalidValue;
+  const bool b16 = p.block_size == 16;
+  switch (head_size) {
+    case 64:
+      return b16 ? launch_decode_block<T, 64, 16, C>(p, stream)
+                 : launch_decode_block<T, 64, 32, C>(p, stream);
+    case 80:
+      return b16 ? launch_decode_block<T, 80, 16, C>(p, stream)
+                 : launch_decode_block<T, 80, 32, C>(p, stream);
+    case 96:
+      return b16 ? launch_decode_block<T, 96, 16, C>(p, stream)
+                 : launch_decode_block<T, 96, 32, C>(p, stream);
+    case 112:
+      return b16 ? launch_decode_block<T, 112, 16, C>(p, stream)
+                 : launch_decode_block<T, 112, 32, C>(p, stream);
+    case 128:
+      return b16 ? launch_decode_block<T, 128, 16, C>(p, stream)
+                 : launch_decode_block<T, 128, 32, C>(p, stream);
+    case 256:
+      return b16 ? launch_decode_block<T, 256, 16, C>(p, stream)
+                 : launch_decode_block<T, 256, 32, C>(p, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+template <typename T>
+cudaError_t launch_decode_fp8(const AttentionParams& p, int head_size, Fp8 kind,
+                              cudaStream_t stream) {
+  return kind == Fp8::kE4M3 ? launch_decode_fp8_cache<T, __nv_fp8_e4m3>(p, head_size, stream)
+                            : launch_decode_fp8_cache<T, __nv_fp8_e5m2>(p, head_size, stream);
 }
 
 }  // namespace pagedcore

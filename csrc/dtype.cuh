@@ -2,6 +2,7 @@
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <cstdint>
 
@@ -18,6 +19,17 @@ __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) {
   return __bfloat162float(v);
 }
 
+// fp8 cache elements widen exactly (every e4m3 / e5m2 value is a float16, bfloat16 and float32
+// value); the dequantization scale is applied by the kernel, once per score / output row.
+template <>
+__device__ __forceinline__ float to_float<__nv_fp8_e4m3>(__nv_fp8_e4m3 v) {
+  return static_cast<float>(v);
+}
+template <>
+__device__ __forceinline__ float to_float<__nv_fp8_e5m2>(__nv_fp8_e5m2 v) {
+  return static_cast<float>(v);
+}
+
 template <typename T>
 __device__ __forceinline__ T from_float(float v);
 template <>
@@ -28,6 +40,25 @@ template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
   return __float2bfloat16_rn(v);
 }
+
+// fp8 quantization of a cache write: round to nearest even, saturated to the largest finite
+// value (NaN stays NaN), the contract of pagedcore.attention.kv_quant.
+template <>
+__device__ __forceinline__ __nv_fp8_e4m3 from_float<__nv_fp8_e4m3>(float v) {
+  __nv_fp8_e4m3 r;
+  r.__x = __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
+  return r;
+}
+template <>
+__device__ __forceinline__ __nv_fp8_e5m2 from_float<__nv_fp8_e5m2>(float v) {
+  __nv_fp8_e5m2 r;
+  r.__x = __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E5M2);
+  return r;
+}
+
+// Whether T is one of the fp8 cache dtypes.
+template <typename T>
+__host__ __device__ constexpr bool is_fp8() { return sizeof(T) == 1; }
 
 // Elements per 16-byte vector: the `x` of the K layout.
 template <typename T>

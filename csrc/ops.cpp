@@ -101,7 +101,9 @@ AttentionParams common_params(const at::Tensor& out, const at::Tensor& query,
   check_rows(out, "output");
   TORCH_CHECK(out.sizes() == query.sizes(), "output must have the query's shape ",
               query.sizes(), ", got ", out.sizes());
-  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() &&
+  const bool fp8_cache = kv_cache.scalar_type() == at::kFloat8_e4m3fn ||
+                         kv_cache.scalar_type() == at::kFloat8_e5m2;
+  TORCH_CHECK((fp8_cache || query.scalar_type() == kv_cache.scalar_type()) &&
                   out.scalar_type() == query.scalar_type(),
               "query, output and kv_cache must share one dtype (got ", query.scalar_type(), ", ",
               out.scalar_type(), ", ", kv_cache.scalar_type(), ")");
@@ -147,6 +149,46 @@ AttentionParams common_params(const at::Tensor& out, const at::Tensor& query,
     p.alibi_slopes = a.data_ptr<float>();
   }
   return p;
+}
+
+// The fp8 format of an fp8 cache tensor (torch.float8_e4m3fn / float8_e5m2).
+Fp8 fp8_of(const at::Tensor& kv_cache) {
+  if (kv_cache.scalar_type() == at::kFloat8_e4m3fn) return Fp8::kE4M3;
+  TORCH_CHECK(kv_cache.scalar_type() == at::kFloat8_e5m2, "the fp8 ops take a "
+              "float8_e4m3fn or float8_e5m2 kv_cache, got ", kv_cache.scalar_type());
+  return Fp8::kE5M2;
+}
+
+// A [1] float32 CUDA tensor (a layer's k_scale / v_scale) as a device pointer.
+const float* scale_ptr(const at::Tensor& t, const char* name) {
+  check_cuda(t, name);
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.numel() == 1, name,
+              " must be a [1] float32 tensor, got ", t.scalar_type(), " ", t.sizes());
+  return t.data_ptr<float>();
+}
+
+using Fp8LaunchFn = cudaError_t (*)(const AttentionParams&, int, Fp8, cudaStream_t);
+
+void launch_fp8_for_dtype(const AttentionParams& p, const at::Tensor& query, Fp8 kind,
+                          Fp8LaunchFn f16, Fp8LaunchFn bf16, Fp8LaunchFn f32, const char* what) {
+  const c10::cuda::CUDAGuard guard(query.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  const int64_t head_size = query.size(2);
+  TORCH_CHECK(p.block_size == 16 || p.block_size == 32, what, ": an fp8 cache needs block "
+              "size 16 or 32 (16 fp8 elements per 16-byte vector), got ", p.block_size);
+  Fp8LaunchFn launch = nullptr;
+  switch (dtype_of(query)) {
+    case DType::kFloat16:
+      launch = f16;
+      break;
+    case DType::kBFloat16:
+      launch = bf16;
+      break;
+    case DType::kFloat32:
+      launch = f32;
+      break;
+  }
+  check_cuda_status(launch(p, static_cast<int>(head_size), kind, stream), what, head_size);
 }
 
 }  // namespace
@@ -206,6 +248,8 @@ void decode(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache,
   AttentionParams p =
       common_params(out, query, kv_cache, block_table, seq_lens, query_start_loc, decode_reqs,
                     block_size, num_kv_heads, scale, soft_cap, alibi_slopes, window);
+  TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type(),
+              "decode reads a cache in the query's dtype; an fp8 cache goes to decode_fp8");
   TORCH_CHECK(partition_size > 0 && partition_size % block_size == 0,
               "partition_size ", partition_size, " must be a positive multiple of block_size ",
               block_size);
@@ -248,6 +292,8 @@ void prefill(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache
   AttentionParams p =
       common_params(out, query, kv_cache, block_table, seq_lens, query_start_loc, tiles,
                     block_size, num_kv_heads, scale, soft_cap, alibi_slopes, window);
+  TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type(),
+              "prefill reads a cache in the query's dtype; an fp8 cache goes to prefill_fp8");
   TORCH_CHECK(tiles.dim() == 2 && tiles.size(1) == 2 && tiles.is_contiguous(),
               "tiles must be a contiguous [num_tiles, 2] int32 tensor of (request, first row)");
   p.num_items = static_cast<int>(tiles.size(0));
@@ -305,6 +351,107 @@ void prefill(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache
                    "prefill");
 }
 
+void cache_write_fp8(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cache,
+                     const at::Tensor& slot_mapping, int64_t block_size,
+                     const at::Tensor& k_scale, const at::Tensor& v_scale) {
+  check_cuda(key, "key");
+  check_cuda(value, "value");
+  check_cuda(slot_mapping, "slot_mapping");
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(),
+              "key and value must both be [tokens, num_kv_heads, head_size], got ", key.sizes(),
+              " and ", value.sizes());
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1,
+              "key and value must be contiguous in head_size; call .contiguous()");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.numel() >= key.size(0),
+              "slot_mapping must be a contiguous int64 tensor with one entry per token");
+  TORCH_CHECK(key.scalar_type() == value.scalar_type(), "key and value must share one dtype");
+  const Fp8 kind = fp8_of(kv_cache);
+  auto [k_ptr, v_ptr] = kv_pointers(kv_cache);
+  const int64_t head_size = key.size(2);
+  TORCH_CHECK(head_size % 16 == 0 && block_size % 16 == 0, "an fp8 cache needs head_size (",
+              head_size, ") and block_size (", block_size, ") to be multiples of 16");
+  TORCH_CHECK(kv_cache.size(2) == key.size(1) * head_size * block_size,
+              "kv_cache's last dim ", kv_cache.size(2), " != num_kv_heads * head_size * "
+              "block_size = ", key.size(1) * head_size * block_size);
+  const c10::cuda::CUDAGuard guard(key.device());
+  CacheWriteParams p{};
+  p.key = key.data_ptr();
+  p.value = value.data_ptr();
+  p.k_cache = k_ptr;
+  p.v_cache = v_ptr;
+  p.slot_mapping = slot_mapping.data_ptr<int64_t>();
+  p.key_stride_t = key.stride(0);
+  p.key_stride_h = key.stride(1);
+  p.value_stride_t = value.stride(0);
+  p.value_stride_h = value.stride(1);
+  p.num_tokens = static_cast<int>(key.size(0));
+  p.num_kv_heads = static_cast<int>(key.size(1));
+  p.head_size = static_cast<int>(head_size);
+  p.block_size = static_cast<int>(block_size);
+  p.k_scale = scale_ptr(k_scale, "k_scale");
+  p.v_scale = scale_ptr(v_scale, "v_scale");
+  check_cuda_status(launch_cache_write_fp8(p, dtype_of(key), kind,
+                                           c10::cuda::getCurrentCUDAStream().stream()),
+                    "cache_write_fp8", -1);
+}
+
+void decode_fp8(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache,
+                const at::Tensor& block_table, const at::Tensor& seq_lens,
+                const at::Tensor& query_start_loc, const at::Tensor& decode_reqs,
+                int64_t block_size, int64_t num_kv_heads, double scale, double soft_cap,
+                const std::optional<at::Tensor>& alibi_slopes, int64_t window,
+                int64_t partition_size, int64_t max_partitions, const at::Tensor& tmp_out,
+                const at::Tensor& max_logits, const at::Tensor& exp_sums,
+                const at::Tensor& k_scale, const at::Tensor& v_scale) {
+  const Fp8 kind = fp8_of(kv_cache);
+  AttentionParams p =
+      common_params(out, query, kv_cache, block_table, seq_lens, query_start_loc, decode_reqs,
+                    block_size, num_kv_heads, scale, soft_cap, alibi_slopes, window);
+  TORCH_CHECK(partition_size > 0 && partition_size % block_size == 0,
+              "partition_size ", partition_size, " must be a positive multiple of block_size ",
+              block_size);
+  TORCH_CHECK(max_partitions >= 1, "max_partitions must be >= 1");
+  p.num_items = static_cast<int>(decode_reqs.numel());
+  p.partition_size = static_cast<int>(partition_size);
+  p.max_partitions = static_cast<int>(max_partitions);
+  p.grouped = false;
+  p.k_scale = scale_ptr(k_scale, "k_scale");
+  p.v_scale = scale_ptr(v_scale, "v_scale");
+  if (max_partitions > 1) {
+    const int64_t rows = p.num_items * p.num_heads * max_partitions;
+    TORCH_CHECK(tmp_out.scalar_type() == at::kFloat && tmp_out.numel() >= rows * query.size(2) &&
+                    max_logits.numel() >= rows && exp_sums.numel() >= rows,
+                "partition buffers are too small for ", rows, " partition rows");
+    p.tmp_out = tmp_out.data_ptr<float>();
+    p.max_logits = max_logits.data_ptr<float>();
+    p.exp_sums = exp_sums.data_ptr<float>();
+  }
+  launch_fp8_for_dtype(p, query, kind, launch_decode_fp8_f16, launch_decode_fp8_bf16,
+                       launch_decode_fp8_f32, "decode_fp8");
+}
+
+void prefill_fp8(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache,
+                 const at::Tensor& block_table, const at::Tensor& seq_lens,
+                 const at::Tensor& query_start_loc, const at::Tensor& tiles, int64_t block_size,
+                 int64_t num_kv_heads, double scale, double soft_cap,
+                 const std::optional<at::Tensor>& alibi_slopes, int64_t window, bool causal,
+                 const at::Tensor& k_scale, const at::Tensor& v_scale) {
+  const Fp8 kind = fp8_of(kv_cache);
+  AttentionParams p =
+      common_params(out, query, kv_cache, block_table, seq_lens, query_start_loc, tiles,
+                    block_size, num_kv_heads, scale, soft_cap, alibi_slopes, window);
+  TORCH_CHECK(tiles.dim() == 2 && tiles.size(1) == 2 && tiles.is_contiguous(),
+              "tiles must be a contiguous [num_tiles, 2] int32 tensor of (request, first row)");
+  p.num_items = static_cast<int>(tiles.size(0));
+  p.causal = causal;
+  p.prefill_lane_per_key = false;
+  p.k_scale = scale_ptr(k_scale, "k_scale");
+  p.v_scale = scale_ptr(v_scale, "v_scale");
+  launch_fp8_for_dtype(p, query, kind, launch_prefill_fp8_f16, launch_prefill_fp8_bf16,
+                       launch_prefill_fp8_f32, "prefill_fp8");
+}
+
 }  // namespace pagedcore
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -312,6 +459,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cache_write", &pagedcore::cache_write, "Scatter K/V into the paged cache");
   m.def("decode", &pagedcore::decode, "Paged decode attention");
   m.def("prefill", &pagedcore::prefill, "Paged prefill / chunked-prefill attention");
+  m.def("cache_write_fp8", &pagedcore::cache_write_fp8,
+        "Quantize K/V to fp8 and scatter them into the paged cache");
+  m.def("decode_fp8", &pagedcore::decode_fp8, "Paged decode attention over an fp8 cache");
+  m.def("prefill_fp8", &pagedcore::prefill_fp8,
+        "Paged prefill / chunked-prefill attention over an fp8 cache (64-row tiles)");
   m.def("decode_smem_bytes", &pagedcore::decode_smem_bytes,
         "Dynamic shared memory of one per-head decode thread block");
   m.def("decode_mma_smem_bytes", &pagedcore::decode_mma_smem_bytes,

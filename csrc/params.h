@@ -13,6 +13,8 @@
 namespace pagedcore {
 
 enum class DType : int { kFloat16 = 0, kBFloat16 = 1, kFloat32 = 2 };
+// The fp8 KV-cache formats (cuda_fp8.h __nv_fp8_e4m3 / __nv_fp8_e5m2).
+enum class Fp8 : int { kE4M3 = 0, kE5M2 = 1 };
 
 struct CacheWriteParams {
   const void* key;            // [T, Hkv, D]
@@ -22,6 +24,9 @@ struct CacheWriteParams {
   const int64_t* slot_mapping;  // [T], -1 = skip
   int64_t key_stride_t, key_stride_h, value_stride_t, value_stride_h;  // elements
   int num_tokens, num_kv_heads, head_size, block_size;
+  // fp8 cache only: [1] float32 dequantization scales; the write stores fp8(x / scale).
+  const float* k_scale;
+  const float* v_scale;
 };
 
 struct AttentionParams {
@@ -65,11 +70,33 @@ struct AttentionParams {
   float* tmp_out;              // [num_items, Hq, max_partitions, D]
   float* max_logits;           // [num_items, Hq, max_partitions]
   float* exp_sums;             // [num_items, Hq, max_partitions]
+  // fp8 cache only: [1] float32 dequantization scales (attention reads fp8 * scale), read on
+  // the device so captured CUDA graphs see in-place updates.
+  const float* k_scale;
+  const float* v_scale;
 };
 
 // Each returns cudaSuccess or the launch error; an unsupported head/block size returns
 // cudaErrorInvalidValue (the bindings check sizes first and raise a clear error).
 cudaError_t launch_cache_write(const CacheWriteParams& p, DType dtype, cudaStream_t stream);
+
+// fp8 KV cache (fp16 / bf16 / fp32 queries): cache write with quantization, the CUDA-core
+// decode (decode.cuh, per-head blocks) and the WMMA / CUDA-core prefill (prefill.cuh) reading
+// fp8 K/V; block sizes 16 and 32 (16 fp8 elements per 16-byte vector).
+cudaError_t launch_cache_write_fp8(const CacheWriteParams& p, DType dtype, Fp8 kind,
+                                   cudaStream_t stream);
+cudaError_t launch_decode_fp8_f16(const AttentionParams& p, int head_size, Fp8 kind,
+                                  cudaStream_t stream);
+cudaError_t launch_decode_fp8_bf16(const AttentionParams& p, int head_size, Fp8 kind,
+                                   cudaStream_t stream);
+cudaError_t launch_decode_fp8_f32(const AttentionParams& p, int head_size, Fp8 kind,
+                                  cudaStream_t stream);
+cudaError_t launch_prefill_fp8_f16(const AttentionParams& p, int head_size, Fp8 kind,
+                                   cudaStream_t stream);
+cudaError_t launch_prefill_fp8_bf16(const AttentionParams& p, int head_size, Fp8 kind,
+                                    cudaStream_t stream);
+cudaError_t launch_prefill_fp8_f32(const AttentionParams& p, int head_size, Fp8 kind,
+                                   cudaStream_t stream);
 
 cudaError_t launch_decode_f16(const AttentionParams& p, int head_size, cudaStream_t stream);
 cudaError_t launch_decode_bf16(const AttentionParams& p, int head_size, cudaStream_t stream);

@@ -124,7 +124,28 @@ __device__ __forceinline__ void warp_accumulate(const T* p_s, const T* vt_s, flo
   }
 }
 
-template <typename T, int HEAD>
+// Widens 16 bytes of cache elements C to T and stores them at `dst` (16-byte aligned); with
+// `lo`/`hi` given, elements j with pos0 + j outside [lo, hi) are stored as zeros (by select).
+template <typename T, typename C>
+__device__ __forceinline__ void store_widened(T* dst, const uint4& raw, int pos0, int lo,
+                                              int hi) {
+  constexpr int N = vec_elems<C>();
+  alignas(16) T tmp[N];
+  const C* e = reinterpret_cast<const C*>(&raw);
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    const bool keep = pos0 + j >= lo && pos0 + j < hi;
+    tmp[j] = from_float<T>(keep ? to_float(e[j]) : 0.f);
+  }
+#pragma unroll
+  for (int j = 0; j < N * int(sizeof(T)) / 16; ++j) {
+    reinterpret_cast<uint4*>(dst)[j] = reinterpret_cast<const uint4*>(tmp)[j];
+  }
+}
+
+// C is the cache element type: T, or an fp8 type (K/V tiles widened exactly into T in shared
+// memory; k_scale folds into the score scale, v_scale into the output normalisation).
+template <typename T, int HEAD, typename C = T>
 __global__ void __launch_bounds__(kPrefillThreads) prefill_kernel(AttentionParams p) {
   using L = PrefillSmem<T, HEAD>;
   constexpr int X = L::X;
@@ -151,6 +172,7 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_kernel(AttentionParam
   const int seq_len = p.seq_lens[req];
   const int ctx = seq_len - q_len;  // position of query row 0
   const int rows = min(BM, q_len - row0);
+  if (rows <= 0) return;  // a padding tile (fp8 path: 64-row tiles split from 128-row ones)
   const int kv_head = head / (p.num_heads / p.num_kv_heads);
   const float slope = p.alibi_slopes != nullptr ? p.alibi_slopes[head] : 0.f;
 
@@ -183,9 +205,44 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_kernel(AttentionParam
   const T* v_cache = static_cast<const T*>(p.v_cache);
   const int B = p.block_size;
   const int64_t head_stride = static_cast<int64_t>(HEAD) * B;
+  float qk_scale = p.scale, v_scale = 1.f;
+  if constexpr (is_fp8<C>()) {
+    qk_scale *= *p.k_scale;
+    v_scale = *p.v_scale;
+  }
 
   for (int kt = (kv_lo / BN) * BN; kt < kv_hi; kt += BN) {
     __syncthreads();  // previous tile's K/V no longer read; Q/O init visible on first pass
+    if constexpr (is_fp8<C>()) {
+      constexpr int XC = vec_elems<C>();  // 16 fp8 elements per 16-byte vector
+      const C* kc_cache = static_cast<const C*>(p.k_cache);
+      const C* vc_cache = static_cast<const C*>(p.v_cache);
+      for (int i = tid; i < BN * (HEAD / XC); i += kPrefillThreads) {
+        const int kk = i % BN, c = i / BN;
+        const int pos = kt + kk;
+        uint4 v = zero;
+        const bool in = pos >= kv_lo && pos < kv_hi;
+        if (in) {
+          const int64_t phys = bt[pos / B];
+          v = *reinterpret_cast<const uint4*>(
+              kc_cache + (phys * p.num_kv_heads + kv_head) * head_stride +
+              (static_cast<int64_t>(c) * B + pos % B) * XC);
+        }
+        store_widened<T, C>(k_s + kk * L::LDQ + c * XC, v, 0, 0, in ? XC : 0);
+      }
+      for (int i = tid; i < HEAD * (BN / XC); i += kPrefillThreads) {
+        const int kc = i % (BN / XC), d = i / (BN / XC);
+        const int pos0 = kt + kc * XC;
+        uint4 v = zero;
+        if (pos0 + XC > kv_lo && pos0 < kv_hi) {
+          const int64_t phys = bt[max(pos0, kv_lo) / B];
+          v = *reinterpret_cast<const uint4*>(
+              vc_cache + (phys * p.num_kv_heads + kv_head) * head_stride +
+              static_cast<int64_t>(d) * B + pos0 % B);
+        }
+        store_widened<T, C>(vt_s + d * L::LDV + kc * XC, v, pos0, kv_lo, kv_hi);
+      }
+    } else {
     // K: threads walk keys fastest so a warp reads consecutive 16-byte vectors of one block.
     for (int i = tid; i < BN * (HEAD / X); i += kPrefillThreads) {
       const int kk = i % BN, c = i / BN;
@@ -219,6 +276,7 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_kernel(AttentionParam
       }
       *reinterpret_cast<uint4*>(vt_s + d * L::LDV + kc * X) = v;
     }
+    }  // cache dtype
     __syncthreads();
 
     warp_scores<T, HEAD>(q_s, k_s, s_s, warp, lane);
@@ -234,7 +292,7 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_kernel(AttentionParam
         bool visible = row < rows && pos_k >= kv_lo && pos_k < kv_hi;
         if (p.causal) visible = visible && pos_k <= pos_q;
         if (p.window > 0) visible = visible && pos_q - pos_k < p.window;
-        const float s = transform_score(s_s[row * L::LDS + lane], p.scale, p.soft_cap, slope,
+        const float s = transform_score(s_s[row * L::LDS + lane], qk_scale, p.soft_cap, slope,
                                         pos_k, pos_q);
         const float row_max = warp_max(visible ? s : -INFINITY);
         const float m_old = m_s[row];
@@ -271,7 +329,7 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_kernel(AttentionParam
         bool visible = row_ok && pos_k >= kv_lo && pos_k < kv_hi;
         if (p.causal) visible = visible && pos_k <= pos_q;
         if (p.window > 0) visible = visible && pos_q - pos_k < p.window;
-        const float s = transform_score(s_s[row * L::LDS + col], p.scale, p.soft_cap, slope,
+        const float s = transform_score(s_s[row * L::LDS + col], qk_scale, p.soft_cap, slope,
                                         pos_k, pos_q);
         sv[j] = visible ? s : -INFINITY;
         mx = fmaxf(mx, sv[j]);
@@ -306,17 +364,17 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_kernel(AttentionParam
     const int row = 16 * warp + r;
     if (row >= rows) break;
     const float l = l_s[row];
-    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const float inv = l > 0.f ? v_scale / l : 0.f;
     T* orow = out + static_cast<int64_t>(q_begin + row0 + row) * p.o_stride_t +
               static_cast<int64_t>(head) * p.o_stride_h;
     for (int d = lane; d < HEAD; d += 32) orow[d] = from_float<T>(o_s[row * L::LDO + d] * inv);
   }
 }
 
-template <typename T, int HEAD>
+template <typename T, int HEAD, typename C = T>
 cudaError_t launch_prefill_head(const AttentionParams& p, cudaStream_t stream) {
   constexpr int smem = PrefillSmem<T, HEAD>::BYTES;
-  auto kernel = prefill_kernel<T, HEAD>;
+  auto kernel = prefill_kernel<T, HEAD, C>;
   if (smem > 48 * 1024) {
     const cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -326,25 +384,34 @@ cudaError_t launch_prefill_head(const AttentionParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-template <typename T>
+template <typename T, typename C = T>
 cudaError_t launch_prefill(const AttentionParams& p, int head_size, cudaStream_t stream) {
   if (p.num_items == 0) return cudaSuccess;
+  if (is_fp8<C>() && p.block_size % vec_elems<C>() != 0) return cudaErrorInvalidValue;
   switch (head_size) {
     case 64:
-      return launch_prefill_head<T, 64>(p, stream);
+      return launch_prefill_head<T, 64, C>(p, stream);
     case 80:
-      return launch_prefill_head<T, 80>(p, stream);
+      return launch_prefill_head<T, 80, C>(p, stream);
     case 96:
-      return launch_prefill_head<T, 96>(p, stream);
+      return launch_prefill_head<T, 96, C>(p, stream);
     case 112:
-      return launch_prefill_head<T, 112>(p, stream);
+      return launch_prefill_head<T, 112, C>(p, stream);
     case 128:
-      return launch_prefill_head<T, 128>(p, stream);
+      return launch_prefill_head<T, 128, C>(p, stream);
     case 256:
-      return launch_prefill_head<T, 256>(p, stream);
+      return launch_prefill_head<T, 256, C>(p, stream);
     default:
       return cudaErrorInvalidValue;
   }
+}
+
+// fp8 cache: the WMMA (fp16/bf16) / CUDA-core (fp32) kernel, block sizes 16 and 32.
+template <typename T>
+cudaError_t launch_prefill_fp8(const AttentionParams& p, int head_size, Fp8 kind,
+                               cudaStream_t stream) {
+  return kind == Fp8::kE4M3 ? launch_prefill<T, __nv_fp8_e4m3>(p, head_size, stream)
+                            : launch_prefill<T, __nv_fp8_e5m2>(p, head_size, stream);
 }
 
 }  // namespace pagedcore

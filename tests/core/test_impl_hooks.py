@@ -50,8 +50,6 @@ REFUSALS = [
      r"sinks has 3 entries, expected one per query head \(8\)"),
     ("pagedcore_cuda_paged.impl", "CudaPagedImpl", {"head_size": 72}, ValueError,
      "cuda_paged has kernels for head sizes .*, not 72; choose another backend"),
-    ("pagedcore_cuda_paged.impl", "CudaPagedImpl", {"kv_cache_dtype": "fp8_e4m3"}, ValueError,
-     "cuda_paged stores the KV cache in the model dtype"),
     ("pagedcore_flash_attn.impl", "FlashAttnImpl", {"head_size": 260}, ValueError,
      "head size 260 is not supported by the flash_attn backend"),
     ("pagedcore_flash_attn.impl", "FlashAttnImpl", {"kv_cache_dtype": "fp8_e4m3"}, ValueError,

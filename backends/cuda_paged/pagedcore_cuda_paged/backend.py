@@ -6,6 +6,7 @@ from typing import Any, ClassVar
 
 from pagedcore.attention.backend import (
     AttentionBackend,
+    AttentionConfig,
     AttentionImpl,
     CudaGraphSupport,
     MetadataBuilder,
@@ -43,7 +44,9 @@ class CudaPagedBackend(AttentionBackend):
         "docs/benchmarks/h200_s12_fi/round3/engine_prefill_*.json)"
     )
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float16", "bfloat16", "float32")
-    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
+    #: fp8: quantized at the cache write, dequantized inside decode_fp8 / prefill_fp8 (block
+    #: sizes 16 and 32 only: 16 fp8 elements per 16-byte vector; see `validate_configuration`).
+    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto", "fp8_e4m3", "fp8_e5m2")
     supported_head_sizes: ClassVar[tuple[int, ...] | None] = SUPPORTED_HEAD_SIZES
     supported_block_sizes: ClassVar[tuple[Any, ...]] = (8, 16, 32)
     supported_devices: ClassVar[tuple[str, ...]] = ("cuda",)
@@ -56,6 +59,16 @@ class CudaPagedBackend(AttentionBackend):
     cudagraph_support: ClassVar[CudaGraphSupport] = (
         CudaGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE
     )
+
+    @classmethod
+    def validate_configuration(cls, cfg: AttentionConfig) -> list[str]:
+        reasons = super().validate_configuration(cfg)
+        if cfg.kv_cache_dtype != "auto" and cfg.block_size in (8,):
+            reasons.append(
+                f"an fp8 KV cache needs block size 16 or 32 (16 fp8 elements per 16-byte "
+                f"vector), got {cfg.block_size}"
+            )
+        return reasons
 
     @classmethod
     def is_available(cls) -> str | None:

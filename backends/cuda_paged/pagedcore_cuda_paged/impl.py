@@ -4,10 +4,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import attrs
+
 from pagedcore.attention.backend import AttentionImpl
 from pagedcore_cuda_paged._ext import load_ops
 from pagedcore_cuda_paged.metadata import CudaPagedMetadata
-from pagedcore_cuda_paged.plan import DecodePass, capture_span_bound, decode_plan
+from pagedcore_cuda_paged.plan import (
+    DecodeKernel,
+    DecodePass,
+    capture_span_bound,
+    decode_plan,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -37,11 +44,36 @@ def _aligned_rows(t: torch.Tensor) -> bool:
     )
 
 
+def _tiles64(metadata: CudaPagedMetadata, which: int, tiles: torch.Tensor) -> torch.Tensor:
+    """`tiles` (``[N, 2]`` int32 (request, first row) of ``metadata.prefill_rows``-row tiles)
+    as 64-row tiles for `prefill_fp8`: each 128-row tile becomes rows r and r + 64 (a tile
+    past the request's last row is a no-op in the kernel), made on the device without a host
+    read and kept in ``metadata.launches`` for the other layers."""
+    import torch
+
+    if metadata.prefill_rows == 64:
+        return tiles
+    key = ("fp8_tiles64", which)
+    cached = metadata.launches.get(key)
+    if cached is None:
+        assert metadata.prefill_rows % 64 == 0
+        n = metadata.prefill_rows // 64
+        parts = [tiles + torch.tensor([0, 64 * j], dtype=tiles.dtype, device=tiles.device)
+                 for j in range(n)]
+        cached = torch.stack(parts, dim=1).reshape(-1, 2).contiguous()
+        metadata.launches[key] = cached
+    result: torch.Tensor = cached
+    return result
+
+
 class CudaPagedImpl(AttentionImpl[CudaPagedMetadata]):
     """One layer over the cuda_paged cache (see `pagedcore_cuda_paged.layout`).
 
-    Parameters are `AttentionImpl`'s; `head_size` must be one of `SUPPORTED_HEAD_SIZES` and
-    `kv_cache_dtype` ``"auto"``.
+    Parameters are `AttentionImpl`'s; `head_size` must be one of `SUPPORTED_HEAD_SIZES`.
+    `kv_cache_dtype` ``"fp8_e4m3"`` / ``"fp8_e5m2"``: the cache write quantizes with the layer's
+    scales (`cache_write_fp8`), decode runs the per-head CUDA-core kernel and prefill the
+    64-row WMMA kernel over the fp8 cache (`decode_fp8` / `prefill_fp8`, dequantizing inside
+    the kernel); block sizes 16 and 32 (the layout packs 16 fp8 elements per vector).
     """
 
     def check_supported(self) -> None:
@@ -49,11 +81,6 @@ class CudaPagedImpl(AttentionImpl[CudaPagedMetadata]):
             raise ValueError(
                 f"cuda_paged has kernels for head sizes {SUPPORTED_HEAD_SIZES}, not "
                 f"{self.head_size}; choose another backend (pagedcore select --head-size ...)"
-            )
-        if self.kv_cache_dtype != "auto":
-            raise ValueError(
-                f"cuda_paged stores the KV cache in the model dtype (kv_cache_dtype='auto'), "
-                f"got {self.kv_cache_dtype!r}"
             )
 
     def _block_size(self, kv_cache: torch.Tensor) -> int:
@@ -77,6 +104,11 @@ class CudaPagedImpl(AttentionImpl[CudaPagedMetadata]):
 
         n = key.shape[0]
         slots = slot_mapping[:n].to(torch.int64).contiguous()
+        if self.kv_fp8:
+            k_scale, v_scale = self.kv_scales_on(key.device)
+            load_ops().cache_write_fp8(key, value, kv_cache, slots, self._block_size(kv_cache),
+                                       k_scale, v_scale)
+            return
         load_ops().cache_write(key, value, kv_cache, slots, self._block_size(kv_cache))
 
     def forward(
@@ -106,6 +138,13 @@ class CudaPagedImpl(AttentionImpl[CudaPagedMetadata]):
         cap = 0.0 if self.logits_soft_cap is None else float(self.logits_soft_cap)
         window = 0 if self.sliding_window is None else self.sliding_window
         common = (metadata.block_table, metadata.seq_lens, metadata.query_start_loc)
+
+        if self.kv_fp8:
+            self._forward_fp8(query, kv_cache, metadata, out, block_size)
+            if output is not None and out is not output:
+                output.copy_(out)
+                return output
+            return out
 
         if metadata.num_decodes:
             launch = decode_plan(
@@ -153,6 +192,57 @@ class CudaPagedImpl(AttentionImpl[CudaPagedMetadata]):
             output.copy_(out)
             return output
         return out
+
+    def _forward_fp8(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: CudaPagedMetadata,
+        out: torch.Tensor, block_size: int,
+    ) -> None:
+        """The step over an fp8 cache: `decode_fp8` (per-head CUDA-core kernel, one pass or
+        partitioned) for the decodes, `prefill_fp8` (64-row tiles) for every other request,
+        handed-off prompts included (triton's Hopper kernel takes no fp8 cache)."""
+        import torch
+
+        ops = load_ops()
+        alibi = self.alibi_slopes_on(query.device)
+        cap = 0.0 if self.logits_soft_cap is None else float(self.logits_soft_cap)
+        window = 0 if self.sliding_window is None else self.sliding_window
+        k_scale, v_scale = self.kv_scales_on(query.device)
+        common = (metadata.block_table, metadata.seq_lens, metadata.query_start_loc)
+        if metadata.num_decodes:
+            launch = decode_plan(
+                metadata.decode_seq_lens, num_heads=self.num_heads,
+                num_kv_heads=self.num_kv_heads, head_size=self.head_size,
+                block_size=block_size, sliding_window=self.sliding_window,
+                # The per-head CUDA-core kernel's plan (fp8 has no mma / grouped decode).
+                policy=attrs.evolve(metadata.policy, kernel=DecodeKernel.CLASSIC,
+                                    group_heads=False),
+                smem_limit=_smem_limit(query.device),
+                max_span=None if metadata.decode_max_seq_len is None else capture_span_bound(
+                    metadata.decode_max_seq_len, block_size=block_size,
+                    sliding_window=self.sliding_window),
+            )
+            if launch.mode is DecodePass.PARTITIONED:
+                rows = metadata.num_decodes * self.num_heads * launch.max_partitions
+                tmp = torch.empty(rows * self.head_size, dtype=torch.float32,
+                                  device=query.device)
+                stats = torch.empty(2, rows, dtype=torch.float32, device=query.device)
+                max_logits, exp_sums = stats[0], stats[1]
+            else:
+                tmp = max_logits = exp_sums = torch.empty(0, dtype=torch.float32,
+                                                          device=query.device)
+            ops.decode_fp8(
+                out, query, kv_cache, *common, metadata.decode_reqs, block_size,
+                self.num_kv_heads, self.scale, cap, alibi, window, launch.partition_size,
+                launch.max_partitions, tmp, max_logits, exp_sums, k_scale, v_scale,
+            )
+        for i, tiles in enumerate((metadata.prefill_tiles, metadata.handoff_tiles)):
+            if tiles is None or tiles.numel() == 0:
+                continue
+            ops.prefill_fp8(
+                out, query, kv_cache, *common, _tiles64(metadata, i, tiles), block_size,
+                self.num_kv_heads, self.scale, cap, alibi, window, metadata.causal,
+                k_scale, v_scale,
+            )
 
     def _hopper_serves(
         self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
