@@ -120,3 +120,28 @@ def test_token_major_fast_path_matches_the_attention_interface(
     assert got == want
     # The interface route reaches the same token-major core through pagedcore_attention.
     assert not calls
+
+
+def test_triton_layers_check_their_inputs_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A triton layer validates its cache and query dtype on first use, not on every call
+    (the cache write and the attention of every step); another cache is checked again and a
+    wrong one still refused."""
+    from pagedcore_triton.impl import TritonAttentionImpl
+
+    llm, layers = _fused_llm(monkeypatch, 2)
+    calls: list[int] = []
+    real = TritonAttentionImpl._check_inputs
+
+    def counting(self: Any, query: torch.Tensor, kv_cache: torch.Tensor) -> None:
+        calls.append(1)
+        real(self, query, kv_cache)
+
+    monkeypatch.setattr(TritonAttentionImpl, "_check_inputs", counting)
+    _decode_ops(llm)  # prefill and 4 decode steps
+    assert len(calls) == layers, calls
+    binding = llm.runner.layers[0]
+    q = torch.zeros(1, 2, 64)
+    bad = torch.zeros(2, 4, 16, 3, 64)  # 3 KV heads, the layer has 1
+    with pytest.raises(ValueError, match="kv_cache has shape"):
+        binding.impl.do_kv_cache_update(q[:, :1], q[:, :1], bad, torch.zeros(1, dtype=torch.long))
+    assert len(calls) == layers + 1
