@@ -43,6 +43,8 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             )
 
     def setup(self) -> None:
+        #: The (cache, query) properties `_check` last accepted.
+        self._checked: tuple[Any, ...] | None = None
         self._features = (
             self.alibi_slopes is not None,
             self.sliding_window is not None,
@@ -52,6 +54,16 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         )
 
     def _check(self, query: torch.Tensor, kv_cache: torch.Tensor) -> None:
+        # A layer sees the same cache tensor and query dtype every step (twice a step: the
+        # cache write and the attention): check them once, not per call (issue 22).
+        seen = (kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride(), kv_cache.dtype,
+                query.dtype, query.is_cuda)
+        if seen == self._checked:
+            return
+        self._check_inputs(query, kv_cache)
+        self._checked = seen
+
+    def _check_inputs(self, query: torch.Tensor, kv_cache: torch.Tensor) -> None:
         if query.device.type == "cpu" and not interpreting():
             raise ValueError(
                 "the triton backend got CPU tensors; it runs on CUDA tensors, or on CPU tensors "
@@ -89,8 +101,9 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
 
         num_tokens = min(key.shape[0], slot_mapping.shape[0])
         scales = self.kv_scales_on(kv_cache.device) if self.kv_fp8 else None
-        write_kv_cache(key[:num_tokens], value[:num_tokens], kv_cache, slot_mapping,
-                       kv_scales=scales)
+        if num_tokens != key.shape[0]:
+            key, value = key[:num_tokens], value[:num_tokens]
+        write_kv_cache(key, value, kv_cache, slot_mapping, kv_scales=scales)
 
     def forward(
         self,

@@ -19,7 +19,10 @@ if TYPE_CHECKING:
 
     from pagedcore.attention.backend import AttentionImpl
 
-__all__ = ["ATTN_IMPLEMENTATION", "LayerBinding", "StepContext", "pagedcore_attention", "register"]
+__all__ = [
+    "ATTN_IMPLEMENTATION", "LayerBinding", "StepContext", "paged_attention_tokens",
+    "pagedcore_attention", "register",
+]
 
 #: The `attn_implementation` name pagedcore registers with transformers.
 ATTN_IMPLEMENTATION = "pagedcore"
@@ -136,6 +139,46 @@ def pagedcore_attention(
     tuple
         ``([1, T, Hq, D] output in the query dtype, None)`` — no attention weights.
     """
+    # [1, H, T, D] -> [T, H, D]; a no-op copy when transformers' layout is already token-major.
+    q = query[0].transpose(0, 1).contiguous()
+    k = key[0].transpose(0, 1).contiguous()
+    v = value[0].transpose(0, 1).contiguous()
+    out = paged_attention_tokens(module, q, k, v, pagedcore_ctx=pagedcore_ctx,
+                                 sliding_window=sliding_window)
+    return out.unsqueeze(0), None
+
+
+def paged_attention_tokens(
+    module: Any,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    pagedcore_ctx: StepContext | None,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """`pagedcore_attention` on token-major heads: the cache write, then the layer's
+    attention (what a module that already holds ``[T, H, D]`` heads calls directly, skipping
+    the ``[1, H, T, D]`` round trip of transformers' attention interface).
+
+    Parameters
+    ----------
+    module:
+        The attention module (gives ``layer_idx``).
+    q:
+        ``[T, Hq, D]``, rotary embedding applied.
+    k, v:
+        ``[T, Hkv, D]``.
+    pagedcore_ctx:
+        The step's `StepContext`; required.
+    sliding_window:
+        The layer's window as the model passes it (checked against the KV-cache group's).
+
+    Returns
+    -------
+    torch.Tensor
+        ``[T, Hq, D]`` in the query dtype.
+    """
     if pagedcore_ctx is None:
         raise RuntimeError(
             "the model's attention implementation is 'pagedcore' but no pagedcore_ctx was "
@@ -150,16 +193,13 @@ def pagedcore_attention(
             f"group was planned for {impl.sliding_window}; the model config and the KV-cache "
             "specs disagree"
         )
-    # [1, H, T, D] -> [T, H, D]; a no-op copy when transformers' layout is already token-major.
-    q = query[0].transpose(0, 1).contiguous()
-    k = key[0].transpose(0, 1).contiguous()
-    v = value[0].transpose(0, 1).contiguous()
     slots = pagedcore_ctx.slot_mappings[binding.group]
     if binding.calibration is not None and binding.calibration.pending:
         binding.calibration.maybe_calibrate(impl, k, v, slots)
     impl.do_kv_cache_update(k, v, binding.kv_cache, slots)
-    out = impl.forward(q, k, v, binding.kv_cache, pagedcore_ctx.metadata[binding.group])
-    return out.unsqueeze(0), None
+    out: torch.Tensor = impl.forward(q, k, v, binding.kv_cache,
+                                     pagedcore_ctx.metadata[binding.group])
+    return out
 
 
 def register() -> None:

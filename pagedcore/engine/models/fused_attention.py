@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedcore.engine.models.attention_hook import ATTN_IMPLEMENTATION, paged_attention_tokens
 from pagedcore.engine.models.fused_ops import copy_attributes
 from pagedcore.engine.models.linear_stack import LinearStack
 
@@ -174,6 +175,13 @@ class FusedAttention(nn.Module):
         # The v heads are copied into their own contiguous buffer in the same launch.
         q, k, v = apply_rotary(qkv, cos, sin, first_heads=num_q_heads,
                                second_heads=num_kv_heads)
+        if batch == 1 and self.config._attn_implementation == ATTN_IMPLEMENTATION:
+            # The engine's layout: the heads are already token-major [T, H, D], as the paged
+            # backends take them; no [1, H, T, D] views, interface lookup or copies back.
+            out_tokens = paged_attention_tokens(
+                self, q, k, v, pagedcore_ctx=kwargs.get("pagedcore_ctx"),
+                sliding_window=self._window_kw.get("sliding_window"))
+            return self.o_proj(out_tokens.view(*input_shape, -1)), None
 
         def heads_first(t: torch.Tensor) -> torch.Tensor:
             return t.view(batch, tokens, t.shape[1], t.shape[2]).transpose(1, 2)
