@@ -11,8 +11,12 @@ ALiBi would be too (relative positions), but layers with ALiBi or a sliding wind
 plain plan instead: the prefix kernel has neither (declared in the plugin guide). Soft-cap
 is applied in both parts.
 
-Cascade steps are planned from this step's lengths, so they run eagerly, never under a CUDA
-graph: the engine plans a captured step with ``common_prefix_len=0`` (``docs/engine.md``).
+`plan_cascade` plans from this step's Python-int prefix length (an eager step).
+`plan_graph_cascade` is the CUDA-graph form: the prefix length is a ``[1]`` int32 device
+scalar, the suffix lengths and the shifted block table are filled by device ops into static
+buffers, and the prefix launch is sized for a capacity (the longest prefix the bucket may
+hold), reading the real length on the device; its launches can be captured once and
+replayed for any prefix up to the capacity (``docs/engine.md``).
 
 ``PAGEDCORE_TRITON_CASCADE_PREFIX`` (tuning) overrides the prefix launch's shape:
 ``BLOCK_M,TILE_N,num_warps,num_stages,programs_per_sm`` (see `prefix_config`).
@@ -37,7 +41,9 @@ __all__ = [
     "CASCADE_PREFIX_ENV",
     "CascadePlan",
     "PrefixConfig",
+    "fill_graph_cascade",
     "plan_cascade",
+    "plan_graph_cascade",
     "prefix_config",
     "run_cascade",
 ]
@@ -74,6 +80,10 @@ class CascadePlan:
     scratch:
         The prefix partials of the step's layer shapes (the layers run one after the other),
         filled by `run_cascade`.
+    prefix_len_dev:
+        ``[1]`` int32 device scalar holding the real ``P`` (`plan_graph_cascade`), else None;
+        with it `prefix_len` is the capacity the prefix launch is sized for and
+        `prefix_blocks` spans the capacity's blocks.
     """
 
     prefix_len: int
@@ -83,6 +93,7 @@ class CascadePlan:
     suffix_part: LaunchPart
     num_tokens: int
     scratch: dict[tuple[Any, ...], Any] = attrs.field(factory=dict, repr=False)
+    prefix_len_dev: torch.Tensor | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -122,6 +133,81 @@ def plan_cascade(
         suffix_part=suffix_part,
         num_tokens=common.num_actual_tokens,
     )
+
+
+def plan_graph_cascade(
+    common: CommonAttentionMetadata,
+    prefix_len_dev: torch.Tensor,
+    capacity: int,
+    block_size: int,
+    part: LaunchPart,
+    *,
+    suffix_seq_lens: torch.Tensor,
+    suffix_table: torch.Tensor,
+) -> CascadePlan:
+    """The cascade plan of a CUDA-graph step: no host reads, only device ops into static
+    buffers (so the same plan, its launches captured, serves every replay of the bucket).
+
+    Parameters
+    ----------
+    common:
+        The bucket's metadata (padded requests have ``seq_lens`` 0).
+    prefix_len_dev:
+        ``[1]`` int32 on the device: this replay's shared tokens ``P`` (a multiple of
+        `block_size`, at most `capacity`; 0 is allowed: the prefix contributes nothing).
+    capacity:
+        The longest prefix (tokens, a multiple of `block_size`) the graph may replay with;
+        it sizes the prefix launch and must fit the block table.
+    part:
+        The suffix launch part of the bucket (its split-KV segments sized for the bucket's
+        longest sequence, as `build_for_cudagraph_capture` plans them).
+    suffix_seq_lens:
+        ``[B]`` int32 buffer, filled with ``max(seq_lens - P, 0)``.
+    suffix_table:
+        ``[B, W]`` int32 buffer (``W`` the block table's width), filled with the block
+        table shifted left by ``P // block_size`` (its tail repeats the last column; those
+        entries lie past every suffix length, never read).
+    """
+    num_reqs = common.num_reqs
+    table = common.block_table[:num_reqs]
+    width = table.shape[1]
+    if capacity % block_size or not 0 <= capacity // block_size <= width:
+        raise ValueError(f"cascade capacity {capacity} must be a multiple of the block size "
+                         f"{block_size} within the block table's {width} blocks")
+    if suffix_seq_lens.shape != (num_reqs,) or suffix_table.shape != (num_reqs, width):
+        raise ValueError(f"cascade buffers {tuple(suffix_seq_lens.shape)} / "
+                         f"{tuple(suffix_table.shape)} must be ({num_reqs},) / "
+                         f"({num_reqs}, {width})")
+    fill_graph_cascade(common, prefix_len_dev, block_size, suffix_seq_lens, suffix_table)
+    suffix_part = attrs.evolve(part, flat_programs=None, balanced_programs=None,
+                               min_segment_tokens=0, tma_prefill=False)
+    return CascadePlan(
+        prefix_len=capacity,
+        prefix_blocks=common.block_table[0, : capacity // block_size],
+        suffix_seq_lens=suffix_seq_lens,
+        suffix_table=suffix_table,
+        suffix_part=suffix_part,
+        num_tokens=common.num_actual_tokens,
+        prefix_len_dev=prefix_len_dev,
+    )
+
+
+def fill_graph_cascade(
+    common: CommonAttentionMetadata,
+    prefix_len_dev: torch.Tensor,
+    block_size: int,
+    suffix_seq_lens: torch.Tensor,
+    suffix_table: torch.Tensor,
+) -> None:
+    """Refill a graph plan's suffix buffers for this replay's ``P`` (device ops only: safe
+    to run before a replay or inside a capture)."""
+    num_reqs = common.num_reqs
+    table = common.block_table[:num_reqs]
+    width = table.shape[1]
+    torch.clamp(common.seq_lens[:num_reqs] - prefix_len_dev, min=0, out=suffix_seq_lens)
+    shift = torch.div(prefix_len_dev, block_size, rounding_mode="floor").to(torch.int64)
+    cols = torch.clamp(torch.arange(width, device=table.device) + shift, max=width - 1)
+    torch.gather(table, 1, cols.expand(num_reqs, width), out=suffix_table)
 
 
 @functools.lru_cache(maxsize=8)
@@ -218,13 +304,15 @@ def run_prefix(
     stride_cs = num_kv_heads * head_size
     cascade_prefix_kernel[(cfg.m_tiles, num_kv_heads, cfg.segments)](
         query, kv_cache, num_blocks * block_size * stride_cs, plan.prefix_blocks, pfx_acc,
-        pfx_ml, num_tokens, plan.prefix_len, scale,
+        pfx_ml, num_tokens, plan.prefix_len,
+        plan.prefix_blocks if plan.prefix_len_dev is None else plan.prefix_len_dev, scale,
         1.0 if logits_soft_cap is None else logits_soft_cap,
         query.stride(0), query.stride(1), block_size * stride_cs, stride_cs, head_size,
         HEAD_SIZE=head_size, HEAD_PAD=pfx_acc.shape[-1], BLOCK_SIZE=block_size,
         QPK=num_heads // num_kv_heads, BLOCK_M=cfg.block_m, TILE_N=cfg.tile_n,
         NUM_SEGMENTS=cfg.segments, USE_SOFTCAP=logits_soft_cap is not None,
         DOT_FP32=interpreting() or query.dtype == torch.float32, STAGES=cfg.num_stages,
+        PREFIX_FROM_PTR=plan.prefix_len_dev is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return pfx_acc, pfx_ml

@@ -295,6 +295,36 @@ class TritonMetadataBuilder(MetadataBuilder[TritonAttentionMetadata]):
         segments = self.decode_segments(num_reqs=num_reqs, max_seq_len=common.max_seq_len)
         return _one_launch(common, token_end=num_reqs, max_query_len=1, num_segments=segments)
 
+    def build_cascade_for_cudagraph_capture(
+        self,
+        common: CommonAttentionMetadata,
+        prefix_len_dev: torch.Tensor,
+        capacity: int,
+        *,
+        suffix_seq_lens: torch.Tensor,
+        suffix_table: torch.Tensor,
+    ) -> TritonAttentionMetadata:
+        """`build_for_cudagraph_capture`'s decode plan with a graph cascade plan
+        (`pagedcore_triton.cascade.plan_graph_cascade`): the shared prefix length is the
+        ``[1]`` int32 device scalar `prefix_len_dev` (up to `capacity` tokens), the suffix
+        buffers are static, so the captured launches serve every replay of the bucket. The
+        suffix launch splits for ``common.max_seq_len`` like the plain capture plan; before
+        a replay, `pagedcore_triton.cascade.fill_graph_cascade` refills the suffix buffers
+        (or capture it in the graph)."""
+        from pagedcore_triton.cascade import plan_graph_cascade
+
+        if common.max_query_len > 1 or common.num_actual_tokens != common.num_reqs:
+            raise ValueError("build_cascade_for_cudagraph_capture serves single-token decode "
+                             "buckets only (a mixed step's cascade runs eagerly)")
+        meta = self.build_for_cudagraph_capture(common)
+        segments = self.decode_segments(num_reqs=common.num_reqs,
+                                        max_seq_len=common.max_seq_len)
+        whole = attrs.evolve(meta.parts[0], num_segments=segments, balanced_programs=None)
+        plan = plan_graph_cascade(common, prefix_len_dev, capacity,
+                                  self.kv_cache_spec.block_size, whole,
+                                  suffix_seq_lens=suffix_seq_lens, suffix_table=suffix_table)
+        return attrs.evolve(meta, cascade=plan)
+
     def _plan_mixed_capture(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
         """One unified launch on a flat grid for a captured mixed step of ``T`` token slots.
 

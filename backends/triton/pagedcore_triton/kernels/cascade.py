@@ -37,6 +37,7 @@ def cascade_prefix_kernel(
     part_ml_ptr,
     num_tokens,
     prefix_len,
+    prefix_len_ptr,
     scale,
     soft_cap,
     stride_qt,
@@ -54,6 +55,7 @@ def cascade_prefix_kernel(
     USE_SOFTCAP: tl.constexpr,
     DOT_FP32: tl.constexpr,
     STAGES: tl.constexpr = 3,
+    PREFIX_FROM_PTR: tl.constexpr = False,
 ):
     """Grid ``(cdiv(T * QPK, BLOCK_M), Hkv, NUM_SEGMENTS)``; partials ``[T, Hq, S, HEAD_PAD]``
     and ``[T, Hq, S, 2]`` float32 (row ``r`` of a KV head is token ``r // QPK``, query head
@@ -62,7 +64,14 @@ def cascade_prefix_kernel(
     Segment ``s`` walks an equal share of the prefix's ``TILE_N``-token tiles: the tiles
     inside the prefix without masks (software-pipelined over `STAGES` stages), the last,
     partial one (a prefix ends on a block, not on a tile) masked. A segment left without
-    tiles marks its rows empty (max -inf), which weigh nothing in the merge."""
+    tiles marks its rows empty (max -inf), which weigh nothing in the merge.
+
+    With ``PREFIX_FROM_PTR`` the prefix length is read from ``prefix_len_ptr`` (a ``[1]``
+    int32 device scalar: the CUDA-graph cascade, whose launch is captured once for a bucket)
+    and `prefix_len` is only the capacity the grid was sized for; segments split the *real*
+    prefix's tiles, so a shorter prefix leaves trailing segments empty (they exit early)."""
+    if PREFIX_FROM_PTR:
+        prefix_len = tl.load(prefix_len_ptr)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
