@@ -16,7 +16,7 @@ el "build"
 timeout 110 python3 -m pip install -v --no-build-isolation --no-deps ./backends/cuda_paged \
   > "$R/build.log" 2>&1
 el "build rc=$?"
-python3 -c "import pagedcore_cuda_paged._C as c; print('extension', c.__file__, \
+python3 -c "import torch, pagedcore_cuda_paged._C as c; print('extension', c.__file__, \
   hasattr(c, 'decode_fp8'))" 2>&1 | tee "$R/ext.txt" || {
   grep -iE "error" "$R/build.log" | head -40; tail -30 "$R/build.log"; exit 1; }
 
