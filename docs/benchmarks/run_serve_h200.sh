@@ -27,7 +27,9 @@
 #   bench_serve_<model>.json/.png  the sweep (TTFT/TPOT/ITL/e2e percentiles, goodput, errors)
 #   generate_<model>.json          LLM.generate on the same requests, and the ratio
 #   metrics_<model>.txt            /metrics after the sweep; serve_<model>.log the server log
-#   cpu_<model>.json               CPU seconds of the server, its engine process and the client
+#   cpu_<model>.json               CPU seconds of the server, its engine process and the client;
+#                                  the engine loop's phases over the rate-inf run (step trace)
+#   step_trace_<model>.jsonl       the engine loop's timeline (PAGEDCORE_STEP_TRACE)
 # Workload: input 128-2,048 tokens, output 128-512 (ignore_eos, greedy). Targets (issue 23):
 # throughput at saturation (rate inf) >= 90 % of LLM.generate, TTFT p99 < 1 s below
 # saturation, zero errors.
@@ -120,6 +122,8 @@ for m in $MODELS; do
   if [ "$(date +%s)" -ge "$DEADLINE" ]; then echo "SKIPPED serving $m: past the deadline"; continue; fi
   echo "== pagedcore serve random:$m ($(date +%T))"
   # shellcheck disable=SC2086
+  rm -f "$D/step_trace_$m.jsonl"
+  PAGEDCORE_STEP_TRACE="$D/step_trace_$m.jsonl" \
   pagedcore serve "random:$m" --port "$PORT" $ENGINE_ARGS --max-waiting 4096 \
     --log-level warning ${SERVE_ARGS:-} > "$D/serve_$m.log" 2>&1 &
   pid=$!
@@ -164,14 +168,25 @@ PY
       --num-workers "${BENCH_WORKERS:-4}" --no-progress > "$D/bench_serve_$m.txt" 2>&1 ; } 2> "$D/client_time_$m.txt" \
     || { echo "FAILED: pagedcore bench serve on $m" >&2; rc=1; }
   cat "$D/bench_serve_$m.txt"
-  python - "$D/cpu_$m.json" "$(cpu "$pid")" "$s0" "$(cpu "$child")" "$e0" "$t0" "$D/client_time_$m.txt" "$m0" "$(steps)" <<'PY'
-import json, sys, time
-out, s1, s0, e1, e0, t0, client, m0, m1 = sys.argv[1:]
+  sleep 0.5  # the engine loop flushes its step trace once idle
+  python - "$D/cpu_$m.json" "$(cpu "$pid")" "$s0" "$(cpu "$child")" "$e0" "$t0" "$D/client_time_$m.txt" "$m0" "$(steps)" \
+      "$D/step_trace_$m.jsonl" "$D/bench_serve_$m.json" <<'PY'
+import json, os, sys, time
+out, s1, s0, e1, e0, t0, client, m0, m1, trace, served = sys.argv[1:]
 u, s = (open(client).read().split() + ["0", "0"])[:2]
 rep = {"wall_s": time.time() - float(t0), "server_cpu_s": float(s1) - float(s0),
        "engine_process_cpu_s": float(e1) - float(e0), "client_cpu_s": float(u) + float(s)}
 (n0, x0), (n1, x1) = (map(float, m.split()) for m in (m0, m1))
 rep["engine_steps"], rep["engine_step_s"] = int(n1 - n0), x1 - x0
+# The engine loop's timeline over the rate-inf run (pagedcore.serve.step_trace), with the
+# client's clock: when it sent its first and last requests and got its first and last tokens.
+if os.path.exists(trace) and os.path.exists(served):
+    from pagedcore.serve.step_trace import read, summarize
+    runs = [r for r in json.load(open(served))["runs"] if r["request_rate"] == "inf"]
+    clock = runs[0]["summary"].get("clock") if runs else None
+    if clock and clock.get("first_send") is not None:
+        rep["client_clock"] = clock
+        rep["engine_trace"] = summarize(read(trace), clock["first_send"], clock["last_token"])
 json.dump(rep, open(out, "w"), indent=1); print("cpu:", rep)
 PY
   if [ -n "${LOW_RATES:-}" ] && [ "$(date +%s)" -lt "${LOW_DEADLINE:-$DEADLINE}" ]; then

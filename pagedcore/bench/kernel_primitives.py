@@ -262,6 +262,8 @@ class BackendUnderTest:
 
         dtype, device, block_size = kv.key.dtype, kv.key.device, kv.block_size
         hkv, head_size = kv.num_kv_heads, kv.head_size
+        # Backends see the normalized names only ("fp8" -> "fp8_e4m3"), as from the engine.
+        kv_cache_dtype = normalize_kv_cache_dtype(kv_cache_dtype)
         self.backend = backend
         shape = backend.get_kv_cache_shape(
             kv.num_blocks, block_size, hkv, head_size, kv_cache_dtype
@@ -270,7 +272,7 @@ class BackendUnderTest:
         self.kv_cache = torch.empty(shape, dtype=cache_dtype, device=device)
         k_scale = v_scale = 1.0
         if cache_dtype != dtype:  # fp8: per-tensor scales from the data (amax / fp8 max)
-            bound = FP8_MAX[normalize_kv_cache_dtype(kv_cache_dtype)]
+            bound = FP8_MAX[kv_cache_dtype]
             k_scale = float(kv.key.abs().amax()) / bound
             v_scale = float(kv.value.abs().amax()) / bound
         # The spec carries the cache's dtype, as the engine's do (an fp8 cache: 1-byte elements,

@@ -100,6 +100,17 @@ def _stats(values: Sequence[float]) -> dict[str, float | None]:
             "p99": found["p99"]}
 
 
+def _clock(results: Sequence[RequestResult]) -> dict[str, float | None]:
+    """When (``time.perf_counter``, the system-wide monotonic clock on Linux) the run's first
+    and last requests were sent and its first and last tokens arrived: to line the client up
+    with the engine's step trace (`pagedcore.serve.step_trace`)."""
+    sent = [r.start for r in results if r.start]
+    first = [r.start + r.ttft for r in results if r.ok and r.ttft is not None]
+    last = [r.start + r.e2e for r in results if r.ok and r.e2e is not None]
+    return {"first_send": min(sent, default=None), "last_send": max(sent, default=None),
+            "first_token": min(first, default=None), "last_token": max(last, default=None)}
+
+
 def summarize(results: Sequence[RequestResult], duration: float, *,
               slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
               ) -> dict[str, Any]:
@@ -133,6 +144,7 @@ def summarize(results: Sequence[RequestResult], duration: float, *,
         "ttft_ms": _stats(ttft),
         "tpot_ms": _stats(tpot),
         "itl_ms": _stats([x for r in ok for x in r.itl]),
+        "clock": _clock(results),
         "e2e_ms": _stats([r.e2e for r in ok if r.e2e is not None]),
     }
 

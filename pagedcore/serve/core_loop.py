@@ -24,6 +24,7 @@ from pagedcore.serve.deltas import CoreError, StreamDelta
 
 if TYPE_CHECKING:
     from pagedcore.engine.llm import LLM
+    from pagedcore.serve.step_trace import StepTrace
     from pagedcore.engine.outputs import RequestOutput
 
 __all__ = ["STATS_INTERVAL", "Command", "CoreLoop", "Emit", "EngineInfo", "Item"]
@@ -84,12 +85,15 @@ class CoreLoop:
         engine builds its outputs once per k steps (SGLang's ``--stream-interval``).
     """
 
-    def __init__(self, llm: LLM, emit: Emit, *, stream_interval: int = 1) -> None:
+    def __init__(self, llm: LLM, emit: Emit, *, stream_interval: int = 1,
+                 trace: StepTrace | None = None) -> None:
         if not isinstance(stream_interval, int) or stream_interval < 1:
             raise ValueError(f"stream_interval must be an integer >= 1, got {stream_interval!r}")
         self.llm = llm
         self.emit = emit
         self.stream_interval = stream_interval
+        #: The loop's timeline (`pagedcore.serve.step_trace`), when one is kept.
+        self.trace = trace
         self._generated: dict[str, int] = {}  # live request id -> tokens generated so far
         self._stats_time = 0.0
         self._steps = 0
@@ -100,6 +104,12 @@ class CoreLoop:
         ``recv(block)`` returns the next command, or None when `block` is False and none is
         waiting.
         """
+        if self.trace is not None:
+            try:
+                self._run_traced(recv, self.trace)
+            finally:
+                self.trace.close()
+            return
         llm = self.llm
         while True:
             command = recv(not llm.has_unfinished_requests())
@@ -115,6 +125,43 @@ class CoreLoop:
             stats = self._snapshot(force=not llm.has_unfinished_requests())
             if items or stats is not None:
                 self.emit(items, stats)
+
+    def _run_traced(self, recv: Callable[[bool], Command | None], trace: StepTrace) -> None:
+        """`run` with each wait, command batch and step written to `trace`."""
+        llm, clock = self.llm, time.perf_counter
+        while True:
+            block = not llm.has_unfinished_requests()
+            if block:
+                trace.flush()
+            t = clock()
+            command = recv(block)
+            if block:
+                trace.wait(t, clock() - t)
+            items: list[tuple[str, Item]] = []
+            t, adds, others = clock(), 0, 0
+            while command is not None:
+                if command[0] == "stop":
+                    self.emit(self._abort_all(), self._snapshot(force=True))
+                    return
+                self._handle(command, items)
+                adds += command[0] == "add"
+                others += command[0] != "add"
+                command = recv(False)
+            if adds or others:
+                trace.commands(t, adds, others)
+            t = t_step = clock()
+            stepped = llm.has_unfinished_requests()
+            if stepped:
+                items += self._step()
+                t_step = clock()
+            stats = self._snapshot(force=not llm.has_unfinished_requests())
+            if items or stats is not None:
+                self.emit(items, stats)
+            if stepped:
+                scheduler = llm.scheduler
+                trace.step(t, t_step - t, clock() - t_step, items=len(items),
+                           running=len(scheduler.running), waiting=len(scheduler.waiting),
+                           tokens=int(llm.last_step_num_scheduled_tokens))
 
     def _handle(self, command: Command, items: list[tuple[str, Item]]) -> None:
         if command[0] == "add":

@@ -37,6 +37,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pagedcore.serve.core_loop import Command, CoreLoop, EngineInfo
+from pagedcore.serve.step_trace import StepTrace
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -153,7 +154,7 @@ def run_engine_core(args: EngineArgs, commands: Connection, out: Connection,
 
     try:
         CoreLoop(llm, lambda items, stats: send(("step", items, stats)),
-                 stream_interval=stream_interval).run(recv)
+                 stream_interval=stream_interval, trace=StepTrace.from_env()).run(recv)
         send(("stopped",))
     except BaseException as exc:
         logging.getLogger(__name__).exception("the engine loop stopped")

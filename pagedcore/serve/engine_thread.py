@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagedcore.serve.core_loop import Command, CoreLoop, Item
 from pagedcore.serve.deltas import CoreError
+from pagedcore.serve.step_trace import StepTrace
 
 if TYPE_CHECKING:
     from pagedcore.engine.llm import LLM
@@ -96,8 +97,8 @@ class EngineThread:
                 return None
 
         try:
-            CoreLoop(self.llm, self._emit_threaded,
-                     stream_interval=self.stream_interval).run(recv)
+            CoreLoop(self.llm, self._emit_threaded, stream_interval=self.stream_interval,
+                     trace=StepTrace.from_env()).run(recv)
         except BaseException as exc:
             self._dead = f"{type(exc).__name__}: {exc}"
             self._end(CoreError("dead", f"the engine stopped after a failure: {self._dead}"))

@@ -46,6 +46,23 @@ def test_paged_kv_lays_tokens_out_in_blocks_of_the_given_size(block_size: int) -
     assert under.kv_cache.shape[2] == block_size
 
 
+def test_backend_under_test_takes_the_fp8_alias() -> None:
+    """``--kv-cache-dtype fp8`` reaches the backend as ``fp8_e4m3`` (as from the engine)."""
+    torch.manual_seed(0)
+    kv = kernel_primitives.PagedKV([20, 9], torch.float32, CPU, block_size=16)
+    seen: list[str] = []
+
+    class Recording(ReferenceBackend):
+        @staticmethod
+        def get_kv_cache_shape(*args: Any) -> tuple[int, ...]:
+            seen.append(args[-1])  # cuda_paged's layout knows the normalized names only
+            return ReferenceBackend.get_kv_cache_shape(*args)
+
+    under = kernel_primitives.BackendUnderTest(Recording, kv, kv_cache_dtype="fp8")
+    assert seen == ["fp8_e4m3"]
+    assert under.kv_cache.dtype == torch.float8_e4m3fn
+
+
 def test_paged_kv_rejects_a_bad_block_size() -> None:
     with pytest.raises(ValueError, match="block_size must be a positive"):
         kernel_primitives.PagedKV([4], torch.float32, CPU, block_size=0)
