@@ -24,8 +24,8 @@ from pagedcore.serve.deltas import CoreError, StreamDelta
 
 if TYPE_CHECKING:
     from pagedcore.engine.llm import LLM
-    from pagedcore.serve.step_trace import StepTrace
     from pagedcore.engine.outputs import RequestOutput
+    from pagedcore.serve.step_trace import StepTrace
 
 __all__ = ["STATS_INTERVAL", "Command", "CoreLoop", "Emit", "EngineInfo", "Item"]
 

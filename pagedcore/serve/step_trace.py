@@ -34,7 +34,7 @@ class StepTrace:
     """Appends the loop's events to a JSON-lines file (see the module docstring)."""
 
     def __init__(self, path: str) -> None:
-        self._file: IO[str] = open(path, "a", encoding="utf-8", buffering=1 << 16)  # noqa: SIM115
+        self._file: IO[str] = open(path, "a", encoding="utf-8", buffering=1 << 16)
 
     @classmethod
     def from_env(cls) -> StepTrace | None:

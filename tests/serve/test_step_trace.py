@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from pagedcore.bench.serve import RequestResult, summarize as summarize_run
+from pagedcore.bench.serve import RequestResult
+from pagedcore.bench.serve import summarize as summarize_run
 from pagedcore.engine.llm import LLM
 from pagedcore.engine.sampling.sampling_params import SamplingParams
 from pagedcore.serve.core_loop import CoreLoop
