@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from pagedcore.serve.engine_process import EngineProcess
     from pagedcore.serve.metrics import ServeMetrics
 
-__all__ = ["AsyncEngine", "StreamDelta"]
+__all__ = ["AsyncEngine", "StreamDelta", "Submission"]
 
 _FINISH = StreamDelta._fields.index("finish_reason")
 
@@ -302,7 +302,7 @@ class AsyncEngine(EngineThread):
 
     # ---- requests --------------------------------------------------------------------------
 
-    async def generate(
+    def generate(
         self,
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
@@ -310,7 +310,13 @@ class AsyncEngine(EngineThread):
         request_id: str | None = None,
         reserved: bool = False,
     ) -> AsyncGenerator[StreamDelta, None]:
-        """Run one sequence (``params.n == 1``); yield a `StreamDelta` whenever it advances.
+        """Run one sequence (``params.n == 1``): it goes to the engine at once (`submit`);
+        the returned iterator yields a `StreamDelta` whenever it advances (`deltas`).
+
+        Call it on the event loop. Sending the request before anything iterates matters to a
+        server taking a burst of requests: each handler reaches the engine as soon as its
+        body is parsed, not after every other request of the burst has been parsed too (the
+        event loop runs the handlers' steps in turn).
 
         Parameters
         ----------
@@ -327,30 +333,55 @@ class AsyncEngine(EngineThread):
         Raises
         ------
         QueueFullError, ShuttingDownError, EngineDeadError
-            Not admitted (see `reserve`).
+            Not admitted (see `reserve`), here.
         BadRequestError
-            The engine refused the request (e.g. a token id outside the vocabulary).
+            The engine refused the request (e.g. a token id outside the vocabulary), while
+            iterating.
         RequestFailedError
-            The engine step computing it failed.
+            The engine step computing it failed, while iterating.
         """
+        return self.deltas(self.submit(prompt_token_ids, params, request_id=request_id,
+                                       reserved=reserved))
+
+    def submit(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        reserved: bool = False,
+    ) -> Submission:
+        """Admit one sequence and send it to the engine now; `deltas` iterates its output.
+        A submission nobody iterates is aborted once it is garbage (its slot given back).
+        Arguments and admission errors as `generate`."""
         if params.n != 1:
+            if reserved:
+                self.release(1)
             raise ValueError("AsyncEngine.generate runs one sequence; pass n=1 per call")
         if not reserved:
             self.reserve(1)
         rid = request_id if request_id is not None else f"serve-{next(self._ids)}"
         stream = RequestStream(asyncio.get_running_loop())
-        start = time.perf_counter()
+        self._streams[rid] = stream
+        self._send(("add", rid, list(prompt_token_ids), params))
+        if self._loop_done:
+            # The loop ended before or while we queued: it may never read the command
+            # (it sets the flag before answering the streams, so one of the two answers).
+            self._streams.pop(rid, None)
+            self.release(1)
+            raise EngineDeadError(f"the engine stopped after a failure: {self._dead}") \
+                if self._dead else ShuttingDownError("the server shut down")
+        return Submission(self, rid, stream)
+
+    async def deltas(self, submission: Submission) -> AsyncGenerator[StreamDelta, None]:
+        """The deltas of a `submit`-ted sequence, until it finishes; closing the iterator
+        early (a consumer gone) aborts the engine request. Raises as `generate` does while
+        iterating."""
+        submission.claimed = True
+        rid, stream, start = submission.request_id, submission.stream, submission.start
         first_token: float | None = None
         done = False
         try:
-            self._streams[rid] = stream
-            self._send(("add", rid, list(prompt_token_ids), params))
-            if self._loop_done:
-                # The loop ended before or while we queued: it may never read the command
-                # (it sets the flag before answering the streams, so one of the two answers).
-                done = True
-                raise EngineDeadError(f"the engine stopped after a failure: {self._dead}") \
-                    if self._dead else ShuttingDownError("the server shut down")
             while True:
                 # Behind the engine (a slow client, a busy event loop): every delta waiting
                 # is merged into one.
@@ -375,10 +406,14 @@ class AsyncEngine(EngineThread):
         finally:
             self._streams.pop(rid, None)
             if not done:  # the consumer went away (client disconnect, task cancelled)
-                self._send(("abort", rid))
-                if self.metrics is not None:
-                    self.metrics.finished("abort")
+                self._abandon(rid)
             self.release(1)
+
+    def _abandon(self, rid: str) -> None:
+        """Abort `rid` in the engine (its consumer is gone)."""
+        self._send(("abort", rid))
+        if self.metrics is not None:
+            self.metrics.finished("abort")
 
     def _record(self, start: float, first_token: float | None, num_prompt: int,
                 num_generated: int, reason: str | None) -> None:
@@ -394,3 +429,38 @@ class AsyncEngine(EngineThread):
             if num_generated > 1:
                 metrics.tpot.observe((end - first_token) / (num_generated - 1))
         metrics.finished(reason or "abort")
+
+
+class Submission:
+    """A sequence sent to the engine by `AsyncEngine.submit`, whose deltas `deltas` yields.
+
+    Attributes
+    ----------
+    request_id:
+        The engine request id.
+    stream:
+        Where the engine loop's items for it arrive.
+    start:
+        ``time.perf_counter()`` at submission (TTFT and e2e count from here).
+    claimed:
+        `deltas` took it over (its end, abort and slot are then handled there).
+    """
+
+    __slots__ = ("claimed", "engine", "request_id", "start", "stream")
+
+    def __init__(self, engine: AsyncEngine, request_id: str, stream: RequestStream) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.stream = stream
+        self.start = time.perf_counter()
+        self.claimed = False
+
+    def __del__(self) -> None:
+        # Submitted but never iterated (the client left before its response started, a
+        # handler failed in between): abort it and give its slot back, or both would be lost.
+        if not getattr(self, "claimed", True):
+            self.claimed = True
+            engine = self.engine
+            if engine._streams.pop(self.request_id, None) is not None:
+                engine._abandon(self.request_id)
+            engine.release(1)

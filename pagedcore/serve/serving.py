@@ -65,6 +65,19 @@ class FanIn:
         self.seqs = list(seqs)
         engine.reserve(len(self.seqs))
         self._unstarted = len(self.seqs)
+        self._single: AsyncGenerator[StreamDelta, None] | None = None
+
+    def start(self) -> None:
+        """Send a single sequence to the engine now (`AsyncEngine.generate`), before the
+        response iterates it: in a burst of requests each one then reaches the engine when
+        its handler has run, not once the event loop has come round to every response's
+        body. Several sequences start when iterated (each on a task of its own)."""
+        if len(self.seqs) == 1 and self._single is None:
+            seq = self.seqs[0]
+            self._unstarted = 0  # generate releases the slot from here on
+            self._single = self.engine.generate(
+                seq.prompt_token_ids, seq.params, request_id=f"{uuid.uuid4().hex[:16]}-0",
+                reserved=True)
 
     def __del__(self) -> None:
         # Admitted but never iterated (e.g. the client left before its response started):
@@ -88,10 +101,10 @@ class FanIn:
         caller closes the generator. None with several sequences (iterate the `FanIn`)."""
         if len(self.seqs) != 1:
             return None
-        seq = self.seqs[0]
-        self._unstarted = 0  # generate releases the slot from here on
-        return self.engine.generate(seq.prompt_token_ids, seq.params,
-                                    request_id=f"{uuid.uuid4().hex[:16]}-0", reserved=True)
+        self.start()
+        single, self._single = self._single, None
+        assert single is not None
+        return single
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, StreamDelta]]:
         base = uuid.uuid4().hex[:16]
@@ -217,7 +230,9 @@ class OpenAIServing:
 
     def _fan_in(self, body: CompletionRequest | ChatCompletionRequest,
                 seqs: list[Sequence_]) -> FanIn:
-        return FanIn(self.engine, seqs)
+        fan = FanIn(self.engine, seqs)
+        fan.start()  # a single sequence goes to the engine before the response starts
+        return fan
 
     # ---- completions -----------------------------------------------------------------------
 
