@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -111,6 +111,20 @@ class CudaPagedImpl(AttentionImpl[CudaPagedMetadata]):
             return
         load_ops().cache_write(key, value, kv_cache, slots, self._block_size(kv_cache))
 
+    def _partition_buffers(self, launch: Any, num_decodes: int, device: torch.device
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A partitioned decode's fp32 scratch: partial outputs, then the max logits and exp
+        sums of each (request, head, partition); empty tensors for a single pass."""
+        import torch
+
+        if launch.mode is DecodePass.PARTITIONED:
+            rows = num_decodes * self.num_heads * launch.max_partitions
+            tmp = torch.empty(rows * self.head_size, dtype=torch.float32, device=device)
+            stats = torch.empty(2, rows, dtype=torch.float32, device=device)
+            return tmp, stats[0], stats[1]
+        empty = torch.empty(0, dtype=torch.float32, device=device)
+        return empty, empty, empty
+
     def forward(
         self,
         query: torch.Tensor,
@@ -157,15 +171,8 @@ class CudaPagedImpl(AttentionImpl[CudaPagedMetadata]):
                     metadata.decode_max_seq_len, block_size=block_size,
                     sliding_window=self.sliding_window),
             )
-            if launch.mode is DecodePass.PARTITIONED:
-                rows = metadata.num_decodes * self.num_heads * launch.max_partitions
-                tmp = torch.empty(rows * self.head_size, dtype=torch.float32,
-                                  device=query.device)
-                stats = torch.empty(2, rows, dtype=torch.float32, device=query.device)
-                max_logits, exp_sums = stats[0], stats[1]
-            else:
-                tmp = max_logits = exp_sums = torch.empty(0, dtype=torch.float32,
-                                                          device=query.device)
+            tmp, max_logits, exp_sums = self._partition_buffers(
+                launch, metadata.num_decodes, query.device)
             ops.decode(
                 out, query, kv_cache, *common, metadata.decode_reqs, block_size,
                 self.num_kv_heads, self.scale, cap, alibi, window, launch.partition_size,
@@ -200,7 +207,6 @@ class CudaPagedImpl(AttentionImpl[CudaPagedMetadata]):
         """The step over an fp8 cache: `decode_fp8` (per-head CUDA-core kernel, one pass or
         partitioned) for the decodes, `prefill_fp8` (64-row tiles) for every other request,
         handed-off prompts included (triton's Hopper kernel takes no fp8 cache)."""
-        import torch
 
         ops = load_ops()
         alibi = self.alibi_slopes_on(query.device)
@@ -221,15 +227,8 @@ class CudaPagedImpl(AttentionImpl[CudaPagedMetadata]):
                     metadata.decode_max_seq_len, block_size=block_size,
                     sliding_window=self.sliding_window),
             )
-            if launch.mode is DecodePass.PARTITIONED:
-                rows = metadata.num_decodes * self.num_heads * launch.max_partitions
-                tmp = torch.empty(rows * self.head_size, dtype=torch.float32,
-                                  device=query.device)
-                stats = torch.empty(2, rows, dtype=torch.float32, device=query.device)
-                max_logits, exp_sums = stats[0], stats[1]
-            else:
-                tmp = max_logits = exp_sums = torch.empty(0, dtype=torch.float32,
-                                                          device=query.device)
+            tmp, max_logits, exp_sums = self._partition_buffers(
+                launch, metadata.num_decodes, query.device)
             ops.decode_fp8(
                 out, query, kv_cache, *common, metadata.decode_reqs, block_size,
                 self.num_kv_heads, self.scale, cap, alibi, window, launch.partition_size,
