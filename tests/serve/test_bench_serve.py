@@ -76,3 +76,32 @@ def test_bench_serve_workers_split_and_merge(demo_server: LiveServer) -> None:
     assert [r.prompt_tokens for r in results] == [w.prompt_len for w in work]
     starts = sorted(r.start for r in results)
     assert 0 < max(r.start + (r.e2e or 0) for r in results) - starts[0] <= duration
+
+
+def test_bench_client_chat_and_api_key(chat_server: LiveServer) -> None:
+    """The load generator's chat path (text prompts through the chat template) and its
+    bearer key: without the key every request is a 401, recorded as an error."""
+    import asyncio
+
+    from serve_helpers import DEMO_KW
+
+    from pagedcore.bench.serve_load import WorkItem, run_load
+
+    work = [WorkItem(prompt=f"hello there number {i}", prompt_len=0, output_len=3)
+            for i in range(4)]
+    results, _ = asyncio.run(run_load(work, base_url=chat_server.url, model="m",
+                                      endpoint="chat"))
+    assert all(r.ok for r in results), [r.error for r in results]
+    assert [r.output_tokens for r in results] == [3] * 4
+    assert all(r.ttft is not None and r.prompt_tokens > 5 for r in results)
+
+    keyed = LiveServer("demo", api_key="sesame", **DEMO_KW)
+    try:
+        ids = [WorkItem(prompt=[5, 6, 7, 8], prompt_len=4, output_len=2)] * 2
+        ok, _ = asyncio.run(run_load(ids, base_url=keyed.url, model="m", api_key="sesame"))
+        refused, _ = asyncio.run(run_load(ids, base_url=keyed.url, model="m"))
+    finally:
+        keyed.stop()
+    assert [r.ok for r in ok] == [True, True] and ok[0].output_tokens == 2
+    assert [r.ok for r in refused] == [False, False]
+    assert refused[0].error is not None and refused[0].error.startswith("HTTP 401")
