@@ -111,8 +111,10 @@ if os.path.exists(f"{d}/bench_serve_low.json"):
                            "ttft_p99_ms": low["summary"]["ttft_ms"]["p99"]}
 json.dump(summary, open(f"{d}/summary.json", "w"), indent=1)
 for p in per:
+    trace = p["engine_trace"] or {}
     print(f"seed {p['seed']}: serve {p['serve_tok_s']:,.0f} / generate {p['generate_tok_s']:,.0f}"
-          f" = {p['ratio']:.3f}x, errors {p['errors']}")
+          f" = {p['ratio']:.3f}x, errors {p['errors']}; emit {trace.get('emit_s', 0):.2f} s,"
+          f" gc {json.dumps(trace.get('gc'))}")
 print(f"mean {summary['ratio_mean']:.3f}x (min {summary['ratio_min']:.3f}, max "
       f"{summary['ratio_max']:.3f}); low rate: {summary.get('low_rate')}")
 PY

@@ -59,8 +59,10 @@ def serve(host: str, port: int, served_model_names: tuple[str, ...], api_key: st
     from pagedcore.engine.llm import LLM
     from pagedcore.serve.app import build_app
     from pagedcore.serve.async_engine import AsyncEngine
+    from pagedcore.serve.gc_control import freeze_startup_heap, watch_gc
     from pagedcore.serve.metrics import ServeMetrics
     from pagedcore.serve.server import run_server
+    from pagedcore.serve.step_trace import StepTrace
 
     configure_cli_logging(engine_args)
     model = str(engine_args.model)
@@ -81,6 +83,13 @@ def serve(host: str, port: int, served_model_names: tuple[str, ...], api_key: st
     except RuntimeError as exc:  # the engine process failed to start (its log says why)
         raise click.ClickException(str(exc)) from exc
     engine_ref.append(engine)
+    # The server's own startup heap (and the model's, with the engine on a thread) out of
+    # the collector's walks; with a step trace, the server process's collections beside it.
+    freeze_startup_heap()
+    front_trace = StepTrace.from_env(proc="front", suffix=".front", line_buffered=True) \
+        if engine_process else None
+    if front_trace is not None:
+        watch_gc(front_trace.row, "front")
     app = build_app(engine, model_names=names, api_key=api_key, metrics=metrics,
                     max_body_bytes=max_request_bytes, shutdown_timeout=shutdown_timeout,
                     on_shutdown=lambda line: click.echo(f"pagedcore serve: {line}", err=True))

@@ -57,6 +57,9 @@ class EngineInfo:
     fit: RequestFit
     backend_names: tuple[str, ...]
     device: str
+    #: Objects of the engine's startup heap moved out of the collector's reach
+    #: (`pagedcore.serve.gc_control.freeze_startup_heap`; 0: not frozen).
+    frozen_objects: int = 0
 
     @classmethod
     def of(cls, llm: LLM) -> EngineInfo:
@@ -105,9 +108,13 @@ class CoreLoop:
         waiting.
         """
         if self.trace is not None:
+            from pagedcore.serve.gc_control import watch_gc
+
+            unwatch = watch_gc(self.trace.row, self.trace.proc)
             try:
                 self._run_traced(recv, self.trace)
             finally:
+                unwatch()
                 self.trace.close()
             return
         llm = self.llm

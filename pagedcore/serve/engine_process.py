@@ -36,7 +36,10 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import attrs
+
 from pagedcore.serve.core_loop import Command, CoreLoop, EngineInfo
+from pagedcore.serve.gc_control import freeze_startup_heap
 from pagedcore.serve.step_trace import StepTrace
 
 if TYPE_CHECKING:
@@ -133,7 +136,8 @@ def run_engine_core(args: EngineArgs, commands: Connection, out: Connection,
             torch.set_num_threads(threads)
         configure_cli_logging(args)
         llm = LLM.from_engine_args(args)
-        send(("ready", EngineInfo.of(llm)))
+        frozen = freeze_startup_heap()  # before serving: full collections skip the model
+        send(("ready", attrs.evolve(EngineInfo.of(llm), frozen_objects=frozen)))
     except BaseException as exc:
         send(("failed", f"{exc}" if isinstance(exc, ValueError)
               else f"{type(exc).__name__}: {exc}", isinstance(exc, ValueError)))

@@ -98,7 +98,7 @@ class EngineThread:
 
         try:
             CoreLoop(self.llm, self._emit_threaded, stream_interval=self.stream_interval,
-                     trace=StepTrace.from_env()).run(recv)
+                     trace=StepTrace.from_env(proc="server")).run(recv)
         except BaseException as exc:
             self._dead = f"{type(exc).__name__}: {exc}"
             self._end(CoreError("dead", f"the engine stopped after a failure: {self._dead}"))

@@ -72,6 +72,8 @@ def _wait_idle(engine: AsyncEngine, timeout: float = 30.0) -> dict[str, Any]:
 def test_process_streams_equal_generate_and_disconnects_free_blocks(
         process_server: tuple[ServerThread, AsyncEngine]) -> None:
     server, engine = process_server
+    # The engine process froze its startup heap (the model's objects) before serving.
+    assert engine.info.frozen_objects > 10_000
     ref_llm = LLM("demo", device="cpu", **DEMO_KW)
     refs = ref_llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
                                                     ignore_eos=True))

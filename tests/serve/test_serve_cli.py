@@ -9,15 +9,18 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 
 from pagedcore.serve.server import free_port
+from pagedcore.serve.step_trace import read
 
 
-def test_serve_command_graceful_sigterm() -> None:
+def test_serve_command_graceful_sigterm(tmp_path: Path) -> None:
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    trace = tmp_path / "trace.jsonl"  # the step trace on: the engine's and the server's files
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PAGEDCORE_STEP_TRACE": str(trace)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "pagedcore.cli", "serve", "demo", "--port", str(port),
          "--device", "cpu", "--backend", "reference", "--max-model-len", "128",
@@ -63,6 +66,9 @@ def test_serve_command_graceful_sigterm() -> None:
         assert proc.wait(30) in (0, -signal.SIGTERM)
         assert proc.stdout is not None
         assert "engine stopped (0 request(s) in flight" in proc.stdout.read()
+        rows = read(str(trace))
+        assert sum(r["ev"] == "step" for r in rows) >= 100
+        assert os.path.exists(str(trace) + ".front")  # the server process's collections
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -93,3 +93,41 @@ def test_run_summary_gives_the_clock_of_its_edges() -> None:
     clock = summarize_run(results, 6.0)["clock"]
     assert clock == {"first_send": 10.0, "last_send": 12.0, "first_token": 10.5,
                      "last_token": 16.0}
+
+
+def test_trace_records_collections_and_stops_watching(tmp_path: Path) -> None:
+    """A collection of generation >= 1 while the loop runs is a ``gc`` row; the loop's
+    callback is gone once it stops."""
+    import gc
+
+    llm = LLM("demo", max_num_seqs=2, max_model_len=128)
+    path = tmp_path / "trace.jsonl"
+    callbacks = len(gc.callbacks)
+    _serve(llm, StepTrace(str(path), proc="engine"), [[5, 6, 7]], max_tokens=2,
+           on_block=lambda: gc.collect(1))
+    assert len(gc.callbacks) == callbacks
+    rows = [r for r in read(str(path)) if r["ev"] == "gc"]
+    assert rows and {r["proc"] for r in rows} == {"engine"}
+    assert all(r["gen"] >= 1 and r["s"] >= 0 for r in rows)
+    gc.collect(1)  # after the loop: not recorded
+    assert len([r for r in read(str(path)) if r["ev"] == "gc"]) == len(rows)
+
+
+def test_summary_merges_the_front_file_and_clips_idle(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    engine = StepTrace(str(path))
+    engine.row({"ev": "cmd", "t": 1.0, "add": 2, "other": 0})
+    engine.step(1.1, 0.5, 0.1, items=2, running=2, waiting=0, tokens=9)
+    engine.row({"ev": "gc", "t": 1.3, "s": 0.2, "gen": 2, "proc": "engine"})
+    engine.wait(1.8, 30.0)  # idle until long after the window's end (2.0)
+    engine.close()
+    with open(str(path) + ".front", "w") as f:
+        f.write('{"ev":"gc","t":1.5,"s":0.05,"gen":1,"proc":"front"}\n')
+        f.write('{"ev":"gc","t":1.6,"s":0.15,"gen":2,"proc":"front"}\n')
+    rows = read(str(path))
+    assert [r["t"] for r in rows] == [1.0, 1.1, 1.3, 1.5, 1.6, 1.8]
+    s = summarize(rows, 0.5, 2.0)
+    assert s["wait_s"] == pytest.approx(0.2)  # 1.8 .. 2.0, not 30 s
+    assert s["gc"] == {"engine": {"n": 1, "s": 0.2, "max_s": 0.2},
+                       "front": {"n": 2, "s": pytest.approx(0.2), "max_s": 0.15}}
+    assert s["other_s"] == pytest.approx(s["span_s"] - 0.5 - 0.1 - 0.2)
