@@ -61,7 +61,7 @@ def serve(host: str, port: int, served_model_names: tuple[str, ...], api_key: st
     from pagedcore.serve.async_engine import AsyncEngine
     from pagedcore.serve.gc_control import freeze_startup_heap, watch_gc
     from pagedcore.serve.metrics import ServeMetrics
-    from pagedcore.serve.server import run_server
+    from pagedcore.serve.server import run_server, server_stack
     from pagedcore.serve.step_trace import StepTrace
 
     configure_cli_logging(engine_args)
@@ -94,9 +94,10 @@ def serve(host: str, port: int, served_model_names: tuple[str, ...], api_key: st
                     max_body_bytes=max_request_bytes, shutdown_timeout=shutdown_timeout,
                     on_shutdown=lambda line: click.echo(f"pagedcore serve: {line}", err=True))
     where = "its own process" if engine_process else "a thread"
+    loop, http = server_stack()
     click.echo(f"pagedcore serve: {names[0]} ({engine.model_name}, backend "
                f"{', '.join(engine.backend_names)}, device {engine.device}, "
-               f"max_model_len {engine.max_model_len}, engine in {where}) on "
+               f"max_model_len {engine.max_model_len}, engine in {where}, {loop} + {http}) on "
                f"http://{host}:{port}", err=True)
     run_server(app, host=host, port=port, log_level=log_level,
                shutdown_timeout=shutdown_timeout)

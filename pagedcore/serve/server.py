@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-__all__ = ["ServerThread", "free_port", "run_server"]
+__all__ = ["ServerThread", "free_port", "run_server", "server_stack"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -21,15 +21,27 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
+def server_stack() -> tuple[str, str]:
+    """The event loop and HTTP parser uvicorn runs: ``("uvloop", "httptools")`` when
+    ``uvicorn[standard]`` is installed (pagedcore's ``serve`` extra), else the pure-Python
+    ``("asyncio", "h11")``. On CPU the faster pair costs the server process ~20 % less CPU
+    per streamed token (`docs/serving.md`)."""
+    from importlib.util import find_spec
+
+    return ("uvloop" if find_spec("uvloop") else "asyncio",
+            "httptools" if find_spec("httptools") else "h11")
+
+
 def _config(app: FastAPI, *, host: str, port: int, log_level: str,
             shutdown_timeout: float) -> Any:
     import uvicorn
 
     # One worker process and one event loop: the engine owns the GPU, and the loop only moves
     # bytes; `timeout_graceful_shutdown` bounds how long SIGTERM waits for open streams.
+    loop, http = server_stack()
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                           timeout_graceful_shutdown=int(max(1, shutdown_timeout)),
-                          lifespan="on")
+                          lifespan="on", loop=loop, http=http)
 
 
 def run_server(app: FastAPI, *, host: str, port: int, log_level: str = "info",

@@ -65,7 +65,9 @@ def test_serve_command_graceful_sigterm(tmp_path: Path) -> None:
         # uvicorn re-raises the SIGTERM it handled once shut down: exit status -15 (or 0).
         assert proc.wait(30) in (0, -signal.SIGTERM)
         assert proc.stdout is not None
-        assert "engine stopped (0 request(s) in flight" in proc.stdout.read()
+        log = proc.stdout.read()
+        assert "engine stopped (0 request(s) in flight" in log
+        assert "uvloop + httptools" in log  # uvicorn[standard], the serve extra's
         rows = read(str(trace))
         assert sum(r["ev"] == "step" for r in rows) >= 100
         assert os.path.exists(str(trace) + ".front")  # the server process's collections
