@@ -19,7 +19,17 @@
 //     fragment (8 consecutive bytes of one V row, the `[D][block]` layout).
 // Keys outside [ctx_start, partition end) get score -inf, and their V elements are zeroed by
 // select before the product, so stale NaNs in unused slots never reach the output.
+//
+// C, the cache element type, is T or an fp8 type (e4m3 / e5m2). With fp8 each lane loads the
+// same elements as with T, in half the bytes (8 bytes of K: its 8 head dims, from the fp8
+// layout's 16-element vectors; 4 bytes of V), keeps them raw in registers while the loads
+// fly, and widens them exactly to fp16 just before the mma (`cvt.rn.f16x2.e4m3x2` /
+// `.e5m2x2`: every fp8 value is an fp16). The mmas then run in fp16 whatever T is (a bf16 Q
+// is rounded to fp16 once: 3 more mantissa bits, the range of any sane query), k_scale
+// multiplies the scores and v_scale the output, so the cache is never dequantized to memory.
 #pragma once
+#include <type_traits>
+
 #include "decode.cuh"
 #include "mma.cuh"
 
@@ -27,13 +37,65 @@ namespace pagedcore {
 
 constexpr int kMmaDecodeWarps = kMmaDecodeThreads / 32;
 
-template <typename T, int HEAD, int BLOCK, bool BIG, int UNROLL, int STAGES>
+// Two fp8 values (lower byte first) as one fp16x2 register, exactly.
+template <typename C>
+__device__ __forceinline__ uint32_t fp8x2_to_half2(uint32_t two) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(
+      static_cast<__nv_fp8x2_storage_t>(two & 0xffffu),
+      std::is_same_v<C, __nv_fp8_e4m3> ? __NV_E4M3 : __NV_E5M2);
+  return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+}
+
+// A lane's raw K piece (8 head dims) and V piece (4 keys of one head dim) as mma fragments:
+// the loaded registers themselves for a cache in T, widened from fp8 otherwise.
+template <typename C>
+__device__ __forceinline__ uint4 k_fragment(const uint4& raw) { return raw; }
+template <typename C>
+__device__ __forceinline__ uint4 k_fragment(const uint2& raw) {
+  return make_uint4(fp8x2_to_half2<C>(raw.x), fp8x2_to_half2<C>(raw.x >> 16),
+                    fp8x2_to_half2<C>(raw.y), fp8x2_to_half2<C>(raw.y >> 16));
+}
+template <typename C>
+__device__ __forceinline__ uint2 v_fragment(const uint2& raw) { return raw; }
+template <typename C>
+__device__ __forceinline__ uint2 v_fragment(const uint32_t& raw) {
+  return make_uint2(fp8x2_to_half2<C>(raw), fp8x2_to_half2<C>(raw >> 16));
+}
+
+// Eight T values (one 16-byte vector) as eight M values: the same registers when M is T,
+// rounded to fp16 otherwise.
+template <typename T, typename M>
+__device__ __forceinline__ uint4 as_mma_type(const uint4& v) {
+  if constexpr (std::is_same_v<T, M>) {
+    return v;
+  } else {
+    static_assert(std::is_same_v<M, __half>, "mma inputs are T or fp16");
+    uint4 r;
+    const uint32_t* src = &v.x;
+    uint32_t* dst = &r.x;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(src + i));
+      const __half2 h = __floats2half2_rn(f.x, f.y);
+      dst[i] = *reinterpret_cast<const uint32_t*>(&h);
+    }
+    return r;
+  }
+}
+
+template <typename T, int HEAD, int BLOCK, bool BIG, int UNROLL, int STAGES, typename C = T>
 __global__ void __launch_bounds__(kMmaDecodeThreads) decode_mma_kernel(AttentionParams p) {
   constexpr int CHUNKS = HEAD / 8;          // 16-byte vectors per K row
   constexpr int PAIRS = (CHUNKS + 3) / 4;   // pairs of k-steps (32 head dims each)
   constexpr int NT = HEAD / 8;              // output n-tiles
   constexpr int NW = kMmaDecodeWarps;
+  constexpr bool F8 = is_fp8<C>();
+  using M = std::conditional_t<F8, __half, T>;          // the mma input type
+  using KRaw = std::conditional_t<F8, uint2, uint4>;    // a lane's K piece as loaded
+  using VRaw = std::conditional_t<F8, uint32_t, uint2>; // a lane's V piece as loaded
   static_assert(HEAD % 16 == 0 && BLOCK % 4 == 0, "head size % 16 and block size % 4");
+  static_assert(!F8 || (STAGES == 0 && BLOCK % 16 == 0),
+                "fp8: registers only (no cp.async ring), block size 16 or 32");
 
   const int G = p.num_heads / p.num_kv_heads;
   const int hchunks = (G + 15) / 16;
@@ -69,6 +131,8 @@ __global__ void __launch_bounds__(kMmaDecodeThreads) decode_mma_kernel(Attention
           hi = *reinterpret_cast<const uint4*>(q + (head0 + g + 8) * p.q_stride_h + c * 8);
         }
       }
+      lo = as_mma_type<T, M>(lo);
+      hi = as_mma_type<T, M>(hi);
       qa[pr][0][0] = lo.x;
       qa[pr][0][1] = hi.x;
       qa[pr][0][2] = lo.y;
@@ -83,7 +147,12 @@ __global__ void __launch_bounds__(kMmaDecodeThreads) decode_mma_kernel(Attention
   const float slope[2] = {has_alibi && g < rows ? p.alibi_slopes[head0 + g] : 0.f,
                           has_alibi && g + 8 < rows ? p.alibi_slopes[head0 + g + 8] : 0.f};
   const bool plain = !has_alibi && p.soft_cap <= 0.f;
-  const float scale_log2 = p.scale * kLog2e;
+  float k_scale = 1.f, v_scale = 1.f;  // fp8: the cache's dequantization scales
+  if constexpr (F8) {
+    k_scale = *p.k_scale;
+    v_scale = *p.v_scale;
+  }
+  const float scale_log2 = p.scale * kLog2e * k_scale;
 
   float o[NT][4];
 #pragma unroll
@@ -92,8 +161,8 @@ __global__ void __launch_bounds__(kMmaDecodeThreads) decode_mma_kernel(Attention
   float l[2] = {0.f, 0.f};              // this lane's part of the running sum
 
   const int* bt = p.block_table + static_cast<int64_t>(req) * p.block_table_stride;
-  const T* k_cache = static_cast<const T*>(p.k_cache);
-  const T* v_cache = static_cast<const T*>(p.v_cache);
+  const C* k_cache = static_cast<const C*>(p.k_cache);
+  const C* v_cache = static_cast<const C*>(p.v_cache);
   const int64_t head_off = static_cast<int64_t>(kv_head) * HEAD * BLOCK;
   const int64_t blk_stride = static_cast<int64_t>(p.num_kv_heads) * HEAD * BLOCK;
 
@@ -111,22 +180,24 @@ __global__ void __launch_bounds__(kMmaDecodeThreads) decode_mma_kernel(Attention
     vph = tile_ok && key0 + 4 > span.ctx_start && key0 < p_end ? bt[key0 / BLOCK] : 0;
   };
   // One 16-key tile starting at key kb: S = Q K^T, online softmax, O += P V (registers only).
-  auto compute = [&](int kb, const uint4 (&kt)[2][PAIRS], const uint2 (&vt)[NT]) {
+  auto compute = [&](int kb, const KRaw (&kraw)[2][PAIRS], const VRaw (&vraw)[NT]) {
     // S = Q K^T for this tile's 16 keys (two n-tiles of 8).
     float s[2][4];
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       const float z[4] = {0.f, 0.f, 0.f, 0.f};
-      const uint32_t b0[2] = {kt[nt][0].x, kt[nt][0].y};
-      mma_16816<T>(s[nt], qa[0][0], b0, z);
-      const uint32_t b1[2] = {kt[nt][0].z, kt[nt][0].w};
-      mma_acc<T>(s[nt], qa[0][1], b1);
+      const uint4 k0 = k_fragment<C>(kraw[nt][0]);
+      const uint32_t b0[2] = {k0.x, k0.y};
+      mma_16816<M>(s[nt], qa[0][0], b0, z);
+      const uint32_t b1[2] = {k0.z, k0.w};
+      mma_acc<M>(s[nt], qa[0][1], b1);
 #pragma unroll
       for (int pr = 1; pr < PAIRS; ++pr) {
-        const uint32_t c0[2] = {kt[nt][pr].x, kt[nt][pr].y};
-        mma_acc<T>(s[nt], qa[pr][0], c0);
-        const uint32_t c1[2] = {kt[nt][pr].z, kt[nt][pr].w};
-        mma_acc<T>(s[nt], qa[pr][1], c1);
+        const uint4 kp = k_fragment<C>(kraw[nt][pr]);
+        const uint32_t c0[2] = {kp.x, kp.y};
+        mma_acc<M>(s[nt], qa[pr][0], c0);
+        const uint32_t c1[2] = {kp.z, kp.w};
+        mma_acc<M>(s[nt], qa[pr][1], c1);
       }
     }
     // Lane's keys kb + 4t + i, i = 0..3; row r = 0 (head g) and 1 (head g + 8).
@@ -142,8 +213,8 @@ __global__ void __launch_bounds__(kMmaDecodeThreads) decode_mma_kernel(Attention
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const float v = plain ? x[i] * scale_log2
-                              : kLog2e * transform_score(x[i], p.scale, p.soft_cap, slope[r],
-                                                         key0 + i, pos_q);
+                              : kLog2e * transform_score(x[i] * k_scale, p.scale, p.soft_cap,
+                                                         slope[r], key0 + i, pos_q);
         x[i] = vis[i] ? v : -INFINITY;
         mx = fmaxf(mx, x[i]);
       }
@@ -166,23 +237,24 @@ __global__ void __launch_bounds__(kMmaDecodeThreads) decode_mma_kernel(Attention
       }
     }
     uint32_t pa[4];
-    pa[0] = pack2<T>(pr_[0][0], pr_[0][1]);
-    pa[2] = pack2<T>(pr_[0][2], pr_[0][3]);
+    pa[0] = pack2<M>(pr_[0][0], pr_[0][1]);
+    pa[2] = pack2<M>(pr_[0][2], pr_[0][3]);
     if constexpr (BIG) {
-      pa[1] = pack2<T>(pr_[1][0], pr_[1][1]);
-      pa[3] = pack2<T>(pr_[1][2], pr_[1][3]);
+      pa[1] = pack2<M>(pr_[1][0], pr_[1][1]);
+      pa[3] = pack2<M>(pr_[1][2], pr_[1][3]);
     } else {
       pa[1] = pa[3] = 0u;
     }
     const bool edge = !(vis[0] && vis[3]);  // vis is contiguous: ends decide
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
-      uint32_t b[2] = {vt[j].x, vt[j].y};
+      const uint2 vt = v_fragment<C>(vraw[j]);
+      uint32_t b[2] = {vt.x, vt.y};
       if (edge) {
         b[0] = keep_halves(b[0], vis[0], vis[1]);
         b[1] = keep_halves(b[1], vis[2], vis[3]);
       }
-      mma_acc<T>(o[j], pa, b);
+      mma_acc<M>(o[j], pa, b);
       if constexpr (!BIG) o[j][2] = o[j][3] = 0.f;
     }
   };
@@ -193,8 +265,8 @@ __global__ void __launch_bounds__(kMmaDecodeThreads) decode_mma_kernel(Attention
     for (int u = 0; u < UNROLL; ++u) lookup(warp + u * NW, kph[u], vph[u]);
 
     for (int it = warp; it < n_tiles; it += NW * UNROLL) {
-      uint4 kr[UNROLL][2][PAIRS];
-      uint2 vr[UNROLL][NT];
+      KRaw kr[UNROLL][2][PAIRS];
+      VRaw vr[UNROLL][NT];
       // Issue every load of the UNROLL tiles first.
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
@@ -204,23 +276,30 @@ __global__ void __launch_bounds__(kMmaDecodeThreads) decode_mma_kernel(Attention
         for (int nt = 0; nt < 2; ++nt) {
           const int key = kb + 4 * (g / 2) + 2 * nt + (g & 1);
           const bool ok = tile_ok && key >= span.ctx_start && key < p_end;
-          const T* kp = k_cache + static_cast<int64_t>(kph[u][nt]) * blk_stride + head_off +
-                        (key % BLOCK) * 8;
+          // The key's row: 16-byte vectors of 8 dims (T) or of 16 dims (fp8, read as halves).
+          constexpr int X = F8 ? 16 : 8;
+          const C* kp = k_cache + static_cast<int64_t>(kph[u][nt]) * blk_stride + head_off +
+                        (key % BLOCK) * X;
 #pragma unroll
           for (int pr = 0; pr < PAIRS; ++pr) {
             const int c = 4 * pr + t;
-            kr[u][nt][pr] = ok && (CHUNKS % 4 == 0 || c < CHUNKS)
-                                ? *reinterpret_cast<const uint4*>(kp + c * BLOCK * 8)
-                                : zero4;
+            const bool cok = ok && (CHUNKS % 4 == 0 || c < CHUNKS);
+            if constexpr (F8) {
+              kr[u][nt][pr] = cok ? *reinterpret_cast<const uint2*>(
+                                        kp + (c / 2) * BLOCK * 16 + (c % 2) * 8)
+                                  : make_uint2(0, 0);
+            } else {
+              kr[u][nt][pr] = cok ? *reinterpret_cast<const uint4*>(kp + c * BLOCK * 8) : zero4;
+            }
           }
         }
         const int key0 = kb + 4 * t;
         const bool gok = tile_ok && key0 + 4 > span.ctx_start && key0 < p_end;
-        const T* vp = v_cache + static_cast<int64_t>(vph[u]) * blk_stride + head_off +
+        const C* vp = v_cache + static_cast<int64_t>(vph[u]) * blk_stride + head_off +
                       (key0 % BLOCK) + g * BLOCK;
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
-          vr[u][j] = gok ? *reinterpret_cast<const uint2*>(vp + j * 8 * BLOCK) : make_uint2(0, 0);
+          vr[u][j] = gok ? *reinterpret_cast<const VRaw*>(vp + j * 8 * BLOCK) : VRaw{};
         }
       }
 #pragma unroll
@@ -249,7 +328,7 @@ __global__ void __launch_bounds__(kMmaDecodeThreads) decode_mma_kernel(Attention
       for (int nt = 0; nt < 2; ++nt) {
         const int key = kb + 4 * (g / 2) + 2 * nt + (g & 1);
         const bool ok = tile_ok && key >= span.ctx_start && key < p_end;
-        const T* kp = k_cache + static_cast<int64_t>(rk[nt]) * blk_stride + head_off +
+        const C* kp = k_cache + static_cast<int64_t>(rk[nt]) * blk_stride + head_off +
                       (ok ? key % BLOCK : 0) * 8;
 #pragma unroll
         for (int pr = 0; pr < PAIRS; ++pr) {
@@ -261,7 +340,7 @@ __global__ void __launch_bounds__(kMmaDecodeThreads) decode_mma_kernel(Attention
       }
       const int key0 = kb + 4 * t;
       const bool gok = tile_ok && key0 + 4 > span.ctx_start && key0 < p_end;
-      const T* vp = v_cache + static_cast<int64_t>(rv) * blk_stride + head_off +
+      const C* vp = v_cache + static_cast<int64_t>(rv) * blk_stride + head_off +
                     (gok ? key0 % BLOCK : 0) + g * BLOCK;
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
@@ -343,7 +422,7 @@ __global__ void __launch_bounds__(kMmaDecodeThreads) decode_mma_kernel(Attention
       lsum += f * l_s[w * 16 + row];
       acc += f * o_s[(w * 16 + row) * HEAD + d];
     }
-    const float val = lsum > 0.f ? acc / lsum : 0.f;
+    const float val = lsum > 0.f ? acc / lsum * v_scale : 0.f;
     const int head = head0 + row;
     if (span.num_parts == 1) {
       T* out = static_cast<T*>(p.out) + q_tok * p.o_stride_t +
@@ -370,12 +449,12 @@ constexpr int decode_mma_kernel_smem() {
   return ring > merge ? ring : merge;
 }
 
-template <typename T, int HEAD, int BLOCK, bool BIG, int UNROLL, int STAGES>
+template <typename T, int HEAD, int BLOCK, bool BIG, int UNROLL, int STAGES, typename C = T>
 cudaError_t launch_decode_mma_cfg(const AttentionParams& p, cudaStream_t stream) {
   constexpr int smem = decode_mma_kernel_smem<HEAD, STAGES>();
   static_assert(STAGES > 0 || smem == 4 * kMmaDecodeWarps * 16 * (HEAD + 2),
                 "params.h decode_mma_smem_bytes mirrors the register path");
-  auto kernel = decode_mma_kernel<T, HEAD, BLOCK, BIG, UNROLL, STAGES>;
+  auto kernel = decode_mma_kernel<T, HEAD, BLOCK, BIG, UNROLL, STAGES, C>;
   if (smem > 48 * 1024) {
     const cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -436,6 +515,47 @@ cudaError_t launch_decode_mma(const AttentionParams& p, int head_size, cudaStrea
       return launch_decode_mma_head<T, 128>(p, stream);
     default:
       return cudaErrorInvalidValue;  // 256: the classic kernels (register budget)
+  }
+}
+
+// fp8 cache (e4m3 / e5m2, block sizes 16 and 32): registers only. Each load carries half the
+// bytes of T's, so a warp keeps twice the tiles in flight for the same bytes:
+// p.decode_unroll 1 -> 2 tiles, 2 -> 4 tiles.
+template <typename T, int HEAD, typename C>
+cudaError_t launch_decode_mma_fp8_head(const AttentionParams& p, cudaStream_t stream) {
+  const bool big = p.num_heads / p.num_kv_heads > 8;
+  const bool four = p.decode_unroll == 2;
+#define PAGEDCORE_FP8_MMA(BLOCK)                                                              \
+  return big ? (four ? launch_decode_mma_cfg<T, HEAD, BLOCK, true, 4, 0, C>(p, stream)        \
+                     : launch_decode_mma_cfg<T, HEAD, BLOCK, true, 2, 0, C>(p, stream))       \
+             : (four ? launch_decode_mma_cfg<T, HEAD, BLOCK, false, 4, 0, C>(p, stream)       \
+                     : launch_decode_mma_cfg<T, HEAD, BLOCK, false, 2, 0, C>(p, stream))
+  if (p.block_size == 16) {
+    PAGEDCORE_FP8_MMA(16);
+  }
+  if (p.block_size == 32) {
+    PAGEDCORE_FP8_MMA(32);
+  }
+#undef PAGEDCORE_FP8_MMA
+  return cudaErrorInvalidValue;
+}
+
+template <typename T, typename C>
+cudaError_t launch_decode_mma_fp8(const AttentionParams& p, int head_size, cudaStream_t stream) {
+  if (p.num_items == 0) return cudaSuccess;
+  switch (head_size) {
+    case 64:
+      return launch_decode_mma_fp8_head<T, 64, C>(p, stream);
+    case 80:
+      return launch_decode_mma_fp8_head<T, 80, C>(p, stream);
+    case 96:
+      return launch_decode_mma_fp8_head<T, 96, C>(p, stream);
+    case 112:
+      return launch_decode_mma_fp8_head<T, 112, C>(p, stream);
+    case 128:
+      return launch_decode_mma_fp8_head<T, 128, C>(p, stream);
+    default:
+      return cudaErrorInvalidValue;
   }
 }
 

@@ -191,6 +191,18 @@ void launch_fp8_for_dtype(const AttentionParams& p, const at::Tensor& query, Fp8
   check_cuda_status(launch(p, static_cast<int>(head_size), kind, stream), what, head_size);
 }
 
+// The tensor-core fp8 decodes by query dtype (fp32 queries have none).
+cudaError_t launch_decode_mma_fp8_f16(const AttentionParams& p, int head_size, Fp8 kind,
+                                      cudaStream_t stream) {
+  return kind == Fp8::kE4M3 ? launch_decode_mma_fp8_e4m3_f16(p, head_size, stream)
+                            : launch_decode_mma_fp8_e5m2_f16(p, head_size, stream);
+}
+cudaError_t launch_decode_mma_fp8_bf16(const AttentionParams& p, int head_size, Fp8 kind,
+                                       cudaStream_t stream) {
+  return kind == Fp8::kE4M3 ? launch_decode_mma_fp8_e4m3_bf16(p, head_size, stream)
+                            : launch_decode_mma_fp8_e5m2_bf16(p, head_size, stream);
+}
+
 }  // namespace
 
 void cache_write(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cache,
@@ -403,7 +415,8 @@ void decode_fp8(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_ca
                 const std::optional<at::Tensor>& alibi_slopes, int64_t window,
                 int64_t partition_size, int64_t max_partitions, const at::Tensor& tmp_out,
                 const at::Tensor& max_logits, const at::Tensor& exp_sums,
-                const at::Tensor& k_scale, const at::Tensor& v_scale) {
+                const at::Tensor& k_scale, const at::Tensor& v_scale, int64_t kernel,
+                int64_t unroll) {
   const Fp8 kind = fp8_of(kv_cache);
   AttentionParams p =
       common_params(out, query, kv_cache, block_table, seq_lens, query_start_loc, decode_reqs,
@@ -426,6 +439,20 @@ void decode_fp8(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_ca
     p.tmp_out = tmp_out.data_ptr<float>();
     p.max_logits = max_logits.data_ptr<float>();
     p.exp_sums = exp_sums.data_ptr<float>();
+  }
+  TORCH_CHECK(kernel == 0 || kernel == 1, "decode_fp8 kernel must be 0 (classic) or 1 (mma), "
+              "got ", kernel);
+  if (kernel == 1) {
+    const int64_t head = query.size(2);
+    TORCH_CHECK(query.scalar_type() != at::kFloat && head % 16 == 0 && head >= 64 && head <= 128,
+                "the mma fp8 decode takes float16/bfloat16 queries and head sizes 64-128, got ",
+                query.scalar_type(), " and ", head, "; use the classic kernel");
+    TORCH_CHECK(unroll == 1 || unroll == 2, "mma fp8 decode unroll must be 1 or 2 (2 or 4 "
+                "tiles of loads in flight per warp), got ", unroll);
+    p.decode_unroll = static_cast<int>(unroll);
+    launch_fp8_for_dtype(p, query, kind, launch_decode_mma_fp8_f16, launch_decode_mma_fp8_bf16,
+                         nullptr, "decode_fp8 (mma)");
+    return;
   }
   launch_fp8_for_dtype(p, query, kind, launch_decode_fp8_f16, launch_decode_fp8_bf16,
                        launch_decode_fp8_f32, "decode_fp8");

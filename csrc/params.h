@@ -81,7 +81,8 @@ struct AttentionParams {
 cudaError_t launch_cache_write(const CacheWriteParams& p, DType dtype, cudaStream_t stream);
 
 // fp8 KV cache (fp16 / bf16 / fp32 queries): cache write with quantization, the CUDA-core
-// decode (decode.cuh, per-head blocks) and the WMMA / CUDA-core prefill (prefill.cuh) reading
+// decode (decode.cuh, per-head blocks; the tensor-core one is below, decode_mma.cuh) and the
+// WMMA / CUDA-core prefill (prefill.cuh) reading
 // fp8 K/V; block sizes 16 and 32 (16 fp8 elements per 16-byte vector).
 cudaError_t launch_cache_write_fp8(const CacheWriteParams& p, DType dtype, Fp8 kind,
                                    cudaStream_t stream);
@@ -105,6 +106,16 @@ cudaError_t launch_decode_f32(const AttentionParams& p, int head_size, cudaStrea
 // Tensor-core kernels (fp16 / bf16, head sizes 64-128): decode_mma.cuh, prefill_mma.cuh.
 cudaError_t launch_decode_mma_f16(const AttentionParams& p, int head_size, cudaStream_t stream);
 cudaError_t launch_decode_mma_bf16(const AttentionParams& p, int head_size, cudaStream_t stream);
+// ... and over an fp8 cache (fp16 / bf16 queries, block sizes 16 and 32; p.decode_unroll 1 or 2
+// keeps 2 or 4 tiles of loads in flight per warp).
+cudaError_t launch_decode_mma_fp8_e4m3_f16(const AttentionParams& p, int head_size,
+                                           cudaStream_t stream);
+cudaError_t launch_decode_mma_fp8_e5m2_f16(const AttentionParams& p, int head_size,
+                                           cudaStream_t stream);
+cudaError_t launch_decode_mma_fp8_e4m3_bf16(const AttentionParams& p, int head_size,
+                                            cudaStream_t stream);
+cudaError_t launch_decode_mma_fp8_e5m2_bf16(const AttentionParams& p, int head_size,
+                                            cudaStream_t stream);
 cudaError_t launch_prefill_mma_f16(const AttentionParams& p, int head_size, cudaStream_t stream);
 cudaError_t launch_prefill_mma_bf16(const AttentionParams& p, int head_size, cudaStream_t stream);
 

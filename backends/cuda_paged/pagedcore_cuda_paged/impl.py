@@ -10,7 +10,6 @@ from pagedcore.attention.backend import AttentionImpl
 from pagedcore_cuda_paged._ext import load_ops
 from pagedcore_cuda_paged.metadata import CudaPagedMetadata
 from pagedcore_cuda_paged.plan import (
-    DecodeKernel,
     DecodePass,
     capture_span_bound,
     decode_plan,
@@ -71,8 +70,9 @@ class CudaPagedImpl(AttentionImpl[CudaPagedMetadata]):
 
     Parameters are `AttentionImpl`'s; `head_size` must be one of `SUPPORTED_HEAD_SIZES`.
     `kv_cache_dtype` ``"fp8_e4m3"`` / ``"fp8_e5m2"``: the cache write quantizes with the layer's
-    scales (`cache_write_fp8`), decode runs the per-head CUDA-core kernel and prefill the
-    64-row WMMA kernel over the fp8 cache (`decode_fp8` / `prefill_fp8`, dequantizing inside
+    scales (`cache_write_fp8`), decode runs the grouped tensor-core kernel (fp16 / bf16, head
+    sizes 64-128; else the per-head CUDA-core one) and prefill the 64-row WMMA kernel over the
+    fp8 cache (`decode_fp8` / `prefill_fp8`, dequantizing inside
     the kernel); block sizes 16 and 32 (the layout packs 16 fp8 elements per vector).
     """
 
@@ -166,7 +166,7 @@ class CudaPagedImpl(AttentionImpl[CudaPagedMetadata]):
                 num_kv_heads=self.num_kv_heads, head_size=self.head_size,
                 block_size=block_size, sliding_window=self.sliding_window,
                 policy=metadata.policy, smem_limit=_smem_limit(query.device),
-                is_float32=query.dtype == torch.float32,
+                is_float32=query.element_size() == 4,
                 max_span=None if metadata.decode_max_seq_len is None else capture_span_bound(
                     metadata.decode_max_seq_len, block_size=block_size,
                     sliding_window=self.sliding_window),
@@ -204,7 +204,8 @@ class CudaPagedImpl(AttentionImpl[CudaPagedMetadata]):
         self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: CudaPagedMetadata,
         out: torch.Tensor, block_size: int,
     ) -> None:
-        """The step over an fp8 cache: `decode_fp8` (per-head CUDA-core kernel, one pass or
+        """The step over an fp8 cache: `decode_fp8` (the grouped tensor-core kernel for fp16 /
+        bf16 queries and head sizes 64-128, else the per-head CUDA-core one; one pass or
         partitioned) for the decodes, `prefill_fp8` (64-row tiles) for every other request,
         handed-off prompts included (triton's Hopper kernel takes no fp8 cache)."""
 
@@ -219,10 +220,11 @@ class CudaPagedImpl(AttentionImpl[CudaPagedMetadata]):
                 metadata.decode_seq_lens, num_heads=self.num_heads,
                 num_kv_heads=self.num_kv_heads, head_size=self.head_size,
                 block_size=block_size, sliding_window=self.sliding_window,
-                # The per-head CUDA-core kernel's plan (fp8 has no mma / grouped decode).
-                policy=attrs.evolve(metadata.policy, kernel=DecodeKernel.CLASSIC,
-                                    group_heads=False),
+                # MMA (the grouped tensor-core decode, widening fp8 in registers) where it
+                # applies, else the per-head CUDA-core kernel (fp8 has no grouped CLASSIC).
+                policy=attrs.evolve(metadata.policy, group_heads=False),
                 smem_limit=_smem_limit(query.device),
+                is_float32=query.element_size() == 4,
                 max_span=None if metadata.decode_max_seq_len is None else capture_span_bound(
                     metadata.decode_max_seq_len, block_size=block_size,
                     sliding_window=self.sliding_window),
@@ -233,6 +235,7 @@ class CudaPagedImpl(AttentionImpl[CudaPagedMetadata]):
                 out, query, kv_cache, *common, metadata.decode_reqs, block_size,
                 self.num_kv_heads, self.scale, cap, alibi, window, launch.partition_size,
                 launch.max_partitions, tmp, max_logits, exp_sums, k_scale, v_scale,
+                launch.kernel_code, min(launch.unroll, 2),  # fp8: registers only, no ring
             )
         for i, tiles in enumerate((metadata.prefill_tiles, metadata.handoff_tiles)):
             if tiles is None or tiles.numel() == 0:

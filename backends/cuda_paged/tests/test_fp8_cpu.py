@@ -3,6 +3,7 @@ write quantizes, decode / prefill read ``fp8 * scale``), and the routing to the 
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 from fake_ops import FakeOps
@@ -62,3 +63,18 @@ def test_fp8_rejects_block_size_8() -> None:
     assert any("block size 16 or 32" in r for r in CudaPagedBackend.validate_configuration(cfg))
     with pytest.raises(ValueError, match="multiples of 16"):
         CudaPagedBackend.get_kv_cache_shape(4, 8, 2, 128, "fp8_e5m2")
+
+
+@pytest.mark.parametrize(("dtype", "kernel"), [("float16", 1), ("float32", 0)])
+def test_fp8_decode_routes_to_the_mma_kernel(
+    fake_ops: FakeOps, cpu_backend: type[CudaPagedBackend], dtype: str, kernel: int,
+) -> None:
+    """fp16 / bf16 queries over an fp8 cache decode on the grouped tensor-core kernel
+    (kernel 1, unroll 1 or 2); float32 queries on the per-head CUDA-core one (kernel 0)."""
+    case = next(c for c in FP8_CASES if c.name.startswith("mixed/float16"))
+    case = attrs.evolve(case, dtype=dtype)
+    result = run_case(cpu_backend, case, device="cpu")
+    assert result.passed, result.message
+    decodes = [c for c in fake_ops.calls if c[0] == "decode_fp8"]
+    assert decodes and {c[4] for c in decodes} == {kernel}
+    assert {c[3] for c in decodes} == {kernel == 1}  # mma always groups the query heads
