@@ -83,8 +83,10 @@ __device__ __forceinline__ uint4 as_mma_type(const uint4& v) {
   }
 }
 
-template <typename T, int HEAD, int BLOCK, bool BIG, int UNROLL, int STAGES, typename C = T>
-__global__ void __launch_bounds__(kMmaDecodeThreads) decode_mma_kernel(AttentionParams p) {
+// MINB: thread blocks per SM the register allocation must allow (__launch_bounds__).
+template <typename T, int HEAD, int BLOCK, bool BIG, int UNROLL, int STAGES, typename C = T,
+          int MINB = 1>
+__global__ void __launch_bounds__(kMmaDecodeThreads, MINB) decode_mma_kernel(AttentionParams p) {
   constexpr int CHUNKS = HEAD / 8;          // 16-byte vectors per K row
   constexpr int PAIRS = (CHUNKS + 3) / 4;   // pairs of k-steps (32 head dims each)
   constexpr int NT = HEAD / 8;              // output n-tiles
@@ -449,12 +451,13 @@ constexpr int decode_mma_kernel_smem() {
   return ring > merge ? ring : merge;
 }
 
-template <typename T, int HEAD, int BLOCK, bool BIG, int UNROLL, int STAGES, typename C = T>
+template <typename T, int HEAD, int BLOCK, bool BIG, int UNROLL, int STAGES, typename C = T,
+          int MINB = 1>
 cudaError_t launch_decode_mma_cfg(const AttentionParams& p, cudaStream_t stream) {
   constexpr int smem = decode_mma_kernel_smem<HEAD, STAGES>();
   static_assert(STAGES > 0 || smem == 4 * kMmaDecodeWarps * 16 * (HEAD + 2),
                 "params.h decode_mma_smem_bytes mirrors the register path");
-  auto kernel = decode_mma_kernel<T, HEAD, BLOCK, BIG, UNROLL, STAGES, C>;
+  auto kernel = decode_mma_kernel<T, HEAD, BLOCK, BIG, UNROLL, STAGES, C, MINB>;
   if (smem > 48 * 1024) {
     const cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -519,24 +522,29 @@ cudaError_t launch_decode_mma(const AttentionParams& p, int head_size, cudaStrea
 }
 
 // fp8 cache (e4m3 / e5m2, block sizes 16 and 32): registers only. Each load carries half the
-// bytes of T's, so a warp keeps twice the tiles in flight for the same bytes:
-// p.decode_unroll 1 -> 2 tiles, 2 -> 4 tiles.
+// bytes of T's, so a warp keeps more tiles in flight for the same bytes. p.decode_unroll:
+// 1 -> 2 tiles, 2 -> 3 tiles, 3 -> 2 tiles with registers capped for 3 blocks per SM.
+// (4 tiles spill at head size 128 and measured slower: docs/benchmarks/cuda_paged.md.)
+template <typename T, int HEAD, typename C, int BLOCK>
+cudaError_t launch_decode_mma_fp8_block(const AttentionParams& p, cudaStream_t stream) {
+  const bool big = p.num_heads / p.num_kv_heads > 8;
+  switch (p.decode_unroll) {
+    case 2:
+      return big ? launch_decode_mma_cfg<T, HEAD, BLOCK, true, 3, 0, C>(p, stream)
+                 : launch_decode_mma_cfg<T, HEAD, BLOCK, false, 3, 0, C>(p, stream);
+    case 3:
+      return big ? launch_decode_mma_cfg<T, HEAD, BLOCK, true, 2, 0, C, 3>(p, stream)
+                 : launch_decode_mma_cfg<T, HEAD, BLOCK, false, 2, 0, C, 3>(p, stream);
+    default:
+      return big ? launch_decode_mma_cfg<T, HEAD, BLOCK, true, 2, 0, C>(p, stream)
+                 : launch_decode_mma_cfg<T, HEAD, BLOCK, false, 2, 0, C>(p, stream);
+  }
+}
+
 template <typename T, int HEAD, typename C>
 cudaError_t launch_decode_mma_fp8_head(const AttentionParams& p, cudaStream_t stream) {
-  const bool big = p.num_heads / p.num_kv_heads > 8;
-  const bool four = p.decode_unroll == 2;
-#define PAGEDCORE_FP8_MMA(BLOCK)                                                              \
-  return big ? (four ? launch_decode_mma_cfg<T, HEAD, BLOCK, true, 4, 0, C>(p, stream)        \
-                     : launch_decode_mma_cfg<T, HEAD, BLOCK, true, 2, 0, C>(p, stream))       \
-             : (four ? launch_decode_mma_cfg<T, HEAD, BLOCK, false, 4, 0, C>(p, stream)       \
-                     : launch_decode_mma_cfg<T, HEAD, BLOCK, false, 2, 0, C>(p, stream))
-  if (p.block_size == 16) {
-    PAGEDCORE_FP8_MMA(16);
-  }
-  if (p.block_size == 32) {
-    PAGEDCORE_FP8_MMA(32);
-  }
-#undef PAGEDCORE_FP8_MMA
+  if (p.block_size == 16) return launch_decode_mma_fp8_block<T, HEAD, C, 16>(p, stream);
+  if (p.block_size == 32) return launch_decode_mma_fp8_block<T, HEAD, C, 32>(p, stream);
   return cudaErrorInvalidValue;
 }
 
