@@ -83,10 +83,8 @@ __device__ __forceinline__ uint4 as_mma_type(const uint4& v) {
   }
 }
 
-// MINB: thread blocks per SM the register allocation must allow (__launch_bounds__).
-template <typename T, int HEAD, int BLOCK, bool BIG, int UNROLL, int STAGES, typename C = T,
-          int MINB = 1>
-__global__ void __launch_bounds__(kMmaDecodeThreads, MINB) decode_mma_kernel(AttentionParams p) {
+template <typename T, int HEAD, int BLOCK, bool BIG, int UNROLL, int STAGES, typename C = T>
+__global__ void __launch_bounds__(kMmaDecodeThreads) decode_mma_kernel(AttentionParams p) {
   constexpr int CHUNKS = HEAD / 8;          // 16-byte vectors per K row
   constexpr int PAIRS = (CHUNKS + 3) / 4;   // pairs of k-steps (32 head dims each)
   constexpr int NT = HEAD / 8;              // output n-tiles
@@ -451,13 +449,12 @@ constexpr int decode_mma_kernel_smem() {
   return ring > merge ? ring : merge;
 }
 
-template <typename T, int HEAD, int BLOCK, bool BIG, int UNROLL, int STAGES, typename C = T,
-          int MINB = 1>
+template <typename T, int HEAD, int BLOCK, bool BIG, int UNROLL, int STAGES, typename C = T>
 cudaError_t launch_decode_mma_cfg(const AttentionParams& p, cudaStream_t stream) {
   constexpr int smem = decode_mma_kernel_smem<HEAD, STAGES>();
   static_assert(STAGES > 0 || smem == 4 * kMmaDecodeWarps * 16 * (HEAD + 2),
                 "params.h decode_mma_smem_bytes mirrors the register path");
-  auto kernel = decode_mma_kernel<T, HEAD, BLOCK, BIG, UNROLL, STAGES, C, MINB>;
+  auto kernel = decode_mma_kernel<T, HEAD, BLOCK, BIG, UNROLL, STAGES, C>;
   if (smem > 48 * 1024) {
     const cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -521,30 +518,21 @@ cudaError_t launch_decode_mma(const AttentionParams& p, int head_size, cudaStrea
   }
 }
 
-// fp8 cache (e4m3 / e5m2, block sizes 16 and 32): registers only. Each load carries half the
-// bytes of T's, so a warp keeps more tiles in flight for the same bytes. p.decode_unroll:
-// 1 -> 2 tiles, 2 -> 3 tiles, 3 -> 2 tiles with registers capped for 3 blocks per SM.
-// (4 tiles spill at head size 128 and measured slower: docs/benchmarks/cuda_paged.md.)
-template <typename T, int HEAD, typename C, int BLOCK>
-cudaError_t launch_decode_mma_fp8_block(const AttentionParams& p, cudaStream_t stream) {
-  const bool big = p.num_heads / p.num_kv_heads > 8;
-  switch (p.decode_unroll) {
-    case 2:
-      return big ? launch_decode_mma_cfg<T, HEAD, BLOCK, true, 3, 0, C>(p, stream)
-                 : launch_decode_mma_cfg<T, HEAD, BLOCK, false, 3, 0, C>(p, stream);
-    case 3:
-      return big ? launch_decode_mma_cfg<T, HEAD, BLOCK, true, 2, 0, C, 3>(p, stream)
-                 : launch_decode_mma_cfg<T, HEAD, BLOCK, false, 2, 0, C, 3>(p, stream);
-    default:
-      return big ? launch_decode_mma_cfg<T, HEAD, BLOCK, true, 2, 0, C>(p, stream)
-                 : launch_decode_mma_cfg<T, HEAD, BLOCK, false, 2, 0, C>(p, stream);
-  }
-}
-
+// fp8 cache (e4m3 / e5m2, block sizes 16 and 32): registers only, two 16-key tiles of loads in
+// flight per warp (the bytes of one bf16 tile). Measured slower on the H200 at 64x4096 /
+// 8x32768 / 256x1024: three tiles (236 registers), four (spills at head size 128), two with
+// registers capped for three blocks per SM (docs/benchmarks/cuda_paged.md).
 template <typename T, int HEAD, typename C>
 cudaError_t launch_decode_mma_fp8_head(const AttentionParams& p, cudaStream_t stream) {
-  if (p.block_size == 16) return launch_decode_mma_fp8_block<T, HEAD, C, 16>(p, stream);
-  if (p.block_size == 32) return launch_decode_mma_fp8_block<T, HEAD, C, 32>(p, stream);
+  const bool big = p.num_heads / p.num_kv_heads > 8;
+  if (p.block_size == 16) {
+    return big ? launch_decode_mma_cfg<T, HEAD, 16, true, 2, 0, C>(p, stream)
+               : launch_decode_mma_cfg<T, HEAD, 16, false, 2, 0, C>(p, stream);
+  }
+  if (p.block_size == 32) {
+    return big ? launch_decode_mma_cfg<T, HEAD, 32, true, 2, 0, C>(p, stream)
+               : launch_decode_mma_cfg<T, HEAD, 32, false, 2, 0, C>(p, stream);
+  }
   return cudaErrorInvalidValue;
 }
 

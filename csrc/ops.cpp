@@ -447,9 +447,9 @@ void decode_fp8(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_ca
     TORCH_CHECK(query.scalar_type() != at::kFloat && head % 16 == 0 && head >= 64 && head <= 128,
                 "the mma fp8 decode takes float16/bfloat16 queries and head sizes 64-128, got ",
                 query.scalar_type(), " and ", head, "; use the classic kernel");
-    TORCH_CHECK(unroll >= 1 && unroll <= 3, "mma fp8 decode unroll must be 1, 2 or 3 (2 or 3 "
-                "tiles of loads in flight per warp; 3: 2 tiles, 3 blocks per SM), got ", unroll);
-    p.decode_unroll = static_cast<int>(unroll);
+    TORCH_CHECK(unroll == 1, "the mma fp8 decode has one load schedule (two tiles in flight "
+                "per warp): unroll must be 1, got ", unroll);
+    p.decode_unroll = 1;
     launch_fp8_for_dtype(p, query, kind, launch_decode_mma_fp8_f16, launch_decode_mma_fp8_bf16,
                          nullptr, "decode_fp8 (mma)");
     return;

@@ -106,8 +106,8 @@ cudaError_t launch_decode_f32(const AttentionParams& p, int head_size, cudaStrea
 // Tensor-core kernels (fp16 / bf16, head sizes 64-128): decode_mma.cuh, prefill_mma.cuh.
 cudaError_t launch_decode_mma_f16(const AttentionParams& p, int head_size, cudaStream_t stream);
 cudaError_t launch_decode_mma_bf16(const AttentionParams& p, int head_size, cudaStream_t stream);
-// ... and over an fp8 cache (fp16 / bf16 queries, block sizes 16 and 32; p.decode_unroll 1 / 2
-// keeps 2 / 3 tiles of loads in flight per warp, 3: 2 tiles with 3 thread blocks per SM).
+// ... and over an fp8 cache (fp16 / bf16 queries, block sizes 16 and 32; two tiles of loads in
+// flight per warp).
 cudaError_t launch_decode_mma_fp8_e4m3_f16(const AttentionParams& p, int head_size,
                                            cudaStream_t stream);
 cudaError_t launch_decode_mma_fp8_e5m2_f16(const AttentionParams& p, int head_size,

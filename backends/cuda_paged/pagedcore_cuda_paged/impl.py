@@ -43,12 +43,6 @@ def _aligned_rows(t: torch.Tensor) -> bool:
     )
 
 
-#: The mma fp8 decode's unroll code (csrc/decode_mma.cuh): 1 = two 16-key tiles of loads in
-#: flight per warp, the fastest at the three bench shapes on the H200 (docs/benchmarks/
-#: cuda_paged.md, "fp8 decode on tensor cores").
-_FP8_DECODE_UNROLL = 1
-
-
 def _tiles64(metadata: CudaPagedMetadata, which: int, tiles: torch.Tensor) -> torch.Tensor:
     """`tiles` (``[N, 2]`` int32 (request, first row) of ``metadata.prefill_rows``-row tiles)
     as 64-row tiles for `prefill_fp8`: each 128-row tile becomes rows r and r + 64 (a tile
@@ -241,9 +235,8 @@ class CudaPagedImpl(AttentionImpl[CudaPagedMetadata]):
                 out, query, kv_cache, *common, metadata.decode_reqs, block_size,
                 self.num_kv_heads, self.scale, cap, alibi, window, launch.partition_size,
                 launch.max_partitions, tmp, max_logits, exp_sums, k_scale, v_scale,
-                # fp8 unroll: 1 (two tiles in flight) unless the policy says otherwise; the
-                # extension's fp8 unroll codes differ from bf16's (no cp.async ring).
-                launch.kernel_code, metadata.policy.unroll or _FP8_DECODE_UNROLL,
+                # fp8 has one load schedule (two tiles in flight per warp): unroll 1.
+                launch.kernel_code, 1,
             )
         for i, tiles in enumerate((metadata.prefill_tiles, metadata.handoff_tiles)):
             if tiles is None or tiles.numel() == 0:
