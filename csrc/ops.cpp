@@ -415,8 +415,7 @@ void decode_fp8(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_ca
                 const std::optional<at::Tensor>& alibi_slopes, int64_t window,
                 int64_t partition_size, int64_t max_partitions, const at::Tensor& tmp_out,
                 const at::Tensor& max_logits, const at::Tensor& exp_sums,
-                const at::Tensor& k_scale, const at::Tensor& v_scale, int64_t kernel,
-                int64_t unroll) {
+                const at::Tensor& k_scale, const at::Tensor& v_scale, int64_t kernel) {
   const Fp8 kind = fp8_of(kv_cache);
   AttentionParams p =
       common_params(out, query, kv_cache, block_table, seq_lens, query_start_loc, decode_reqs,
@@ -447,9 +446,7 @@ void decode_fp8(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_ca
     TORCH_CHECK(query.scalar_type() != at::kFloat && head % 16 == 0 && head >= 64 && head <= 128,
                 "the mma fp8 decode takes float16/bfloat16 queries and head sizes 64-128, got ",
                 query.scalar_type(), " and ", head, "; use the classic kernel");
-    TORCH_CHECK(unroll == 1, "the mma fp8 decode has one load schedule (two tiles in flight "
-                "per warp): unroll must be 1, got ", unroll);
-    p.decode_unroll = 1;
+    p.decode_unroll = 1;  // one load schedule: two tiles in flight per warp
     launch_fp8_for_dtype(p, query, kind, launch_decode_mma_fp8_f16, launch_decode_mma_fp8_bf16,
                          nullptr, "decode_fp8 (mma)");
     return;

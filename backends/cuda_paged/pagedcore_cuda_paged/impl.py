@@ -235,8 +235,7 @@ class CudaPagedImpl(AttentionImpl[CudaPagedMetadata]):
                 out, query, kv_cache, *common, metadata.decode_reqs, block_size,
                 self.num_kv_heads, self.scale, cap, alibi, window, launch.partition_size,
                 launch.max_partitions, tmp, max_logits, exp_sums, k_scale, v_scale,
-                # fp8 has one load schedule (two tiles in flight per warp): unroll 1.
-                launch.kernel_code, 1,
+                launch.kernel_code,
             )
         for i, tiles in enumerate((metadata.prefill_tiles, metadata.handoff_tiles)):
             if tiles is None or tiles.numel() == 0:

@@ -48,13 +48,12 @@ class FakeOps:
                    scale: float, soft_cap: float, alibi: torch.Tensor | None, window: int,
                    partition_size: int, max_partitions: int, tmp_out: torch.Tensor,
                    max_logits: torch.Tensor, exp_sums: torch.Tensor, k_scale: torch.Tensor,
-                   v_scale: torch.Tensor, kernel: int, unroll: int) -> None:
+                   v_scale: torch.Tensor, kernel: int) -> None:
         assert kv_cache.dtype in _FP8 and block_size % 16 == 0
-        assert unroll == 1, "the mma fp8 decode has one load schedule"
         self.scales = (k_scale, v_scale)
         self.decode(out, query, kv_cache, block_table, seq_lens, qsl, decode_reqs, block_size,
                     num_kv_heads, scale, soft_cap, alibi, window, partition_size,
-                    max_partitions, kernel == 1, tmp_out, max_logits, exp_sums, kernel, unroll)
+                    max_partitions, kernel == 1, tmp_out, max_logits, exp_sums, kernel, 1)
         self.calls[-1] = ("decode_fp8", *self.calls[-1][1:])
 
     def prefill_fp8(self, out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor,
