@@ -236,6 +236,64 @@ def components(args: argparse.Namespace, device: torch.device, *,
     return rows
 
 
+def suffix_variants(args: argparse.Namespace, device: torch.device, *,
+                    tiles: list[str], segments: list[int]) -> dict[str, Any]:
+    """The target step's whole cascade under each suffix-launch shape: split-KV segments of
+    the suffix (`segments`; 1 fuses the merge into the suffix launch, more add the merge
+    launch) x decode tile shapes (`tiles`: ``PAGEDCORE_TRITON_DECODE_TILES`` texts, "" the
+    default), with the default prefix launch."""
+    from pagedcore_triton.plan import DECODE_TILES_ENV
+
+    from pagedcore.attention.cascade import common_prefix_len
+
+    dtype = getattr(torch, args.dtype)
+    step = Step(args.reqs, args.prefix, args.own, shared=True, heads=args.heads,
+                kv_heads=args.kv_heads, head_size=args.head_size,
+                block_size=args.block_size, dtype=dtype, device=device)
+    builder, impl = _setup(step, args, device)
+    p = common_prefix_len(step.tables, step.contexts, args.block_size)
+    out_plain = torch.empty_like(step.query)
+    plain_meta = builder.build(step.common)
+    impl.forward(step.query, step.query, step.query, step.cache, plain_meta, output=out_plain)
+    timer = _timer(args.smoke, device, 150.0)
+    rows: list[dict[str, Any]] = []
+    before = os.environ.get(DECODE_TILES_ENV)
+    try:
+        for tile in tiles:
+            if tile:
+                os.environ[DECODE_TILES_ENV] = tile
+            else:
+                os.environ.pop(DECODE_TILES_ENV, None)
+            for s in segments:
+                builder.decode_segments = lambda s=s, **_: s  # type: ignore[method-assign]
+                meta = builder.build(step.common, common_prefix_len=p)
+                out = torch.empty_like(step.query)
+
+                def cascade(meta: Any = meta, out: torch.Tensor = out) -> None:
+                    impl.forward(step.query, step.query, step.query, step.cache, meta,
+                                 output=out)
+
+                row: dict[str, Any] = {"tiles": tile or "default", "suffix_segments": s}
+                try:
+                    cascade()
+                except Exception as e:  # a shape the compiler rejects
+                    row["error"] = f"{type(e).__name__}: {e}"[:300]
+                else:
+                    row["rel_err"] = float((out.float() - out_plain.float()).abs().max()
+                                           / out_plain.float().abs().max())
+                    row["nan"] = bool(torch.isnan(out).any())
+                    row["cascade_ms"] = timer(cascade)
+                print(f"suffix: {row}", flush=True)
+                rows.append(row)
+    finally:
+        del builder.decode_segments
+        if before is None:
+            os.environ.pop(DECODE_TILES_ENV, None)
+        else:
+            os.environ[DECODE_TILES_ENV] = before
+    return {"rows": rows}
+
+
 def unshared(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     """Nothing shared: the plain path's time and the engine-side planner's host cost."""
     from pagedcore.attention.cascade import common_prefix_len
@@ -267,19 +325,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--json", required=True)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, CPU interpreter")
     ap.add_argument("--parts", default="target,components,unshared,sweep",
-                    help="comma list of target, components, unshared, sweep (in that order; "
+                    help="comma list of target, components, suffix, unshared, sweep (in that order; "
                          "the JSON is rewritten after each)")
     ap.add_argument("--variants", default="",
                     help="';'-separated PAGEDCORE_TRITON_CASCADE_PREFIX texts the components "
                          "part also times (the default shape always runs first)")
+    ap.add_argument("--suffix-tiles", default=";128,4,3;32,4,4;64,8,3",
+                    help="';'-separated PAGEDCORE_TRITON_DECODE_TILES texts the suffix part "
+                         "times ('' is the default shape)")
+    ap.add_argument("--suffix-segments", default="1,2,4,8",
+                    help="comma list of suffix split-KV segment counts the suffix part times")
     ap.add_argument("--sweep-reqs", default=None, help="comma list (default: 2..64)")
     ap.add_argument("--sweep-prefix", default=None, help="comma list (default: 256,1024,4096)")
     args = ap.parse_args(argv)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-    unknown = set(parts) - {"target", "components", "unshared", "sweep"}
+    unknown = set(parts) - {"target", "components", "suffix", "unshared", "sweep"}
     if unknown:
         ap.error(f"--parts: unknown {sorted(unknown)}; pick from target, components, "
-                 "unshared, sweep")
+                 "suffix, unshared, sweep")
     if args.smoke:
         args.reqs, args.prefix, args.own = 4, 32, 16
         args.heads, args.kv_heads, args.head_size, args.block_size = 4, 2, 64, 16
@@ -318,6 +381,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         elif part == "components":
             variants = [""] + [v.strip() for v in args.variants.split(";") if v.strip()]
             result["components"] = components(args, device, variants=variants)
+        elif part == "suffix":
+            result["suffix"] = suffix_variants(
+                args, device, tiles=[t.strip() for t in args.suffix_tiles.split(";")],
+                segments=[int(x) for x in args.suffix_segments.split(",")])
         elif part == "unshared":
             none = unshared(args, device)
             print(f"unshared: {none}", flush=True)
