@@ -219,6 +219,12 @@ class AttentionBackend(abc.ABC):
     #: True when `MetadataBuilder.build` may be given ``common_prefix_len > 0`` (cascade
     #: attention, `pagedcore.attention.cascade`); the engine passes 0 to the others.
     supports_cascade: ClassVar[bool] = False
+    #: True when the builder's `MetadataBuilder.build_cascade_for_cudagraph_capture` plans a
+    #: decode bucket's cascade for CUDA graphs (needs ``supports_cascade`` and
+    #: ``cudagraph_support >= UNIFORM_SINGLE_TOKEN_DECODE``): the engine then replays a
+    #: captured cascade graph for decode steps that share a prefix instead of running them
+    #: eagerly.
+    supports_cascade_cudagraph: ClassVar[bool] = False
     #: The backend whose kernel serves some prefills instead of this one's (named in the
     #: capability table as ``prefill:<name>``; the metadata builder decides per step, e.g.
     #: cuda_paged hands prompts without cached context to triton's Hopper kernel), or None.
@@ -429,6 +435,29 @@ class MetadataBuilder(abc.ABC, Generic[M]):
         """
         return self.build(common)
 
+    def build_cascade_for_cudagraph_capture(
+        self, common: CommonAttentionMetadata, prefix_len: torch.Tensor, capacity: int
+    ) -> M:
+        """Plan a decode bucket with cascade attention, once, for capture and every replay.
+
+        Called only for backends declaring ``supports_cascade_cudagraph``, with `common` as
+        `build_for_cudagraph_capture` receives it. `prefix_len` is a ``[1]`` int32 device
+        tensor the engine rewrites before each replay (``fill_``, no host sync) with that
+        step's shared prefix ``P``: a multiple of the block size, at most `capacity` tokens
+        (the block table's width in tokens) and at most every real request's context, so
+        every query lies after it; the first ``P // block_size`` block-table entries are the
+        same for every real request (row 0 holds them). ``P`` may be 0 (nothing shared:
+        the plan must then equal the plain one). Padding requests are as in
+        `build_for_cudagraph_capture`. Buffers the plan derives from the step (suffix
+        lengths, a shifted block table) are refreshed in `prepare_replay`, which the engine
+        calls after writing `prefix_len`.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} does not plan cascade attention for CUDA graphs; a "
+            "backend declaring supports_cascade_cudagraph = True must override "
+            "build_cascade_for_cudagraph_capture"
+        )
+
     def prepare_replay(self, metadata: M, common: CommonAttentionMetadata) -> None:
         """Refresh a captured plan's fixed buffers before its decode graph is replayed.
 
@@ -442,6 +471,8 @@ class MetadataBuilder(abc.ABC, Generic[M]):
         rewrites them here, *in place*: same tensors, same shapes, nothing the graph's
         kernels were launched with may move. The default does nothing (plans that read the
         engine's buffers at run time need no refresh). Not called for mixed-step graphs.
+        Also called for the plans of `build_cascade_for_cudagraph_capture`, after the engine
+        wrote the replay's shared prefix length.
         """
 
 

@@ -38,6 +38,11 @@ def measure_shared_decode(
     system = _tokens(shared, vocab=vocab, seed=501)
     planner = llm.runner.cascade
     before = planner.mode
+
+    def replays() -> int | None:  # cascade-graph replays so far (None: no cascade graphs)
+        graphs = getattr(llm.runner, "cascade_graphs", None)
+        return None if graphs is None else int(graphs.num_replays)
+
     rows: dict[str, Any] = {}
     try:
         for mode in ("off", "always", *(("auto",) if auto else ())):
@@ -48,6 +53,7 @@ def measure_shared_decode(
                     for i in range(num_reqs)]
             llm.generate(warm, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
             times = []
+            replays_before = replays()
             for rep, n_out in enumerate((1, 1 + max_tokens)):
                 prompts = [system + _tokens(own, vocab=vocab, seed=1000 * rep + i + 7 * len(rows))
                            for i in range(num_reqs)]
@@ -66,7 +72,10 @@ def measure_shared_decode(
             rows[mode] = {"decode_tokens_per_s": num_reqs * max_tokens / decode_s
                           if decode_s > 0 else None,
                           "prefill_only_s": times[0], "with_decode_s": times[1],
-                          "num_cached_tokens_min": min(cached)}
+                          "num_cached_tokens_min": min(cached),
+                          # Decode steps that replayed a cascade graph in the two timed runs.
+                          "cascade_graph_replays": None if replays_before is None
+                          else (replays() or 0) - replays_before}
             if decode_s <= 0:  # (noise or a stall in the shorter run: no figure, say why)
                 rows[mode]["error"] = ("the run with decode steps took no longer than the "
                                        "prefill-only one: no decode time to report")
@@ -81,6 +90,8 @@ def measure_shared_decode(
         "cascade_off": rows["off"], "cascade_on": rows["always"],
         "speedup": _ratio(rows["always"]["decode_tokens_per_s"],
                           rows["off"]["decode_tokens_per_s"]),
+        **({"speedup_auto": _ratio(rows["auto"]["decode_tokens_per_s"],
+                                   rows["off"]["decode_tokens_per_s"])} if auto else {}),
     }
 
 

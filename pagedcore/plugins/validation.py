@@ -42,6 +42,7 @@ _DEVICES = ("cpu", "cuda")
 _FLAGS = (
     "supports_sliding_window", "supports_mla", "mla_only", "supports_alibi",
     "supports_logits_soft_cap", "supports_sink", "supports_cascade",
+    "supports_cascade_cudagraph",
 )
 T = TypeVar("T")
 
@@ -207,6 +208,15 @@ def declaration_problems(cls: type[AttentionBackend]) -> list[str]:
             problem = f"`{field}` could not be checked: {describe_error(err)}"
         if problem is not None:
             problems.append(problem)
+    if not problems and getattr(cls, "supports_cascade_cudagraph", False) and not (
+        cls.supports_cascade
+        and cls.cudagraph_support >= CudaGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    ):
+        problems.append(
+            "`supports_cascade_cudagraph = True` needs `supports_cascade = True` and "
+            "`cudagraph_support >= CudaGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE` (cascade "
+            "graphs are decode graphs that cascade); declare both or set it False"
+        )
     return problems
 
 

@@ -298,32 +298,54 @@ class TritonMetadataBuilder(MetadataBuilder[TritonAttentionMetadata]):
     def build_cascade_for_cudagraph_capture(
         self,
         common: CommonAttentionMetadata,
-        prefix_len_dev: torch.Tensor,
+        prefix_len: torch.Tensor,
         capacity: int,
         *,
-        suffix_seq_lens: torch.Tensor,
-        suffix_table: torch.Tensor,
+        suffix_seq_lens: torch.Tensor | None = None,
+        suffix_table: torch.Tensor | None = None,
     ) -> TritonAttentionMetadata:
         """`build_for_cudagraph_capture`'s decode plan with a graph cascade plan
         (`pagedcore_triton.cascade.plan_graph_cascade`): the shared prefix length is the
-        ``[1]`` int32 device scalar `prefix_len_dev` (up to `capacity` tokens), the suffix
-        buffers are static, so the captured launches serve every replay of the bucket. The
-        suffix launch splits for ``common.max_seq_len`` like the plain capture plan; before
-        a replay, `pagedcore_triton.cascade.fill_graph_cascade` refills the suffix buffers
-        (or capture it in the graph)."""
+        ``[1]`` int32 device scalar `prefix_len` (up to `capacity` tokens), the suffix
+        buffers are static (allocated here unless given), so the captured launches serve
+        every replay of the bucket. The suffix launch splits for ``common.max_seq_len`` like
+        the plain capture plan; `prepare_replay` refills the suffix buffers from the replay's
+        lengths and block table (`pagedcore_triton.cascade.fill_graph_cascade`). Layers
+        with ALiBi, a window, sinks or an fp8 cache run the plain capture plan."""
+        import torch
+
         from pagedcore_triton.cascade import plan_graph_cascade
 
         if common.max_query_len > 1 or common.num_actual_tokens != common.num_reqs:
             raise ValueError("build_cascade_for_cudagraph_capture serves single-token decode "
                              "buckets only (a mixed step's cascade runs eagerly)")
         meta = self.build_for_cudagraph_capture(common)
+        n, width = common.num_reqs, common.block_table.shape[1]
+        if suffix_seq_lens is None:
+            suffix_seq_lens = torch.zeros(n, dtype=torch.int32, device=common.seq_lens.device)
+        if suffix_table is None:
+            suffix_table = torch.zeros((n, width), dtype=torch.int32,
+                                       device=common.block_table.device)
         segments = self.decode_segments(num_reqs=common.num_reqs,
                                         max_seq_len=common.max_seq_len)
         whole = attrs.evolve(meta.parts[0], num_segments=segments, balanced_programs=None)
-        plan = plan_graph_cascade(common, prefix_len_dev, capacity,
+        plan = plan_graph_cascade(common, prefix_len, capacity,
                                   self.kv_cache_spec.block_size, whole,
                                   suffix_seq_lens=suffix_seq_lens, suffix_table=suffix_table)
         return attrs.evolve(meta, cascade=plan)
+
+    def prepare_replay(self, metadata: TritonAttentionMetadata,
+                       common: CommonAttentionMetadata) -> None:
+        """A graph cascade plan's suffix buffers, refilled for this replay (device ops only:
+        ``seq_lens - P`` and the block table shifted past the prefix); other plans read the
+        engine's buffers at run time and need nothing."""
+        plan = metadata.cascade
+        if plan is None or plan.prefix_len_dev is None:
+            return
+        from pagedcore_triton.cascade import fill_graph_cascade
+
+        fill_graph_cascade(common, plan.prefix_len_dev, self.kv_cache_spec.block_size,
+                           plan.suffix_seq_lens, plan.suffix_table)
 
     def _plan_mixed_capture(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
         """One unified launch on a flat grid for a captured mixed step of ``T`` token slots.

@@ -136,3 +136,64 @@ def test_engine_cascade_with_preempted_and_resumed_requests(
         monkeypatch.undo()
     assert preemptions["always"] >= 1, preemptions
     _assert_same(results["always"], results["off"])
+
+
+def test_engine_cascade_graph_replays_equal_plain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode steps over a shared 37-token system prompt replay the bucket's cascade graph
+    (`EagerCapturer` on CPU: the recorded forward over the persistent buffers, the prefix
+    length read from the device scalar): the same tokens and logprobs as cascade off."""
+    from pagedcore.engine.runner import cascade_plan
+    from pagedcore.engine.runner.cuda_graph import EagerCapturer
+
+    g = torch.Generator().manual_seed(3)
+    system = torch.randint(3, 128, (37,), generator=g).tolist()
+    prompts = [system + torch.randint(3, 128, (n,), generator=g).tolist() for n in (3, 9, 5)]
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=2)
+    results, replays = {}, {}
+    for mode in ("auto", "off"):
+        monkeypatch.setattr(cascade_plan, "cascade_pays", lambda *_a, **_k: True)
+        seen = _count_cascades(monkeypatch)
+        llm = _engine(mode, monkeypatch)
+        runner: Any = llm.runner
+        assert runner.enable_cudagraphs(capturer=EagerCapturer(), sizes=[1, 2, 4]) is None
+        llm.generate(prompts[:1], greedy)  # warm the prefix cache
+        results[mode] = _run(llm, prompts, greedy)
+        replays[mode] = runner.cascade_graphs.num_replays
+        # Graph plans launch for the capacity (the table's width), the real P on the device.
+        assert all(p == runner.input_batch.max_blocks[0] * 16 for p in seen), seen
+        assert bool(seen) == (mode == "auto"), seen
+        monkeypatch.undo()
+    assert replays["auto"] >= 3 and replays["off"] == 0, replays
+    _assert_same(results["auto"], results["off"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="real CUDA graphs need a GPU")
+def test_engine_cascade_cuda_graphs_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Real CUDA graphs: the decode steps over a shared prompt (one request's n = 3
+    samples, and requests with a common system prompt) replay captured cascade graphs,
+    tokens and logprobs as with cascade off."""
+    from pagedcore.engine.runner import cascade_plan
+
+    g = torch.Generator().manual_seed(4)
+    system = torch.randint(3, 128, (45,), generator=g).tolist()
+    prompts = [system + torch.randint(3, 128, (n,), generator=g).tolist()
+               for n in (3, 9, 5, 1, 7)]
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+    samples = SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=5, ignore_eos=True,
+                             logprobs=1)
+    results, replays = {}, {}
+    for mode in ("auto", "off"):
+        monkeypatch.setattr(cascade_plan, "cascade_pays", lambda *_a, **_k: True)
+        monkeypatch.setenv(CASCADE_ENV, mode)
+        config = tiny_config("llama", head_dim=64)
+        model = random_model(copy.deepcopy(config), dtype=torch.float32,
+                             device=torch.device("cuda"), seed=0)
+        llm = LLM(model, device="cuda", backend="triton", block_size=16, max_model_len=128,
+                  max_num_batched_tokens=128, max_num_seqs=8)
+        llm.generate(prompts[:1], greedy)  # warm the prefix cache
+        results[mode] = _run(llm, prompts, greedy) + _run(llm, [prompts[2]], samples)
+        graphs: Any = llm.runner.cascade_graphs
+        replays[mode] = graphs.num_replays
+        monkeypatch.undo()
+    assert replays["auto"] >= 6 and replays["off"] == 0, replays
+    _assert_same(results["auto"], results["off"])

@@ -134,3 +134,40 @@ def test_graph_cascade_refill_and_bad_capacity() -> None:
     with pytest.raises(ValueError, match="within the block table"):
         _graph_forward(step, BS, 100 * BS)
     assert attrs.has(type(c))
+
+
+def test_graph_cascade_plan_owns_its_buffers_and_prepare_replay_refills_them() -> None:
+    """The engine's use: the plan built once on the persistent buffers (its suffix buffers
+    allocated by the builder, capacity the table's width), then a later step written into
+    those buffers in place, its prefix length into the device scalar, and
+    `prepare_replay`: the output equals the plain plan of the later step."""
+    from pagedcore_triton import TritonAttentionBackend
+
+    from pagedcore.kv_cache.spec import FullAttentionSpec
+
+    first = _pad(_step(2 * BS, owns=[5, 40, 17], queries=[1, 1, 1]), 4)
+    later_step = _step(3 * BS, owns=[9, 20, 3], queries=[1, 1, 1])
+    later = _pad(later_step, 4)
+    c, c2 = first["common"], later["common"]
+    assert c.block_table.shape == c2.block_table.shape
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=KV_HEADS, head_size=HEAD,
+                             dtype="float32")
+    builder = TritonAttentionBackend.get_builder_cls()(spec, ["l0"], torch.device(DEVICE))
+    impl = TritonAttentionBackend.get_impl_cls()(
+        HEADS, HEAD, HEAD ** -0.5, num_kv_heads=KV_HEADS, alibi_slopes=None,
+        sliding_window=None, logits_soft_cap=None, kv_cache_dtype="auto")
+    pdev = torch.tensor([2 * BS], dtype=torch.int32, device=DEVICE)
+    meta = builder.build_cascade_for_cudagraph_capture(c, pdev, c.block_table.shape[1] * BS)
+    plan = meta.cascade
+    assert plan is not None and plan.prefix_len_dev is pdev
+    before = plan.suffix_seq_lens.clone()
+    for name in ("seq_lens", "block_table", "query_start_loc"):
+        getattr(c, name).copy_(getattr(c2, name))
+    pdev.fill_(3 * BS)
+    builder.prepare_replay(meta, c)
+    assert not torch.equal(plan.suffix_seq_lens, before)
+    q = later["query"]
+    out = impl.forward(q, q, q, later["cache"], meta)[:3]
+    plain = _plain(later_step)
+    assert not torch.isnan(out).any()
+    assert float((out - plain).abs().max() / plain.abs().max()) < 1e-5

@@ -325,8 +325,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--json", required=True)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, CPU interpreter")
     ap.add_argument("--parts", default="target,components,unshared,sweep",
-                    help="comma list of target, components, suffix, unshared, sweep (in that order; "
-                         "the JSON is rewritten after each)")
+                    help="comma list of target, components, suffix, unshared, sweep (in that "
+                         "order; the JSON is rewritten after each)")
     ap.add_argument("--variants", default="",
                     help="';'-separated PAGEDCORE_TRITON_CASCADE_PREFIX texts the components "
                          "part also times (the default shape always runs first)")

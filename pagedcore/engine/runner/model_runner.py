@@ -12,6 +12,7 @@ import attrs
 
 from pagedcore.engine.models import attention_hook
 from pagedcore.engine.models.support import output_logit_scale
+from pagedcore.engine.runner.cascade_graphs import CascadeDecodeGraphs
 from pagedcore.engine.runner.cascade_plan import CascadePlanner
 from pagedcore.engine.runner.cuda_graph import (
     DecodeGraphs,
@@ -215,6 +216,9 @@ class ModelRunner:
         self._graph_plans: dict[int, tuple[Any, ...]] = {}
         #: Why decode steps run eagerly (None while graphs are in use).
         self.cudagraph_disabled_reason: str | None = "not enabled"
+        #: Decode graphs whose attention cascades over a shared prefix (captured on first
+        #: use; None: shared-prefix decode steps replay the plain graph or run eagerly).
+        self.cascade_graphs: CascadeDecodeGraphs | None = None
 
     @property
     def backend_names(self) -> list[str]:
@@ -336,6 +340,15 @@ class ModelRunner:
         self.graphs = DecodeGraphs(
             sizes=chosen, capturer=capturer, make_forward=self._graph_forward
         )
+        cascading = [ok and b.supports_cascade_cudagraph
+                     for ok, b in zip(self.cascade.eligible, self.backends, strict=True)]
+        if any(cascading):
+            self.cascade_graphs = CascadeDecodeGraphs(
+                sizes=chosen, capturer=capturer, builders=self.builders, cascading=cascading,
+                graph_common=self.input_batch.graph_common,
+                write_padding=self.input_batch.write_padding,
+                forward_over=self._forward_over, device=self.device,
+            )
         self.cudagraph_disabled_reason = None
         # Mixed steps too, when every backend declares ALWAYS (captured first: the largest
         # graphs, whose pool memory the decode graphs then reuse).
@@ -352,6 +365,7 @@ class ModelRunner:
                 # A backend that declares support but cannot be captured: serve eagerly
                 # (slower, still correct) and say why.
                 self.graphs = None
+                self.cascade_graphs = None
                 self.cudagraph_disabled_reason = (
                     f"capture failed: {type(exc).__name__}: {exc}"[:500]
                 )
@@ -366,7 +380,7 @@ class ModelRunner:
 
     def release_graphs(self) -> None:
         """Free the captured decode and mixed-step graphs (steps run eagerly afterwards)."""
-        for graphs in (self.graphs, self.mixed_graphs):
+        for graphs in (self.graphs, self.mixed_graphs, self.cascade_graphs):
             if graphs is not None:
                 graphs.release()
         if self.graphs is not None or self.mixed_graphs is not None:
@@ -374,18 +388,26 @@ class ModelRunner:
             self.mixed_graphs_disabled_reason = "graphs released"
         self.graphs = None
         self.mixed_graphs = None
+        self.cascade_graphs = None
         self._graph_plans.clear()
 
     def _graph_forward(self, bucket: int) -> Callable[[], torch.Tensor]:
         """The forward a bucket's graph records, over the persistent buffers."""
-        import torch
-
         self.input_batch.write_padding(bucket)
         common = self.input_batch.graph_common(bucket)
         metadata = tuple(
             b.build_for_cudagraph_capture(c) for b, c in zip(self.builders, common, strict=True)
         )
         self._graph_plans[bucket] = metadata
+        return self._forward_over(bucket, metadata)
+
+    def _forward_over(self, bucket: int,
+                      metadata: tuple[Any, ...]) -> Callable[[], torch.Tensor]:
+        """The base model's forward over the persistent decode buffers of `bucket` with
+        these per-group plans (what a decode or cascade graph records)."""
+        import torch
+
+        common = self.input_batch.graph_common(bucket)
         ctx = attention_hook.StepContext(
             layers=self.layers,
             metadata=metadata,
@@ -413,6 +435,22 @@ class ModelRunner:
             return None
         return self.graphs.bucket_for(n)
 
+    def _cascade_graph_bucket(
+        self, scheduled: Sequence[ScheduledRequest], use: tuple[int, ...], decode_graph: bool
+    ) -> tuple[int | None, tuple[int, ...]]:
+        """The decode bucket whose cascade graph serves this step, and the per-group prefix
+        lengths it replays with (groups whose graph plan does not cascade get 0); ``(None,
+        use)`` when no cascade graph applies (mixed steps, no decode graph, no group left
+        cascading)."""
+        graphs = self.cascade_graphs
+        if graphs is None or not decode_graph:
+            return None, use
+        bucket = self._graph_bucket(scheduled)
+        graph_use = tuple(p if on else 0 for p, on in zip(use, graphs.cascading, strict=True))
+        if bucket is None or not any(graph_use):
+            return None, use
+        return bucket, graph_use
+
     def _graph_would_serve(self, scheduled: Sequence[ScheduledRequest],
                            decode_graph: bool) -> bool:
         """A decode or mixed-step graph would replay this step if it did not cascade."""
@@ -438,15 +476,25 @@ class ModelRunner:
         bucket when the step is all single-token decodes and graphs are enabled; never with
         ``decode_graph=False``: a tensor-parallel worker follows rank 0's choice)."""
         shared, use = self.cascade.plan(scheduled, block_ids)
+        cascade_bucket = None
         if any(use) and self._graph_would_serve(scheduled, decode_graph):
-            # A cascade plan follows this step's lengths, so a cascading step runs eagerly:
-            # only when the reads it saves outweigh the lost replay.
-            use = self.cascade.against_graph(use, len(scheduled))
-        bucket = None if any(use) or not decode_graph else self._graph_bucket(scheduled)
-        if bucket is not None:
-            assert self.graphs is not None
+            cascade_bucket, graph_use = self._cascade_graph_bucket(scheduled, use, decode_graph)
+            if cascade_bucket is not None:
+                use = graph_use  # the step replays its bucket's cascade graph
+            else:
+                # An eager cascade plan follows this step's lengths: cascade only when the
+                # reads it saves outweigh the lost replay.
+                use = self.cascade.against_graph(use, len(scheduled))
+        if cascade_bucket is not None:
+            assert self.cascade_graphs is not None
+            bucket: int | None = cascade_bucket
             # Capture (which fills the buffers with padding) before this step's inputs land.
-            self.graphs.capture(bucket)
+            self.cascade_graphs.capture(cascade_bucket)
+        else:
+            bucket = None if any(use) or not decode_graph else self._graph_bucket(scheduled)
+            if bucket is not None:
+                assert self.graphs is not None
+                self.graphs.capture(bucket)
         inputs = self.input_batch.prepare(scheduled, block_ids, pad_to=bucket)
         if not any(shared):
             return inputs
@@ -484,12 +532,17 @@ class ModelRunner:
             if inputs.cudagraph_bucket is not None:
                 assert self.graphs is not None
                 bucket = inputs.cudagraph_bucket
-                self.graphs.capture(bucket)
-                for builder, plan, common in zip(
-                    self.builders, self._graph_plans[bucket], inputs.common, strict=True
-                ):
-                    builder.prepare_replay(plan, common)
-                hidden = self.graphs.replay(bucket)
+                if any(inputs.cascade_prefix_lens):
+                    assert self.cascade_graphs is not None
+                    hidden = self.cascade_graphs.replay_step(
+                        bucket, inputs.cascade_prefix_lens, inputs.common)
+                else:
+                    self.graphs.capture(bucket)
+                    for builder, plan, common in zip(
+                        self.builders, self._graph_plans[bucket], inputs.common, strict=True
+                    ):
+                        builder.prepare_replay(plan, common)
+                    hidden = self.graphs.replay(bucket)
             elif (
                 not any(inputs.cascade_prefix_lens)
                 and self.mixed_graphs is not None
