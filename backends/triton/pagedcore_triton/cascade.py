@@ -35,10 +35,11 @@ import triton
 from pagedcore.attention import CommonAttentionMetadata
 from pagedcore_triton._env import interpreting
 from pagedcore_triton.launch import PreparedLaunch
-from pagedcore_triton.plan import LaunchPart
+from pagedcore_triton.plan import LaunchPart, TileConfig
 
 __all__ = [
     "CASCADE_PREFIX_ENV",
+    "MAX_SUFFIX_ROWS",
     "CascadePlan",
     "PrefixConfig",
     "fill_graph_cascade",
@@ -46,6 +47,7 @@ __all__ = [
     "plan_graph_cascade",
     "prefix_config",
     "run_cascade",
+    "suffix_tiles",
 ]
 
 #: Tuning override of the prefix launch (`prefix_config`).
@@ -54,6 +56,19 @@ CASCADE_PREFIX_ENV = "PAGEDCORE_TRITON_CASCADE_PREFIX"
 MIN_PREFIX_TILES_PER_SEGMENT = 4
 #: Largest prefix partials (bytes) a step may hold before the prefix stops splitting.
 MAX_PREFIX_PARTIAL_BYTES = 64 << 20
+#: Most query rows per KV head (longest query x query heads per KV head) a cascade step's
+#: suffix launch may hold: its prefill tiles then fold the prefix partials in with at most
+#: 64-row tiles. A mixed step with a 2,048-token chunk of the Llama-3-8B shape (128-row
+#: tiles plus the fused merge) made Triton 3.6's ptxas crash on the H200 (SIGSEGV; the
+#: PTX needed 255 registers and spilled under CUDA 13's ptxas); such steps run the plain
+#: plan, where the chunk's own reads dominate anyway.
+MAX_SUFFIX_ROWS = 64
+#: The suffix launch of a decode cascade on a GPU (16-bit, head size <= 128): 32-token
+#: tiles on 4 stages instead of the decode default (64 on 3): at 64 requests x 256 own
+#: tokens x 8 KV heads (512 programs) the smaller tiles let the whole grid be resident
+#: at once; the target step took 0.0597 instead of 0.0692 ms on the H200
+#: (``docs/benchmarks/h200_s17/cascade_suffix.json``, ``suffix`` part).
+SUFFIX_DECODE_TILES = {"tile_n": 32, "num_warps": 4, "num_stages": 4}
 #: SMs assumed where the device cannot say (Triton's interpreter).
 _DEFAULT_SMS = 4
 
@@ -269,6 +284,21 @@ def prefix_config(
     segments = max(1, min(segments, MAX_PREFIX_PARTIAL_BYTES // max(1, row_bytes)))
     return PrefixConfig(block_m=block_m, tile_n=tile_n, num_warps=warps, num_stages=stages,
                         m_tiles=m_tiles, segments=segments)
+
+
+def suffix_tiles(part: LaunchPart, *, num_queries_per_kv: int, head_size: int,
+                 dtype: torch.dtype) -> TileConfig | None:
+    """The suffix launch's tile shape (`SUFFIX_DECODE_TILES` for a decode step on a GPU in a
+    16-bit dtype with head size <= 128, unless ``PAGEDCORE_TRITON_DECODE_TILES`` is set),
+    or None for the launch's usual shape."""
+    from pagedcore_triton.plan import DECODE_TILES_ENV, tile_config
+
+    if (part.max_query_len != 1 or interpreting() or dtype.itemsize != 2 or head_size > 128
+            or os.environ.get(DECODE_TILES_ENV)):
+        return None
+    base = tile_config(1, num_queries_per_kv, head_size, interpreting=False,
+                       itemsize=dtype.itemsize, kv_itemsize=dtype.itemsize)
+    return attrs.evolve(base, **SUFFIX_DECODE_TILES)
 
 
 def run_prefix(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -12,7 +12,10 @@ from pagedcore_triton._env import interpreting
 from pagedcore_triton.capabilities import HEAD_SIZES, KV_CACHE_DTYPES
 from pagedcore_triton.launch import PreparedLaunch
 from pagedcore_triton.metadata import TritonAttentionMetadata
-from pagedcore_triton.plan import LaunchPart
+from pagedcore_triton.plan import LaunchPart, TileConfig
+
+if TYPE_CHECKING:
+    from pagedcore_triton.cascade import CascadePlan
 
 __all__ = ["TritonAttentionImpl"]
 
@@ -135,7 +138,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         sinks = self.sinks_on(query.device)
         scales = self.kv_scales_on(query.device) if self.kv_fp8 else None
         if (metadata.cascade is not None and slopes is None and self.sliding_window is None
-                and sinks is None and not self.kv_fp8):
+                and sinks is None and not self.kv_fp8 and self._cascade_fits(metadata.cascade)):
             self._forward_cascade(query, kv_cache, metadata, output)
             return output
         # The first layer of a step prepares each launch; the others reuse it (no device reads,
@@ -203,6 +206,14 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             metadata.launches[cache_key] = launch
         run_tma(launch, query, key, value, kv_cache, output, scale=self.scale)
 
+    def _cascade_fits(self, plan: CascadePlan) -> bool:
+        """The step's suffix launch stays within `cascade.MAX_SUFFIX_ROWS` query rows per
+        KV head (else the plain plan serves the step)."""
+        from pagedcore_triton.cascade import MAX_SUFFIX_ROWS
+
+        return bool(plan.suffix_part.max_query_len * self.num_queries_per_kv
+                    <= MAX_SUFFIX_ROWS)
+
     def _forward_cascade(
         self,
         query: torch.Tensor,
@@ -211,7 +222,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         output: torch.Tensor,
     ) -> None:
         """The step through `pagedcore_triton.cascade` (shared prefix once, suffixes, merge)."""
-        from pagedcore_triton.cascade import run_cascade
+        from pagedcore_triton.cascade import run_cascade, suffix_tiles
 
         plan = metadata.cascade
         assert plan is not None
@@ -219,6 +230,8 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         launch = self._prepared(
             metadata, key, plan.suffix_part, query, kv_cache, seq_lens=plan.suffix_seq_lens,
             block_table=plan.suffix_table, use_alibi=False, sliding_window=None,
+            tiles=suffix_tiles(plan.suffix_part, num_queries_per_kv=self.num_queries_per_kv,
+                               head_size=self.head_size, dtype=query.dtype),
         )
         run_cascade(plan, launch, query, kv_cache, output, scale=self.scale,
                     logits_soft_cap=self.logits_soft_cap)
@@ -237,6 +250,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         sliding_window: int | None,
         kv_fp8: bool = False,
         use_sinks: bool = False,
+        tiles: TileConfig | None = None,
     ) -> PreparedLaunch:
         """`part`'s launch for this layer shape: prepared by the step's first layer, then
         reused (no device reads, so this also holds under CUDA-graph capture and replay)."""
@@ -258,6 +272,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
                 logits_soft_cap=self.logits_soft_cap,
                 kv_fp8=kv_fp8,
                 use_sinks=use_sinks,
+                tiles=tiles,
             )
             metadata.launches[key] = launch
         return launch

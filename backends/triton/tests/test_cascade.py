@@ -68,6 +68,9 @@ def test_conformance_catches_prefix_counted_twice(monkeypatch: pytest.MonkeyPatc
 
 def _engine(mode: str, monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> LLM:
     monkeypatch.setenv(CASCADE_ENV, mode)
+    # (On a GPU the default budget takes 90% of free memory: the next engine of the test,
+    # built while this one is alive, would find none.)
+    kwargs.setdefault("kv_cache_memory_bytes", 64 << 20)
     config = tiny_config("llama", head_dim=64)
     model = random_model(copy.deepcopy(config), dtype=torch.float32,
                          device=torch.device(DEVICE), seed=0)
@@ -189,7 +192,7 @@ def test_engine_cascade_cuda_graphs_gpu(monkeypatch: pytest.MonkeyPatch) -> None
         model = random_model(copy.deepcopy(config), dtype=torch.float32,
                              device=torch.device("cuda"), seed=0)
         llm = LLM(model, device="cuda", backend="triton", block_size=16, max_model_len=128,
-                  max_num_batched_tokens=128, max_num_seqs=8)
+                  max_num_batched_tokens=128, max_num_seqs=8, kv_cache_memory_bytes=64 << 20)
         llm.generate(prompts[:1], greedy)  # warm the prefix cache
         results[mode] = _run(llm, prompts, greedy) + _run(llm, [prompts[2]], samples)
         graphs: Any = llm.runner.cascade_graphs

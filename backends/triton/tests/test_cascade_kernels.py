@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import pytest
 import torch
 
@@ -106,6 +107,25 @@ def test_cascade_mixed_step_rows_span_tiles(monkeypatch: pytest.MonkeyPatch) -> 
     assert err < 1e-5, err
 
 
+def test_cascade_long_chunk_runs_the_plain_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mixed step whose chunk holds more than `MAX_SUFFIX_ROWS` query rows per KV head
+    (33 tokens x 2) runs the plain plan although the builder planned a cascade (on the H200
+    such a suffix launch with its fused merge crashed ptxas); the same output."""
+    import pagedcore_triton.cascade as cascade
+
+    calls: list[int] = []
+    real = cascade.run_cascade
+    monkeypatch.setattr(cascade, "run_cascade",
+                        lambda plan, *a, **k: (calls.append(1), real(plan, *a, **k))[1])
+    prefix = 2 * BS
+    for chunk, cascades in ((31, True), (33, False)):  # 31 x 2 = 62 rows fit, 66 do not
+        calls.clear()
+        step = _step(prefix, owns=[3, 0, 20], queries=[1, chunk, 1])
+        plain, (casc, _meta) = _run(step, prefix)
+        assert bool(calls) == cascades, chunk
+        assert float((casc - plain).abs().max() / plain.abs().max()) < 1e-5
+
+
 def test_prefix_override_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     from pagedcore_triton.cascade import CASCADE_PREFIX_ENV, prefix_config
 
@@ -129,3 +149,27 @@ def test_prefix_config_bounds_wide_rows(monkeypatch: pytest.MonkeyPatch) -> None
     for wide in (cascade.prefix_config(head_size=256, **kw),
                  cascade.prefix_config(head_size=128, itemsize=4, **kw)):
         assert (wide.block_m, wide.tile_n, wide.num_stages) == (64, 32, 2), wide
+
+
+def test_suffix_tiles_for_gpu_decode_cascades_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode cascade's suffix launch takes `SUFFIX_DECODE_TILES` on a GPU in 16-bit
+    with head size <= 128; mixed steps, float32, head 256, the interpreter and a
+    ``PAGEDCORE_TRITON_DECODE_TILES`` override keep the usual shape."""
+    import pagedcore_triton.cascade as cascade
+    from pagedcore_triton.plan import DECODE_TILES_ENV, LaunchPart
+
+    monkeypatch.delenv(DECODE_TILES_ENV, raising=False)
+    decode = LaunchPart(req_begin=0, req_end=4, token_begin=0, token_end=4, max_query_len=1)
+    mixed = attrs.evolve(decode, max_query_len=9, token_end=12)
+    kw = {"num_queries_per_kv": 4, "head_size": 128, "dtype": torch.bfloat16}
+    assert cascade.suffix_tiles(decode, **kw) is None  # (the interpreter, or a CPU run)
+    monkeypatch.setattr(cascade, "interpreting", lambda: False)
+    tiles = cascade.suffix_tiles(decode, **kw)
+    assert tiles is not None
+    assert (tiles.tile_n, tiles.num_warps, tiles.num_stages) == (32, 4, 4)
+    assert tiles.block_m >= 16 and tiles.block_q == tiles.block_m // 4
+    assert cascade.suffix_tiles(mixed, **kw) is None
+    assert cascade.suffix_tiles(decode, **{**kw, "dtype": torch.float32}) is None
+    assert cascade.suffix_tiles(decode, **{**kw, "head_size": 256}) is None
+    monkeypatch.setenv(DECODE_TILES_ENV, "64,4,3")
+    assert cascade.suffix_tiles(decode, **kw) is None

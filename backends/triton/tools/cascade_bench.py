@@ -154,7 +154,12 @@ def components(args: argparse.Namespace, device: torch.device, *,
     """Where the target step's cascade time goes: the prefix launch alone, the suffix launch
     (with its fused merge) alone, and the whole step under each prefix-launch variant of
     `variants` (``PAGEDCORE_TRITON_CASCADE_PREFIX`` texts; "" is the default shape)."""
-    from pagedcore_triton.cascade import CASCADE_PREFIX_ENV, prefix_config, run_prefix
+    from pagedcore_triton.cascade import (
+        CASCADE_PREFIX_ENV,
+        prefix_config,
+        run_prefix,
+        suffix_tiles,
+    )
 
     from pagedcore.attention.cascade import common_prefix_len
 
@@ -211,7 +216,9 @@ def components(args: argparse.Namespace, device: torch.device, *,
                 launch = impl._prepared(  # the bench times the suffix launch alone
                     meta, ("cascade", args.heads, dtype, step.cache.shape, impl._features),
                     plan.suffix_part, step.query, step.cache, seq_lens=plan.suffix_seq_lens,
-                    block_table=plan.suffix_table, use_alibi=False, sliding_window=None)
+                    block_table=plan.suffix_table, use_alibi=False, sliding_window=None,
+                    tiles=suffix_tiles(plan.suffix_part, num_queries_per_kv=impl.num_queries_per_kv,
+                                       head_size=args.head_size, dtype=dtype))
                 from pagedcore_triton.ops import run_launch
 
                 pfx = run_prefix(plan, step.query, step.cache, scale=impl.scale,
