@@ -9,6 +9,10 @@ with ``common_prefix_len`` (`pagedcore.attention.cascade.common_prefix_len` of t
 The row also times the same batch with every prefix a private copy (nothing shared: the
 engine's planner finds ``P = 0`` and the step is the plain one; ``planner_host_us`` is what
 finding that costs the host per step) and checks both results against SDPA on contiguous K/V.
+Backends declaring ``supports_cascade_cudagraph`` also get the plans their decode CUDA graphs
+capture (``graph_cascade_ms``: `MetadataBuilder.build_cascade_for_cudagraph_capture` with the
+prefix length on the device; ``graph_plain_ms``: ``build_for_cudagraph_capture``), run
+eagerly.
 """
 
 from __future__ import annotations
@@ -157,8 +161,30 @@ def _backend_row(backend: type[AttentionBackend], step: dict[str, Any],
 
         run()
         times[kind] = time_ms(run, device)
+    graph: dict[str, Any] = {}
+    if backend.supports_cascade_cudagraph:  # the plans a decode graph captures, run eagerly
+        common, prefix_len = step["plans"]["cascade"]
+        plen = torch.tensor([prefix_len], dtype=torch.int32, device=device)
+        plans = {"graph_cascade": builder.build_cascade_for_cudagraph_capture(
+                     common, plen, int(common.block_table.shape[1]) * bs),
+                 "graph_plain": builder.build_for_cudagraph_capture(common)}
+        builder.prepare_replay(plans["graph_cascade"], common)
+        for kind, meta in plans.items():
+            out = outs[kind] = torch.empty_like(query)
+
+            def run_plan(meta: Any = meta, out: torch.Tensor = out) -> Any:
+                return impl.forward(query, step["new_k"], step["new_v"], cache, meta,
+                                    output=out)
+
+            run_plan()
+            times[kind] = time_ms(run_plan, device)
+        graph = {"graph_cascade_ms": times["graph_cascade"],
+                 "graph_plain_ms": times["graph_plain"],
+                 "graph_speedup": times["graph_plain"] / times["graph_cascade"],
+                 "rel_err_graph_cascade_vs_sdpa": _rel(outs["graph_cascade"], step["ref"])}
     ref = step["ref"]
     return {
+        **graph,
         "ms": times["cascade"], "plain_ms": times["plain"],
         "speedup": times["plain"] / times["cascade"], "unshared_ms": times["private"],
         "rel_err_vs_sdpa": _rel(outs["cascade"], ref),

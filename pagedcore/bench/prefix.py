@@ -287,7 +287,7 @@ def prefix(small: bool, model_name: str, lengths: list[int] | None,
     if lengths:
         lens = list(lengths)
     decode_shape: dict[str, Any] = dict(num_reqs=8, shared=512, own=32, max_tokens=8) if small \
-        else dict(num_reqs=64, shared=4096, own=256, max_tokens=32)
+        else dict(num_reqs=64, shared=4096, own=256, max_tokens=48, reps=3)
     # The engine must hold a shared-decode request (prompt + generated tokens) too.
     longest = max(lens) + 1024
     if shared_decode or shared_decode_only:

@@ -4,7 +4,8 @@
 cache after a priming request) plus ``own`` tokens each, and decode together. Decode
 throughput is the extra tokens of a ``1 + max_tokens`` run over a prefill-only run
 (``max_tokens=1``) of the same requests, divided by the extra time, so prefill is not counted.
-Run once with cascade off and once with it forced on (`CascadePlanner.set_mode`).
+Run with cascade off, forced on and (optionally) auto (`CascadePlanner.set_mode`); with
+``reps`` the median decode time of that many pairs of runs.
 """
 
 from __future__ import annotations
@@ -28,11 +29,17 @@ def _tokens(n: int, *, vocab: int, seed: int) -> list[int]:
 
 def measure_shared_decode(
     llm: Any, *, num_reqs: int, shared: int, own: int, max_tokens: int, vocab: int,
-    sync: Callable[[], None] | None = None, auto: bool = False,
+    sync: Callable[[], None] | None = None, auto: bool = False, reps: int = 1,
 ) -> dict[str, Any]:
     """Decode tokens/s of the shared-prefix batch, cascade off and on (``always``), and the
-    speedup; with `auto` also the default mode's (``cascade_auto``), which with CUDA graphs
-    weighs the lost replay (`pagedcore.attention.cascade.cascade_beats_graph`)."""
+    speedup; with `auto` also the default mode's (``cascade_auto``: with CUDA graphs a
+    decode step replays its bucket's cascade graph when the backend declares
+    ``supports_cascade_cudagraph``, else it weighs the lost replay,
+    `pagedcore.attention.cascade.cascade_beats_graph`). With `reps` > 1 the decode time is
+    the median over that many (prefill-only, with-decode) pairs of runs, each on its own
+    prompts."""
+    import numpy as np
+
     from pagedcore.engine.sampling.sampling_params import SamplingParams
 
     system = _tokens(shared, vocab=vocab, seed=501)
@@ -52,33 +59,41 @@ def measure_shared_decode(
             warm = [system + _tokens(own, vocab=vocab, seed=90_000 + i + 7 * len(rows))
                     for i in range(num_reqs)]
             llm.generate(warm, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
-            times = []
             replays_before = replays()
-            for rep, n_out in enumerate((1, 1 + max_tokens)):
-                prompts = [system + _tokens(own, vocab=vocab, seed=1000 * rep + i + 7 * len(rows))
-                           for i in range(num_reqs)]
-                llm.generate([system + prompts[0][shared:shared + 1]],
-                             SamplingParams(max_tokens=1, temperature=0.0))  # cache the prompt
-                params = SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True)
-                if sync:
-                    sync()
-                start = _clock()
-                outs = llm.generate(prompts, params)
-                if sync:
-                    sync()
-                times.append(_clock() - start)
-                cached = [o.num_cached_tokens for o in outs]
-            decode_s = times[1] - times[0]
+            pairs = []  # (prefill-only s, with-decode s) per repetition
+            for rep in range(reps):
+                times = []
+                for n_out in (1, 1 + max_tokens):
+                    seed = 1000 * (2 * rep + (n_out > 1)) + 7 * len(rows)
+                    prompts = [system + _tokens(own, vocab=vocab, seed=seed + i)
+                               for i in range(num_reqs)]
+                    llm.generate([system + prompts[0][shared:shared + 1]],
+                                 SamplingParams(max_tokens=1, temperature=0.0))  # the prompt
+                    params = SamplingParams(max_tokens=n_out, temperature=0.0,
+                                            ignore_eos=True)
+                    if sync:
+                        sync()
+                    start = _clock()
+                    outs = llm.generate(prompts, params)
+                    if sync:
+                        sync()
+                    times.append(_clock() - start)
+                    cached = [o.num_cached_tokens for o in outs]
+                pairs.append((times[0], times[1]))
+            decodes = [b - a for a, b in pairs]
+            decode_s = float(np.median(decodes))
             rows[mode] = {"decode_tokens_per_s": num_reqs * max_tokens / decode_s
                           if decode_s > 0 else None,
-                          "prefill_only_s": times[0], "with_decode_s": times[1],
+                          "prefill_only_s": float(np.median([a for a, _ in pairs])),
+                          "with_decode_s": float(np.median([b for _, b in pairs])),
+                          "decode_s": decodes,
                           "num_cached_tokens_min": min(cached),
-                          # Decode steps that replayed a cascade graph in the two timed runs.
+                          # Decode steps that replayed a cascade graph in the timed runs.
                           "cascade_graph_replays": None if replays_before is None
                           else (replays() or 0) - replays_before}
             if decode_s <= 0:  # (noise or a stall in the shorter run: no figure, say why)
-                rows[mode]["error"] = ("the run with decode steps took no longer than the "
-                                       "prefill-only one: no decode time to report")
+                rows[mode]["error"] = ("the runs with decode steps took no longer than the "
+                                       "prefill-only ones: no decode time to report")
     finally:
         planner.set_mode(before)
     extra = {"cascade_auto": rows["auto"]} if auto else {}
@@ -86,6 +101,7 @@ def measure_shared_decode(
         **extra,
         "workload": f"{num_reqs} requests x ({shared} shared + {own} own tokens), "
                     f"{max_tokens} decode steps",
+        "reps": reps,
         "num_reqs": num_reqs, "shared": shared, "own": own, "max_tokens": max_tokens,
         "cascade_off": rows["off"], "cascade_on": rows["always"],
         "speedup": _ratio(rows["always"]["decode_tokens_per_s"],

@@ -415,8 +415,8 @@ def _critical_host_pct(row: dict[str, Any]) -> float | None:
               help="With --prefix-hit: requests timed per overlap setting.")
 @click.option("--shared-decode", is_flag=True,
               help="With --prefix-hit: also decode min(64, largest batch) requests sharing "
-                   "that prefix (+64 own tokens, 16 steps) with cascade off, always and auto "
-                   "(decode tokens/s; not in the eager pass).")
+                   "that prefix (+64 own tokens, 48 steps; median of 3 pairs of runs on CUDA) "
+                   "with cascade off, always and auto (decode tokens/s; not in the eager pass).")
 @click.option("--json", "json_path", default=None, type=OutputPath(),
               help="Write the figures to this JSON file.")
 @click.option("--trace-dir", default=None, type=click.Path(file_okay=False),
@@ -534,8 +534,8 @@ def step(shape: str, batch_sizes: list[int], context: int, steps: int, temperatu
 
                 row = measure_shared_decode(
                     llm, num_reqs=min(64, max(sizes)), shared=prefix_hit, own=_PREFIX_USER,
-                    max_tokens=16, vocab=min(1000, int(config.vocab_size)),
-                    sync=(lambda: _sync(dev)), auto=True)
+                    max_tokens=48 if cuda else 16, vocab=min(1000, int(config.vocab_size)),
+                    sync=(lambda: _sync(dev)), auto=True, reps=3 if cuda else 1)
                 row["mode"] = hit["mode"]
                 report.setdefault("shared_decode", []).append(row)
                 rates = {k: row["cascade_" + k]["decode_tokens_per_s"]

@@ -171,3 +171,17 @@ def test_graph_cascade_plan_owns_its_buffers_and_prepare_replay_refills_them() -
     plain = _plain(later_step)
     assert not torch.isnan(out).any()
     assert float((out - plain).abs().max() / plain.abs().max()) < 1e-5
+
+
+def test_kernels_bench_times_the_graph_plans() -> None:
+    """`pagedcore bench kernels --case cascade` also runs the plans the decode graphs
+    capture (triton declares ``supports_cascade_cudagraph``): equal to SDPA there too."""
+    from pagedcore_triton import TritonAttentionBackend
+
+    from pagedcore.bench import kernels_cascade
+
+    (row,) = kernels_cascade.bench_cascade(3, 32, 5, [TritonAttentionBackend],
+                                           torch.device(DEVICE))
+    assert row["impl"] == "triton" and row["graph_cascade_ms"] > 0 and row["graph_plain_ms"] > 0
+    assert row["rel_err_graph_cascade_vs_sdpa"] < 1e-4, row
+    assert row["rel_err_vs_sdpa"] < 1e-4 and not row["nan"], row

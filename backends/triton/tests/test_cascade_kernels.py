@@ -162,7 +162,8 @@ def test_suffix_tiles_for_gpu_decode_cascades_only(monkeypatch: pytest.MonkeyPat
     decode = LaunchPart(req_begin=0, req_end=4, token_begin=0, token_end=4, max_query_len=1)
     mixed = attrs.evolve(decode, max_query_len=9, token_end=12)
     kw = {"num_queries_per_kv": 4, "head_size": 128, "dtype": torch.bfloat16}
-    assert cascade.suffix_tiles(decode, **kw) is None  # (the interpreter, or a CPU run)
+    monkeypatch.setattr(cascade, "interpreting", lambda: True)
+    assert cascade.suffix_tiles(decode, **kw) is None
     monkeypatch.setattr(cascade, "interpreting", lambda: False)
     tiles = cascade.suffix_tiles(decode, **kw)
     assert tiles is not None
