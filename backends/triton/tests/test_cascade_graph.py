@@ -183,5 +183,6 @@ def test_kernels_bench_times_the_graph_plans() -> None:
     (row,) = kernels_cascade.bench_cascade(3, 32, 5, [TritonAttentionBackend],
                                            torch.device(DEVICE))
     assert row["impl"] == "triton" and row["graph_cascade_ms"] > 0 and row["graph_plain_ms"] > 0
-    assert row["rel_err_graph_cascade_vs_sdpa"] < 1e-4, row
-    assert row["rel_err_vs_sdpa"] < 1e-4 and not row["nan"], row
+    tol = 1e-4 if DEVICE == "cpu" else 2e-2  # (the bench runs bf16 on a GPU)
+    assert row["rel_err_graph_cascade_vs_sdpa"] < tol, row
+    assert row["rel_err_vs_sdpa"] < tol and not row["nan"], row
