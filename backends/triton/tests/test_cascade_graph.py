@@ -39,7 +39,8 @@ def _pad(step: dict[str, Any], bucket: int) -> dict[str, Any]:
     return {"common": common, "cache": step["cache"], "query": query}
 
 
-def _graph_forward(padded: dict[str, Any], prefix: int, capacity: int) -> torch.Tensor:
+def _builder_impl() -> tuple[Any, Any]:
+    """The triton builder and impl of the tests' float32 layer shape."""
     from pagedcore_triton import TritonAttentionBackend
 
     from pagedcore.kv_cache.spec import FullAttentionSpec
@@ -50,6 +51,11 @@ def _graph_forward(padded: dict[str, Any], prefix: int, capacity: int) -> torch.
     impl = TritonAttentionBackend.get_impl_cls()(
         HEADS, HEAD, HEAD ** -0.5, num_kv_heads=KV_HEADS, alibi_slopes=None,
         sliding_window=None, logits_soft_cap=None, kv_cache_dtype="auto")
+    return builder, impl
+
+
+def _graph_forward(padded: dict[str, Any], prefix: int, capacity: int) -> torch.Tensor:
+    builder, impl = _builder_impl()
     c = padded["common"]
     # Static buffers poisoned: whatever the plan reads must have been filled.
     lens = torch.full((c.num_reqs,), -(2**30), dtype=torch.int32, device=DEVICE)
@@ -99,16 +105,7 @@ def test_graph_cascade_one_request_and_no_prefix() -> None:
 
 
 def _plain(step: dict[str, Any]) -> torch.Tensor:
-    from pagedcore_triton import TritonAttentionBackend
-
-    from pagedcore.kv_cache.spec import FullAttentionSpec
-
-    spec = FullAttentionSpec(block_size=BS, num_kv_heads=KV_HEADS, head_size=HEAD,
-                             dtype="float32")
-    builder = TritonAttentionBackend.get_builder_cls()(spec, ["l0"], torch.device(DEVICE))
-    impl = TritonAttentionBackend.get_impl_cls()(
-        HEADS, HEAD, HEAD ** -0.5, num_kv_heads=KV_HEADS, alibi_slopes=None,
-        sliding_window=None, logits_soft_cap=None, kv_cache_dtype="auto")
+    builder, impl = _builder_impl()
     q = step["query"]
     out: torch.Tensor = impl.forward(q, q, q, step["cache"], builder.build(step["common"]))
     return out
@@ -141,21 +138,12 @@ def test_graph_cascade_plan_owns_its_buffers_and_prepare_replay_refills_them() -
     allocated by the builder, capacity the table's width), then a later step written into
     those buffers in place, its prefix length into the device scalar, and
     `prepare_replay`: the output equals the plain plan of the later step."""
-    from pagedcore_triton import TritonAttentionBackend
-
-    from pagedcore.kv_cache.spec import FullAttentionSpec
-
     first = _pad(_step(2 * BS, owns=[5, 40, 17], queries=[1, 1, 1]), 4)
     later_step = _step(3 * BS, owns=[9, 20, 3], queries=[1, 1, 1])
     later = _pad(later_step, 4)
     c, c2 = first["common"], later["common"]
     assert c.block_table.shape == c2.block_table.shape
-    spec = FullAttentionSpec(block_size=BS, num_kv_heads=KV_HEADS, head_size=HEAD,
-                             dtype="float32")
-    builder = TritonAttentionBackend.get_builder_cls()(spec, ["l0"], torch.device(DEVICE))
-    impl = TritonAttentionBackend.get_impl_cls()(
-        HEADS, HEAD, HEAD ** -0.5, num_kv_heads=KV_HEADS, alibi_slopes=None,
-        sliding_window=None, logits_soft_cap=None, kv_cache_dtype="auto")
+    builder, impl = _builder_impl()
     pdev = torch.tensor([2 * BS], dtype=torch.int32, device=DEVICE)
     meta = builder.build_cascade_for_cudagraph_capture(c, pdev, c.block_table.shape[1] * BS)
     plan = meta.cascade

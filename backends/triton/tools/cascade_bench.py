@@ -97,6 +97,22 @@ def _setup(step: Step, args: argparse.Namespace, device: torch.device) -> tuple[
     return builder, impl
 
 
+def _target(args: argparse.Namespace, device: torch.device) -> tuple[Any, ...]:
+    """The target step with its builder and impl, the shared length, and the plain plan
+    with its output (computed once): ``(step, builder, impl, P, plain_meta, out_plain)``."""
+    from pagedcore.attention.cascade import common_prefix_len
+
+    step = Step(args.reqs, args.prefix, args.own, shared=True, heads=args.heads,
+                kv_heads=args.kv_heads, head_size=args.head_size,
+                block_size=args.block_size, dtype=getattr(torch, args.dtype), device=device)
+    builder, impl = _setup(step, args, device)
+    p = common_prefix_len(step.tables, step.contexts, args.block_size)
+    plain_meta = builder.build(step.common)
+    out_plain = torch.empty_like(step.query)
+    impl.forward(step.query, step.query, step.query, step.cache, plain_meta, output=out_plain)
+    return step, builder, impl, p, plain_meta, out_plain
+
+
 def _timer(smoke: bool, device: torch.device, budget_ms: float) -> Any:
     if smoke:
         def once(fn: Any) -> float:
@@ -161,17 +177,9 @@ def components(args: argparse.Namespace, device: torch.device, *,
         suffix_tiles,
     )
 
-    from pagedcore.attention.cascade import common_prefix_len
 
     dtype = getattr(torch, args.dtype)
-    step = Step(args.reqs, args.prefix, args.own, shared=True, heads=args.heads,
-                kv_heads=args.kv_heads, head_size=args.head_size,
-                block_size=args.block_size, dtype=dtype, device=device)
-    builder, impl = _setup(step, args, device)
-    p = common_prefix_len(step.tables, step.contexts, args.block_size)
-    plain_meta = builder.build(step.common)
-    out_plain = torch.empty_like(step.query)
-    impl.forward(step.query, step.query, step.query, step.cache, plain_meta, output=out_plain)
+    step, builder, impl, p, plain_meta, out_plain = _target(args, device)
     timer = _timer(args.smoke, device, 200.0)
     rows: dict[str, Any] = {"plain_ms": timer(lambda: impl.forward(
         step.query, step.query, step.query, step.cache, plain_meta, output=out_plain))}
@@ -251,17 +259,8 @@ def suffix_variants(args: argparse.Namespace, device: torch.device, *,
     default), with the default prefix launch."""
     from pagedcore_triton.plan import DECODE_TILES_ENV
 
-    from pagedcore.attention.cascade import common_prefix_len
 
-    dtype = getattr(torch, args.dtype)
-    step = Step(args.reqs, args.prefix, args.own, shared=True, heads=args.heads,
-                kv_heads=args.kv_heads, head_size=args.head_size,
-                block_size=args.block_size, dtype=dtype, device=device)
-    builder, impl = _setup(step, args, device)
-    p = common_prefix_len(step.tables, step.contexts, args.block_size)
-    out_plain = torch.empty_like(step.query)
-    plain_meta = builder.build(step.common)
-    impl.forward(step.query, step.query, step.query, step.cache, plain_meta, output=out_plain)
+    step, builder, impl, p, _plain, out_plain = _target(args, device)
     timer = _timer(args.smoke, device, 150.0)
     rows: list[dict[str, Any]] = []
     before = os.environ.get(DECODE_TILES_ENV)
