@@ -158,3 +158,33 @@ def test_cascade_graph_declaration_needs_cascade_and_decode_graphs() -> None:
     assert any("supports_cascade_cudagraph" in p and "UNIFORM_SINGLE_TOKEN_DECODE" in p
                for p in problems), problems
     assert declaration_problems(CascadeGraphBackend) == []
+
+
+class BrokenCascadeBuilder(CascadeGraphBuilder):
+    def build_cascade_for_cudagraph_capture(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("planted: cannot plan this cascade")
+
+
+class BrokenCascadeBackend(CascadeGraphBackend):
+    name: ClassVar[str] = "graph_cascade_broken_test"
+
+    @classmethod
+    def get_builder_cls(cls) -> type[MetadataBuilder[Any]]:
+        return BrokenCascadeBuilder
+
+
+def test_a_failing_cascade_capture_falls_back_with_a_warning(pays: None) -> None:
+    """A backend whose cascade capture raises: the first shared-prefix decode step warns,
+    cascade graphs go off, and every request still gets transformers' tokens."""
+    base = random_prompts([21], seed=3)[0]
+    prompts = [base + tail for tail in random_prompts([3, 5], seed=4)]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=1)
+    with backend_registered(BrokenCascadeBackend, "graph-cascade-broken") as name:
+        llm, ref = _engine(name, "auto")
+        llm.generate(prompts[:1], SamplingParams(max_tokens=1))
+        with pytest.warns(RuntimeWarning, match="planted: cannot plan this cascade"):
+            outs = llm.generate(prompts, params)
+        assert llm.runner.cascade_graphs is None  # type: ignore[union-attr]
+        check_outputs_against_hf(ref, prompts, outs, 5)
+        assert all(o.outputs[0].finish_reason == "length" for o in outs)
+        assert_no_leak(llm)

@@ -219,6 +219,8 @@ class ModelRunner:
         #: Decode graphs whose attention cascades over a shared prefix (captured on first
         #: use; None: shared-prefix decode steps replay the plain graph or run eagerly).
         self.cascade_graphs: CascadeDecodeGraphs | None = None
+        #: A failed lazy capture turns a graph kind off instead of raising.
+        self._graph_fallback = True
 
     @property
     def backend_names(self) -> list[str]:
@@ -340,6 +342,7 @@ class ModelRunner:
         self.graphs = DecodeGraphs(
             sizes=chosen, capturer=capturer, make_forward=self._graph_forward
         )
+        self._graph_fallback = fallback
         cascading = [ok and b.supports_cascade_cudagraph
                      for ok, b in zip(self.cascade.eligible, self.backends, strict=True)]
         if any(cascading):
@@ -435,6 +438,29 @@ class ModelRunner:
             return None
         return self.graphs.bucket_for(n)
 
+    def _capture_cascade_graph(self, bucket: int) -> bool:
+        """Capture `bucket`'s cascade graph if not yet done (before the step's inputs land:
+        a capture fills the buffers with padding). A capture that fails turns cascade graphs
+        off with a warning (shared-prefix decode steps then follow `against_graph`), unless
+        graphs were enabled with ``fallback=False`` (tensor parallelism), which raises."""
+        graphs = self.cascade_graphs
+        assert graphs is not None
+        try:
+            graphs.capture(bucket)
+        except Exception as exc:
+            if not self._graph_fallback:
+                raise
+            graphs.release()
+            self.cascade_graphs = None
+            warnings.warn(
+                f"cascade decode graphs disabled (capture of bucket {bucket} failed: "
+                f"{type(exc).__name__}: {exc}"[:400] + "); shared-prefix decode steps replay "
+                "the plain graph or cascade eagerly",
+                RuntimeWarning, stacklevel=2,
+            )
+            return False
+        return True
+
     def _cascade_graph_bucket(
         self, scheduled: Sequence[ScheduledRequest], use: tuple[int, ...], decode_graph: bool
     ) -> tuple[int | None, tuple[int, ...]]:
@@ -479,17 +505,15 @@ class ModelRunner:
         cascade_bucket = None
         if any(use) and self._graph_would_serve(scheduled, decode_graph):
             cascade_bucket, graph_use = self._cascade_graph_bucket(scheduled, use, decode_graph)
-            if cascade_bucket is not None:
+            if cascade_bucket is not None and self._capture_cascade_graph(cascade_bucket):
                 use = graph_use  # the step replays its bucket's cascade graph
             else:
+                cascade_bucket = None
                 # An eager cascade plan follows this step's lengths: cascade only when the
                 # reads it saves outweigh the lost replay.
                 use = self.cascade.against_graph(use, len(scheduled))
         if cascade_bucket is not None:
-            assert self.cascade_graphs is not None
             bucket: int | None = cascade_bucket
-            # Capture (which fills the buffers with padding) before this step's inputs land.
-            self.cascade_graphs.capture(cascade_bucket)
         else:
             bucket = None if any(use) or not decode_graph else self._graph_bucket(scheduled)
             if bucket is not None:
