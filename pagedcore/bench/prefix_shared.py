@@ -79,6 +79,15 @@ def measure_shared_decode(
                         sync()
                     times.append(_clock() - start)
                     cached = [o.num_cached_tokens for o in outs]
+                    short = [len(o.outputs[0].token_ids) for o in outs
+                             if len(o.outputs[0].token_ids) != n_out]
+                    if short:
+                        raise ValueError(
+                            f"shared-prefix decode: {len(short)} of {num_reqs} requests "
+                            f"generated {min(short)} tokens, not {n_out} (max_model_len "
+                            f"{llm.max_model_len} < {shared + own + n_out} tokens a "
+                            "request needs?): the decode rate would count tokens that were "
+                            "never generated; give the engine room for them")
                 pairs.append((times[0], times[1]))
             decodes = [b - a for a, b in pairs]
             decode_s = float(np.median(decodes))

@@ -39,6 +39,8 @@ __all__ = ["bytes_floor", "gpu_idle", "measure_prefix_hit", "measure_step", "ste
 
 #: Own (uncached) prompt tokens after the shared prefix of ``--prefix-hit``.
 _PREFIX_USER = 64
+#: Decode steps of the shared-prefix decode workload on CUDA (`--shared-decode`).
+_SHARED_DECODE_STEPS = 48
 #: `--model-shape` choices: the engine experiments' shapes and a tiny CPU-friendly one.
 SHAPES = ("qwen2-0.5b", "llama3-8b", "tiny")
 
@@ -462,7 +464,9 @@ def step(shape: str, batch_sizes: list[int], context: int, steps: int, temperatu
     dev, dtype, config = engine_bench_model(small, device, "qwen2-0.5b" if small else shape,
                                             dtype=engine_overrides.get("dtype"))
     # Room for every request to decode while the last ones prefill, then the timed steps.
-    max_len = max(context + 512, prefix_hit + _PREFIX_USER + 32 if prefix_hit else 0)
+    # (The shared-prefix decode adds up to 1 + _SHARED_DECODE_STEPS tokens to a prompt.)
+    max_len = max(context + 512,
+                  prefix_hit + _PREFIX_USER + _SHARED_DECODE_STEPS + 16 if prefix_hit else 0)
     config.max_position_embeddings = max(int(config.max_position_embeddings), max_len)
     cuda = dev.type == "cuda"
     copy_gbps = copy_bandwidth_gbps(dev, quick=not cuda) if cuda else None
@@ -534,7 +538,8 @@ def step(shape: str, batch_sizes: list[int], context: int, steps: int, temperatu
 
                 row = measure_shared_decode(
                     llm, num_reqs=min(64, max(sizes)), shared=prefix_hit, own=_PREFIX_USER,
-                    max_tokens=48 if cuda else 16, vocab=min(1000, int(config.vocab_size)),
+                    max_tokens=_SHARED_DECODE_STEPS if cuda else 16,
+                    vocab=min(1000, int(config.vocab_size)),
                     sync=(lambda: _sync(dev)), auto=True, reps=3 if cuda else 1)
                 row["mode"] = hit["mode"]
                 report.setdefault("shared_decode", []).append(row)

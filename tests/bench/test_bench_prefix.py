@@ -108,3 +108,17 @@ def test_cli_shared_decode_only_runs_just_that_workload(tmp_path: Any) -> None:
     assert row["cascade_on"]["num_cached_tokens_min"] == 512
     assert report["shared_system_prompt"] == []  # the TTFT figures were not run
     assert report["engine_config"]["max_model_len"] >= 512 + 32 + 8
+
+
+def test_shared_prefix_decode_refuses_requests_cut_short(make_llm: Callable[..., Any]) -> None:
+    """An engine whose max_model_len ends the requests before their decode tokens: an error
+    that says so, never a rate that counts tokens that were not generated."""
+    import pytest
+
+    from pagedcore.bench.prefix_shared import measure_shared_decode
+
+    llm = make_llm(max_num_batched_tokens=512)
+    room = llm.max_model_len - 40 - 5  # shared + own fill the rest
+    with pytest.raises(ValueError, match=r"generated \d+ tokens, not \d+ \(max_model_len"):
+        measure_shared_decode(llm, num_reqs=2, shared=40, own=5, max_tokens=room + 3,
+                              vocab=128)
