@@ -503,12 +503,13 @@ class ModelRunner:
         ``decode_graph=False``: a tensor-parallel worker follows rank 0's choice)."""
         shared, use = self.cascade.plan(scheduled, block_ids)
         cascade_bucket = None
-        if any(use) and self._graph_would_serve(scheduled, decode_graph):
+        if any(use):
             cascade_bucket, graph_use = self._cascade_graph_bucket(scheduled, use, decode_graph)
-            if cascade_bucket is not None and self._capture_cascade_graph(cascade_bucket):
-                use = graph_use  # the step replays its bucket's cascade graph
-            else:
+            if cascade_bucket is not None and not self._capture_cascade_graph(cascade_bucket):
                 cascade_bucket = None
+            if cascade_bucket is not None:
+                use = graph_use  # the step replays its bucket's cascade graph
+            elif self._graph_would_serve(scheduled, decode_graph):
                 # An eager cascade plan follows this step's lengths: cascade only when the
                 # reads it saves outweigh the lost replay.
                 use = self.cascade.against_graph(use, len(scheduled))
