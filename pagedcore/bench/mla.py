@@ -120,7 +120,7 @@ def _print(capacity: list[dict[str, Any]], kernel: list[dict[str, Any]],
 def _kernel_part(
     device: torch.device, variants: str | None, *, quick: bool, check: bool, warm: bool,
     time_it: bool, json_path: str | None, breakdown: str | None = None,
-    one_target: bool = False,
+    one_target: bool = False, kv_cache_dtype: str = "auto",
 ) -> dict[str, Any]:
     """Warm-up, conformance and timing of the selected decode variants (see `mla_kernel`)."""
     from pagedcore.bench import mla_kernel as mk
@@ -162,7 +162,8 @@ def _kernel_part(
 
         out["copy_bandwidth_GBps"] = copy_gbps
         out["kernel"] = mk.kernel_rows(device, configs, quick=quick, copy_gbps=copy_gbps,
-                                       on_row=on_row, one_target=one_target)
+                                       on_row=on_row, one_target=one_target,
+                                       kv_cache_dtype=kv_cache_dtype)
         out["summary"] = mk.summarize(out["kernel"])
     if split_configs:
         if "copy_bandwidth_GBps" not in out and device.type == "cuda":
@@ -250,14 +251,20 @@ def _echo_breakdown(row: dict[str, Any]) -> None:
               help="Time these MLA backends side by side through their builder and impl "
                    "(repeatable, e.g. --backend triton_mla --backend flashinfer_mla) on a "
                    "small set of decode shapes, instead of the Triton variants.")
+@click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]),
+              default="auto", show_default=True,
+              help="Latent cache dtype of the Triton variants' timing (fp8: one byte per "
+                   "element, dequantized inside the kernel).")
 def mla(json_path: str | None, quick: bool, kv_gib: float, context: int, variants: str | None,
         check: bool, warm: bool, no_time: bool, breakdown: str | None, one_target: bool,
-        backends: tuple[str, ...]) -> None:
+        backends: tuple[str, ...], kv_cache_dtype: str) -> None:
     """MLA vs decompressed KV bytes and concurrency; Triton MLA decode bandwidth on a GPU, or
     several MLA backends side by side (--backend)."""
     import importlib.util
 
     import torch
+
+    from pagedcore.attention.kv_quant import normalize_kv_cache_dtype
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     capacity = capacity_rows(kv_gib, context)
@@ -285,7 +292,8 @@ def mla(json_path: str | None, quick: bool, kv_gib: float, context: int, variant
         try:
             kernel = _kernel_part(device, variants, quick=quick, check=check, warm=warm,
                                   time_it=not no_time, json_path=json_path,
-                                  breakdown=breakdown, one_target=one_target)
+                                  breakdown=breakdown, one_target=one_target,
+                                  kv_cache_dtype=normalize_kv_cache_dtype(kv_cache_dtype))
         except ValueError as exc:
             raise click.UsageError(str(exc)) from exc
     if skipped:
@@ -301,6 +309,7 @@ def mla(json_path: str | None, quick: bool, kv_gib: float, context: int, variant
                     if on]
         command += [f"--breakdown {breakdown}"] if breakdown else []
         command += [f"--backend {b}" for b in backends]
+        command += [f"--kv-cache-dtype {kv_cache_dtype}"] if kv_cache_dtype != "auto" else []
         command += [f"--json {json_path}"]
         info = {
             "command": " ".join(command),
@@ -308,6 +317,7 @@ def mla(json_path: str | None, quick: bool, kv_gib: float, context: int, variant
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
             "torch": torch.__version__,
             "kernel_config": {"dtype": "bfloat16" if device.type == "cuda" else "float32",
+                              "kv_cache_dtype": normalize_kv_cache_dtype(kv_cache_dtype),
                               "num_heads": 16, "kv_lora_rank": 512, "rope_head_dim": 64,
                               "block_size": BLOCK_SIZE,
                               "bandwidth": "latent cache bytes read / median device time of "

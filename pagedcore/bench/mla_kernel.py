@@ -76,12 +76,34 @@ def _plans(common: Any, device: torch.device, dtype: torch.dtype) -> tuple[Any, 
     return meta, ref
 
 
-def _impl(config: Any) -> Any:
+def _impl(config: Any, kv_cache_dtype: str = "auto", k_scale: float = 1.0) -> Any:
     from pagedcore_triton.mla import TritonMLAImpl
 
-    impl = TritonMLAImpl(NUM_HEADS, LATENT + ROPE, (128 + ROPE) ** -0.5, kv_lora_rank=LATENT)
+    impl = TritonMLAImpl(NUM_HEADS, LATENT + ROPE, (128 + ROPE) ** -0.5, kv_lora_rank=LATENT,
+                         kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=k_scale)
     impl.kernel_config = config
     return impl
+
+
+def quantized_cache(cache: torch.Tensor, kv_cache_dtype: str) -> tuple[torch.Tensor, float]:
+    """`cache` stored as `kv_cache_dtype` (``"auto"``: unchanged, scale 1.0): the fp8 rows
+    ``quantize_fp8(row, k_scale)`` with ``k_scale = max|row| / fp8 max`` (NaN slots stay
+    NaN), and that scale."""
+    import torch
+
+    if kv_cache_dtype == "auto":
+        return cache, 1.0
+    from pagedcore.attention.kv_quant import (
+        FP8_MAX,
+        kv_cache_torch_dtype,
+        normalize_kv_cache_dtype,
+        quantize_fp8,
+    )
+
+    name = normalize_kv_cache_dtype(kv_cache_dtype)
+    amax = float(torch.nan_to_num(cache.float(), nan=0.0).abs().amax())
+    scale = max(amax / FP8_MAX[name], 1e-12)
+    return quantize_fp8(cache, scale, kv_cache_torch_dtype(name, cache.dtype)), scale
 
 
 def resolve_variants(names: str | None) -> list[Any]:
@@ -155,12 +177,15 @@ def kernel_rows(
     copy_gbps: float | None,
     on_row: Callable[[dict[str, Any]], None] | None = None,
     one_target: bool = False,
+    kv_cache_dtype: str = "auto",
 ) -> list[dict[str, Any]]:
     """Time every variant on every case, with its split-KV target and twice that (only the
     first with `one_target`), and check
     each result against the reference MLA. The cases are built once; the variants are the outer
     loop, so a run cut short has every shape of the first variants. The fastest row of each
-    shape carries ``best_for_shape``; `on_row` sees each row as soon as it is measured."""
+    shape carries ``best_for_shape``; `on_row` sees each row as soon as it is measured.
+    An fp8 `kv_cache_dtype` stores the latent cache in fp8 (`quantized_cache`); the reference
+    reads the same fp8 rows, and ``kv_bytes`` counts one byte per element."""
     import torch
 
     from pagedcore.reference.mla import MLAImpl
@@ -169,16 +194,19 @@ def kernel_rows(
     cases = []
     for batch, context in QUICK_CASES if quick else FULL_CASES:
         cache, query, common = _decode_batch(batch, context, device, dtype)
+        cache, k_scale = quantized_cache(cache, kv_cache_dtype)
         meta, ref_meta = _plans(common, device, dtype)
-        ref = MLAImpl(NUM_HEADS, LATENT + ROPE, (128 + ROPE) ** -0.5, kv_lora_rank=LATENT)
-        want = ref.forward(query.float(), query, query, cache.float(), ref_meta).float()
-        cases.append((batch, context, cache, query, meta, want))
+        ref = MLAImpl(NUM_HEADS, LATENT + ROPE, (128 + ROPE) ** -0.5, kv_lora_rank=LATENT,
+                      kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=k_scale)
+        ref_cache = cache if kv_cache_dtype != "auto" else cache.float()
+        want = ref.forward(query.float(), query, query, ref_cache, ref_meta).float()
+        cases.append((batch, context, cache, query, meta, want, k_scale))
     rows: list[dict[str, Any]] = []
     for config in variants:
-        for batch, context, cache, query, meta, want in cases:
+        for batch, context, cache, query, meta, want, k_scale in cases:
             kv_bytes = batch * context * (LATENT + ROPE) * cache.element_size()
             for cfg in _target_configs(config, quick=quick, one_target=one_target):
-                impl = _impl(cfg)
+                impl = _impl(cfg, kv_cache_dtype, k_scale)
                 plan = impl.plan_launch(query, meta)
                 splits, split_len = plan.splits, plan.split_len
                 row: dict[str, Any] = {
@@ -191,6 +219,7 @@ def kernel_rows(
                     "target_programs": cfg.split.target_programs, "num_splits": splits,
                     "heads_per_program": plan.heads_per_program,
                     "half_partials": cfg.half_partials,
+                    "kv_cache_dtype": kv_cache_dtype,
                     "kv_bytes": kv_bytes,
                 }
                 del plan

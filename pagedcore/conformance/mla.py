@@ -13,6 +13,14 @@ dims), so that each needle, whose value stays its own random latent, carries a l
 the softmax. A kernel that skips, repeats or misplaces one of those
 positions (a tile or split boundary, a block edge) then misses by far more than the 16-bit
 tolerances, which a single dropped position among hundreds of random rows does not.
+
+FP8 latent caches (for backends that declare ``"fp8_e4m3"`` / ``"fp8_e5m2"`` in
+``supported_kv_cache_dtypes``): the history rows are stored as ``quantize_fp8(row, k_scale)``
+with one per-case scale (``max|row| / fp8 max`` over the case's rows, so needles do not
+saturate), this step's rows through the backend's own write, and the reference reads the
+same fp8 cache (dequantized in float32), so a conforming backend stores the same bits and
+reads what the reference reads. The tolerance adds ``FP8_TOLERANCE_FRACTION * u`` (the fp8
+dtype's unit roundoff) to the model dtype's, as for the non-MLA fp8 cases.
 """
 
 from __future__ import annotations
@@ -23,7 +31,14 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from pagedcore.attention.kv_quant import (
+    FP8_UNIT_ROUNDOFF,
+    calibrated_scale,
+    kv_cache_torch_dtype,
+    quantize_fp8,
+)
 from pagedcore.attention.metadata import CommonAttentionMetadata
+from pagedcore.conformance.cases import FP8_TOLERANCE_FRACTION
 from pagedcore.kv_cache.spec import MLAAttentionSpec, cdiv
 
 if TYPE_CHECKING:
@@ -42,6 +57,19 @@ __all__ = [
 
 #: Largest relative error accepted per model dtype.
 TOLERANCE = {"float32": 2e-4, "float16": 1e-2, "bfloat16": 3e-2}
+
+#: Specs run with an fp8 cache (per declared fp8 dtype), as ``(spec, model dtype)``: decode,
+#: mixed with padding, chunked over a prefix, long split-KV decodes and the needles.
+FP8_SPEC_NAMES = ("decode", "mixed", "chunked_prefix", "decode_long", "needles")
+
+
+def mla_tolerance(dtype: str, kv_cache_dtype: str = "auto") -> float:
+    """The accepted relative error of an MLA case: `TOLERANCE` of the model dtype, plus
+    ``FP8_TOLERANCE_FRACTION`` of the fp8 dtype's unit roundoff for an fp8 cache."""
+    tol = TOLERANCE[dtype]
+    if kv_cache_dtype != "auto":
+        tol += FP8_TOLERANCE_FRACTION * FP8_UNIT_ROUNDOFF[kv_cache_dtype]
+    return tol
 
 
 @attrs.frozen(kw_only=True)
@@ -106,12 +134,18 @@ class MLACase:
     key: torch.Tensor  # [T, 1, L + R]
     common: CommonAttentionMetadata
     scale: float
+    #: ``"auto"`` or the fp8 name the cache is stored in (then `kv_cache` holds fp8 rows).
+    kv_cache_dtype: str = "auto"
+    #: The fp8 cache's dequantization scale (1.0 for ``"auto"``).
+    k_scale: float = 1.0
 
 
 def build_mla_case(
-    spec: MLABatchSpec, *, dtype: torch.dtype, device: str | torch.device = "cpu", seed: int = 0
+    spec: MLABatchSpec, *, dtype: torch.dtype, device: str | torch.device = "cpu", seed: int = 0,
+    kv_cache_dtype: str = "auto",
 ) -> MLACase:
-    """Build `spec`'s batch: permuted blocks, NaN-poisoned free slots, history rows written."""
+    """Build `spec`'s batch: permuted blocks, NaN-poisoned free slots, history rows written
+    (as ``quantize_fp8(row, k_scale)`` for an fp8 `kv_cache_dtype`)."""
     gen = torch.Generator().manual_seed(seed)
     dev = torch.device(device)
     bs, dim = spec.block_size, spec.kv_lora_rank + spec.rope_head_dim
@@ -137,6 +171,11 @@ def build_mla_case(
     key = torch.randn(num_tokens, 1, dim, generator=gen)
     if spec.needles:
         _plant_needles(spec, cache, table, query, gen)
+    k_scale = 1.0
+    if kv_cache_dtype != "auto":
+        real = cache[~cache.isnan().any(-1)]
+        k_scale = calibrated_scale(torch.cat([real.float().cpu(), key[:, 0]]), kv_cache_dtype)
+        cache = quantize_fp8(cache, k_scale, kv_cache_torch_dtype(kv_cache_dtype, dtype))
     slots: list[int] = []
     positions: list[int] = []
     for r, (q, s) in enumerate(zip(spec.query_lens, spec.seq_lens, strict=True)):
@@ -167,6 +206,8 @@ def build_mla_case(
         key=key.to(dev, dtype),
         common=common,
         scale=dim**-0.5,
+        kv_cache_dtype=kv_cache_dtype,
+        k_scale=k_scale,
     )
 
 
@@ -204,6 +245,8 @@ class MLAResult:
     rel_err: float | None
     passed: bool
     detail: str = ""
+    kv_cache_dtype: str = "auto"
+    tolerance: float | None = None
 
 
 def _run(backend: type[AttentionBackend], case: MLACase, device: torch.device) -> torch.Tensor:
@@ -217,8 +260,12 @@ def _run(backend: type[AttentionBackend], case: MLACase, device: torch.device) -
     builder = backend.get_builder_cls()(kv_spec, ["model.layers.0.self_attn"], device)
     metadata = builder.build(case.common)
     impl_cls: Any = backend.get_impl_cls()
+    fp8: dict[str, Any] = {}
+    if case.kv_cache_dtype != "auto":
+        fp8 = {"kv_cache_dtype": case.kv_cache_dtype, "k_scale": case.k_scale,
+               "v_scale": case.k_scale}
     impl = impl_cls(
-        spec.num_heads, kv_spec.head_size, case.scale, kv_lora_rank=spec.kv_lora_rank
+        spec.num_heads, kv_spec.head_size, case.scale, kv_lora_rank=spec.kv_lora_rank, **fp8
     )
     cache = case.kv_cache.clone()
     impl.do_kv_cache_update(case.key, case.key, cache, case.common.slot_mapping)
@@ -236,29 +283,32 @@ def run_mla_case(
     dtype_name = str(case.query.dtype).removeprefix("torch.")
     spec = case.spec
     lat = spec.kv_lora_rank
+    tol = mla_tolerance(dtype_name, case.kv_cache_dtype)
+    common: dict[str, Any] = {"backend": backend.name, "spec": spec.name, "dtype": dtype_name,
+                              "block_size": spec.block_size,
+                              "kv_cache_dtype": case.kv_cache_dtype, "tolerance": tol}
     try:
         expected = _run(ReferenceMLABackend, _as_float32(case), dev)
         got = _run(backend, case, dev)
     except Exception as exc:  # a claim that fails is a failure, not a skip
-        return MLAResult(backend=backend.name, spec=spec.name, dtype=dtype_name,
-                         block_size=spec.block_size, rel_err=None, passed=False,
+        return MLAResult(**common, rel_err=None, passed=False,
                          detail=f"{type(exc).__name__}: {exc}")
     want = (case.common.num_actual_tokens, spec.num_heads, lat)
     if tuple(got.shape) != want:
-        return MLAResult(backend=backend.name, spec=spec.name, dtype=dtype_name,
-                         block_size=spec.block_size, rel_err=None, passed=False,
+        return MLAResult(**common, rel_err=None, passed=False,
                          detail=f"output shape {tuple(got.shape)}, expected {want}")
     diff = (got.float() - expected.float()).norm()
     rel = float(diff / expected.float().norm().clamp_min(1e-12))
-    ok = rel == rel and rel <= TOLERANCE[dtype_name]  # NaN never passes
-    return MLAResult(backend=backend.name, spec=spec.name, dtype=dtype_name,
-                     block_size=spec.block_size, rel_err=rel, passed=ok,
-                     detail="" if ok else f"relative error {rel:.3g} > {TOLERANCE[dtype_name]}")
+    ok = rel == rel and rel <= tol  # NaN never passes
+    return MLAResult(**common, rel_err=rel, passed=ok,
+                     detail="" if ok else f"relative error {rel:.3g} > {tol:.3g}")
 
 
 def _as_float32(case: MLACase) -> MLACase:
-    return attrs.evolve(case, kv_cache=case.kv_cache.float(), query=case.query.float(),
-                        key=case.key.float())
+    """The oracle's inputs: queries and keys in float32; an fp8 cache stays as it is (the
+    reference dequantizes the same bits the backend reads)."""
+    cache = case.kv_cache if case.kv_cache_dtype != "auto" else case.kv_cache.float()
+    return attrs.evolve(case, kv_cache=cache, query=case.query.float(), key=case.key.float())
 
 
 def run_mla_suite(
@@ -270,7 +320,9 @@ def run_mla_suite(
     quick: bool = False,
 ) -> list[MLAResult]:
     """Every MLA spec, in every dtype the backend claims (float32 only on CPU; one dtype when
-    `quick`); on CUDA, unless `quick`, also `MLA_LARGE_SPEC` (offsets past 32 bits).
+    `quick`); on CUDA, unless `quick`, also `MLA_LARGE_SPEC` (offsets past 32 bits). The
+    specs of `FP8_SPEC_NAMES` also run once per fp8 cache dtype the backend declares (the
+    first only when `quick`), in the last model dtype tried.
 
     Returns an empty list for a backend that does not declare ``supports_mla``.
     """
@@ -285,12 +337,19 @@ def run_mla_suite(
     results: list[MLAResult] = []
     if dev.type == "cuda" and not quick and specs is MLA_SPECS:
         specs = (*specs, MLA_LARGE_SPEC)
+    fp8 = [k for k in backend.supported_kv_cache_dtypes if k != "auto"]
     for spec in specs:
         if not backend.supports_block_size(spec.block_size):
             spec = attrs.evolve(spec, block_size=_claimed_block_size(backend))
         spec = _at_claimed_dims(backend, spec)
         for name in names:
             case = build_mla_case(spec, dtype=getattr(torch, name), device=dev)
+            results.append(run_mla_case(backend, case, device=dev))
+        if spec.name.split("/")[0] not in FP8_SPEC_NAMES:
+            continue
+        for kv in fp8[:1] if quick else fp8:
+            case = build_mla_case(spec, dtype=getattr(torch, names[-1]), device=dev,
+                                  kv_cache_dtype=kv)
             results.append(run_mla_case(backend, case, device=dev))
     return results
 

@@ -76,12 +76,13 @@ def mla_results(
     tolerances: dict[str, float] = getattr(mla, "TOLERANCE", {})
     results = []
     for r in mla.run_mla_suite(backend, device=device, quick=quick):
+        kv = "" if r.kv_cache_dtype == "auto" else f"/{r.kv_cache_dtype}"
         results.append(
             CaseResult(
-                name=f"mla/{r.spec}/{r.dtype}/bs{r.block_size}",
+                name=f"mla/{r.spec}/{r.dtype}{kv}/bs{r.block_size}",
                 passed=bool(r.passed),
                 max_rel_error=r.rel_err,
-                tolerance=tolerances.get(r.dtype),
+                tolerance=r.tolerance if r.tolerance is not None else tolerances.get(r.dtype),
                 message=None if r.passed else (r.detail or "failed"),
             )
         )

@@ -14,6 +14,11 @@ MLA impl contract (every MLA backend follows it; the conformance suite checks it
   returns ``[T, H, L]``, the attention output in latent space (before ``W_UV``). Scores are
   ``scale * q·row`` over all ``L + R`` dims of each cached row; values are the first ``L`` dims
   of each row. Causal with the query aligned to the end of its sequence, as for every backend.
+* FP8 latent cache (``kv_cache_dtype`` ``"fp8_e4m3"`` / ``"fp8_e5m2"``): the write stores
+  ``fp8(saturate(row / k_scale))`` (`pagedcore.attention.kv_quant.quantize_fp8`) and attention
+  reads ``fp8 * k_scale``, for the scores and the values alike: one per-layer scale for the
+  whole row, since the values are the row's first ``L`` dims (``v_scale`` is not used; the
+  engine's calibration sets both from the same rows).
 """
 
 from __future__ import annotations
@@ -38,8 +43,10 @@ __all__ = [
     "ReferenceMLABackend",
     "ReferenceMLAMetadata",
     "ReferenceMLAMetadataBuilder",
+    "check_mla_cache_dtype",
     "check_mla_cache_shape",
     "check_mla_write_args",
+    "read_mla_rows",
     "write_mla_cache",
 ]
 
@@ -67,13 +74,20 @@ def check_mla_write_args(
         )
 
 
-def write_mla_cache(key: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_mla_cache(
+    key: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | float | None = None,
+) -> None:
     """Scatter ``key`` ``[T, 1, L + R]`` into ``kv_cache`` ``[N, B, L + R]`` at ``slot_mapping``.
 
     Tokens whose slot is ``-1`` (padding) are skipped. There is no host sync (no boolean
     indexing): every token writes to its slot clamped to 0, and a padding token writes back
     the value slot 0 already holds, so slot 0 (in the null block) is left unchanged. Shapes
-    are checked with clear errors.
+    are checked with clear errors. An fp8 `kv_cache` needs `k_scale` (a float or a ``[1]``
+    float32 tensor): rows are stored as ``quantize_fp8(row, k_scale)``.
     """
     import torch
 
@@ -82,9 +96,48 @@ def write_mla_cache(key: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: tor
     slots = slot_mapping.to(kv_cache.device).long()
     valid = (slots >= 0).unsqueeze(1)
     index = slots.clamp(min=0)
-    flat = kv_cache.view(-1, kv_cache.shape[-1])
-    rows = key[:num_tokens, 0].to(kv_cache.dtype)
+    rows = key[:num_tokens, 0]
+    if kv_cache.dtype.itemsize == 1:
+        from pagedcore.attention.kv_quant import quantize_fp8
+
+        if k_scale is None:
+            raise ValueError("an fp8 MLA cache needs k_scale (the layer's dequantization "
+                             "scale); the impl passes it when kv_cache_dtype is fp8")
+        # Scatter the fp8 bytes (index ops on float8 tensors are not implemented everywhere).
+        rows = quantize_fp8(rows, k_scale, kv_cache.dtype).view(torch.uint8)
+        flat = kv_cache.view(torch.uint8).view(-1, kv_cache.shape[-1])
+    else:
+        rows = rows.to(kv_cache.dtype)
+        flat = kv_cache.view(-1, kv_cache.shape[-1])
     flat.index_copy_(0, index, torch.where(valid, rows, flat.index_select(0, index)))
+
+
+def read_mla_rows(kv_cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor,
+                  k_scale: torch.Tensor | float | None, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows ``kv_cache[blocks, offsets]`` (``[S, L + R]``) in `dtype`: an fp8 cache
+    dequantized as ``float32(fp8) * k_scale`` (what an MLA kernel reads)."""
+    import torch
+
+    if kv_cache.dtype.itemsize != 1:
+        return kv_cache[blocks, offsets].to(dtype)
+    from pagedcore.attention.kv_quant import dequantize_fp8
+
+    if k_scale is None:
+        raise ValueError("an fp8 MLA cache needs k_scale to be read")
+    raw = kv_cache.view(torch.uint8)[blocks, offsets].view(kv_cache.dtype)
+    return dequantize_fp8(raw, k_scale).to(dtype)
+
+
+def check_mla_cache_dtype(impl: AttentionImpl[Any], kv_cache: torch.Tensor) -> None:
+    """Raise a ValueError when the cache's element size disagrees with the impl's
+    ``kv_cache_dtype`` (an fp8 cache for an ``"auto"`` impl, or the reverse)."""
+    fp8_cache = kv_cache.dtype.itemsize == 1
+    if fp8_cache != impl.kv_fp8:
+        raise ValueError(
+            f"the MLA cache is {kv_cache.dtype} but the layer was built with kv_cache_dtype="
+            f"{impl.kv_cache_dtype!r}; allocate the cache with the backend's "
+            "get_kv_cache_shape and pagedcore.attention.kv_quant.kv_cache_torch_dtype"
+        )
 
 
 @attrs.frozen(kw_only=True)
@@ -171,8 +224,10 @@ class MLAImplBase(AttentionImpl[M]):
         slot_mapping: torch.Tensor,
     ) -> None:
         """Write ``key`` ``[T, 1, L + R]`` into ``kv_cache`` ``[N, B, L + R]``; ``value`` is
-        ignored; slots of ``-1`` are skipped."""
-        write_mla_cache(key, kv_cache, slot_mapping)
+        ignored; slots of ``-1`` are skipped; an fp8 cache stores ``row / k_scale``."""
+        check_mla_cache_dtype(self, kv_cache)
+        scale = self.kv_scales_on(kv_cache.device)[0] if self.kv_fp8 else None
+        write_mla_cache(key, kv_cache, slot_mapping, k_scale=scale)
 
 
 class MLAImpl(MLAImplBase[ReferenceMLAMetadata]):
@@ -217,9 +272,11 @@ class MLAImpl(MLAImplBase[ReferenceMLAMetadata]):
                 f"query {tuple(query.shape)} does not match num_heads={self.num_heads} and the "
                 f"cache row size {kv_cache.shape[-1]}"
             )
+        check_mla_cache_dtype(self, kv_cache)
         lat = self.kv_lora_rank
         block_size = kv_cache.shape[1]
         acc = torch.promote_types(query.dtype, torch.float32)
+        k_scale = self.kv_scales_on(kv_cache.device)[0] if self.kv_fp8 else None
         out = torch.zeros(num_tokens, num_heads, lat, dtype=query.dtype, device=query.device)
         starts = common.query_start_loc_cpu.tolist()
         table = common.block_table
@@ -230,7 +287,8 @@ class MLAImpl(MLAImplBase[ReferenceMLAMetadata]):
             start = int(starts[req])
             positions = torch.arange(seq_len, device=kv_cache.device)
             blocks = table[req, positions // block_size].long()
-            rows = kv_cache[blocks, positions % block_size].to(acc)  # [S, L + R]
+            rows = read_mla_rows(kv_cache, blocks, positions % block_size, k_scale,
+                                 acc)  # [S, L + R]
             q = query[start : start + q_len].to(acc)  # [q_len, H, L + R]
             scores = torch.einsum("qhd,sd->hqs", q, rows) * self.scale
             q_pos = torch.arange(seq_len - q_len, seq_len, device=kv_cache.device)
@@ -253,6 +311,7 @@ class ReferenceMLABackend(MLAAttentionBackend):
     priority: ClassVar[int] = 1000
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float32", "float16", "bfloat16")
     supported_devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto", "fp8_e4m3", "fp8_e5m2")
 
     @classmethod
     def get_builder_cls(cls) -> type[MetadataBuilder[Any]]:

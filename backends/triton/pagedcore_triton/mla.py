@@ -21,7 +21,7 @@ from pagedcore.attention import (
     MetadataBuilder,
 )
 from pagedcore.attention.mla import MLAAttentionBackend
-from pagedcore.reference.mla import MLAImplBase, check_mla_write_args
+from pagedcore.reference.mla import MLAImplBase, check_mla_cache_dtype, check_mla_write_args
 from pagedcore_triton._env import interpreting, triton_unavailable_reason
 from pagedcore_triton.mla_config import (
     DEFAULT_MLA_KERNEL,
@@ -180,20 +180,36 @@ class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
         """Write ``key`` ``[T, 1, L + R]`` into ``kv_cache`` ``[N, B, L + R]`` with one Triton
         program per token; slots of ``-1`` are skipped on the device (no host sync).
 
-        ``value`` is ignored. Only the first ``len(slot_mapping)`` tokens are written.
+        ``value`` is ignored. Only the first ``len(slot_mapping)`` tokens are written. An fp8
+        cache (``kv_cache_dtype`` fp8) stores ``fp8(row / k_scale)``, quantized in the kernel
+        (under Triton's interpreter, whose fp32 -> fp8 conversion rounds wrongly, by torch
+        first; the kernel then scatters the bytes).
         """
         from pagedcore_triton.mla_kernels import mla_cache_write_kernel
 
         check_mla_write_args(key, kv_cache, slot_mapping)
+        check_mla_cache_dtype(self, kv_cache)
         num_tokens = slot_mapping.shape[0]
         if num_tokens == 0:
             return
         if key.stride(-1) != 1 or kv_cache.stride(-1) != 1:
             raise ValueError("triton_mla needs the key and cache contiguous in the last dim")
         dim = kv_cache.shape[-1]
+        k_scale: torch.Tensor = slot_mapping  # unused without fp8
+        quant_max = None
+        if self.kv_fp8:
+            k_scale = self.kv_scales_on(kv_cache.device)[0]
+            if interpreting():
+                from pagedcore.attention.kv_quant import quantize_fp8
+
+                key = quantize_fp8(key, k_scale, kv_cache.dtype).view(torch.uint8)
+                kv_cache = kv_cache.view(torch.uint8)
+            else:
+                quant_max = float(torch.finfo(kv_cache.dtype).max)
         mla_cache_write_kernel[(num_tokens,)](
-            key, kv_cache, slot_mapping, key.stride(0), kv_cache.stride(0), kv_cache.stride(1),
-            DIM=dim, DIM_PAD=_next_pow2(dim), BLOCK_SIZE=kv_cache.shape[1],
+            key, kv_cache, slot_mapping, k_scale, key.stride(0), kv_cache.stride(0),
+            kv_cache.stride(1), DIM=dim, DIM_PAD=_next_pow2(dim), BLOCK_SIZE=kv_cache.shape[1],
+            QUANT_MAX=quant_max,
         )
 
     def forward(
@@ -228,6 +244,7 @@ class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
         """
         num_tokens, num_heads, dim = query.shape
         lat = self.kv_lora_rank
+        check_mla_cache_dtype(self, kv_cache)
         if dim != kv_cache.shape[-1] or num_heads != self.num_heads:
             raise ValueError(
                 f"query {tuple(query.shape)} does not match num_heads={self.num_heads} and the "
@@ -345,10 +362,14 @@ class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
             options["ROWSUM_2D"] = True
         if launch.heads_per_program != self.block_h:
             options["HEADS_PER_PROG"] = launch.heads_per_program
+        k_scale = metadata.token_req  # unused without fp8
+        if self.kv_fp8:
+            options["KV_FP8"] = True
+            k_scale = self.kv_scales_on(kv_cache.device)[0]
         compiled = mla_decode_kernel[grid](
             out, part_acc, part_ml, counters, probe if probe is not None else counters,
             query, kv_cache, metadata.block_table,
-            metadata.token_req, metadata.token_kv_len,
+            metadata.token_req, metadata.token_kv_len, k_scale,
             self.num_heads, launch.splits, self.scale * 1.4426950408889634, launch.split_len,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             kv_cache.stride(0), kv_cache.stride(1), metadata.block_table.stride(0),
@@ -398,6 +419,9 @@ class TritonMLABackend(MLAAttentionBackend):
     supported_devices: ClassVar[tuple[str, ...]] = (
         ("cuda", "cpu") if interpreting() else ("cuda",)
     )
+    #: fp8 latent caches: rows quantized at the cache write, read as fp8 and converted in
+    #: registers (``KV_FP8`` of the decode kernel), one ``k_scale`` per layer.
+    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto", "fp8_e4m3", "fp8_e5m2")
 
     @classmethod
     def is_available(cls) -> str | None:

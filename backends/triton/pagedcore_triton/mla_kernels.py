@@ -74,6 +74,7 @@ def mla_decode_kernel(
     block_table_ptr,
     token_req_ptr,
     token_kv_len_ptr,
+    k_scale_ptr,
     num_heads,
     num_splits,
     scale_log2,
@@ -101,6 +102,7 @@ def mla_decode_kernel(
     PROBE: tl.constexpr = False,
     HEADS_PER_PROG: tl.constexpr = 0,
     ROWSUM_2D: tl.constexpr = False,
+    KV_FP8: tl.constexpr = False,
 ):
     """Grid ``(tokens, cdiv(H, BLOCK_H), num_splits)``, or ``(num_splits, cdiv(H, BLOCK_H),
     tokens)`` with `SPLIT_FIRST` (the splits of one token launched next to each other); see
@@ -119,6 +121,11 @@ def mla_decode_kernel(
     head_block) * num_splits + split``: ``%globaltimer`` ns at its start, after the PDL wait,
     after its last tile and after its last store, and its ``%clock64`` cycles from start
     to end.
+
+    ``KV_FP8``: the cache holds ``fp8(row / k_scale)`` (``[1]`` float32 at `k_scale_ptr`, read
+    on the device, so a captured graph sees a later calibration): ``k_scale`` is folded into
+    the score scale and into the latent output (or the unfused merge's partials), never into
+    a dequantized copy of the cache.
     """
     CW: tl.constexpr = LATENT_PAD // LAT_SPLIT
     if PROBE:
@@ -137,6 +144,10 @@ def mla_decode_kernel(
     if PROBE:
         t_go = _now()
 
+    value_scale = 1.0
+    if KV_FP8:
+        value_scale = tl.load(k_scale_ptr)
+        scale_log2 = scale_log2 * value_scale
     req = tl.load(token_req_ptr + tok)
     kv_len = tl.load(token_kv_len_ptr + tok)
     start = split * split_len
@@ -154,7 +165,7 @@ def mla_decode_kernel(
     m_i, l_i, acc0, acc1, acc2, acc3 = _attend(
         q_pe, q0, q1, q2, q3, cache_ptr, table_row, start, end, stride_cb, stride_cs,
         scale_log2, LATENT, LATENT_PAD, LAT_SPLIT, ROPE, ROPE_PAD, BLOCK_SIZE, BLOCK_H,
-        BLOCK_N, DOT_FP32, ROWSUM_2D)
+        BLOCK_N, DOT_FP32, ROWSUM_2D, KV_FP8)
     if PROBE:
         t_loop = _now()
 
@@ -233,13 +244,13 @@ def mla_decode_kernel(
     if WRITE_PARTIAL and FANIN == 0:
         part = (tok.to(tl.int64) * num_heads + heads) * num_splits + split
         _store_partial(part_acc_ptr, part_ml_ptr, part, head_mask, m_i, l_i, acc0, acc1, acc2,
-                       acc3, LATENT_PAD, LAT_SPLIT)
+                       acc3, LATENT_PAD, LAT_SPLIT, value_scale)
     else:
         ptrs = out_ptr + (tok.to(tl.int64) * stride_ot + heads * stride_oh)[:, None]
         if FANIN > 0:  # (the programs that write nothing may hold a sum of 0)
-            scale = 1.0 / tl.where(rows_ok, l_i, 1.0)
+            scale = value_scale / tl.where(rows_ok, l_i, 1.0)
         else:
-            scale = 1.0 / l_i
+            scale = value_scale / l_i
         _store_scaled(ptrs, scale, rows_ok, LATENT, acc0, acc1, acc2, acc3, LATENT_PAD,
                       LAT_SPLIT)
     if PROBE:
@@ -265,16 +276,20 @@ def mla_cache_write_kernel(
     key_ptr,
     cache_ptr,
     slot_ptr,
+    k_scale_ptr,
     stride_kt,
     stride_cb,
     stride_cs,
     DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    QUANT_MAX: tl.constexpr = None,
 ):
     """Grid ``(tokens,)``: copy token ``t``'s row ``key[t, 0, :DIM]`` into its cache slot.
 
     Slot ``-1`` (padding) is skipped on the device, so no host sync and no write anywhere.
+    With ``QUANT_MAX`` (an fp8 cache) the row is stored as ``clamp(x / k_scale, -QUANT_MAX,
+    QUANT_MAX)`` rounded to the cache's fp8 dtype (``[1]`` float32 at `k_scale_ptr`).
     """
     tok = tl.program_id(0)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
@@ -282,5 +297,7 @@ def mla_cache_write_kernel(
         offs = tl.arange(0, DIM_PAD)
         mask = offs < DIM
         row = tl.load(key_ptr + tok.to(tl.int64) * stride_kt + offs, mask=mask)
+        if QUANT_MAX is not None:
+            row = tl.clamp(row.to(tl.float32) / tl.load(k_scale_ptr), -QUANT_MAX, QUANT_MAX)
         dst = cache_ptr + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
         tl.store(dst + offs, row.to(cache_ptr.dtype.element_ty), mask=mask)

@@ -122,13 +122,14 @@ def _store_scaled(ptrs, scale, rows_ok, valid, acc0, acc1, acc2, acc3,
 
 @triton.jit
 def _store_partial(part_acc_ptr, part_ml_ptr, part, head_mask, m_i, l_i, acc0, acc1, acc2,
-                   acc3, LATENT_PAD: tl.constexpr, LAT_SPLIT: tl.constexpr):
+                   acc3, LATENT_PAD: tl.constexpr, LAT_SPLIT: tl.constexpr, value_scale=1.0):
     """One split's partial at rows `part` (``[BLOCK_H]`` indices into ``[T, H, splits]``):
-    ``acc / sum`` into `part_acc_ptr` ``[..., LATENT_PAD]`` (the merge weighs each split by
-    its sum; a non-empty split has a sum >= 1, an empty one ``acc = 0``) and ``(max, sum)``
-    into `part_ml_ptr` ``[..., 2]``."""
+    ``value_scale * acc / sum`` into `part_acc_ptr` ``[..., LATENT_PAD]`` (the merge weighs
+    each split by its sum; a non-empty split has a sum >= 1, an empty one ``acc = 0``;
+    `value_scale` is an fp8 cache's ``k_scale``) and ``(max, sum)`` into `part_ml_ptr`
+    ``[..., 2]``."""
     ptrs = part_acc_ptr + part[:, None] * LATENT_PAD
-    scale = 1.0 / tl.maximum(l_i, 1.0)
+    scale = value_scale / tl.maximum(l_i, 1.0)
     tl.store(part_ml_ptr + part * 2, m_i, mask=head_mask)
     tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=head_mask)
     _store_scaled(ptrs, scale, head_mask, LATENT_PAD, acc0, acc1, acc2, acc3, LATENT_PAD,
@@ -186,12 +187,15 @@ def _attend(q_pe, q0, q1, q2, q3, cache_ptr, table_row, start, end, stride_cb, s
             scale_log2, LATENT: tl.constexpr, LATENT_PAD: tl.constexpr,
             LAT_SPLIT: tl.constexpr, ROPE: tl.constexpr, ROPE_PAD: tl.constexpr,
             BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-            DOT_FP32: tl.constexpr, ROWSUM_2D: tl.constexpr):
+            DOT_FP32: tl.constexpr, ROWSUM_2D: tl.constexpr, KV_FP8: tl.constexpr = False):
     """Online softmax over cache positions ``[start, end)`` (tiles of ``BLOCK_N``) of the
     request whose block-table row is `table_row`: ``(m, l, acc0..acc3)``, the base-2 row
     maxima and sums ``[BLOCK_H]`` and the unnormalised latent accumulators ``[BLOCK_H,
     LATENT_PAD // LAT_SPLIT]`` (unused chunks repeat the first). An empty range gives
-    ``m = -inf``, ``l = 0`` and zero accumulators."""
+    ``m = -inf``, ``l = 0`` and zero accumulators.
+
+    With `KV_FP8` the cache holds fp8 rows: each tile is converted to the queries' dtype in
+    registers (the caller folds ``k_scale`` into `scale_log2` and into the output)."""
     CW: tl.constexpr = LATENT_PAD // LAT_SPLIT
     LP: tl.constexpr = LATENT_PAD != LATENT
     RP: tl.constexpr = ROPE_PAD != ROPE
@@ -210,14 +214,22 @@ def _attend(q_pe, q0, q1, q2, q3, cache_ptr, table_row, start, end, stride_cb, s
                                     BLOCK_N)
         k_pe = _load_cols(cache_ptr + LATENT, row, n_mask, 0, ROPE, ROPE_PAD, RP)
         c0 = _load_cols(cache_ptr, row, n_mask, 0, LATENT, CW, LP)
+        if KV_FP8:
+            k_pe = k_pe.to(q_pe.dtype)
+            c0 = c0.to(q0.dtype)
         s = _scores(q_pe, k_pe, scale_log2, DOT_FP32)
         s += _scores(q0, c0, scale_log2, DOT_FP32)
         if LAT_SPLIT >= 2:
             c1 = _load_cols(cache_ptr, row, n_mask, CW, LATENT, CW, LP)
+            if KV_FP8:
+                c1 = c1.to(q1.dtype)
             s += _scores(q1, c1, scale_log2, DOT_FP32)
         if LAT_SPLIT == 4:
             c2 = _load_cols(cache_ptr, row, n_mask, 2 * CW, LATENT, CW, LP)
             c3 = _load_cols(cache_ptr, row, n_mask, 3 * CW, LATENT, CW, LP)
+            if KV_FP8:
+                c2 = c2.to(q2.dtype)
+                c3 = c3.to(q3.dtype)
             s += _scores(q2, c2, scale_log2, DOT_FP32)
             s += _scores(q3, c3, scale_log2, DOT_FP32)
         s = tl.where(n_mask[None, :], s, float("-inf"))

@@ -217,6 +217,9 @@ class PagedMLAAttention(nn.Module):
         metadata = pagedcore_ctx.metadata[binding.group]
         batch, seq = hidden_states.shape[:2]
         query, key = self.latent_inputs(hidden_states, position_embeddings)
+        if binding.calibration is not None and binding.calibration.pending:
+            # An fp8 latent cache without checkpoint scales: k_scale from this first write.
+            binding.calibration.maybe_calibrate(binding.impl, key, key, slot_mapping)
         binding.impl.do_kv_cache_update(key, key, binding.kv_cache, slot_mapping)
         latent = binding.impl.forward(query, key, key, binding.kv_cache, metadata)
         if latent.shape[0] < batch * seq:
