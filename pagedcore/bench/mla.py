@@ -43,10 +43,11 @@ class MLAModelShape:
     qk_nope_head_dim: int
     v_head_dim: int
 
-    def mla_bytes_per_token(self) -> int:
-        """bf16 latent rows of every layer (from `MLAAttentionSpec`'s page size)."""
+    def mla_bytes_per_token(self, dtype: str = "bfloat16") -> int:
+        """Latent rows of every layer in `dtype` (a torch dtype name: ``"bfloat16"``, or
+        ``"float8_e4m3fn"`` for an fp8 latent cache), from `MLAAttentionSpec`'s page size."""
         spec = MLAAttentionSpec(block_size=BLOCK_SIZE, kv_lora_rank=self.kv_lora_rank,
-                                rope_head_dim=self.qk_rope_head_dim, dtype="bfloat16")
+                                rope_head_dim=self.qk_rope_head_dim, dtype=dtype)
         return self.num_layers * spec.page_size_bytes // BLOCK_SIZE
 
     def decompressed_bytes_per_token(self) -> int:
@@ -68,10 +69,13 @@ def capacity_rows(kv_gib: float, context: int) -> list[dict[str, Any]]:
     rows = []
     for m in MODELS:
         mla, dec = m.mla_bytes_per_token(), m.decompressed_bytes_per_token()
+        fp8 = m.mla_bytes_per_token("float8_e4m3fn")
         blocks = cdiv(context, BLOCK_SIZE)
         rows.append({
             "model": m.name,
             "mla_bytes_per_token": mla,
+            "mla_fp8_bytes_per_token": fp8,
+            "mla_fp8_max_requests": budget // (blocks * BLOCK_SIZE * fp8),
             "decompressed_bytes_per_token": dec,
             "ratio": dec / mla,
             "kv_budget_GiB": kv_gib,
@@ -88,15 +92,15 @@ def _print(capacity: list[dict[str, Any]], kernel: list[dict[str, Any]],
     from rich.table import Table
 
     console = Console(width=120)
-    t = Table(title="KV cache per token and concurrency (bf16, block size 16)")
+    t = Table(title="KV cache per token and concurrency (bf16 unless fp8, block size 16)")
     for c in ("model", "MLA B/token", "decompressed B/token", "ratio", "budget GiB", "context",
-              "MLA max reqs", "decompressed max reqs"):
+              "MLA max reqs", "MLA fp8 max reqs", "decompressed max reqs"):
         t.add_column(c)
     for r in capacity:
         t.add_row(r["model"], f"{r['mla_bytes_per_token']:,}",
                   f"{r['decompressed_bytes_per_token']:,}", f"{r['ratio']:.1f}x",
                   f"{r['kv_budget_GiB']:g}", str(r["context"]), f"{r['mla_max_requests']:,}",
-                  f"{r['decompressed_max_requests']:,}")
+                  f"{r['mla_fp8_max_requests']:,}", f"{r['decompressed_max_requests']:,}")
     console.print(t)
     if not kernel:
         return

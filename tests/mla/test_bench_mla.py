@@ -21,6 +21,9 @@ def test_bytes_per_token_and_concurrency() -> None:
     row = capacity_rows(40.0, 4096)[0]
     assert row["mla_max_requests"] == (40 << 30) // (4096 * 31104) == 337
     assert row["decompressed_max_requests"] == (40 << 30) // (4096 * 276480) == 37
+    # An fp8 latent cache: one byte per element, twice the requests.
+    assert lite.mla_bytes_per_token("float8_e4m3fn") == 27 * 576 == 15552
+    assert row["mla_fp8_max_requests"] == (40 << 30) // (4096 * 15552) == 674
 
 
 def test_cli_writes_json_without_gpu(tmp_path: Path) -> None:
