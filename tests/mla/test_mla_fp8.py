@@ -269,3 +269,41 @@ def test_triton_mla_fp8_fused_merge_tree_matches_reference(monkeypatch: pytest.M
     assert mla.choose_mla_splits(fused.split, num_tokens=2, head_blocks=1, max_seq_len=300) > 1
     result = run_mla_case(backend, case, device=DEVICE)
     assert result.passed and result.rel_err is not None and result.rel_err < 1e-5, result
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (real CUDA graphs)")
+def test_triton_mla_fp8_engine_graphs_equal_eager_gpu() -> None:
+    """Decode graphs are captured before the first prefill calibrates k_scale (1.0 then):
+    the kernel reads the scale through its device pointer, so replays after calibration must
+    give the eager engine's tokens (float32, the same calibration)."""
+    _triton_mla()
+    config = tiny_deepseek_config("deepseek_v2")
+    prompts = _prompts()[::2]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
+    runs = {}
+    for eager in (True, False):
+        llm = LLM(seeded_model(copy.deepcopy(config), seed=6).cuda(), device="cuda",
+                  dtype=torch.float32, block_size=16, max_model_len=64,
+                  max_num_batched_tokens=64, kv_cache_dtype="fp8", max_logprobs=VOCAB,
+                  kv_cache_memory_bytes=1 << 22, backend="triton_mla", enforce_eager=eager)
+        runs[eager] = llm.generate(prompts, params)
+        if not eager:
+            assert llm.runner.graphs is not None and llm.runner.graphs.num_replays > 0
+    for a, b in zip(runs[True], runs[False], strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for ea, eb in zip(a.outputs[0].logprobs or [], b.outputs[0].logprobs or [], strict=True):
+            for t in set(ea) & set(eb):
+                assert abs(ea[t] - eb[t]) < 1e-4, (t, ea[t], eb[t])
+
+
+def test_fp8_conversion_switch_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    _triton_mla()
+    from pagedcore_triton import mla
+
+    monkeypatch.delenv(mla.MLA_FP8_CVT_ENV, raising=False)
+    assert mla.fp8_converts_to_f16()
+    monkeypatch.setenv(mla.MLA_FP8_CVT_ENV, "query")
+    assert not mla.fp8_converts_to_f16()
+    monkeypatch.setenv(mla.MLA_FP8_CVT_ENV, "bf17")
+    with pytest.raises(ValueError, match="PAGEDCORE_TRITON_MLA_FP8_CVT='bf17'"):
+        mla.fp8_converts_to_f16()

@@ -51,6 +51,23 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, x - 1).bit_length()
 
 
+#: ``PAGEDCORE_TRITON_MLA_FP8_CVT``: what an fp8 latent tile becomes for the MMAs with 16-bit
+#: queries: ``f16`` (default: queries and tiles as float16; e4m3 -> f16 is one conversion)
+#: or ``query`` (the query's dtype: bf16 goes through float32).
+MLA_FP8_CVT_ENV = "PAGEDCORE_TRITON_MLA_FP8_CVT"
+
+
+def fp8_converts_to_f16() -> bool:
+    """Whether fp8 latent tiles enter the MMAs as float16 (`MLA_FP8_CVT_ENV`); a value other
+    than ``f16`` / ``query`` is a ValueError naming the variable."""
+    import os
+
+    value = os.environ.get(MLA_FP8_CVT_ENV, "f16").strip().lower()
+    if value not in ("f16", "query"):
+        raise ValueError(f"{MLA_FP8_CVT_ENV}={value!r}: expected 'f16' or 'query'")
+    return value == "f16"
+
+
 @functools.cache
 def _has_pdl(device: torch.device) -> bool:
     """Programmatic dependent launch needs sm_90 or newer."""
@@ -366,6 +383,8 @@ class TritonMLAImpl(MLAImplBase[TritonMLAMetadata]):
         if self.kv_fp8:
             options["KV_FP8"] = True
             k_scale = self.kv_scales_on(kv_cache.device)[0]
+            if not interp and query.dtype != torch.float32 and fp8_converts_to_f16():
+                options["Q_F16"] = True
         compiled = mla_decode_kernel[grid](
             out, part_acc, part_ml, counters, probe if probe is not None else counters,
             query, kv_cache, metadata.block_table,

@@ -103,6 +103,7 @@ def mla_decode_kernel(
     HEADS_PER_PROG: tl.constexpr = 0,
     ROWSUM_2D: tl.constexpr = False,
     KV_FP8: tl.constexpr = False,
+    Q_F16: tl.constexpr = False,
 ):
     """Grid ``(tokens, cdiv(H, BLOCK_H), num_splits)``, or ``(num_splits, cdiv(H, BLOCK_H),
     tokens)`` with `SPLIT_FIRST` (the splits of one token launched next to each other); see
@@ -125,7 +126,8 @@ def mla_decode_kernel(
     ``KV_FP8``: the cache holds ``fp8(row / k_scale)`` (``[1]`` float32 at `k_scale_ptr`, read
     on the device, so a captured graph sees a later calibration): ``k_scale`` is folded into
     the score scale and into the latent output (or the unfused merge's partials), never into
-    a dequantized copy of the cache.
+    a dequantized copy of the cache. ``Q_F16`` (fp8 caches with 16-bit queries): queries and
+    cache tiles enter the MMAs as float16 (see `_queries`).
     """
     CW: tl.constexpr = LATENT_PAD // LAT_SPLIT
     if PROBE:
@@ -160,7 +162,8 @@ def mla_decode_kernel(
         heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
         head_mask = heads < num_heads
     q_pe, q0, q1, q2, q3 = _queries(q_ptr, tok, heads, head_mask, stride_qt, stride_qh,
-                                    LATENT, LATENT_PAD, LAT_SPLIT, ROPE, ROPE_PAD, DOT_FP32)
+                                    LATENT, LATENT_PAD, LAT_SPLIT, ROPE, ROPE_PAD, DOT_FP32,
+                                    Q_F16)
     table_row = block_table_ptr + req.to(tl.int64) * stride_bt
     m_i, l_i, acc0, acc1, acc2, acc3 = _attend(
         q_pe, q0, q1, q2, q3, cache_ptr, table_row, start, end, stride_cb, stride_cs,

@@ -26,6 +26,7 @@ __all__ = [
     "_store_cols",
     "_store_partial",
     "_store_scaled",
+    "_to_f16",
     "_weight",
 ]
 
@@ -157,10 +158,11 @@ def _peer_cols(part_acc_ptr, part_ml_ptr, rows, ok, m_new, col0, LATENT_PAD: tl.
 @triton.jit
 def _queries(q_ptr, tok, heads, head_mask, stride_qt, stride_qh, LATENT: tl.constexpr,
              LATENT_PAD: tl.constexpr, LAT_SPLIT: tl.constexpr, ROPE: tl.constexpr,
-             ROPE_PAD: tl.constexpr, DOT_FP32: tl.constexpr):
+             ROPE_PAD: tl.constexpr, DOT_FP32: tl.constexpr, Q_F16: tl.constexpr = False):
     """Token `tok`'s queries for `heads` (rows): ``[BLOCK_H, ROPE_PAD]`` rope and
     ``LAT_SPLIT`` latent chunks ``[BLOCK_H, LATENT_PAD // LAT_SPLIT]`` (unused chunks repeat
-    the first); fp32 with `DOT_FP32`."""
+    the first); fp32 with `DOT_FP32`; float16 (clamped to +-65504) with `Q_F16`, so that fp8
+    cache tiles convert to float16 in one instruction pair instead of via float32 to bf16."""
     CW: tl.constexpr = LATENT_PAD // LAT_SPLIT
     q_row = (tok.to(tl.int64) * stride_qt + heads * stride_qh).to(tl.int64)
     q_pe = _load_cols(q_ptr + LATENT, q_row, head_mask, 0, ROPE, ROPE_PAD, ROPE_PAD != ROPE)
@@ -179,7 +181,19 @@ def _queries(q_ptr, tok, heads, head_mask, stride_qt, stride_qh, LATENT: tl.cons
         q1 = q1.to(tl.float32)
         q2 = q2.to(tl.float32)
         q3 = q3.to(tl.float32)
+    elif Q_F16:
+        q_pe = _to_f16(q_pe)
+        q0 = _to_f16(q0)
+        q1 = _to_f16(q1)
+        q2 = _to_f16(q2)
+        q3 = _to_f16(q3)
     return q_pe, q0, q1, q2, q3
+
+
+@triton.jit
+def _to_f16(x):
+    """`x` as float16, clamped to float16's finite range."""
+    return tl.clamp(x.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
 
 @triton.jit
