@@ -3,7 +3,8 @@
 ``run_suite(backend, quick=..., device=...)`` returns a `ConformanceReport`; the same cases run
 as ``pagedcore conformance NAME`` and as pytest tests (``pytest --pagedcore-backend NAME``, or
 the ``pagedcore_conformance`` fixture). Case lists live in `cases`, execution in `harness`
-(imports torch), the per-dtype tolerances in ``cases.TOLERANCES``.
+(imports torch), the per-dtype tolerances in ``cases.TOLERANCES``; the CUDA-graph planning
+cases (``graph/...``, for backends that declare graph support) in `graphs`.
 """
 
 from pagedcore.conformance.cases import TOLERANCES, BatchSpec, CaseSpec

@@ -227,6 +227,15 @@ def _prefer(options: list[_T], preferred: tuple[_T, ...]) -> _T:
     return options[0]
 
 
+def _base_dtype(backend: type[AttentionBackend], device: str) -> str:
+    """The dtype most cases run in: float16 first on CUDA, float32 first on the CPU."""
+    if device == "cuda":
+        preferred = ("float16", "bfloat16", "float32")
+    else:
+        preferred = ("float32", "float16", "bfloat16")
+    return _prefer(list(backend.supported_dtypes), preferred)
+
+
 def _suffix(case: dict[str, object]) -> str:
     parts = []
     if case.get("sliding_window") is not None:
@@ -259,11 +268,7 @@ def build_cases(
     dtypes = list(backend.supported_dtypes)
     head_sizes = _head_sizes(backend)
     block_sizes = _block_sizes(backend)
-    if device == "cuda":
-        pref_dtypes = ("float16", "bfloat16", "float32")
-    else:
-        pref_dtypes = ("float32", "float16", "bfloat16")
-    base_dtype = _prefer(dtypes, pref_dtypes)
+    base_dtype = _base_dtype(backend, device)
     base_head = _prefer(head_sizes, (128, 64, 256, 96, 80))
     base_block = _prefer(block_sizes, (16, 32, 8, 64))
     base: dict[str, object] = {

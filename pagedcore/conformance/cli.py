@@ -43,7 +43,13 @@ def conformance(
     allow_unavailable: bool,
 ) -> None:
     """Check backend NAME against the reference on every case its declarations call for."""
-    from pagedcore.conformance.runner import list_cases, resolve_backend, resolve_device, run_suite
+    from pagedcore.conformance.runner import (
+        list_cases,
+        list_graph_cases,
+        resolve_backend,
+        resolve_device,
+        run_suite,
+    )
 
     # Every user mistake is a usage error (exit 2) before the suite starts.
     try:
@@ -51,11 +57,13 @@ def conformance(
     except (KeyError, LookupError, ValueError, ImportError) as exc:
         raise click.BadParameter(str(exc), param_hint="NAME") from exc
     dev, _ = resolve_device(cls, device)
-    cases = list_cases(cls, quick=quick, device=dev)
+    # (name, why it is skipped here): the layer cases, then the graph-plan ones.
+    cases = [(case.name, case.skip) for case in list_cases(cls, quick=quick, device=dev)]
+    cases += [(case.name, None) for case in list_graph_cases(cls, quick=quick, device=dev)]
     if case_filter is not None:
-        matching = [case for case in cases if case_filter in case.name]
+        matching = [case for case in cases if case_filter in case[0]]
         if not matching and not (cls.supports_mla and "mla" in case_filter):
-            examples = ", ".join(case.name for case in cases[:3])
+            examples = ", ".join(case_name for case_name, _ in cases[:3])
             raise click.BadParameter(
                 f"{case_filter!r} matches none of the {len(cases)} cases of {cls.name!r} "
                 f"(e.g. {examples}); `pagedcore conformance {cls.name} --list` shows them all",
@@ -63,8 +71,8 @@ def conformance(
             )
         cases = matching
     if list_only:
-        for case in cases:
-            click.echo(case.name + (f"  (skipped: {case.skip})" if case.skip else ""))
+        for case_name, skip in cases:
+            click.echo(case_name + (f"  (skipped: {skip})" if skip else ""))
         return
 
     start = time.perf_counter()

@@ -17,11 +17,16 @@ from typing import Any
 import attrs
 import torch
 
-from pagedcore.attention.backend import AttentionBackend, AttentionConfig
+from pagedcore.attention.backend import (
+    AttentionBackend,
+    AttentionConfig,
+    AttentionImpl,
+    MetadataBuilder,
+)
 from pagedcore.attention.cascade import common_prefix_len
 from pagedcore.attention.kv_quant import kv_cache_torch_dtype
 from pagedcore.attention.metadata import CommonAttentionMetadata, decode_first_order
-from pagedcore.conformance.cases import BATCHES, CaseSpec
+from pagedcore.conformance.cases import BATCHES, BatchSpec, CaseSpec
 from pagedcore.conformance.report import CaseResult
 from pagedcore.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec
 
@@ -29,10 +34,18 @@ __all__ = [
     "FP8_SCALES",
     "Batch",
     "alibi_slopes",
+    "check_configuration",
+    "compare",
+    "describe_error",
     "make_batch",
+    "make_builder",
+    "make_impl",
+    "reference_output",
+    "run_backend",
     "run_case",
     "sink_logits",
     "softmax_scale",
+    "write_history",
 ]
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -127,10 +140,22 @@ def _assign_blocks(
     return out
 
 
-def make_batch(case: CaseSpec, reorder_threshold: int) -> Batch:
-    """The case's requests with random data and randomly permuted physical blocks."""
-    gen = torch.Generator().manual_seed(case.seed)
-    spec = BATCHES[case.batch]
+def make_batch(
+    case: CaseSpec,
+    reorder_threshold: int,
+    *,
+    spec: BatchSpec | None = None,
+    num_blocks: int | None = None,
+    seed: int | None = None,
+) -> Batch:
+    """The case's requests with random data and randomly permuted physical blocks.
+
+    `spec` replaces the case's named batch (``BATCHES[case.batch]``), `num_blocks` the
+    cache's block count (at least one past the blocks the batch uses; a cache shared by
+    several steps), `seed` the case's seed (a different step of the same case).
+    """
+    gen = torch.Generator().manual_seed(case.seed if seed is None else seed)
+    spec = BATCHES[case.batch] if spec is None else spec
     reqs = list(spec.scaled(case.block_size))
     order = decode_first_order([q for _, q in reqs], reorder_threshold)
     reqs = [reqs[i] for i in order]
@@ -143,8 +168,13 @@ def make_batch(case: CaseSpec, reorder_threshold: int) -> Batch:
         per_block = bsz * case.num_kv_heads * case.head_size
         low = -(-OFFSET_LIMIT // per_block)
         num_blocks = low + used + _SPARE_BLOCKS
-    else:
+    elif num_blocks is None:
         low, num_blocks = 1, 1 + used + _SPARE_BLOCKS
+    elif num_blocks < 1 + used:
+        raise ValueError(f"num_blocks={num_blocks}: the batch needs {used} blocks past the null "
+                         "block")
+    else:
+        low = 1
     shared = spec.scaled_shared_prefix(bsz)
     shared_blocks = shared // bsz
     if shared_blocks:
@@ -239,6 +269,92 @@ def _common(batch: Batch, block_ids: list[list[int]], device: torch.device,
     )
 
 
+def make_impl(backend: type[AttentionBackend], case: CaseSpec) -> AttentionImpl[Any]:
+    """`backend`'s impl for the case's layer: its heads, the suite's scale (`softmax_scale`),
+    and the features the case switches on (ALiBi slopes, window, soft-cap, sinks, and an fp8
+    cache with `FP8_SCALES`)."""
+    hq = case.num_heads
+    extra: dict[str, Any] = {}
+    if case.kv_cache_dtype != "auto":
+        extra = {"k_scale": FP8_SCALES[0], "v_scale": FP8_SCALES[1]}
+    if case.sinks:
+        extra["sinks"] = sink_logits(hq)
+    return backend.get_impl_cls()(
+        hq,
+        case.head_size,
+        softmax_scale(case.head_size),
+        num_kv_heads=case.num_kv_heads,
+        alibi_slopes=alibi_slopes(hq) if case.alibi else None,
+        sliding_window=case.sliding_window,
+        logits_soft_cap=case.logits_soft_cap,
+        kv_cache_dtype=case.kv_cache_dtype,
+        **extra,
+    )
+
+
+def make_builder(
+    backend: type[AttentionBackend], case: CaseSpec, device: torch.device
+) -> MetadataBuilder[Any]:
+    """`backend`'s metadata builder for the case's layer (a full-attention spec, or a
+    sliding-window one when the case has a window)."""
+    spec_cls: Any = FullAttentionSpec
+    extra: dict[str, Any] = {}
+    if case.sliding_window is not None:
+        spec_cls, extra = SlidingWindowSpec, {"sliding_window": case.sliding_window}
+    spec = spec_cls(block_size=case.block_size, num_kv_heads=case.num_kv_heads,
+                    head_size=case.head_size, dtype=case.dtype, **extra)
+    return backend.get_builder_cls()(spec, ["conformance.layer"], device)
+
+
+def describe_error(exc: BaseException) -> str:
+    """``"Type: message (file.py:line)"``, naming the innermost frame outside torch and
+    triton: the backend line that went wrong."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    ours = [f for f in frames if "/torch/" not in f.filename and "/triton/" not in f.filename]
+    where = ""
+    if frames:
+        frame = (ours or frames)[-1]
+        where = f" ({frame.filename.rsplit('/', 1)[-1]}:{frame.lineno})"
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+def write_history(
+    impl: AttentionImpl[Any],
+    batch: Batch,
+    kv_cache: torch.Tensor,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> None:
+    """Write every request's context K/V (positions ``[0, context)``, in `dtype`) into
+    `kv_cache` through `impl`'s own cache write, at the slots of `batch`'s block ids: what
+    earlier steps would have left there."""
+    hist = [(r, c) for r, c in enumerate(batch.contexts) if c > 0]
+    if hist:
+        impl.do_kv_cache_update(
+            torch.cat([batch.keys[r][:c] for r, c in hist]).to(device, dtype),
+            torch.cat([batch.values[r][:c] for r, c in hist]).to(device, dtype),
+            kv_cache,
+            torch.tensor([s for r, c in hist for s in batch.slots(r, 0, c)], device=device),
+        )
+
+
+def reference_output(case: CaseSpec, batch: Batch, device: torch.device) -> torch.Tensor:
+    """The reference backend's ``[T_real, Hq, D]`` float32 output for `batch`: the same
+    rounded inputs, in float32, in a compact cache of its own."""
+    from pagedcore.reference import ReferenceBackend
+
+    compact, n = [], 1
+    for ids in batch.block_ids:
+        compact.append(list(range(n, n + len(ids))))
+        n += len(ids)
+    ref_case = attrs.evolve(case, dtype="float32")
+    return run_backend(
+        ReferenceBackend, ref_case, batch, device=device, dtype=torch.float32,
+        block_ids=compact, num_blocks=n,
+    )[0][: sum(batch.query_lens)]
+
+
 def run_backend(
     backend: type[AttentionBackend],
     case: CaseSpec,
@@ -255,36 +371,13 @@ def run_backend(
     output (twice, from two `forward` calls on the same metadata, when `repeat_forward`: an
     engine reuses one plan for every layer)."""
     hq, hkv, d, bsz = case.num_heads, case.num_kv_heads, case.head_size, case.block_size
-    slopes = alibi_slopes(hq) if case.alibi else None
-    fp8: dict[str, Any] = {}
-    if case.kv_cache_dtype != "auto":
-        fp8 = {"k_scale": FP8_SCALES[0], "v_scale": FP8_SCALES[1]}
-    if case.sinks:
-        fp8["sinks"] = sink_logits(hq)
-    impl = backend.get_impl_cls()(
-        hq,
-        d,
-        softmax_scale(d),
-        num_kv_heads=hkv,
-        alibi_slopes=slopes,
-        sliding_window=case.sliding_window,
-        logits_soft_cap=case.logits_soft_cap,
-        kv_cache_dtype=case.kv_cache_dtype,
-        **fp8,
-    )
+    impl = make_impl(backend, case)
     shape = backend.get_kv_cache_shape(num_blocks, bsz, hkv, d, case.kv_cache_dtype)
     cache_dtype = kv_cache_torch_dtype(case.kv_cache_dtype, dtype)
     kv_cache = torch.full(shape, float("nan"), dtype=cache_dtype, device=device)
     paged = attrs.evolve(batch, block_ids=block_ids, num_blocks=num_blocks)
 
-    hist = [(r, c) for r, c in enumerate(batch.contexts) if c > 0]
-    if hist:
-        impl.do_kv_cache_update(
-            torch.cat([batch.keys[r][:c] for r, c in hist]).to(device, dtype),
-            torch.cat([batch.values[r][:c] for r, c in hist]).to(device, dtype),
-            kv_cache,
-            torch.tensor([s for r, c in hist for s in paged.slots(r, 0, c)], device=device),
-        )
+    write_history(impl, paged, kv_cache, device=device, dtype=dtype)
     seq = batch.seq_lens
     slot_mapping = [s for r, c in enumerate(batch.contexts) for s in paged.slots(r, c, seq[r])]
     slot_mapping += [-1] * batch.pad
@@ -298,12 +391,7 @@ def run_backend(
     common = _common(paged, block_ids, device, slot_mapping)
     impl.do_kv_cache_update(key, value, kv_cache, common.slot_mapping)
 
-    spec_cls: Any = FullAttentionSpec
-    extra: dict[str, Any] = {}
-    if case.sliding_window is not None:
-        spec_cls, extra = SlidingWindowSpec, {"sliding_window": case.sliding_window}
-    spec = spec_cls(block_size=bsz, num_kv_heads=hkv, head_size=d, dtype=case.dtype, **extra)
-    builder = backend.get_builder_cls()(spec, ["conformance.layer"], device)
+    builder = make_builder(backend, case, device)
     # Cascade as the engine requests it: shared full blocks, never with a window.
     prefix = 0
     if backend.supports_cascade and case.sliding_window is None:
@@ -375,13 +463,12 @@ def _memory_shortfall(
     return None
 
 
-def run_case(backend: type[AttentionBackend], case: CaseSpec, *, device: str) -> CaseResult:
-    """Run one case of `backend` on `device` against the float32 reference."""
-    from pagedcore.reference import ReferenceBackend
-
-    if case.skip is not None:
-        return CaseResult.skip(case.name, case.skip)
-    start = time.perf_counter()
+def check_configuration(
+    backend: type[AttentionBackend], case: CaseSpec, *, device: str
+) -> CaseResult | None:
+    """None when `backend` accepts the case's configuration; else the case's result: a
+    failure (the backend declared every feature of it), or a skip for an `optional`
+    combination."""
     cfg = AttentionConfig(
         head_size=case.head_size, dtype=case.dtype, block_size=case.block_size,
         sliding_window=case.sliding_window, use_alibi=case.alibi,
@@ -389,14 +476,25 @@ def run_case(backend: type[AttentionBackend], case: CaseSpec, *, device: str) ->
         kv_cache_dtype=case.kv_cache_dtype, has_sink=case.sinks,
     )
     reasons = backend.validate_configuration(cfg)
-    if reasons:
-        why = "; ".join(reasons)
-        if case.optional:
-            return CaseResult.skip(case.name, f"combination rejected: {why}")
-        return CaseResult(
-            name=case.name, passed=False,
-            message=f"declared support, but validate_configuration rejects it: {why}",
-        )
+    if not reasons:
+        return None
+    why = "; ".join(reasons)
+    if case.optional:
+        return CaseResult.skip(case.name, f"combination rejected: {why}")
+    return CaseResult(
+        name=case.name, passed=False,
+        message=f"declared support, but validate_configuration rejects it: {why}",
+    )
+
+
+def run_case(backend: type[AttentionBackend], case: CaseSpec, *, device: str) -> CaseResult:
+    """Run one case of `backend` on `device` against the float32 reference."""
+    if case.skip is not None:
+        return CaseResult.skip(case.name, case.skip)
+    start = time.perf_counter()
+    rejected = check_configuration(backend, case, device=device)
+    if rejected is not None:
+        return rejected
     dev = torch.device(device)
     try:
         threshold = backend.get_builder_cls().reorder_batch_threshold
@@ -409,16 +507,7 @@ def run_case(backend: type[AttentionBackend], case: CaseSpec, *, device: str) ->
             block_ids=batch.block_ids, num_blocks=batch.num_blocks,
             use_output_buffer=case.use_output_buffer, repeat_forward=case.repeat_forward,
         )
-        # The reference sees the same rounded inputs, in float32, in a compact cache.
-        compact, n = [], 1
-        for ids in batch.block_ids:
-            compact.append(list(range(n, n + len(ids))))
-            n += len(ids)
-        ref_case = attrs.evolve(case, dtype="float32")
-        ref = run_backend(
-            ReferenceBackend, ref_case, batch, device=dev, dtype=torch.float32,
-            block_ids=compact, num_blocks=n,
-        )[0][: sum(batch.query_lens)]
+        ref = reference_output(case, batch, dev)
         results = [compare(out, ref, batch, case.tolerance) for out in outs]
         result = next((r for r in results if not r.passed), results[-1])
         if len(results) > 1 and not result.passed and results[0].passed:
@@ -426,12 +515,5 @@ def run_case(backend: type[AttentionBackend], case: CaseSpec, *, device: str) ->
                 result, message=f"second forward() on the same metadata: {result.message}"
             )
     except Exception as exc:  # a crash is a failure of the case, reported with its origin
-        frames = traceback.extract_tb(exc.__traceback__)
-        # Name the innermost frame outside torch/triton: the backend line that went wrong.
-        ours = [f for f in frames if "/torch/" not in f.filename and "/triton/" not in f.filename]
-        frame = (ours or frames)[-1]
-        where = f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}"
-        result = CaseResult(
-            name=case.name, passed=False, message=f"{type(exc).__name__}: {exc} ({where})"
-        )
+        result = CaseResult(name=case.name, passed=False, message=describe_error(exc))
     return attrs.evolve(result, name=case.name, seconds=time.perf_counter() - start)

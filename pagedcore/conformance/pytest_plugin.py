@@ -4,8 +4,9 @@ Inert unless asked: importing it imports nothing but pytest, and it adds tests o
 ``--pagedcore-backend NAME``.
 
 * ``pytest --pagedcore-backend NAME [--pagedcore-quick] [--pagedcore-device cpu|cuda]`` adds
-  one test per conformance case, named ``conformance[NAME:case]`` (select them with
-  ``-k conformance``; ``--pagedcore-only`` drops every other collected test).
+  one test per conformance case (graph-plan cases included), named ``conformance[NAME:case]``
+  (select them with ``-k conformance``; ``--pagedcore-only`` drops every other collected
+  test).
 * The ``pagedcore_conformance`` fixture is a callable for backend packages::
 
       def test_conformance(pagedcore_conformance):
@@ -52,6 +53,7 @@ class ConformanceItem(pytest.Item):
     def runtest(self) -> None:
         if self.skip_reason is not None:
             pytest.skip(self.skip_reason)
+        from pagedcore.conformance.graphs import GraphCase, run_graph_case
         from pagedcore.conformance.harness import run_case
         from pagedcore.conformance.runner import mla_results, resolve_backend
 
@@ -63,7 +65,10 @@ class ConformanceItem(pytest.Item):
             if bad:
                 raise AssertionError(f"{self.backend}: " + "; ".join(bad))
             return
-        result = run_case(cls, self.case, device=self.device)
+        if isinstance(self.case, GraphCase):
+            result = run_graph_case(cls, self.case, device=self.device)
+        else:
+            result = run_case(cls, self.case, device=self.device)
         if result.skipped is not None:
             pytest.skip(result.skipped)
         if not result.passed:
@@ -81,7 +86,12 @@ class ConformanceItem(pytest.Item):
 
 def _items(session: pytest.Session, name: str, quick: bool,
            device: str | None) -> list[pytest.Item]:
-    from pagedcore.conformance.runner import list_cases, resolve_backend, resolve_device
+    from pagedcore.conformance.runner import (
+        list_cases,
+        list_graph_cases,
+        resolve_backend,
+        resolve_device,
+    )
 
     cls = resolve_backend(name)
     why = cls.is_available()
@@ -91,10 +101,12 @@ def _items(session: pytest.Session, name: str, quick: bool,
         return [ConformanceItem.from_parent(
             session, name=f"conformance[{name}]", backend=name, case=None, device=dev,
             skip=why)]
+    cases: list[Any] = [*list_cases(cls, quick=quick, device=dev),
+                        *list_graph_cases(cls, quick=quick, device=dev)]
     items: list[pytest.Item] = [
         ConformanceItem.from_parent(session, name=f"conformance[{name}:{c.name}]",
                                     backend=name, case=c, device=dev, skip=None)
-        for c in list_cases(cls, quick=quick, device=dev)
+        for c in cases
     ]
     if cls.supports_mla:
         items.append(ConformanceItem.from_parent(

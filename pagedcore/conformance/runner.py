@@ -4,12 +4,23 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from pagedcore.attention.backend import AttentionBackend
 from pagedcore.conformance.cases import CaseSpec, build_cases
 from pagedcore.conformance.report import CaseResult, ConformanceReport
 
-__all__ = ["list_cases", "mla_results", "resolve_backend", "resolve_device", "run_suite"]
+if TYPE_CHECKING:
+    from pagedcore.conformance.graphs import GraphCase
+
+__all__ = [
+    "list_cases",
+    "list_graph_cases",
+    "mla_results",
+    "resolve_backend",
+    "resolve_device",
+    "run_suite",
+]
 
 
 def resolve_backend(backend: str | type[AttentionBackend]) -> type[AttentionBackend]:
@@ -61,6 +72,17 @@ def list_cases(
 ) -> list[CaseSpec]:
     """The cases `run_suite` runs for `backend` on `device`."""
     return build_cases(backend, quick=quick, device=device)
+
+
+def list_graph_cases(
+    backend: type[AttentionBackend], *, quick: bool = False, device: str = "cpu"
+) -> list[GraphCase]:
+    """The graph-plan cases (``graph/decode/...``, ``graph/cascade/...``) `run_suite` runs
+    for `backend` on `device` after `list_cases`' (none without a CUDA-graph capability;
+    `pagedcore.conformance.graphs`, which imports torch)."""
+    from pagedcore.conformance.graphs import build_graph_cases
+
+    return build_graph_cases(backend, quick=quick, device=device)
 
 
 def mla_results(
@@ -115,7 +137,7 @@ def run_suite(
         Stop at the first failing case.
     on_result:
         Called with each case's result as soon as it is known (progress; the CLI's
-        ``--progress``), MLA cases included.
+        ``--progress``), graph-plan and MLA cases included.
 
     Returns
     -------
@@ -137,15 +159,26 @@ def run_suite(
     dev, why = resolve_device(cls, device)
     if why is not None:
         return ConformanceReport(backend=cls.name, device=dev, quick=quick, skipped=why)
+    from pagedcore.conformance.graphs import run_graph_case
     from pagedcore.conformance.harness import run_case
 
     report = ConformanceReport(backend=cls.name, device=dev, quick=quick)
+
+    def record(result: CaseResult) -> bool:
+        """Add `result`; True when the run stops here (`exitfirst` and a failure)."""
+        report.results.append(result)
+        if on_result is not None:
+            on_result(result)
+        return exitfirst and bool(report.failures)
+
     for case in list_cases(cls, quick=quick, device=dev):
         if case_filter is None or case_filter in case.name:
-            report.results.append(run_case(cls, case, device=dev))
-            if on_result is not None:
-                on_result(report.results[-1])
-            if exitfirst and report.failures:
+            if record(run_case(cls, case, device=dev)):
+                return report
+    # The CUDA-graph planning contract, where declared (pagedcore.conformance.graphs).
+    for graph_case in list_graph_cases(cls, quick=quick, device=dev):
+        if case_filter is None or case_filter in graph_case.name:
+            if record(run_graph_case(cls, graph_case, device=dev)):
                 return report
     if case_filter is None or "mla" in case_filter:
         for result in mla_results(cls, quick=quick, device=dev):

@@ -3,8 +3,8 @@
     python backends/triton/tools/conformance_shards.py OUT SHARDS INDEX [BACKEND] [--device D]
 
 Started ``SHARDS`` times in parallel (Triton's on-disk cache is shared), the shards together
-run every case of ``pagedcore conformance BACKEND`` (MLA cases in shard 0) with one torch
-import and CUDA context per shard instead of one per case. Writes
+run every case of ``pagedcore conformance BACKEND`` (graph-plan and MLA cases in shard 0)
+with one torch import and CUDA context per shard instead of one per case. Writes
 ``OUT/conformance_<index>.json`` as each case ends; `merge` (``... OUT merge [BACKEND]``)
 sums the shards into ``OUT/conformance_<backend>_summary.json``.
 """
@@ -27,8 +27,14 @@ def _row(r: Any) -> dict[str, Any]:
 def run_shard(out: Path, shards: int, index: int, backend: str, device: str) -> None:
     import torch
 
+    from pagedcore.conformance.graphs import run_graph_case
     from pagedcore.conformance.harness import run_case
-    from pagedcore.conformance.runner import list_cases, mla_results, resolve_backend
+    from pagedcore.conformance.runner import (
+        list_cases,
+        list_graph_cases,
+        mla_results,
+        resolve_backend,
+    )
 
     cls = resolve_backend(backend)
     rows: list[dict[str, Any]] = []
@@ -40,15 +46,20 @@ def run_shard(out: Path, shards: int, index: int, backend: str, device: str) -> 
         rows.append(_row(run_case(cls, case, device=device)))
         path.write_text(json.dumps(info, indent=1))
     if index == 0:
+        for graph_case in list_graph_cases(cls, quick=False, device=device):
+            rows.append(_row(run_graph_case(cls, graph_case, device=device)))
+            path.write_text(json.dumps(info, indent=1))
         for result in mla_results(cls, quick=False, device=device):
             rows.append(_row(result))
     path.write_text(json.dumps(info, indent=1))
 
 
 def merge(out: Path, backend: str, device: str) -> None:
-    from pagedcore.conformance.runner import list_cases, resolve_backend
+    from pagedcore.conformance.runner import list_cases, list_graph_cases, resolve_backend
 
-    listed = [c.name for c in list_cases(resolve_backend(backend), device=device)]
+    cls = resolve_backend(backend)
+    listed = [c.name for c in [*list_cases(cls, device=device),
+                               *list_graph_cases(cls, device=device)]]
     rows = []
     for f in sorted(out.glob("conformance_[0-9]*.json")):
         rows += json.loads(f.read_text())["rows"]
