@@ -182,7 +182,8 @@ def run_suite(
                 return report
     if case_filter is None or "mla" in case_filter:
         for result in mla_results(cls, quick=quick, device=dev):
-            report.results.append(result)
-            if on_result is not None:
-                on_result(result)
+            if case_filter is not None and case_filter not in result.name:
+                continue
+            if record(result):
+                return report
     return report

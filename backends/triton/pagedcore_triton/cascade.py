@@ -166,7 +166,8 @@ def plan_graph_cascade(
     Parameters
     ----------
     common:
-        The bucket's metadata (padded requests have ``seq_lens`` 0).
+        The bucket's metadata (padding requests as the contract has them: ``seq_lens`` 1 and
+        the null block; their suffix is empty once ``P > 0`` and their outputs are discarded).
     prefix_len_dev:
         ``[1]`` int32 on the device: this replay's shared tokens ``P`` (a multiple of
         `block_size`, at most `capacity`; 0 is allowed: the prefix contributes nothing).

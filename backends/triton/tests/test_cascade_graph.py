@@ -17,13 +17,13 @@ from pagedcore.attention import CommonAttentionMetadata
 
 
 def _pad(step: dict[str, Any], bucket: int) -> dict[str, Any]:
-    """The step as a decode bucket of `bucket` requests: padded requests hold no tokens
-    (``seq_lens`` 0, the null block) and one NaN query row each."""
+    """The step as a decode bucket of `bucket` requests: padding requests as the contract
+    has them (``seq_lens`` 1, the null block) and one NaN query row each."""
     c: CommonAttentionMetadata = step["common"]
     n, extra = c.num_reqs, bucket - c.num_reqs
     table = torch.cat([c.block_table.cpu(),
                        torch.zeros((extra, c.block_table.shape[1]), dtype=torch.int32)])
-    lens = torch.cat([c.seq_lens_cpu, torch.zeros(extra, dtype=torch.int32)])
+    lens = torch.cat([c.seq_lens_cpu, torch.ones(extra, dtype=torch.int32)])
     qsl = torch.arange(bucket + 1, dtype=torch.int32)
     common = CommonAttentionMetadata(
         query_start_loc=qsl.to(DEVICE), query_start_loc_cpu=qsl, seq_lens=lens.to(DEVICE),
