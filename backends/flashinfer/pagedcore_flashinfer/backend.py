@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from pagedcore.attention.backend import AttentionBackend, CudaGraphSupport
+from pagedcore.attention.kv_quant import normalize_kv_cache_dtype
 from pagedcore_flashinfer import capabilities
 
 if TYPE_CHECKING:
@@ -20,8 +21,10 @@ class FlashInferBackend(AttentionBackend):
     chunks through ``BatchPrefillWithPagedKVCacheWrapper`` (FA3 on Hopper); a mixed step runs
     both, or the prefill wrapper alone with ``PAGEDCORE_FLASHINFER_MIXED=prefill``. The
     declarations are what those wrappers accept: fp16/bf16, head sizes 64/128/256, sliding
-    window (``window_left``) and soft-cap. ALiBi is not declared: the paged wrappers compute
-    their own slopes from the head count and take none from the model.
+    window (``window_left``) and soft-cap, and an fp8 (e4m3 / e5m2) cache with per-layer scales
+    (the cache write quantizes; the kernels read fp8 K/V and widen them on chip). ALiBi is not
+    declared: the paged wrappers compute their own slopes from the head count and take none
+    from the model.
 
     Examples
     --------
@@ -44,7 +47,9 @@ class FlashInferBackend(AttentionBackend):
         "(docs/benchmarks/h200_s12_fi/round3/kernels_decode_h200.json)"
     )
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float16", "bfloat16")
-    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
+    #: fp8 caches through FlashInfer's FA2 kernels with 16-bit queries (``kv_data_type`` fp8;
+    #: FA3 takes fp8 KV only with fp8 queries, so an fp8 cache's prefill always runs FA2).
+    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = capabilities.KV_CACHE_DTYPES
     supported_head_sizes: ClassVar[tuple[int, ...] | None] = capabilities.HEAD_SIZES
     supported_block_sizes: ClassVar[tuple[int | MultipleOf, ...]] = capabilities.BLOCK_SIZES
     supported_devices: ClassVar[tuple[str, ...]] = ("cuda",)
@@ -89,16 +94,17 @@ class FlashInferBackend(AttentionBackend):
         cache_dtype: str = "auto",
     ) -> tuple[int, ...]:
         """FlashInfer's NHD paged layout ``(num_blocks, 2, block_size, num_kv_heads, head_size)``;
-        ``[:, 0]`` is K, ``[:, 1]`` is V.
+        ``[:, 0]`` is K, ``[:, 1]`` is V (the same shape for an fp8 cache: one byte a value).
 
         Raises
         ------
         ValueError
-            When `cache_dtype` is not ``"auto"``.
+            When `cache_dtype` is not one of `supported_kv_cache_dtypes` (``"fp8"`` is read
+            as ``"fp8_e4m3"``).
         """
-        if cache_dtype != "auto":
+        if normalize_kv_cache_dtype(cache_dtype) not in cls.supported_kv_cache_dtypes:
             raise ValueError(
                 f"cache_dtype {cache_dtype!r} is not supported by the flashinfer backend; "
-                "use 'auto'"
+                f"use one of {cls.supported_kv_cache_dtypes}"
             )
         return (num_blocks, 2, block_size, num_kv_heads, head_size)

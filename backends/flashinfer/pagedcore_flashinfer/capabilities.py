@@ -16,6 +16,7 @@ __all__ = [
     "BLOCK_SIZES",
     "HEAD_SIZES",
     "INSTALL_HINT",
+    "KV_CACHE_DTYPES",
     "MIN_VERSION",
     "MLA_DIMS",
     "availability_problem",
@@ -33,6 +34,10 @@ MIN_VERSION: tuple[int, int, int] = (0, 7, 2)
 #: Head sizes every prefill and tensor-core decode kernel FlashInfer JIT-builds accepts
 #: (FA2 and FA3 templates are instantiated for these; others fail at JIT time).
 HEAD_SIZES: tuple[int, ...] = (64, 128, 256)
+#: Cache dtypes: the model dtype, or fp8 through the FA2 templates (``DTypeKV`` e4m3 / e5m2
+#: with fp16/bf16 queries, in the tensor-core decode and the prefill kernels alike). FA3's
+#: Hopper kernels take an fp8 cache only with fp8 queries (``is_fa3_backend_supported``).
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8_e4m3", "fp8_e5m2")
 #: Page sizes declared (FlashInfer takes any page size; these are the ones the conformance suite
 #: is asked to confirm on a GPU).
 BLOCK_SIZES: tuple[int, ...] = (1, 16, 32, 64)

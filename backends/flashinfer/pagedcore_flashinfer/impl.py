@@ -1,11 +1,22 @@
-"""Per-layer attention: a torch cache write, then FlashInfer's decode and/or prefill run."""
+"""Per-layer attention: a torch cache write, then FlashInfer's decode and/or prefill run.
+
+With an fp8 cache the write stores ``fp8(x / scale)`` (`pagedcore.attention.kv_quant`) and the
+forward pass hands FlashInfer the fp8 cache as it is (its FA2 kernels widen K/V on chip). The
+layer's scales are applied on the device around FlashInfer's call, not through ``run()``'s
+``k_scale`` / ``v_scale``: those are Python floats that FlashInfer folds into the kernel's
+arguments, which a captured CUDA graph would keep at their capture-time values, while the
+engine calibrates the scales after capturing its decode graphs (`AttentionImpl.set_kv_scales`
+updates the device copies in place). ``q · k_scale`` enters the query (one rounding to the
+query's dtype) and ``v_scale`` multiplies the output rows.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from pagedcore.attention.backend import AttentionImpl
-from pagedcore_flashinfer.capabilities import HEAD_SIZES
+from pagedcore.attention.kv_quant import kv_cache_torch_dtype, quantize_fp8
+from pagedcore_flashinfer.capabilities import HEAD_SIZES, KV_CACHE_DTYPES
 from pagedcore_flashinfer.metadata import FlashInferMetadata, LayerParams
 
 __all__ = ["FlashInferImpl"]
@@ -42,10 +53,15 @@ class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
     """
 
     def check_supported(self) -> None:
-        if self.kv_cache_dtype != "auto":
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported by the flashinfer "
-                "backend yet; use kv_cache_dtype='auto'"
+                f"backend; use one of {KV_CACHE_DTYPES}"
+            )
+        if self.sinks is not None:
+            raise ValueError(
+                "the flashinfer backend does not take attention sinks (its FA2 paged kernels "
+                "have no sink term); pick a backend that declares supports_sink"
             )
         if self.head_size not in HEAD_SIZES:
             raise ValueError(
@@ -79,7 +95,8 @@ class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
         Parameters
         ----------
         key, value:
-            ``[T, Hkv, D]`` in the cache dtype.
+            ``[T, Hkv, D]`` in the model dtype; quantized to ``fp8(x / scale)`` with this
+            layer's ``k_scale`` / ``v_scale`` when the cache is fp8.
         kv_cache:
             ``[num_blocks, 2, block_size, Hkv, D]``.
         slot_mapping:
@@ -91,10 +108,21 @@ class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
                 f"key {tuple(key.shape)}, value {tuple(value.shape)} and slot_mapping "
                 f"{tuple(slot_mapping.shape)} must describe the same [T] tokens"
             )
-        if key.dtype != kv_cache.dtype or value.dtype != kv_cache.dtype:
+        if self.kv_fp8:
+            expected = kv_cache_torch_dtype(self.kv_cache_dtype, key.dtype)
+            if kv_cache.dtype != expected:
+                raise ValueError(
+                    f"kv_cache is {kv_cache.dtype} but this layer's kv_cache_dtype is "
+                    f"{self.kv_cache_dtype!r} ({expected}); allocate the cache in {expected}"
+                )
+            k_scale, v_scale = self.kv_scales_on(kv_cache.device)
+            key = quantize_fp8(key, k_scale, kv_cache.dtype)
+            value = quantize_fp8(value, v_scale, kv_cache.dtype)
+        elif key.dtype != kv_cache.dtype or value.dtype != kv_cache.dtype:
             raise ValueError(
                 f"key/value dtype {key.dtype}/{value.dtype} differs from the cache dtype "
-                f"{kv_cache.dtype}; allocate the cache in the model dtype"
+                f"{kv_cache.dtype}; allocate the cache in the model dtype (or pass "
+                "kv_cache_dtype='fp8' to the impl for an fp8 cache)"
             )
         block_size = kv_cache.shape[2]
         keep = (slot_mapping >= 0)[:, None, None]
@@ -122,7 +150,7 @@ class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
         key, value:
             ``[T, Hkv, D]``; unused (this step's K/V are read back from the cache).
         kv_cache:
-            ``[num_blocks, 2, block_size, Hkv, D]``.
+            ``[num_blocks, 2, block_size, Hkv, D]``, in the model dtype or fp8.
         metadata:
             The step's `FlashInferMetadata`.
         output:
@@ -151,10 +179,19 @@ class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
         )
         decode, prefill = metadata.planner.planned_wrappers(metadata, params)
         split = metadata.num_decode_tokens
-        if query.stride(-1) != 1:
+        v_scale = None
+        if self.kv_fp8:
+            k_scale, v_scale = self.kv_scales_on(query.device)
+            # float32 product, one rounding to the query dtype (a fresh contiguous tensor).
+            real = query[:num_tokens]
+            scaled = torch.empty(real.shape, dtype=real.dtype, device=real.device)
+            query = torch.mul(real, k_scale, out=scaled)
+        elif query.stride(-1) != 1:
             query = query.contiguous()
         if decode is not None:
             decode.run(query[:split], kv_cache, out=output[:split])
         if prefill is not None:
             prefill.run(query[split:num_tokens], kv_cache, out=output[split:num_tokens])
+        if v_scale is not None:
+            output[:num_tokens].mul_(v_scale)
         return output

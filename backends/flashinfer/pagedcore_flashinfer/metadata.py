@@ -41,7 +41,8 @@ __all__ = [
 MIXED_MODE_ENV = "PAGEDCORE_FLASHINFER_MIXED"
 _MIXED_MODES = ("split", "prefill")
 #: Which kernels the prefill wrapper asks for: ``auto`` (default: FlashInfer's pick, FA3 on
-#: Hopper), ``fa2`` or ``fa3``. The tensor-core decode always runs FlashInfer's FA2 kernels.
+#: Hopper), ``fa2`` or ``fa3``. The tensor-core decode always runs FlashInfer's FA2 kernels,
+#: and so does the prefill of a layer with an fp8 cache (FA3 needs fp8 queries for that).
 PREFILL_KERNELS_ENV = "PAGEDCORE_FLASHINFER_PREFILL"
 _PREFILL_KERNELS = ("auto", "fa2", "fa3")
 
@@ -304,7 +305,7 @@ class FlashInferMetadataBuilder(MetadataBuilder[FlashInferMetadata]):
         if metadata.prefill is not None:
             if wrappers.prefill is None:
                 wrappers.prefill = api.BatchPrefillWithPagedKVCacheWrapper(
-                    self._workspace_buffer(), "NHD", backend=self.prefill_kernels
+                    self._workspace_buffer(), "NHD", backend=self.prefill_backend(params)
                 )
             if wrappers.prefill_generation != metadata.generation:
                 p = metadata.prefill
@@ -320,6 +321,12 @@ class FlashInferMetadataBuilder(MetadataBuilder[FlashInferMetadata]):
                 wrappers.prefill_generation = metadata.generation
             prefill = wrappers.prefill
         return decode, prefill
+
+    def prefill_backend(self, params: LayerParams) -> str:
+        """The prefill wrapper's ``backend=`` for `params`: `prefill_kernels`, except that an
+        fp8 cache always runs FA2 (FlashInfer's FA3 kernels take fp8 K/V only with fp8
+        queries; FA2 widens fp8 K/V on chip next to 16-bit queries)."""
+        return "fa2" if params.kv_dtype.itemsize == 1 else self.prefill_kernels
 
     def _load(self) -> fi_api.FlashInferAPI:
         if self._api is None:

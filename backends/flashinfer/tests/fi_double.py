@@ -17,6 +17,8 @@ from typing import Any
 import torch
 
 HEAD_DIMS = (64, 128, 256)
+#: KV dtypes the FA2 templates take next to fp16/bf16 queries (read as their values).
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _check(cond: bool, message: str) -> None:
@@ -70,6 +72,11 @@ class _PagedWrapper:
         q_dtype = _as_dtype(kwargs.get("q_data_type", "float16"))
         kv_dtype = _as_dtype(kwargs.get("kv_data_type") or q_dtype)
         _check(q_dtype in (torch.float16, torch.bfloat16), "q dtype must be fp16/bf16")
+        _check(kv_dtype in (q_dtype, *FP8_DTYPES),
+               f"kv dtype {kv_dtype} must be the q dtype or fp8 (e4m3 / e5m2)")
+        # flashinfer.utils.is_fa3_backend_supported: FA3 takes an fp8 cache only with fp8 q.
+        _check(not (self.kwargs.get("backend") == "fa3" and kv_dtype in FP8_DTYPES),
+               "FA3 with an fp8 KV cache needs fp8 queries; use backend='fa2'")
         plan = dict(qo_indptr=qo_indptr.cpu().long(), indptr=indptr.cpu().long(),
                     indices=indices.long(), last_page_len=last_page_len.cpu().long(),
                     num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,

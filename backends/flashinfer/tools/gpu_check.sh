@@ -27,6 +27,10 @@
 #   flex       the engine bench with flex forced, if time is left
 #   (a short rerun: STEPS="install prebuild_small graphs engine_fi" builds the two head-size-64
 #   FA2 modules only, then the graphs test and the flashinfer engine bench with graphs)
+#   (the fp8 cache: STEPS="install prebuild_fp8 conf_fp8 engine_fp8 bench_fp8" builds the FA2
+#   modules of the fp8 conformance cases, the fp8 engine test and the decode bench in one
+#   pass, runs `pagedcore conformance flashinfer -k fp8`, test_flashinfer_fp8.py's GPU tests,
+#   then `bench kernels --case decode` with triton and flashinfer at auto / e4m3 / e5m2)
 # STEPS="install prebuild full" runs a subset; CAP_<STEP>=seconds overrides a step's cap;
 # BUDGET (default 405) is the script's own deadline in seconds: every cap is cut to what is left.
 set -u
@@ -145,6 +149,26 @@ if has engine_fi; then  # a short rerun: flashinfer with decode graphs, throughp
   PAGEDCORE_FLASHINFER_PREFILL=fa2 step engine_flashinfer_graphs 60 $PY \
     $TOOLS/engine_graphs.py $ENGINE --max-num-seqs 32 --backend flashinfer \
     --json "$R/engine_flashinfer_graphs.json"
+fi
+if has prebuild_fp8; then
+  step prebuild_fp8 200 $PY $TOOLS/prebuild_jit.py -k fp8 --extra bfloat16:128 \
+    --extra bfloat16:128:fp8_e5m2 --extra float16:64 --extra float16:64:fp8_e4m3 \
+    --extra float16:64:fp8_e5m2 --as-aot
+fi
+if has conf_fp8; then
+  step conf_fp8 120 $CONF flashinfer -k fp8 --progress \
+    --json "$R/conformance_flashinfer_fp8_h200.json"
+fi
+if has engine_fp8; then
+  step engine_fp8 120 $PY -m pytest -q -p no:cacheprovider -rs \
+    backends/flashinfer/tests/test_flashinfer_fp8.py -k real
+fi
+if has bench_fp8; then
+  for kv in auto fp8_e4m3 fp8_e5m2; do
+    step "bench_$kv" 100 $PY -m pagedcore.cli bench kernels --backend triton \
+      --backend flashinfer --case decode --kv-cache-dtype "$kv" \
+      --json "$R/kernels_decode_${kv}_h200.json"
+  done
 fi
 if has fa3; then
   wait_for "$B2"

@@ -31,12 +31,14 @@ import tarfile
 import time
 from typing import Any
 
-Variant = tuple[str, int, bool, bool]  # dtype, head size, sliding window, soft-cap
+#: dtype, head size, sliding window, soft-cap, KV-cache dtype ("auto" or an fp8 name).
+Variant = tuple[str, int, bool, bool, str]
 
 
 def conformance_variants(only: str | None = None) -> list[Variant]:
-    """The (dtype, head size, window, soft-cap) kernel variants of the flashinfer backend's
-    full conformance suite on CUDA, in case order (of the cases whose name has `only`)."""
+    """The (dtype, head size, window, soft-cap, cache dtype) kernel variants of the flashinfer
+    backend's full conformance suite on CUDA, in case order (of the cases whose name has
+    `only`)."""
     from pagedcore_flashinfer import FlashInferBackend
 
     from pagedcore.conformance.cases import build_cases
@@ -46,7 +48,7 @@ def conformance_variants(only: str | None = None) -> list[Variant]:
         if only is not None and only not in case.name:
             continue
         v = (case.dtype, case.head_size, case.sliding_window is not None,
-             case.logits_soft_cap is not None)
+             case.logits_soft_cap is not None, case.kv_cache_dtype)
         if v not in seen:
             seen.append(v)
     return seen
@@ -68,14 +70,18 @@ def jit_specs(prefill: list[str], mla: bool, extra: list[Variant] | None = None,
     import torch
     from flashinfer.jit.attention import modules
 
+    from pagedcore.attention.kv_quant import kv_cache_torch_dtype
+
     specs: list[Any] = []
     variants = conformance_variants(only) if conformance else []
-    for dtype_name, head, window, cap in variants + list(extra or []):
+    for dtype_name, head, window, cap, kv in variants + list(extra or []):
         dtype = getattr(torch, dtype_name)
-        args = (dtype, dtype, dtype, torch.int32, head, head, 0, window, cap, False)
+        kv_dtype = kv_cache_torch_dtype(kv, dtype)
+        args = (dtype, kv_dtype, dtype, torch.int32, head, head, 0, window, cap, False)
         # The tensor-core decode wrapper and an fa2 prefill wrapper load the same module.
         specs.append(modules._gen_batch_prefill_primary_module("fa2", *args))
-        if "fa3" in prefill:
+        # An fp8 cache's prefill always runs FA2 (FA3 takes fp8 K/V only with fp8 queries).
+        if "fa3" in prefill and kv == "auto":
             specs.append(modules.gen_batch_prefill_module("fa3", *args))
     if mla:
         from pagedcore_flashinfer.mla import mla_kernel_backend
@@ -137,9 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-k", dest="only", default=None, metavar="SUBSTR",
                         help="only the variants of conformance cases whose name has SUBSTR "
                              "(as `pagedcore conformance flashinfer -k`)")
-    parser.add_argument("--extra", action="append", default=[], metavar="DTYPE:HEAD",
+    parser.add_argument("--extra", action="append", default=[], metavar="DTYPE:HEAD[:KV]",
                         help="one more variant without window / soft-cap, e.g. bfloat16:64 "
-                             "(a model's); repeatable")
+                             "(a model's) or bfloat16:128:fp8_e4m3 (an fp8 cache); repeatable")
     parser.add_argument("--fa3-only", default="", metavar="DTYPE:HEAD",
                         help="build FA3 prefill modules only for this plain variant")
     parser.add_argument("--list", action="store_true", help="print the modules, build nothing")
@@ -158,10 +164,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--prefill takes fa2 and/or fa3, got {bad}")
     extra: list[Variant] = []
     for item in args.extra:
-        dtype, _, head = item.partition(":")
-        if dtype not in ("float16", "bfloat16") or not head.isdigit():
-            parser.error(f"--extra takes DTYPE:HEAD (float16 or bfloat16), got {item!r}")
-        extra.append((dtype, int(head), False, False))
+        dtype, _, rest = item.partition(":")
+        head, _, kv = rest.partition(":")
+        kv = kv or "auto"
+        if (dtype not in ("float16", "bfloat16") or not head.isdigit()
+                or kv not in ("auto", "fp8_e4m3", "fp8_e5m2")):
+            parser.error(f"--extra takes DTYPE:HEAD[:KV] (float16 or bfloat16; auto, fp8_e4m3 "
+                         f"or fp8_e5m2), got {item!r}")
+        extra.append((dtype, int(head), False, False, kv))
     specs = jit_specs(prefill, args.mla, extra, conformance=not args.no_conformance,
                       only=args.only)
     if args.fa3_only:
