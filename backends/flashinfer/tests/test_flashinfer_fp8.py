@@ -137,9 +137,12 @@ def test_fp8_declarations_and_errors() -> None:
         impl.do_kv_cache_update(kv, kv, wrong, torch.tensor([17]))
 
 
-#: The top-1 / top-2 log-probability gap under which an fp8 cache may swap the two (as in
-#: tests/engine/test_fp8_kv_engine.py: e5m2 has one mantissa bit less).
-MARGIN = {"fp8_e4m3": 0.1, "fp8_e5m2": 0.2}
+#: The top-1 / top-2 log-probability gap under which an fp8 cache may swap the two against a
+#: 16-bit cache (e5m2 has one mantissa bit less). Twice tests/engine/test_fp8_kv_engine.py's:
+#: this model computes in fp16, with twice its hidden size; a swap at 0.104 nats was seen.
+MARGIN = {"fp8_e4m3": 0.2, "fp8_e5m2": 0.4}
+#: The same between two engines reading the same fp8 cache (only their fp16 arithmetic differs).
+SAME_CACHE_MARGIN = 0.05
 
 
 def _engine_logprobs(
@@ -165,7 +168,8 @@ def _engine_logprobs(
         types.SimpleNamespace(pagedcore_register_backends=_register_graph), name="double")
     config = tiny_config("llama", head_dim=64, hidden_size=128)
     gen = torch.Generator().manual_seed(11)
-    prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (9, 30, 3, 17, 41)]
+    prompts = [torch.randint(3, 128, (n,), generator=gen).tolist()
+               for n in (9, 30, 3, 17, 41, 12, 25, 6)]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=128)
     graphs = backend == "flashinfer"
     with isolated_registry(registry):
@@ -190,7 +194,7 @@ def _engine_logprobs(
     return tokens, dists
 
 
-def _divergence(kv: str, ref: tuple[list[list[int]], list[list[dict[int, float]]]],
+def _divergence(margin: float, ref: tuple[list[list[int]], list[list[dict[int, float]]]],
                 other: tuple[list[list[int]], list[list[dict[int, float]]]]) -> float:
     """Mean KL(ref || other) in nats over each request's positions up to the first token
     that differs (where the histories part); a differing token must be a near-tie of ref's."""
@@ -200,9 +204,9 @@ def _divergence(kv: str, ref: tuple[list[list[int]], list[list[dict[int, float]]
             kls.append(sum(math.exp(lp) * (lp - q[t]) for t, lp in r.items()))
             if r_t != q_t:
                 top2 = sorted(r.values(), reverse=True)[:2]
-                assert top2[0] - top2[1] <= MARGIN[kv], (r_t, q_t, top2)
+                assert top2[0] - top2[1] <= margin, (r_t, q_t, top2)
                 break  # the histories differ from here on: nothing left to compare
-    assert len(kls) >= 20, len(kls)
+    assert len(kls) >= 24, len(kls)
     return sum(kls) / len(kls)
 
 
@@ -213,15 +217,15 @@ def _compare_fp8_engine(kv: str, device: str) -> None:
     same quantization) gives KL(16-bit || fp8) = k_ref, and the adapter may lose no more than
     that (x 1.5 + 1e-4 for the two engines' fp16 arithmetic); against the oracle's fp8 run its
     KL must be an order below. A dropped scale, a stale graph scale or a misread fp8 cache
-    moves either by orders of magnitude. (This model's k_ref: 2.6e-3 e4m3, 7.1e-3 e5m2.)
+    moves either by orders of magnitude. (This model's k_ref on the CPU: ~2.5e-3 e4m3, ~7e-3 e5m2.)
     """
     ref16 = _engine_logprobs("auto", device, "flashinfer")
     fi8 = _engine_logprobs(kv, device, "flashinfer")
     ref8 = _engine_logprobs(kv, device, "reference")
-    k_ref = _divergence(kv, ref16, ref8)
-    k_fi = _divergence(kv, ref16, fi8)
+    k_ref = _divergence(MARGIN[kv], ref16, ref8)
+    k_fi = _divergence(MARGIN[kv], ref16, fi8)
     assert k_fi <= 1.5 * k_ref + 1e-4, (k_fi, k_ref)
-    assert _divergence(kv, ref8, fi8) <= 0.1 * k_ref + 1e-4, (k_ref,)
+    assert _divergence(SAME_CACHE_MARGIN, ref8, fi8) <= 0.1 * k_ref + 1e-4, (k_ref,)
 
 
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
@@ -240,4 +244,6 @@ def test_engine_fp8_on_real_flashinfer(kv: str, monkeypatch: pytest.MonkeyPatch)
         pytest.skip(f"flashinfer backend unavailable here: {why}")
     monkeypatch.setattr(_GraphDouble, "supported_devices", ("cuda",))
     monkeypatch.setattr(fi_api, "load_flashinfer", _REAL_LOAD)  # not the autouse double
+    # The 16-bit run's prefill on FA2 too: the modules `tools/prebuild_jit.py` builds for it.
+    monkeypatch.setenv(PREFILL_KERNELS_ENV, "fa2")
     _compare_fp8_engine(kv, "cuda")

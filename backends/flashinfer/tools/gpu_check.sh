@@ -30,7 +30,8 @@
 #   (the fp8 cache: STEPS="install prebuild_fp8 conf_fp8 engine_fp8 bench_fp8" builds the FA2
 #   modules of the fp8 conformance cases, the fp8 engine test and the decode bench in one
 #   pass, runs `pagedcore conformance flashinfer -k fp8`, test_flashinfer_fp8.py's GPU tests,
-#   then `bench kernels --case decode` with triton and flashinfer at auto / e4m3 / e5m2)
+#   then `bench kernels --case decode` with triton and flashinfer at auto / e4m3 / e5m2;
+#   `bench_fp8_prefill` adds `--case prefill` at auto / e4m3 with FlashInfer on FA2)
 # STEPS="install prebuild full" runs a subset; CAP_<STEP>=seconds overrides a step's cap;
 # BUDGET (default 405) is the script's own deadline in seconds: every cap is cut to what is left.
 set -u
@@ -168,6 +169,13 @@ if has bench_fp8; then
     step "bench_$kv" 100 $PY -m pagedcore.cli bench kernels --backend triton \
       --backend flashinfer --case decode --kv-cache-dtype "$kv" \
       --json "$R/kernels_decode_${kv}_h200.json"
+  done
+fi
+if has bench_fp8_prefill; then  # FA2 prefill in both: the 16-bit one is the fp8 one's peer
+  for kv in auto fp8_e4m3; do
+    PAGEDCORE_FLASHINFER_PREFILL=fa2 step "bench_prefill_$kv" 120 $PY -m pagedcore.cli bench \
+      kernels --backend triton --backend flashinfer --case prefill --kv-cache-dtype "$kv" \
+      --json "$R/kernels_prefill_${kv}_h200.json"
   done
 fi
 if has fa3; then
