@@ -158,7 +158,7 @@ if has prebuild_fp8; then
 fi
 if has conf_fp8; then
   step conf_fp8 120 $CONF flashinfer -k fp8 --progress \
-    --json "$R/conformance_flashinfer_fp8_h200.json"
+    --json "$R/conformance_flashinfer_fp8.json"
 fi
 if has engine_fp8; then
   step engine_fp8 120 $PY -m pytest -q -p no:cacheprovider -rs \
@@ -168,14 +168,14 @@ if has bench_fp8; then
   for kv in auto fp8_e4m3 fp8_e5m2; do
     step "bench_$kv" 100 $PY -m pagedcore.cli bench kernels --backend triton \
       --backend flashinfer --case decode --kv-cache-dtype "$kv" \
-      --json "$R/kernels_decode_${kv}_h200.json"
+      --json "$R/kernels_decode_${kv}.json"
   done
 fi
 if has bench_fp8_prefill; then  # FA2 prefill in both: the 16-bit one is the fp8 one's peer
   for kv in auto fp8_e4m3; do
     PAGEDCORE_FLASHINFER_PREFILL=fa2 step "bench_prefill_$kv" 120 $PY -m pagedcore.cli bench \
       kernels --backend triton --backend flashinfer --case prefill --kv-cache-dtype "$kv" \
-      --json "$R/kernels_prefill_${kv}_h200.json"
+      --json "$R/kernels_prefill_${kv}.json"
   done
 fi
 if has fa3; then
