@@ -59,8 +59,10 @@ def test_conformance_catches_prefix_counted_twice(monkeypatch: pytest.MonkeyPatc
                             suffix_table=common.block_table[:n])
 
     monkeypatch.setattr(cascade, "plan_cascade", twice)
+    # The quick suite's base dtype: float32 in the interpreter, float16 on a GPU.
+    dtype = "float16" if DEVICE == "cuda" else "float32"
     report = run_suite("triton", quick=True, device=DEVICE,
-                       case_filter="shared_decode/float32/hs128/bs16/h8kv2/out_buffer")
+                       case_filter=f"shared_decode/{dtype}/hs128/bs16/h8kv2/out_buffer")
     assert len(report.results) == 1
     assert not report.passed, report.summary()
     assert "error" in (report.results[0].message or "")
@@ -134,8 +136,9 @@ def test_engine_cascade_with_preempted_and_resumed_requests(
     prompts = [system + torch.randint(3, 128, (n,), generator=g).tolist()
                for n in (2, 6, 4, 8, 3)]
     params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, logprobs=1)
-    # 2 layers x K/V x 16 tokens x 2 KV heads x 64 x float32 per block; 1 null + 8 blocks.
-    budget = 9 * 2 * 2 * 16 * 2 * 64 * 4
+    # 2 layers x K/V x 16 tokens x 2 KV heads x 64 x the model dtype's bytes (float32 on the
+    # CPU, bfloat16 on a GPU) per block; 1 null + 8 blocks.
+    budget = 9 * 2 * 2 * 16 * 2 * 64 * (2 if DEVICE == "cuda" else 4)
     results, preemptions = {}, {}
     for mode in ("always", "off"):
         seen = _count_cascades(monkeypatch)

@@ -77,7 +77,9 @@ def test_cascade_segments_and_merges_match_plain(
     from pagedcore_triton.plan import SplitRule
 
     # 9 prefix blocks in 32-token tiles: 5 tiles (the last one half full) over 4 segments
-    # of 2 tiles (4 SMs x 2 programs / 2 KV heads): the last segment is left empty.
+    # of 2 tiles (4 SMs x 2 programs / 2 KV heads): the last segment is left empty. The
+    # plan is sized for 4 SMs (the interpreter's count) on a GPU too.
+    monkeypatch.setattr(cascade, "_num_sms", lambda device: 4)
     monkeypatch.setattr(cascade, "MIN_PREFIX_TILES_PER_SEGMENT", 1)
     monkeypatch.setenv(cascade.CASCADE_PREFIX_ENV, "16,32,4,1,2")
     prefix = 9 * BS
@@ -94,9 +96,12 @@ def test_cascade_segments_and_merges_match_plain(
 
 def test_cascade_mixed_step_rows_span_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
     """A mixed step (a 9-token chunk and two decodes after a 2-block prefix): 11 query
-    tokens x 2 query heads per KV head = 22 rows, two 16-row prefix tiles."""
+    tokens x 2 query heads per KV head = 22 rows, two 16-row prefix tiles (the interpreter's
+    shape, asked for on a GPU too, where float32 would take one 32-row tile)."""
     import pagedcore_triton.cascade as cascade
 
+    monkeypatch.setattr(cascade, "_num_sms", lambda device: 4)
+    monkeypatch.setenv(cascade.CASCADE_PREFIX_ENV, "16,16,4,1,1")
     monkeypatch.setattr(cascade, "MIN_PREFIX_TILES_PER_SEGMENT", 1)
     prefix = 2 * BS
     step = _step(prefix, owns=[3, 0, 20], queries=[1, 9, 1])
