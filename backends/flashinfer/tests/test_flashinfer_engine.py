@@ -69,6 +69,15 @@ def _register_graph() -> Sequence[type[AttentionBackend]]:
     return [_GraphDouble]
 
 
+def graph_registry() -> BackendRegistry:
+    """A registry of the reference backend and `_GraphDouble` (for `isolated_registry`)."""
+    registry = BackendRegistry()
+    registry.register_plugin(reference_plugin, name="reference")
+    registry.register_plugin(
+        types.SimpleNamespace(pagedcore_register_backends=_register_graph), name="double")
+    return registry
+
+
 def _graph_tokens(refresh: bool, monkeypatch: pytest.MonkeyPatch,
                   device: str = "cpu") -> tuple[list[Any], ...]:
     """(eager tokens, decode-graph tokens) of one workload through `_GraphDouble` (the test
@@ -79,10 +88,7 @@ def _graph_tokens(refresh: bool, monkeypatch: pytest.MonkeyPatch,
 
     if not refresh:
         monkeypatch.setattr(FlashInferMetadataBuilder, "prepare_replay", lambda *a: None)
-    registry = BackendRegistry()
-    registry.register_plugin(reference_plugin, name="reference")
-    registry.register_plugin(
-        types.SimpleNamespace(pagedcore_register_backends=_register_graph), name="double")
+    registry = graph_registry()
     config = tiny_config("llama", head_dim=64, hidden_size=128)
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (9, 30, 3, 17, 5)]

@@ -152,20 +152,14 @@ def _engine_logprobs(
     initializer_range 0.1). On the flashinfer adapter decode steps run as graphs (EagerCapturer
     over the double on the CPU; real CUDA graphs over real FlashInfer on a GPU), captured before
     the first prefill calibrates the fp8 scales; the reference backend runs eagerly."""
-    import types
-
-    from test_flashinfer_engine import _GraphDouble, _register_graph
+    from test_flashinfer_engine import _GraphDouble, graph_registry
 
     from pagedcore import LLM, SamplingParams
     from pagedcore.engine.models.loading import random_model, tiny_config
     from pagedcore.engine.runner.cuda_graph import EagerCapturer
-    from pagedcore.plugins.registry import BackendRegistry, isolated_registry
-    from pagedcore.reference import plugin as reference_plugin
+    from pagedcore.plugins.registry import isolated_registry
 
-    registry = BackendRegistry()
-    registry.register_plugin(reference_plugin, name="reference")
-    registry.register_plugin(
-        types.SimpleNamespace(pagedcore_register_backends=_register_graph), name="double")
+    registry = graph_registry()
     config = tiny_config("llama", head_dim=64, hidden_size=128)
     gen = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, 128, (n,), generator=gen).tolist()
