@@ -323,15 +323,21 @@ class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
 
     def cudagraph_status(self) -> dict[str, Any]:
         """Whether decode steps replay CUDA graphs: ``{"enabled", "reason", "sizes",
-        "capture_seconds"}`` (``reason`` says why not when disabled)."""
+        "capture_seconds", "step_paths", ...}`` (``reason`` says why not when disabled;
+        ``step_paths`` counts the steps run so far by how they ran: ``"decode graph"``,
+        ``"mixed graph"``, ``"eager (no bucket fits)"``, ... see
+        `pagedcore.engine.runner.model_runner.STEP_PATHS`)."""
         # With tensor parallelism: rank 0's runner (every rank captured the same graphs).
         runner: Any = getattr(self.runner, "local_runner", self.runner)
         graphs = getattr(runner, "graphs", None)
+        paths = dict(sorted(getattr(runner, "step_paths", {}).items()))
         if graphs is None:
             reason = getattr(runner, "cudagraph_disabled_reason", None) or "not available"
-            return {"enabled": False, "reason": reason, "sizes": [], "capture_seconds": 0.0}
+            return {"enabled": False, "reason": reason, "sizes": [], "capture_seconds": 0.0,
+                    "step_paths": paths}
         mixed = getattr(runner, "mixed_graphs", None)
         return {"enabled": True, "reason": None, "sizes": list(graphs.sizes),
+                "step_paths": paths,
                 "capture_seconds": graphs.capture_seconds,
                 # Mixed/prefill steps (pagedcore.engine.runner.mixed_graphs): token buckets.
                 "mixed_sizes": [] if mixed is None else list(mixed.sizes),

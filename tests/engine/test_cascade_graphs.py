@@ -118,6 +118,8 @@ def test_shared_prefix_decodes_replay_the_cascade_graph(pays: None) -> None:
         # Every replay cascaded over the 20 shared tokens; no step cascaded eagerly.
         assert CascadeGraphBuilder.seen and set(CascadeGraphBuilder.seen) == {20}
         assert not any(builds), builds
+        paths = llm.stats()["cudagraph"]["step_paths"]
+        assert paths["cascade graph"] == graphs.num_replays and "eager (cascade plan)" not in paths
         assert_no_leak(llm)
 
 

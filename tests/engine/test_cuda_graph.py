@@ -128,7 +128,8 @@ def _engines(arch: str, backend: str, device: str, dtype: torch.dtype,
         assert "device is cpu" in graphs.stats()["cudagraph"]["reason"]
         graphs.runner.enable_cudagraphs(capturer=capturer, sizes=[1, 2, 4, 8])
     assert eager.stats()["cudagraph"] == {"enabled": False, "reason": "enforce_eager=True",
-                                          "sizes": [], "capture_seconds": 0.0}
+                                          "sizes": [], "capture_seconds": 0.0,
+                                          "step_paths": {}}
     return eager, graphs, capturer
 
 

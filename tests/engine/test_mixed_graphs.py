@@ -184,6 +184,15 @@ def _compare(arch: str, device: str = "cpu", *, triton: bool = False) -> None:
         assert len(mixed.graphs) == 2
         steps = graphs.stats()["steps"]
         assert mixed.num_replays < steps  # some steps ran eagerly or as decode graphs
+        # Every step is counted once, by how it ran; the eager ones are the steps over the
+        # 32-token bucket (the engine's own eager steps: all of them, as graphs are off).
+        paths = graphs.stats()["cudagraph"]["step_paths"]
+        assert sum(paths.values()) == steps, (paths, steps)
+        assert paths["mixed graph"] == mixed.num_replays
+        assert paths.get("decode graph", 0) >= 1 and paths.get("eager (no bucket fits)", 0) >= 1
+        assert set(paths) <= {"decode graph", "mixed graph", "eager (no bucket fits)"}, paths
+        assert eager.stats()["cudagraph"]["step_paths"] == {"eager (graphs off)": eager.stats()[
+            "steps"]}
         assert_no_leak(graphs)
         assert_no_leak(eager)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import re
 import warnings
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -221,6 +222,9 @@ class ModelRunner:
         self.cascade_graphs: CascadeDecodeGraphs | None = None
         #: A failed lazy capture turns a graph kind off instead of raising.
         self._graph_fallback = True
+        #: Steps executed, by how (`STEP_PATHS`): what `LLM.stats()["cudagraph"]["step_paths"]`
+        #: reports, so a user sees which steps missed a graph and why.
+        self.step_paths: Counter[str] = Counter()
 
     @property
     def backend_names(self) -> list[str]:
@@ -559,9 +563,11 @@ class ModelRunner:
                 bucket = inputs.cudagraph_bucket
                 if any(inputs.cascade_prefix_lens):
                     assert self.cascade_graphs is not None
+                    self.step_paths["cascade graph"] += 1
                     hidden = self.cascade_graphs.replay_step(
                         bucket, inputs.cascade_prefix_lens, inputs.common)
                 else:
+                    self.step_paths["decode graph"] += 1
                     self.graphs.capture(bucket)
                     for builder, plan, common in zip(
                         self.builders, self._graph_plans[bucket], inputs.common, strict=True
@@ -574,8 +580,10 @@ class ModelRunner:
                 and not self._kv_scales_pending()  # a replay runs no calibration (Python)
                 and self.mixed_graphs.bucket_for(inputs)
             ):
+                self.step_paths["mixed graph"] += 1
                 hidden = self.mixed_graphs.run(inputs)
             else:
+                self.step_paths[self._eager_path(inputs)] += 1
                 prefix = inputs.cascade_prefix_lens or (0,) * len(self.builders)
                 metadata = tuple(
                     builder.build(common, common_prefix_len=p)
@@ -598,6 +606,28 @@ class ModelRunner:
             if cap is not None:
                 logits = torch.tanh(logits / cap) * cap
         return logits
+
+
+    def _eager_path(self, inputs: StepInputs) -> str:
+        """Why a step runs eagerly, as one of `STEP_PATHS`' ``eager (...)`` entries."""
+        if any(inputs.cascade_prefix_lens):
+            return "eager (cascade plan)"
+        if self.mixed_graphs is None:
+            return "eager (graphs off)" if self.graphs is None else "eager (no mixed-step graphs)"
+        if self._kv_scales_pending():
+            return "eager (fp8 scales pending)"
+        return "eager (no bucket fits)"
+
+
+#: How a step can run (`ModelRunner.step_paths` keys): a replayed decode, cascade-decode or
+#: mixed-step graph, or eagerly because cascade attention planned it from the step's own
+#: lengths, graphs are off (CPU, ``enforce_eager``, a backend without graph support), only
+#: decode graphs exist and the step is not a decode batch they hold, a layer's fp8 scales
+#: wait for the first prefill, or the step has more tokens or requests than the largest bucket.
+STEP_PATHS = (
+    "decode graph", "cascade graph", "mixed graph", "eager (cascade plan)", "eager (graphs off)",
+    "eager (no mixed-step graphs)", "eager (fp8 scales pending)", "eager (no bucket fits)",
+)
 
 
 class _Alloc:
