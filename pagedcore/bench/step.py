@@ -227,6 +227,14 @@ def _write_trace(prof: Any, path: str) -> None:
             shutil.copyfileobj(src, dst)
 
 
+def _step_paths(llm: Any, since: dict[str, int] | None = None) -> dict[str, int]:
+    """The engine's steps by how they ran (``stats()["cudagraph"]["step_paths"]``), minus
+    the counts in `since` (the steps of one measurement, warm-ups included)."""
+    now: dict[str, int] = dict(llm.cudagraph_status().get("step_paths", {}))
+    base = since or {}
+    return {k: v - base.get(k, 0) for k, v in now.items() if v - base.get(k, 0)}
+
+
 def measure_prefix_hit(llm: Any, *, prefix: int, user: int = 64, reps: int = 5,
                        seed: int = 0, profile: bool = False) -> dict[str, Any]:
     """The first token of a warm `prefix`-token prefix-cache hit, each request run alone.
@@ -503,10 +511,12 @@ def step(shape: str, batch_sizes: list[int], context: int, steps: int, temperatu
                 os.makedirs(trace_dir, exist_ok=True)
                 trace = os.path.join(
                     trace_dir, f"step_{mode}_b{batch}_t{temperature:g}_{kind}.json.gz")
+            paths = _step_paths(llm)
             row = measure_step(llm, batch=batch, context=context, steps=steps,
                                overlap=overlap, profile=profile and cuda, trace_path=trace,
                                temperature=temperature, finished_only=kind == "finished")
             row["mode"] = mode if llm.cudagraph_status()["enabled"] else "eager"
+            row["step_paths"] = _step_paths(llm, since=paths)
             row.update(bytes_floor(weights=weights, kv_per_token=kv_tok,
                                    context_tokens=int(row["mean_context"] * batch),
                                    copy_gbps=copy_gbps))
@@ -522,10 +532,12 @@ def step(shape: str, batch_sizes: list[int], context: int, steps: int, temperatu
         if prefix_hit:
             advance(1)
             # (Another seed per mode: the eager pass must not hit the graph pass's prompts.)
+            paths = _step_paths(llm)
             hit = measure_prefix_hit(llm, prefix=prefix_hit, user=_PREFIX_USER,
                                      reps=prefix_reps, profile=profile and cuda,
                                      seed=len(report["prefix_hit"]))
             hit["mode"] = "graphs" if llm.cudagraph_status()["enabled"] else "eager"
+            hit["step_paths"] = _step_paths(llm, since=paths)
             report["prefix_hit"].append(hit)
             for key in ("overlap", "no_overlap"):
                 click.echo(f"  {hit['mode']} prefix hit {prefix_hit} {key}: first token "

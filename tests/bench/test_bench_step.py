@@ -94,6 +94,10 @@ def test_cli_writes_a_row_per_batch_and_overlap(tmp_path: Path) -> None:
     assert all(shared[f"cascade_{k}"]["decode_tokens_per_s"] > 0 for k in ("off", "on", "auto"))
     [hit] = report["prefix_hit"]
     assert hit["mode"] == "eager" and hit["hits_proven"] and hit["expected_cached_tokens"] == 16
+    # How the measured steps ran (on the CPU: all eager, graphs off), per row and per hit.
+    assert all(set(r["step_paths"]) == {"eager (graphs off)"} and
+               r["step_paths"]["eager (graphs off)"] >= 2 for r in report["rows"])
+    assert set(hit["step_paths"]) == {"eager (graphs off)"}
     bad = CliRunner().invoke(bench, ["step", "--batch-sizes", "a,b"])
     assert bad.exit_code == 2 and "'a' in 'a,b' is not an integer" in bad.output
     for option, value, message in (("--temperatures", "0,hot", "comma list of numbers"),
