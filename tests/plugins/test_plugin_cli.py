@@ -14,6 +14,7 @@ from pagedcore.plugins.registry import BackendRegistry, PluginLoadWarning
 
 GPU_ONLY = make_backend("gpu_only", priority=5, devices=("cuda",), head_sizes=(64, 128),
                         supports_sliding_window=True,
+                        supported_kv_cache_dtypes=("auto", "fp8_e4m3", "fp8_e5m2"),
                         cudagraph_support=CudaGraphSupport.UNIFORM_BATCH)
 CPU_ONE = make_backend("cpu_one", priority=50)
 
@@ -32,13 +33,14 @@ def test_backends_table(populated: BackendRegistry) -> None:
     result = CliRunner().invoke(main, ["backends"])
     assert result.exit_code == 0, result.output
     out = result.output
-    for needle in ("gpu_only", "cpu_one", "sw", "graph:uniform", "64, 128", "any",
+    for needle in ("gpu_only", "cpu_one", "sw", "fp8:e4m3/e5m2", "graph:uniform", "64, 128", "any",
                    "failed to load", "broken_plugin", "broken-dist 6.6"):
         assert needle in out, needle
     assert out.index("gpu_only") < out.index("cpu_one")  # priority order
     assert max(map(len, out.splitlines())) <= 100  # fits a 100-column terminal
     verbose = CliRunner().invoke(main, ["backends", "--verbose"]).output
-    for needle in ("pagedcore-fakes 0.9", "sliding_window", "cudagraph:uniform_batch"):
+    for needle in ("pagedcore-fakes 0.9", "sliding_window", "cudagraph:uniform_batch",
+                   "auto, fp8_e4m3, fp8_e5m2"):
         assert needle in verbose, needle
 
 
