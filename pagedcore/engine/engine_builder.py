@@ -93,12 +93,6 @@ def build_engine(args: EngineArgs) -> EngineParts:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     kv_cache_dtype = args.resolved_kv_cache_dtype
-    if kv_cache_dtype != "auto" and tensor_parallel_size != 1:
-        raise ValueError(
-            f"kv_cache_dtype={kv_cache_dtype!r} with tensor_parallel_size="
-            f"{tensor_parallel_size} is not supported yet (the workers would keep a model-dtype "
-            "cache); use kv_cache_dtype='auto' or tensor_parallel_size=1"
-        )
     tp: TensorParallelExecutor | None = None
     if tensor_parallel_size != 1:
         from pagedcore.engine.distributed.executor import TensorParallelExecutor
@@ -177,6 +171,7 @@ def build_engine(args: EngineArgs) -> EngineParts:
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len, num_heads=int(rank_config.num_attention_heads),
                 cudagraphs=not args.enforce_eager, cudagraph_capture_sizes=cudagraph_capture_sizes,
+                kv_cache_dtype=kv_cache_dtype, kv_scales=loaded.kv_scales,
             )
         scheduler_config = _align_chunks(scheduler_config, local, args.align_chunks_to_buckets)
         scheduler.config = scheduler_config

@@ -30,13 +30,15 @@ def params() -> SamplingParams:
 
 def make_llm(arch: str, tp: int, *, kv_bytes: int = 1 << 20, device: str = "cpu",
              backend: str | None = None, block_size: int = 4,
-             capture_sizes: list[int] | None = None, **overrides: Any) -> LLM:
+             capture_sizes: list[int] | None = None, kv_cache_dtype: str = "auto",
+             max_logprobs: int = 20, **overrides: Any) -> LLM:
     """A float32 engine over the seeded tiny `arch` model (same weights for any `tp`)."""
     return LLM(tiny_config(arch, **overrides), device=device, dtype=torch.float32,
                block_size=block_size,
                max_model_len=128, max_num_batched_tokens=32, long_prefill_token_threshold=16,
                kv_cache_memory_bytes=kv_bytes, seed=0, tensor_parallel_size=tp,
-               backend=backend, cudagraph_capture_sizes=capture_sizes)
+               backend=backend, cudagraph_capture_sizes=capture_sizes,
+               kv_cache_dtype=kv_cache_dtype, max_logprobs=max_logprobs)
 
 
 def assert_same_outputs(one: list[Any], two: list[Any], *, tol: float = 1e-4) -> float:

@@ -107,12 +107,6 @@ def test_generate_cli_runs_with_an_fp8_cache() -> None:
     assert "(3 tokens, length)" in result.output
 
 
-def test_fp8_with_tensor_parallelism_is_refused_clearly() -> None:
-    _config, _ref, eng = make_models("llama")
-    with pytest.raises(ValueError, match="kv_cache_dtype='fp8_e4m3' with tensor_parallel_size=2"):
-        LLM(eng, device="cpu", kv_cache_dtype="fp8", tensor_parallel_size=2)
-
-
 def test_captured_mixed_steps_wait_for_the_first_prefill_scales() -> None:
     """A captured mixed step replays without Python, so it cannot calibrate: while any layer's
     scales are pending, the runner must not even ask the mixed graphs for a bucket."""

@@ -187,6 +187,8 @@ class TensorParallelExecutor:
         num_heads: int,
         cudagraphs: bool = False,
         cudagraph_capture_sizes: Sequence[int] | None = None,
+        kv_cache_dtype: str = "auto",
+        kv_scales: dict[int, tuple[float, float]] | None = None,
     ) -> TensorParallelExecutor:
         """Send the KV-cache config to the workers, gather and check what every rank built;
         with `cudagraphs`, every rank then captures the same CUDA graphs (their warm-up
@@ -201,7 +203,8 @@ class TensorParallelExecutor:
                             max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_num_batched_tokens,
                             max_model_len=max_model_len, num_heads=num_heads,
-                            cudagraphs=cudagraphs, cudagraph_capture_sizes=sizes)
+                            cudagraphs=cudagraphs, cudagraph_capture_sizes=sizes,
+                            kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales)
         reports: list[Any] = [None] * self.world_size
 
         def exchange() -> None:
@@ -213,8 +216,9 @@ class TensorParallelExecutor:
         self.rank_reports = list(reports)
         mine = self.rank_reports[0]
         for other in self.rank_reports[1:]:
-            if (other.backend_names, other.num_blocks, other.kv_cache_shape) != (
-                mine.backend_names, mine.num_blocks, mine.kv_cache_shape
+            if (other.backend_names, other.num_blocks, other.kv_cache_shape,
+                    other.kv_cache_dtype) != (
+                mine.backend_names, mine.num_blocks, mine.kv_cache_shape, mine.kv_cache_dtype
             ):
                 error = TensorParallelError(
                     f"ranks disagree: rank 0 built {mine}, rank {other.rank} built {other}; "

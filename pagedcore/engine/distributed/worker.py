@@ -65,6 +65,11 @@ class WorkerSetup:
     num_heads: int
     cudagraphs: bool = False
     cudagraph_capture_sizes: tuple[int, ...] | None = None
+    #: ``"auto"`` or the fp8 name of the KV cache (the config's specs carry its dtype).
+    kv_cache_dtype: str = "auto"
+    #: Rank 0's checkpoint scales per layer index ``(k_scale, v_scale)``, or None: each rank
+    #: then calibrates its own layers' scales on the first prefill, over its own KV heads.
+    kv_scales: dict[int, tuple[float, float]] | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -77,6 +82,8 @@ class RankReport:
     num_kv_heads: tuple[int, ...]
     num_heads: int
     kv_cache_shape: tuple[int, ...]
+    #: The KV cache's torch dtype (``"torch.float8_e4m3fn"`` for an fp8 cache).
+    kv_cache_dtype: str = ""
 
 
 def rank_report(rank: int, runner: Any, num_heads: int) -> RankReport:
@@ -90,6 +97,7 @@ def rank_report(rank: int, runner: Any, num_heads: int) -> RankReport:
         num_kv_heads=tuple(int(g.spec.num_kv_heads) for g in cfg.groups),
         num_heads=num_heads,
         kv_cache_shape=tuple(first.shape),
+        kv_cache_dtype=str(first.dtype),
     )
 
 
@@ -180,6 +188,8 @@ def _run(args: WorkerArgs, conn: Connection) -> None:
         max_num_batched_tokens=setup.max_num_batched_tokens,
         max_model_len=setup.max_model_len,
         num_heads=setup.num_heads,
+        kv_cache_dtype=setup.kv_cache_dtype,
+        kv_scales=setup.kv_scales,
     )
     dist.gather_object(rank_report(args.rank, runner, setup.num_heads), None, dst=0,
                        group=groups.control)
