@@ -49,8 +49,3 @@ def test_from_engine_args_builds_the_same_engine() -> None:
     assert llm.engine_args is args
     assert llm.scheduler_config.max_num_seqs == 3 and llm.max_model_len == 64
     assert llm.kv_cache_config.groups[0].spec.block_size == 8
-
-
-def test_fp8_kv_cache_with_tensor_parallelism_is_refused_clearly() -> None:
-    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8_e4m3' with tensor_parallel_size=2"):
-        LLM("demo", device="cpu", max_model_len=32, kv_cache_dtype="fp8", tensor_parallel_size=2)
