@@ -140,7 +140,7 @@ def _short_row(b: dict[str, Any]) -> list[str]:
             .replace("prefill:", "pf:"))
         for f in b["features"]
     ]
-    fp8 = [k.removeprefix("fp8_") for k in b["kv_cache_dtypes"] if k != "auto"]
+    fp8 = [k.removeprefix("fp8_") for k in b.get("kv_cache_dtypes", ()) if k != "auto"]
     if fp8:  # the fp8 KV-cache formats served (the long form lists them under "kv dtypes")
         features.insert(0, "fp8:" + "/".join(fp8))
     why = b["unavailable_reason"]
