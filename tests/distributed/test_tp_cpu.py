@@ -91,6 +91,14 @@ def test_two_ranks_with_an_fp8_cache() -> None:
         assert two.stats()["kv_scales"]["source"] == "pending (first prefill)"
         got = dists(two.generate(prompts, one_token))
         assert two.stats()["kv_scales"]["source"] == "first prefill"
+        # Every rank calibrated its own heads (a worker left at scale 1.0 would still pass the
+        # accuracy bound below on this small model; this catches it).
+        statuses = _executor(two).kv_scale_statuses()
+        assert [s["kv_scales"]["source"] for s in statuses] == ["first prefill"] * 2, statuses
+        for s in statuses:
+            for key in ("k_scale_range", "v_scale_range"):
+                low, high = s["kv_scales"][key]
+                assert 0 < low <= high < 0.5, statuses  # max|x| / 448 of this model's K/V
         assert two.stats()["prefix_hit_tokens"] > 0
     finally:
         _executor(two).shutdown()

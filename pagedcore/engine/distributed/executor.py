@@ -262,6 +262,25 @@ class TensorParallelExecutor:
             raise RuntimeError("TensorParallelExecutor.attach() has not run")
         return self.runner
 
+    def kv_scale_statuses(self) -> list[dict[str, Any]]:
+        """Every rank's `ModelRunner.kv_scale_status()` (fp8 scale source and ranges), rank 0
+        first: with an fp8 cache each rank calibrates its own KV heads. Call it between steps
+        only (no step in flight: a worker inside a step waits on rank 0's all-reduces)."""
+        import torch.distributed as dist
+
+        from pagedcore.engine.distributed.worker import KVScaleQuery
+
+        self._check_alive()
+        statuses: list[Any] = [None] * self.world_size
+
+        def ask() -> None:
+            dist.broadcast_object_list([KVScaleQuery()], src=0, group=self.groups.control)
+            dist.gather_object(self._runner.kv_scale_status(), statuses, dst=0,
+                               group=self.groups.control)
+
+        self._guard(ask)
+        return statuses
+
     def prepare(
         self,
         scheduled: Sequence[ScheduledRequest],

@@ -29,8 +29,8 @@ if TYPE_CHECKING:
 
     from pagedcore.kv_cache.spec import KVCacheConfig
 
-__all__ = ["RankReport", "WorkerArgs", "WorkerSetup", "graph_status", "parse_fault",
-           "worker_main"]
+__all__ = ["KVScaleQuery", "RankReport", "WorkerArgs", "WorkerSetup", "graph_status",
+           "parse_fault", "worker_main"]
 
 _MAX_REPORT_CHARS = 8000
 
@@ -70,6 +70,12 @@ class WorkerSetup:
     #: Rank 0's checkpoint scales per layer index ``(k_scale, v_scale)``, or None: each rank
     #: then calibrates its own layers' scales on the first prefill, over its own KV heads.
     kv_scales: dict[int, tuple[float, float]] | None = None
+
+
+@attrs.frozen
+class KVScaleQuery:
+    """Broadcast by rank 0 instead of a step plan, between steps: every rank answers with its
+    `ModelRunner.kv_scale_status()` (gathered on rank 0)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -201,9 +207,12 @@ def _run(args: WorkerArgs, conn: Connection) -> None:
     while True:
         message: list[Any] = [None]
         dist.broadcast_object_list(message, src=0, group=groups.control)
-        plan: StepPlan | None = message[0]
+        plan: StepPlan | KVScaleQuery | None = message[0]
         if plan is None:
             break
+        if isinstance(plan, KVScaleQuery):
+            dist.gather_object(runner.kv_scale_status(), None, dst=0, group=groups.control)
+            continue
         if fault == (args.rank, plan.step):
             raise RuntimeError(f"injected fault at step {plan.step} ({FAULT_ENV})")
         scheduled, block_ids = scheduled_from_plan(plan)

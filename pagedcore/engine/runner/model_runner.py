@@ -607,7 +607,6 @@ class ModelRunner:
                 logits = torch.tanh(logits / cap) * cap
         return logits
 
-
     def _eager_path(self, inputs: StepInputs) -> str:
         """Why a step runs eagerly, as one of `STEP_PATHS`' ``eager (...)`` entries."""
         if any(inputs.cascade_prefix_lens):
