@@ -77,10 +77,14 @@ TILE_FLAGS = {
 #: K/V tiles only from 5 on: the block-table load takes a stage), float16 operands (``KV_CVT``
 #: 1: the hardware cast; the cast to bf16 goes through float32) and int32 offsets:
 #: 1.24x-1.44x the bf16 decode, against 0.88x-1.09x for the previous 128-token, 3-stage
-#: bf16-operand tile.
+#: bf16-operand tile. Since V sits transposed in fp8 caches (`pagedcore_triton.kv_layout`),
+#: fp8 decodes run their interior tiles unmasked: a masked tile of that layout zeroes the
+#: tokens outside its range after the load (~1,400 instructions a tile on sm_90 against ~620
+#: unmasked), and only a sequence's last tile needs it.
 DECODE_TILES: dict[int, dict[str, Any]] = {
     2: {"tile_n": 64, "num_warps": 4, "num_stages": 3, "int32_offsets": True},
-    1: {"tile_n": 128, "num_warps": 4, "num_stages": 5, "kv_convert": 1, "int32_offsets": True},
+    1: {"tile_n": 128, "num_warps": 4, "num_stages": 5, "kv_convert": 1, "int32_offsets": True,
+        "skip_interior_masks": True},
 }
 
 
@@ -385,7 +389,8 @@ def parse_tiles(text: str, num_queries_per_kv: int) -> TileConfig:
 def parse_decode_tiles(text: str, base: TileConfig) -> TileConfig:
     """`base` (a decode `TileConfig`) with the ``PAGEDCORE_TRITON_DECODE_TILES`` text applied:
     ``"TILE_N,WARPS,STAGES[,FLAG...]"``, flags ``cvtN`` (N in 0..3: `TileConfig.kv_convert`),
-    ``s`` (unmasked interior tiles), ``i32`` (int32 K/V offsets), ``rN`` (``maxnreg``),
+    ``s`` (unmasked interior tiles), ``m`` (every tile masked), ``i32`` (int32 K/V
+    offsets), ``rN`` (``maxnreg``),
     ``kN`` (N in 0..3: `TileConfig.fp8_decode`), ``b4`` / ``b8`` / ``b16``
     (`TileConfig.fp8_rows`), ``pf1`` / ``pf2`` (`TileConfig.fp8_prefetch`).
 
@@ -415,19 +420,21 @@ def parse_decode_tiles(text: str, base: TileConfig) -> TileConfig:
             prefetch = int(flag[2:])
         elif flag.startswith("r") and flag[1:].isdigit() and int(flag[1:]) > 0:
             regs = int(flag[1:])
-        elif flag not in ("s", "i32"):
+        elif flag not in ("s", "m", "i32"):
             ok = False
+    ok = ok and not {"s", "m"} <= set(flags)
     if not ok:
         raise ValueError(
             f"{DECODE_TILES_ENV}={text!r}: expected 'TILE_N,WARPS,STAGES[,FLAG...]' with "
             "TILE_N a power of two >= 16, positive WARPS and STAGES, and each FLAG at most once, "
-            "one of cvt0..cvt3, s, i32, rN, k0..k3 (fp8 decode kernel mode), b4/b8/b16 (its "
+            "one of cvt0..cvt3, s or m, i32, rN, k0..k3 (fp8 decode kernel mode), b4/b8/b16 (its "
             "rows), pf1/pf2 (its register prefetch); e.g. '128,4,5,cvt1' or '64,4,1,k3,pf2'"
         )
     return attrs.evolve(base, tile_n=tile_n, num_warps=warps, num_stages=stages,
                         kv_convert=cvt, maxnreg=regs, fp8_decode=mode, fp8_rows=rows,
                         fp8_prefetch=prefetch,
-                        skip_interior_masks="s" in flags or base.skip_interior_masks,
+                        skip_interior_masks="s" in flags or (base.skip_interior_masks
+                                                             and "m" not in flags),
                         int32_offsets="i32" in flags or base.int32_offsets)
 
 
