@@ -9,7 +9,9 @@
 #     float32 reference first, then timed), conformance paused meanwhile;
 #  3. `pagedcore bench kernels --backend triton --case decode` with the fp8 cache (shipped
 #     default: V transposed), the token-major layout (PAGEDCORE_TRITON_FP8_V_LAYOUT=token),
-#     and the bf16 cache.
+#     and the bf16 cache;
+#  4. the engine over the fp8 cache with CUDA graphs against the 16-bit cache and the
+#     reference backend's fp8 engine (fp8_engine_check.py), beside the rest of step 1.
 # Usage (from the tree's root): OUT=DIR bash backends/triton/tools/fp8_vlayout_gpu.sh
 set -u
 out=${OUT:?set OUT}
@@ -40,7 +42,7 @@ timeout -k 2 300 python3 -m pytest -q -rf backends/triton/tests/test_fp8_v_layou
 el "pytest rc=$?"; tail -3 "$out/pytest_fp8.txt"
 wait $pre; el "precompile rc=$?"; tail -2 "$out/precompile.txt"
 kill -STOP "${confs[@]}" 2>/dev/null  # nothing else on the GPU while timing
-sweep_s=$(( $(left) - 150 )); [ $sweep_s -gt 200 ] && sweep_s=200
+sweep_s=$(( $(left) - 260 )); [ $sweep_s -gt 170 ] && sweep_s=170
 SWEEP_POOL=0 timeout -k 2 "$sweep_s" python3 $sweep "$out/sweep_round5.jsonl" \
     $(( sweep_s - 10 )) round5 > "$out/sweep_round5.txt" 2>&1
 el "sweep rc=$?"; grep -E "^[0-9]+x|BAD|budget" "$out/sweep_round5.txt" | cut -c1-220
@@ -55,6 +57,9 @@ bench fp8 --kv-cache-dtype fp8
 PAGEDCORE_TRITON_FP8_V_LAYOUT=token bench fp8_token --kv-cache-dtype fp8
 bench auto --kv-cache-dtype auto
 kill -CONT "${confs[@]}" 2>/dev/null
+timeout -k 2 $(( $(left) - 10 )) python3 backends/triton/tools/fp8_engine_check.py \
+    "$out/engine_fp8.json" > "$out/engine_fp8.txt" 2>&1
+el "engine check rc=$?"; cut -c1-400 "$out/engine_fp8.txt" | tail -4
 while [ "$(left)" -gt 5 ]; do
     alive=0; for p in "${confs[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
     [ $alive = 0 ] && break; sleep 1
