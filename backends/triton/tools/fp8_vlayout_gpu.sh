@@ -9,7 +9,7 @@
 #     float32 reference first, then timed), conformance paused meanwhile;
 #  3. `pagedcore bench kernels --backend triton --case decode` with the fp8 cache (shipped
 #     default: V transposed), the token-major layout (PAGEDCORE_TRITON_FP8_V_LAYOUT=token),
-#     and the bf16 cache;
+#     and the bf16 cache; then the prefill case with the fp8 cache in both layouts;
 #  4. the engine over the fp8 cache with CUDA graphs against the 16-bit cache and the
 #     reference backend's fp8 engine (fp8_engine_check.py), beside the rest of step 1.
 # Usage (from the tree's root): OUT=DIR bash backends/triton/tools/fp8_vlayout_gpu.sh
@@ -46,16 +46,18 @@ sweep_s=$(( $(left) - 260 )); [ $sweep_s -gt 170 ] && sweep_s=170
 SWEEP_POOL=0 timeout -k 2 "$sweep_s" python3 $sweep "$out/sweep_round5.jsonl" \
     $(( sweep_s - 10 )) round5 > "$out/sweep_round5.txt" 2>&1
 el "sweep rc=$?"; grep -E "^[0-9]+x|BAD|budget" "$out/sweep_round5.txt" | cut -c1-220
-bench() {  # NAME ARGS...: one bench kernels run of the decode case, if there is time
+bench() {  # NAME ARGS...: one bench kernels run, if there is time
     local name=$1; shift
     [ "$(left)" -lt 40 ] && { el "no time left for $name"; return; }
-    timeout -k 1 45 python3 -m pagedcore.cli bench kernels --backend triton --case decode \
+    timeout -k 1 45 python3 -m pagedcore.cli bench kernels --backend triton \
         "$@" --json "$out/kernels_$name.json" > "$out/kernels_$name.txt" 2>&1
     el "bench $name rc=$?"; grep -E "triton" "$out/kernels_$name.txt" | cut -c1-150 | head -8
 }
-bench fp8 --kv-cache-dtype fp8
-PAGEDCORE_TRITON_FP8_V_LAYOUT=token bench fp8_token --kv-cache-dtype fp8
-bench auto --kv-cache-dtype auto
+bench fp8 --case decode --kv-cache-dtype fp8
+PAGEDCORE_TRITON_FP8_V_LAYOUT=token bench fp8_token --case decode --kv-cache-dtype fp8
+bench auto --case decode --kv-cache-dtype auto
+bench fp8_prefill --case prefill --kv-cache-dtype fp8
+PAGEDCORE_TRITON_FP8_V_LAYOUT=token bench fp8_prefill_token --case prefill --kv-cache-dtype fp8
 kill -CONT "${confs[@]}" 2>/dev/null
 timeout -k 2 $(( $(left) - 10 )) python3 backends/triton/tools/fp8_engine_check.py \
     "$out/engine_fp8.json" > "$out/engine_fp8.txt" 2>&1
