@@ -10,6 +10,8 @@ from typing import Any
 
 import attrs
 
+from pagedcore_triton.kv_layout import fp8_v_transposed
+
 __all__ = [
     "BALANCED_GAIN",
     "BALANCED_ORDERS",
@@ -77,14 +79,13 @@ TILE_FLAGS = {
 #: K/V tiles only from 5 on: the block-table load takes a stage), float16 operands (``KV_CVT``
 #: 1: the hardware cast; the cast to bf16 goes through float32) and int32 offsets:
 #: 1.24x-1.44x the bf16 decode, against 0.88x-1.09x for the previous 128-token, 3-stage
-#: bf16-operand tile. Since V sits transposed in fp8 caches (`pagedcore_triton.kv_layout`),
-#: fp8 decodes run their interior tiles unmasked: a masked tile of that layout zeroes the
-#: tokens outside its range after the load (~1,400 instructions a tile on sm_90 against ~620
-#: unmasked), and only a sequence's last tile needs it.
+#: bf16-operand tile. Where V sits transposed in fp8 caches (`pagedcore_triton.kv_layout`),
+#: fp8 decodes also run their interior tiles unmasked (`tile_config`): a masked tile of that
+#: layout zeroes the tokens outside its range after the load (~1,430 instructions a tile on
+#: sm_90 with Triton 3.6 against ~650 unmasked), and only a sequence's last tile needs it.
 DECODE_TILES: dict[int, dict[str, Any]] = {
     2: {"tile_n": 64, "num_warps": 4, "num_stages": 3, "int32_offsets": True},
-    1: {"tile_n": 128, "num_warps": 4, "num_stages": 5, "kv_convert": 1, "int32_offsets": True,
-        "skip_interior_masks": True},
+    1: {"tile_n": 128, "num_warps": 4, "num_stages": 5, "kv_convert": 1, "int32_offsets": True},
 }
 
 
@@ -482,8 +483,9 @@ def tile_config(
     `prefill_override` (the ``PAGEDCORE_TRITON_PREFILL_TILES`` text, see `parse_tiles`)
     replaces the prefill shape. Decodes with head size <= 128 take `DECODE_TILES` by the
     cache's element size (`kv_itemsize`; fp8: 128-token tiles on 5 stages with float16
-    operands); ``PAGEDCORE_TRITON_DECODE_TILES`` overrides the decode shape (tuning, see
-    `parse_decode_tiles`).
+    operands, interior tiles unmasked over the transposed V layout,
+    `pagedcore_triton.kv_layout`); ``PAGEDCORE_TRITON_DECODE_TILES`` overrides the decode
+    shape (tuning, see `parse_decode_tiles`).
     """
     if prefill_override and max_query_len > 1:
         return parse_tiles(prefill_override, num_queries_per_kv)
@@ -523,5 +525,7 @@ def tile_config(
                             fp8_prefetch=DECODE_TILES[1].get("fp8_prefetch", 0))
     if head_pad <= 128:
         cfg = attrs.evolve(cfg, **DECODE_TILES[1 if kv_itemsize == 1 else 2])
+        if kv_itemsize == 1 and fp8_v_transposed():
+            cfg = attrs.evolve(cfg, skip_interior_masks=True)
     override = os.environ.get(DECODE_TILES_ENV)
     return parse_decode_tiles(override, cfg) if override else cfg

@@ -1,6 +1,7 @@
 """The fp8 decode launch the shipped defaults make (`tile_config` with a 1-byte cache, its
-``KV_CVT`` and the fp8 cache's V layout, `pagedcore_triton.kv_layout`) compiles for sm_90 (Triton's front end and ptxas, no GPU needed) for e4m3 and
-e5m2 caches: the interpreter never runs the float16-operand branches (it keeps ``KV_CVT`` 0).
+``KV_CVT`` and the fp8 cache's V layout, `pagedcore_triton.kv_layout`) compiles for sm_90
+(Triton's front end and ptxas, no GPU needed) for e4m3 and e5m2 caches: the interpreter never
+runs the float16-operand branches (it keeps ``KV_CVT`` 0).
 """
 
 from __future__ import annotations

@@ -122,3 +122,19 @@ def test_layout_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="expected one of transposed, token"):
         v_transposed(True)
     assert v_transposed(False) is False  # 16-bit caches never read the setting
+
+
+def test_fp8_decode_tiles_follow_the_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over the transposed layout fp8 decodes skip the interior masks (a masked tile there
+    zeroes its tail after the load); token-major keeps the single masked loop it was tuned
+    with; bf16 decodes never read the setting."""
+    from pagedcore_triton.plan import tile_config
+
+    def fp8(itemsize: int = 1) -> bool:
+        cfg = tile_config(1, 4, 128, interpreting=False, itemsize=2, kv_itemsize=itemsize)
+        return cfg.skip_interior_masks
+
+    monkeypatch.setenv(FP8_V_LAYOUT_ENV, "transposed")
+    assert fp8() and not fp8(itemsize=2)
+    monkeypatch.setenv(FP8_V_LAYOUT_ENV, "token")
+    assert not fp8() and not fp8(itemsize=2)
