@@ -18,7 +18,6 @@ from pagedcore_triton._env import interpreting
 from pagedcore_triton.kernels.attention import merge_segments_kernel, paged_attention_kernel
 from pagedcore_triton.kernels.cache_write import write_kv_cache
 from pagedcore_triton.kernels.decode_fp8 import fp8_decode_kernel
-from pagedcore_triton.kv_layout import v_transposed
 from pagedcore_triton.launch import PreparedLaunch, cache_strides, part_tensors
 from pagedcore_triton.ops_balanced import prepare_balanced, run_balanced
 from pagedcore_triton.plan import (
@@ -74,9 +73,8 @@ def prepare_launch(
         raise ValueError(f"num_segments must be a power of two, got {segments}")
     num_tokens = part.token_end - part.token_begin
     views = part_tensors(part, query_start_loc, seq_lens, block_table)
-    # kernels/decode_fp8.py reads the token-major V layout only (`kv_layout`).
-    if (cfg.fp8_decode and kv_fp8 and not v_transposed(kv_fp8) and part.max_query_len == 1
-            and part.flat_programs is None and causal and not use_alibi and sliding_window is None
+    if (cfg.fp8_decode and kv_fp8 and part.max_query_len == 1 and part.flat_programs is None
+            and causal and not use_alibi and sliding_window is None
             and logits_soft_cap is None):
         return _prepare_fp8_decode(part, cfg, views, num_heads=num_heads, head_pad=head_pad,
                                    kv_cache_shape=kv_cache_shape, use_sinks=use_sinks,
@@ -139,7 +137,6 @@ def prepare_launch(
             "KV_FP8": kv_fp8,
             "USE_SINKS": use_sinks,
             "KV_CVT": kv_convert(cfg, kv_fp8=kv_fp8, itemsize=dtype.itemsize, interpreting=interp),
-            "V_TRANS": v_transposed(kv_fp8),
             "num_warps": cfg.num_warps,
             "num_stages": cfg.num_stages,
             **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),

@@ -14,7 +14,6 @@ import triton
 
 from pagedcore_triton._env import interpreting
 from pagedcore_triton.kernels.balanced import balanced_decode_kernel, balanced_merge_kernel
-from pagedcore_triton.kv_layout import v_transposed
 from pagedcore_triton.launch import PreparedLaunch
 from pagedcore_triton.plan import (
     BALANCED_ORDER_ENV,
@@ -110,7 +109,6 @@ def prepare_balanced(
             "USE_SINKS": use_sinks,
             "KV_CVT": kv_convert(cfg, kv_fp8=kv_fp8, itemsize=dtype.itemsize,
                                  interpreting=interpreting()),
-            "V_TRANS": v_transposed(kv_fp8),
             "num_warps": cfg.num_warps,
             "num_stages": cfg.num_stages,
         },

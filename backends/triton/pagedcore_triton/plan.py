@@ -10,8 +10,6 @@ from typing import Any
 
 import attrs
 
-from pagedcore_triton.kv_layout import fp8_v_transposed
-
 __all__ = [
     "BALANCED_GAIN",
     "BALANCED_ORDERS",
@@ -79,10 +77,7 @@ TILE_FLAGS = {
 #: K/V tiles only from 5 on: the block-table load takes a stage), float16 operands (``KV_CVT``
 #: 1: the hardware cast; the cast to bf16 goes through float32) and int32 offsets:
 #: 1.24x-1.44x the bf16 decode, against 0.88x-1.09x for the previous 128-token, 3-stage
-#: bf16-operand tile. Where V sits transposed in fp8 caches (`pagedcore_triton.kv_layout`),
-#: fp8 decodes also run their interior tiles unmasked (`tile_config`): a masked tile of that
-#: layout zeroes the tokens outside its range after the load (~1,430 instructions a tile on
-#: sm_90 with Triton 3.6 against ~650 unmasked), and only a sequence's last tile needs it.
+#: bf16-operand tile.
 DECODE_TILES: dict[int, dict[str, Any]] = {
     2: {"tile_n": 64, "num_warps": 4, "num_stages": 3, "int32_offsets": True},
     1: {"tile_n": 128, "num_warps": 4, "num_stages": 5, "kv_convert": 1, "int32_offsets": True},
@@ -390,8 +385,7 @@ def parse_tiles(text: str, num_queries_per_kv: int) -> TileConfig:
 def parse_decode_tiles(text: str, base: TileConfig) -> TileConfig:
     """`base` (a decode `TileConfig`) with the ``PAGEDCORE_TRITON_DECODE_TILES`` text applied:
     ``"TILE_N,WARPS,STAGES[,FLAG...]"``, flags ``cvtN`` (N in 0..3: `TileConfig.kv_convert`),
-    ``s`` (unmasked interior tiles), ``m`` (every tile masked), ``i32`` (int32 K/V
-    offsets), ``rN`` (``maxnreg``),
+    ``s`` (unmasked interior tiles), ``i32`` (int32 K/V offsets), ``rN`` (``maxnreg``),
     ``kN`` (N in 0..3: `TileConfig.fp8_decode`), ``b4`` / ``b8`` / ``b16``
     (`TileConfig.fp8_rows`), ``pf1`` / ``pf2`` (`TileConfig.fp8_prefetch`).
 
@@ -421,21 +415,19 @@ def parse_decode_tiles(text: str, base: TileConfig) -> TileConfig:
             prefetch = int(flag[2:])
         elif flag.startswith("r") and flag[1:].isdigit() and int(flag[1:]) > 0:
             regs = int(flag[1:])
-        elif flag not in ("s", "m", "i32"):
+        elif flag not in ("s", "i32"):
             ok = False
-    ok = ok and not {"s", "m"} <= set(flags)
     if not ok:
         raise ValueError(
             f"{DECODE_TILES_ENV}={text!r}: expected 'TILE_N,WARPS,STAGES[,FLAG...]' with "
             "TILE_N a power of two >= 16, positive WARPS and STAGES, and each FLAG at most once, "
-            "one of cvt0..cvt3, s or m, i32, rN, k0..k3 (fp8 decode kernel mode), b4/b8/b16 (its "
+            "one of cvt0..cvt3, s, i32, rN, k0..k3 (fp8 decode kernel mode), b4/b8/b16 (its "
             "rows), pf1/pf2 (its register prefetch); e.g. '128,4,5,cvt1' or '64,4,1,k3,pf2'"
         )
     return attrs.evolve(base, tile_n=tile_n, num_warps=warps, num_stages=stages,
                         kv_convert=cvt, maxnreg=regs, fp8_decode=mode, fp8_rows=rows,
                         fp8_prefetch=prefetch,
-                        skip_interior_masks="s" in flags or (base.skip_interior_masks
-                                                             and "m" not in flags),
+                        skip_interior_masks="s" in flags or base.skip_interior_masks,
                         int32_offsets="i32" in flags or base.int32_offsets)
 
 
@@ -483,9 +475,8 @@ def tile_config(
     `prefill_override` (the ``PAGEDCORE_TRITON_PREFILL_TILES`` text, see `parse_tiles`)
     replaces the prefill shape. Decodes with head size <= 128 take `DECODE_TILES` by the
     cache's element size (`kv_itemsize`; fp8: 128-token tiles on 5 stages with float16
-    operands, interior tiles unmasked over the transposed V layout,
-    `pagedcore_triton.kv_layout`); ``PAGEDCORE_TRITON_DECODE_TILES`` overrides the decode
-    shape (tuning, see `parse_decode_tiles`).
+    operands); ``PAGEDCORE_TRITON_DECODE_TILES`` overrides the decode shape (tuning, see
+    `parse_decode_tiles`).
     """
     if prefill_override and max_query_len > 1:
         return parse_tiles(prefill_override, num_queries_per_kv)
@@ -525,7 +516,5 @@ def tile_config(
                             fp8_prefetch=DECODE_TILES[1].get("fp8_prefetch", 0))
     if head_pad <= 128:
         cfg = attrs.evolve(cfg, **DECODE_TILES[1 if kv_itemsize == 1 else 2])
-        if kv_itemsize == 1 and fp8_v_transposed():
-            cfg = attrs.evolve(cfg, skip_interior_masks=True)
     override = os.environ.get(DECODE_TILES_ENV)
     return parse_decode_tiles(override, cfg) if override else cfg

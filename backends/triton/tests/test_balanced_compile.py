@@ -37,8 +37,7 @@ for heads_first, rr, features in itertools.product([False, True], [False, True],
     c = dict(HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=16, QPK=4, BLOCK_M=16, TILE_N=64,
              USE_ALIBI=features, USE_SOFTCAP=features, USE_WINDOW=features, DOT_FP32=False,
              OFF32=False, MIN_TILES=4, REQ_PAD=32, HEADS_FIRST=heads_first, ROUND_ROBIN=rr,
-             KV_FP8=features, USE_SINKS=features, KV_CVT=FP8_CVT if features else 0,
-             V_TRANS=features)  # an fp8 cache keeps V transposed (kv_layout)
+             KV_FP8=features, USE_SINKS=features, KV_CVT=FP8_CVT if features else 0)
     # With the features: an fp8 (e4m3) cache with its float32 scales, and float32 sinks.
     fp8 = dict(k_cache_ptr="*fp8e4nv", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
                sinks_ptr="*fp32") if features else {}

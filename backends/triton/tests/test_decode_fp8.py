@@ -10,18 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 from _sm90 import compile_script_for_sm90
-from pagedcore_triton.kv_layout import FP8_V_LAYOUT_ENV
 from pagedcore_triton.ops import prepare_launch, run_launch
 from pagedcore_triton.plan import LaunchPart, TileConfig, parse_decode_tiles
 
 HQ, HKV, D, BS = 8, 2, 32, 16
-
-
-@pytest.fixture(autouse=True)
-def _token_major_v(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The kernel reads the token-major V layout only (`pagedcore_triton.kv_layout`), and
-    these caches are filled that way."""
-    monkeypatch.setenv(FP8_V_LAYOUT_ENV, "token")
 
 
 def _case(dtype: torch.dtype, lens: list[int], seed: int) -> dict[str, torch.Tensor]:
@@ -95,14 +87,11 @@ def test_each_mode_matches_the_reference(mode: int, dtype: torch.dtype, segments
     assert float((out - ref).norm() / ref.norm()) < 1e-5
 
 
-def test_only_plain_fp8_decodes_are_routed(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_only_plain_fp8_decodes_are_routed() -> None:
     c = _case(torch.float8_e4m3fn, [20, 5], seed=0)
     tiles = TileConfig(block_m=16, block_q=4, tile_n=16, num_warps=4, num_stages=1,
                        fp8_decode=3)
     assert _launch(c, tiles, 1).kernel == "fp8_decode"
-    with monkeypatch.context() as m:  # the default layout: V transposed, which it cannot read
-        m.delenv(FP8_V_LAYOUT_ENV)
-        assert _launch(c, tiles, 1).kernel == "paged"
     for kw in ({"sliding_window": 8}, {"use_alibi": True}, {"logits_soft_cap": 30.0}):
         assert _launch(c, tiles, 1, **kw).kernel == "paged", kw
     assert _launch(c, TileConfig(block_m=16, block_q=4, tile_n=16, num_warps=4,

@@ -1,7 +1,6 @@
-"""The fp8 decode launch the shipped defaults make (`tile_config` with a 1-byte cache, its
-``KV_CVT`` and the fp8 cache's V layout, `pagedcore_triton.kv_layout`) compiles for sm_90
-(Triton's front end and ptxas, no GPU needed) for e4m3 and e5m2 caches: the interpreter never
-runs the float16-operand branches (it keeps ``KV_CVT`` 0).
+"""The fp8 decode launch the shipped defaults make (`tile_config` with a 1-byte cache and its
+``KV_CVT``) compiles for sm_90 (Triton's front end and ptxas, no GPU needed) for e4m3 and
+e5m2 caches: the interpreter never runs the float16-operand branches (it keeps ``KV_CVT`` 0).
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ import triton
 from triton.compiler import ASTSource
 from triton.backends.compiler import GPUTarget
 from pagedcore_triton.kernels.attention import paged_attention_kernel as kernel
-from pagedcore_triton.kv_layout import v_transposed
 from pagedcore_triton.plan import kv_convert, tile_config
 
 cfg = tile_config(1, 4, 128, interpreting=False, itemsize=2, kv_itemsize=1)
@@ -27,7 +25,7 @@ for cache in ("*fp8e4nv", "*fp8e5"):
              USE_SOFTCAP=False, USE_WINDOW=False, NUM_SEGMENTS=8, DOT_FP32=False,
              SKIP_INTERIOR_MASKS=cfg.skip_interior_masks, LONGEST_FIRST=False, EDGE_STAGES=None,
              OFF32=cfg.int32_offsets, FLAT=False, MIN_SEGMENT_TILES=1, REQ_PAD=1, KV_FP8=True,
-             USE_SINKS=False, KV_CVT=cvt, V_TRANS=v_transposed(True))
+             USE_SINKS=False, KV_CVT=cvt)
     types = {"out_ptr": "*bf16", "q_ptr": "*bf16", "k_cache_ptr": cache, "alibi_ptr": "*fp32",
              "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "k_scale_ptr": "*fp32",
              "v_scale_ptr": "*fp32", "sinks_ptr": "*fp32", "scale": "fp32", "soft_cap": "fp32"}

@@ -11,7 +11,7 @@ cache really holds (1 per fp8 element). Kernels are compiled ahead by a pool of 
 (sharing Triton's cache) in the order they are measured.
 
 Usage: ``python backends/triton/tools/fp8_decode_sweep.py OUT.jsonl [SECONDS [SET]]``
-(SET: ``round1``, the default, or ``round2`` .. ``round5``); it stops measuring after SECONDS
+(SET: ``round1``, the default, or ``round2`` .. ``round4``); it stops measuring after SECONDS
 (default 80) and prints a summary. ``--precompile [SET...]`` only compiles the shipped
 defaults' launches (and those of the SETs); ``--best OUT.jsonl`` prints the
 ``PAGEDCORE_TRITON_DECODE_TILES`` value of the fastest fp8 variant when it beats the default.
@@ -35,8 +35,7 @@ DEFAULT_SEGS = {(64, 4096): 1, (8, 32768): 8, (256, 1024): 1}
 DEVICE = os.environ.get("SWEEP_DEVICE", "cuda")
 
 #: cache dtype, batch, context, KV_CVT, tile tokens, warps, stages, segments, maxnreg (0:
-#: none), flags ("s": unmasked interior tiles, "o": int32 K/V offsets, "v": V transposed
-#: within each block of the fp8 cache, `pagedcore_triton.kv_layout`)
+#: none), flags ("s": unmasked interior tiles, "o": int32 K/V offsets)
 Job = tuple[str, int, int, int, int, int, int, int, int, str]
 FIELDS = ["kv", "B", "L", "cvt", "tile", "warps", "stages", "segs", "maxnreg", "flags"]
 
@@ -122,41 +121,8 @@ def jobs_round4() -> list[Job]:
     return out
 
 
-def jobs_round5() -> list[Job]:
-    """The fifth round: V transposed within each block in the fp8 cache (flag ``v``,
-    `pagedcore_triton.kv_layout`): the tile reaches the tensor cores 16 bytes at a time
-    instead of one byte per element. Against the bf16 default and the token-major fp8
-    default (with and without unmasked interior tiles), the transposed layout with unmasked
-    interior tiles (``s``; its masked tiles load whole blocks and zero the tail) over tile
-    shapes, stages, conversions, and more or fewer split-KV segments at 8x32768."""
-    out: list[Job] = []
-
-    def add(dt: str, cvt: int, tile: int, w: int, st: int, fl: str,
-            segs: dict[tuple[int, int], list[int]] | None = None) -> None:
-        for b, ln in SHAPES:
-            for sg in (segs or {}).get((b, ln), [DEFAULT_SEGS[(b, ln)]]):
-                j = (dt, b, ln, cvt, tile, w, st, sg, 0, fl)
-                if j not in out:
-                    out.append(j)
-
-    add("bf16", 0, 64, 4, 3, "o")
-    add("e4m3", 1, 128, 4, 5, "o")
-    add("e4m3", 1, 128, 4, 5, "svo")
-    add("e4m3", 1, 128, 4, 5, "vo")
-    add("e4m3", 1, 128, 4, 5, "so")
-    for cvt, tile, w, st in [(1, 128, 4, 3), (1, 128, 4, 4), (1, 128, 8, 5), (1, 128, 8, 3),
-                             (1, 64, 4, 5), (1, 64, 4, 3), (1, 256, 8, 3), (1, 256, 8, 4),
-                             (1, 256, 4, 3), (3, 128, 4, 5), (3, 128, 4, 3), (2, 128, 4, 5)]:
-        add("e4m3", cvt, tile, w, st, "svo")
-    add("e4m3", 1, 128, 4, 5, "svo", {(8, 32768): [4, 16], (64, 4096): [2], (256, 1024): [2]})
-    add("e5m2", 1, 128, 4, 5, "svo")
-    add("e5m2", 1, 128, 4, 5, "o")
-    return out
-
-
 JOB_SETS = {"round1": lambda: jobs(), "round2": lambda: jobs_round2(),
-            "round3": lambda: jobs_round3(), "round4": lambda: jobs_round4(),
-            "round5": lambda: jobs_round5()}
+            "round3": lambda: jobs_round3(), "round4": lambda: jobs_round4()}
 
 
 def tiles_env(row: dict[str, Any]) -> str:
@@ -169,7 +135,8 @@ def tiles_env(row: dict[str, Any]) -> str:
         parts.append("b8")
     if "p" in fl:
         parts.append(f"pf{fl[fl.index('p') + 1]}")
-    parts.append("s" if "s" in fl else "m")
+    if "s" in fl:
+        parts.append("s")
     if "o" in fl:
         parts.append("i32")
     if row.get("maxnreg"):
@@ -266,7 +233,6 @@ def default_jobs() -> list[Job]:
         for b, ln in SHAPES:
             segs = builder.decode_segments(num_reqs=b, max_seq_len=ln)
             flags = ("s" if cfg.skip_interior_masks else "") + ("o" if cfg.int32_offsets else "")
-            flags += "v" if dt != "bf16" else ""  # the shipped fp8 layout: V transposed
             if dt != "bf16" and cfg.fp8_decode:
                 flags += f"k{cfg.fp8_decode}" + ("b8" if cfg.fp8_rows == 8 else "")
                 flags += f"p{cfg.fp8_prefetch}" if cfg.fp8_prefetch else ""
@@ -288,14 +254,6 @@ def _sinks(dev: Any) -> Any:
 _TORCH_DT = {"bf16": "bfloat16", "e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
 
 
-def set_layout(flags: str) -> None:
-    """The fp8 cache's V layout of a variant: transposed with flag ``v``, else token-major
-    (`pagedcore_triton.kv_layout`; read by the cache fill and every launch)."""
-    from pagedcore_triton.kv_layout import FP8_V_LAYOUT_ENV
-
-    os.environ[FP8_V_LAYOUT_ENV] = "transposed" if "v" in flags else "token"
-
-
 def _launch(job: Job, kv: Any, query: Any, seq_lens: Any) -> tuple[Any, Any]:
     """A prepared launch of `job` over the cache `kv` and a runner of it."""
     import torch
@@ -303,7 +261,6 @@ def _launch(job: Job, kv: Any, query: Any, seq_lens: Any) -> tuple[Any, Any]:
     from pagedcore_triton.plan import LaunchPart, TileConfig
 
     dt, b, _, cvt, tile, w, st, segs, maxnreg, flags = job
-    set_layout(flags)
     cache, table, qsl, scales = kv
     part = LaunchPart(req_begin=0, req_end=b, token_begin=0, token_end=b, max_query_len=1,
                       num_segments=segs)
@@ -354,7 +311,6 @@ def compile_job(job: Job) -> float:
     import torch
 
     t0 = time.perf_counter()
-    set_layout(job[-1])
     kv, seq, q = _tiny_cache(job[0], job[1])
     _launch(job, kv, q, seq)[1]()
     if DEVICE == "cuda":
@@ -379,10 +335,8 @@ def compile_write(dt: str) -> float:
 
 
 def build_cache(dt: str, b: int, ln: int, gen: Any) -> dict[str, Any]:
-    """The shape's cache (random block order, unused slots NaN; V in the layout `set_layout`
-    chose), query and reference."""
+    """The shape's cache (random block order, unused slots NaN), query and reference."""
     import torch
-    from pagedcore_triton.kv_layout import value_view
 
     dev = torch.device(DEVICE)
     nb = b * ln // BS
@@ -411,9 +365,9 @@ def build_cache(dt: str, b: int, ln: int, gen: Any) -> dict[str, Any]:
     slots = (table.long()[:, pos // BS] * BS + pos % BS)  # [b, ln]
     raw = torch.uint8 if cache.element_size() == 1 else torch.int16  # index_put on raw bits
     flat_k = cache[0].view(raw).view(-1, HKV, D)
+    flat_v = cache[1].view(raw).view(-1, HKV, D)
     flat_k[slots[valid]] = kq.view(raw)[valid]
-    used = slots[valid]  # V through the layout's view (transposed within blocks with "v")
-    value_view(cache.view(raw))[used // BS, used % BS] = vq.view(raw)[valid]
+    flat_v[slots[valid]] = vq.view(raw)[valid]
     query = torch.randn((b, HQ, D), device=dev, dtype=torch.bfloat16)
     # reference in float32 over exactly what the kernel reads (dequantized fp8)
     kd = kq.float() * ks
@@ -489,14 +443,13 @@ def main() -> None:
         print(f"copy {copy:.0f} GB/s; {len(todo)} variants; {pagedcore_triton.__file__}",
               flush=True)
         gen = torch.Generator().manual_seed(0)
-        caches: dict[tuple[str, int, int, bool], dict[str, Any]] = {}
+        caches: dict[tuple[str, int, int], dict[str, Any]] = {}
         for job, fut in zip(todo, futures, strict=True):
             if time.perf_counter() - t_start > budget:
                 print(f"time budget reached; {len(rows)} of {len(todo)} measured", flush=True)
                 break
             dt, b, ln = job[:3]
-            set_layout(job[-1])
-            key = (dt, b, ln, "v" in job[-1])
+            key = (dt, b, ln)
             if key not in caches:  # all kept: ~6 GB for the three shapes and dtypes
                 caches[key] = build_cache(dt, b, ln, gen)
             c = caches[key]

@@ -1,5 +1,5 @@
-"""The engine with the triton backend's fp8 cache (V transposed within blocks) on a GPU,
-against the same engine with a 16-bit cache and against the reference backend's fp8 engine.
+"""The engine with the triton backend's fp8 cache on a GPU, against the same engine with a
+16-bit cache and against the reference backend's fp8 engine.
 
 A tiny Llama (head size 128, 4 query / 2 KV heads, initializer_range 0.1) in fp16; eight
 prompts of 9-300 tokens, 24 greedy tokens each with every step's full next-token

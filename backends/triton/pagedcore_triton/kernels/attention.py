@@ -72,16 +72,12 @@ def _attend_tile(
     MASKED: tl.constexpr,
     OFF32: tl.constexpr = False,
     KV_CVT: tl.constexpr = 0,
-    V_TRANS: tl.constexpr = False,
 ):
     """One K/V tile of the online softmax; MASKED=False only for tiles every row fully sees.
 
     ``OFF32`` computes the cache offsets in int32 (the caller guarantees that the whole cache
     has fewer than 2**31 elements). ``KV_CVT`` is how an fp8 tile becomes a dot operand
-    (`_fp8_operand`; `q` is then float16). ``V_TRANS``: V is stored transposed within each
-    block (``[Hkv, D, BLOCK_SIZE]``, `pagedcore_triton.kv_layout`), read 16 tokens at a time;
-    a masked tile then loads whole blocks and zeroes the tokens outside ``[kv_begin,
-    kv_end)`` after the load (unused slots may hold NaN).
+    (`_fp8_operand`; `q` is then float16).
     """
     n = t * TILE_N + tl.arange(0, TILE_N)
     if OFF32:
@@ -90,14 +86,7 @@ def _attend_tile(
         offs_ty = tl.int64
     if MASKED:
         n_ok = (n < kv_end) & (n >= kv_begin)
-        if V_TRANS:
-            # Whole blocks (V's rows of a block are read 16 bytes at a time); the tokens
-            # outside [kv_begin, kv_end) are zeroed after the load.
-            first = (n // BLOCK_SIZE) * BLOCK_SIZE
-            blk_ok = (first < kv_end) & (first + BLOCK_SIZE > kv_begin)
-            phys = tl.load(bt_row + n // BLOCK_SIZE, mask=blk_ok, other=0).to(offs_ty)
-        else:
-            phys = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0).to(offs_ty)
+        phys = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0).to(offs_ty)
         slot_off = phys * stride_cb + (n % BLOCK_SIZE).to(offs_ty) * stride_cs + kv_head_off
     else:
         n_ok = n >= 0
@@ -105,12 +94,7 @@ def _attend_tile(
         slot_off = phys * stride_cb + (n % BLOCK_SIZE).to(offs_ty) * stride_cs + kv_head_off
     # Masked lanes load 0, never the cache's content (which may be NaN).
     k = _load_dn(k_cache_ptr, slot_off, d, n_ok, d_ok, MASKED, HEAD_PAD != HEAD_SIZE)
-    if V_TRANS:
-        v_off = phys * stride_cb + kv_head_off * BLOCK_SIZE + (n % BLOCK_SIZE).to(offs_ty)
-        v_off = tl.max_contiguous(tl.multiple_of(v_off, BLOCK_SIZE), BLOCK_SIZE)
-        v_ptrs = v_cache_ptr + v_off[:, None] + d[None, :] * BLOCK_SIZE
-    else:
-        v_ptrs = v_cache_ptr + slot_off[:, None] + d[None, :]
+    v_ptrs = v_cache_ptr + slot_off[:, None] + d[None, :]
     # An fp8 cache is dequantized here, in registers: upcast to the query's dtype or to
     # float16 (`_fp8_operand`, exact for e4m3 and e5m2); the scales are folded into the
     # softmax scale and the final output.
@@ -151,11 +135,7 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     if MASKED:
-        if V_TRANS:
-            v = tl.load(v_ptrs, mask=blk_ok[:, None] & d_ok[None, :], other=0.0)
-            v = tl.where(n_ok[:, None], v, 0.0)
-        else:
-            v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
     elif HEAD_PAD != HEAD_SIZE:
         v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
     else:
@@ -307,7 +287,6 @@ def paged_attention_kernel(
     USE_SINKS: tl.constexpr = False,
     KV_CVT: tl.constexpr = 0,
     PREFIX_SEGMENTS: tl.constexpr = 0,
-    V_TRANS: tl.constexpr = False,
 ):
     """Grid ``(q_blocks, Hkv, NUM_SEGMENTS)``, or ``(P, Hkv, 1)`` with ``FLAT``.
 
@@ -330,8 +309,7 @@ def paged_attention_kernel(
     at `k_scale_ptr` / `v_scale_ptr`. ``USE_SINKS``: `sinks_ptr` holds ``[Hq]`` float32 sink
     logits, which the first segment of each row starts its softmax with. ``KV_CVT`` (fp8
     only): how K/V tiles become dot operands, see `_fp8_operand`; with 1 or 2 the query and
-    the probabilities enter the dots as float16. ``V_TRANS``: V sits transposed within each
-    block (`_attend_tile`; an fp8 cache's layout, `pagedcore_triton.kv_layout`).
+    the probabilities enter the dots as float16.
 
     ``PREFIX_SEGMENTS > 0`` (cascade attention's suffix launch, classic grid, one segment):
     `part_acc_ptr` / `part_ml_ptr` hold the shared prefix's ``[T, Hq, PREFIX_SEGMENTS]``
@@ -448,21 +426,21 @@ def paged_attention_kernel(
                 q, m_i, l_i, acc, t, bt_row, k_cache_ptr, v_cache_ptr, kv_head_off, stride_cb,
                 stride_cs, d, d_ok, row_ok, pos_q, kv_begin, kv_end, slope, scale, qk_scale,
                 soft_cap, window, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, CAUSAL, USE_ALIBI,
-                USE_SOFTCAP, USE_WINDOW, DOT_FP32, True, OFF32, KV_CVT, V_TRANS,
+                USE_SOFTCAP, USE_WINDOW, DOT_FP32, True, OFF32, KV_CVT,
             )
         for t in range(a, b):
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, t, bt_row, k_cache_ptr, v_cache_ptr, kv_head_off, stride_cb,
                 stride_cs, d, d_ok, row_ok, pos_q, kv_begin, kv_end, slope, scale, qk_scale,
                 soft_cap, window, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, CAUSAL, USE_ALIBI,
-                USE_SOFTCAP, USE_WINDOW, DOT_FP32, False, OFF32, KV_CVT, V_TRANS,
+                USE_SOFTCAP, USE_WINDOW, DOT_FP32, False, OFF32, KV_CVT,
             )
         for t in tl.range(b, t_stop, num_stages=EDGE_STAGES):
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, t, bt_row, k_cache_ptr, v_cache_ptr, kv_head_off, stride_cb,
                 stride_cs, d, d_ok, row_ok, pos_q, kv_begin, kv_end, slope, scale, qk_scale,
                 soft_cap, window, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, CAUSAL, USE_ALIBI,
-                USE_SOFTCAP, USE_WINDOW, DOT_FP32, True, OFF32, KV_CVT, V_TRANS,
+                USE_SOFTCAP, USE_WINDOW, DOT_FP32, True, OFF32, KV_CVT,
             )
     else:
         for t in range(t_start, t_stop):
@@ -470,7 +448,7 @@ def paged_attention_kernel(
                 q, m_i, l_i, acc, t, bt_row, k_cache_ptr, v_cache_ptr, kv_head_off, stride_cb,
                 stride_cs, d, d_ok, row_ok, pos_q, kv_begin, kv_end, slope, scale, qk_scale,
                 soft_cap, window, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, CAUSAL, USE_ALIBI,
-                USE_SOFTCAP, USE_WINDOW, DOT_FP32, True, OFF32, KV_CVT, V_TRANS,
+                USE_SOFTCAP, USE_WINDOW, DOT_FP32, True, OFF32, KV_CVT,
             )
 
     if KV_FP8:

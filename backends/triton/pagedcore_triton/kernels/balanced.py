@@ -122,7 +122,6 @@ def balanced_decode_kernel(
     KV_FP8: tl.constexpr = False,
     USE_SINKS: tl.constexpr = False,
     KV_CVT: tl.constexpr = 0,
-    V_TRANS: tl.constexpr = False,
 ):
     """Grid ``(P, Hkv)``, or ``(Hkv, P)`` with ``HEADS_FIRST`` (the KV heads of one segment
     launched next to each other): program ``p`` serves one segment of one single-token
@@ -224,7 +223,7 @@ def balanced_decode_kernel(
             q, m_i, l_i, acc, t, bt_row, k_cache_ptr, v_cache_ptr, kv_head_off, stride_cb,
             stride_cs, d, d_ok, row_ok, pos_q, kv_begin, kv_end, slope, scale, qk_scale,
             soft_cap, window, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, False, USE_ALIBI,
-            USE_SOFTCAP, USE_WINDOW, DOT_FP32, True, OFF32, KV_CVT, V_TRANS,
+            USE_SOFTCAP, USE_WINDOW, DOT_FP32, True, OFF32, KV_CVT,
         )
     if KV_FP8:
         acc = acc * v_scale

@@ -8,7 +8,6 @@ import triton
 import triton.language as tl
 
 from pagedcore_triton._env import interpreting
-from pagedcore_triton.kv_layout import v_transposed
 
 __all__ = ["write_kv_cache"]
 
@@ -35,14 +34,12 @@ def _cache_write_kernel(
     HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     QUANT_MAX: tl.constexpr = None,
-    V_TRANS: tl.constexpr = False,
 ):
     """One program per token: all KV heads of its K and V row.
 
     With ``QUANT_MAX`` (an fp8 cache) the rows are stored as ``clamp(x / scale, -QUANT_MAX,
     QUANT_MAX)`` rounded to the cache's fp8 dtype, with the ``[1]`` float32 scales at
-    `k_scale_ptr` / `v_scale_ptr`. With ``V_TRANS`` V goes to the block's transposed
-    ``[Hkv, D, BLOCK_SIZE]`` bytes (`pagedcore_triton.kv_layout`)."""
+    `k_scale_ptr` / `v_scale_ptr`."""
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:  # padding token
@@ -59,9 +56,6 @@ def _cache_write_kernel(
         v = tl.clamp(v.to(tl.float32) / tl.load(v_scale_ptr), -QUANT_MAX, QUANT_MAX)
     dst = block * stride_cb + offset * stride_cs + h[:, None] * stride_ch + d[None, :]
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    if V_TRANS:
-        dst = (block * stride_cb + (h[:, None] * stride_ch + d[None, :]) * BLOCK_SIZE
-               + offset)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
@@ -80,8 +74,7 @@ def write_kv_cache(
     key, value:
         ``[T, Hkv, D]``, last dimension contiguous, in the cache dtype (or castable to it).
     kv_cache:
-        ``[2, num_blocks, block_size, Hkv, D]`` contiguous; index 0 holds K, 1 holds V
-        (an fp8 cache's V transposed within each block, `pagedcore_triton.kv_layout`).
+        ``[2, num_blocks, block_size, Hkv, D]`` contiguous; index 0 holds K, 1 holds V.
     slot_mapping:
         ``[>= T]`` int64; ``slot = block_id * block_size + offset``; ``-1`` marks padding.
     kv_scales:
@@ -136,6 +129,5 @@ def write_kv_cache(
         HEAD_PAD=triton.next_power_of_2(head_size),
         BLOCK_SIZE=block_size,
         QUANT_MAX=quant_max,
-        V_TRANS=v_transposed(kv_cache.dtype.itemsize == 1),
         num_warps=4,
     )

@@ -1,6 +1,9 @@
-"""Report of one `fp8_vlayout_gpu.sh` run: the fp8 V layouts against bf16, as a table and a plot.
+"""Report of one `gpu_job.sh` run: the fp8 V layouts against bf16, as a table and a plot.
 
-    python backends/triton/tools/fp8_vlayout_report.py RESULT_DIR
+    python docs/benchmarks/h100_s20/vlayout/report.py docs/benchmarks/h100_s20/vlayout
+
+(The transposed layout was removed after this measurement; the job and this report ran
+at 83e6a68.)
 
 Reads ``kernels_{auto,fp8,fp8_token}.json`` (`pagedcore bench kernels --case decode`, the
 CUDA-graph rows of the triton backend), ``kernels_fp8_prefill{,_token}.json`` (the prefill

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Ran at 83e6a68 (backends/triton/tools/fp8_vlayout_gpu.sh there); the transposed V layout it
+# measures was removed afterwards (slower: ../README.md), so at later commits it no longer runs.
 # GPU job (one H100/H200, ~7 min): the fp8 cache with V transposed within each block
 # (pagedcore_triton/kv_layout.py), correctness first, then timed against the token-major
 # layout and the bf16 cache:
