@@ -70,7 +70,7 @@ def main() -> None:
         new = facts[seen:]
         seen = len(facts)
         print(json.dumps({"variant": job, "us": round(ms * 1e3, 1), "rel_err": err,
-                          "pct_copy_bytes_GBps": round(c["bytes"] / ms / 1e6),
+                          "cache_GBps": round(c["bytes"] / ms / 1e6),
                           "kernels": new}), flush=True)
 
 
