@@ -21,8 +21,9 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -31,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 PREFIX_VARIANTS = ["64,64,4,3,1", "64,64,4,3,4", "128,64,8,3,1", "128,64,8,3,2",
                    "64,32,4,4,2", "64,128,4,2,1", "128,32,4,3,1", "64,64,4,2,2",
                    "64,64,4,4,2", "32,64,4,3,2"]
+SUFFIX_VARIANTS = ["32,4,4", "32,4,3", "32,4,2", "16,4,4", "16,4,6", "32,4,4,s,i32",
+                   "32,4,3,s,i32", "64,4,2", "32,2,3", "16,2,4"]
 
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -176,7 +179,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     own_out = torch.empty_like(own.query)
     result["own_only_decode_ms"] = timer(lambda: impl.forward(
         own.query, own.query, own.query, own.cache, own_meta, output=own_out))
-    print({k: round(result[k], 4) for k in list(parts) + ["own_only_decode_ms"]}, flush=True)
+    print({k: round(result[k], 4) for k in [*parts, "own_only_decode_ms"]}, flush=True)
     if cuda:
         result["profiler_us_per_call"] = {"cascade": _kernel_times(cascade, 50),
                                           "plain": _kernel_times(plain, 20)}
@@ -199,10 +202,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                 override=text)
             row: dict[str, Any] = {"variant": text, "segments": cfg.segments,
                                    "m_tiles": cfg.m_tiles, "rel_err": _rel(vout, out_plain)}
-            row["cascade_ms"] = timer(lambda: impl.forward(q, q, q, cache, vmeta,
-                                                           output=vout))
-            row["prefix_only_ms"] = timer(lambda: run_prefix(
-                vplan, q, cache, scale=impl.scale, logits_soft_cap=None))
+            row["cascade_ms"] = timer(lambda m=vmeta, o=vout: impl.forward(
+                q, q, q, cache, m, output=o))
+            row["prefix_only_ms"] = timer(lambda pl=vplan: run_prefix(
+                pl, q, cache, scale=impl.scale, logits_soft_cap=None))
         except Exception as e:  # a shape the compiler rejects
             row = {"variant": text, "error": f"{type(e).__name__}: {e}"[:300]}
         finally:
@@ -210,6 +213,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"prefix variant {row}", flush=True)
         rows.append(row)
     result["prefix_variants"] = rows
+    save()
+
+    # Suffix-launch shapes (``PAGEDCORE_TRITON_DECODE_TILES``), with the default prefix.
+    from pagedcore_triton.plan import DECODE_TILES_ENV
+
+    rows = []
+    for text in ([] if args.smoke else SUFFIX_VARIANTS):
+        os.environ[DECODE_TILES_ENV] = text
+        try:
+            vmeta = builder.build(step.common, common_prefix_len=p)
+            vout = torch.empty_like(q)
+            impl.forward(q, q, q, cache, vmeta, output=vout)
+            row = {"variant": text, "rel_err": _rel(vout, out_plain),
+                   "cascade_ms": timer(lambda m=vmeta, o=vout: impl.forward(
+                       q, q, q, cache, m, output=o))}
+            ometa = builder.build(own.common)
+            row["own_only_decode_ms"] = timer(lambda m=ometa: impl.forward(
+                own.query, own.query, own.query, own.cache, m, output=own_out))
+        except Exception as e:  # a shape the compiler rejects
+            row = {"variant": text, "error": f"{type(e).__name__}: {e}"[:300]}
+        finally:
+            os.environ.pop(DECODE_TILES_ENV, None)
+        print(f"suffix variant {row}", flush=True)
+        rows.append(row)
+    result["suffix_variants"] = rows
     save()
 
     # Two streams: the prefix beside a split suffix launch (partials), then the merge.
