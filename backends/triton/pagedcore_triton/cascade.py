@@ -20,6 +20,10 @@ replayed for any prefix up to the capacity (``docs/engine.md``).
 
 ``PAGEDCORE_TRITON_CASCADE_PREFIX`` (tuning) overrides the prefix launch's shape:
 ``BLOCK_M,TILE_N,num_warps,num_stages,programs_per_sm`` (see `prefix_config`).
+``PAGEDCORE_TRITON_CASCADE_OVERLAP=1`` (experiment, CUDA only) runs the prefix launch on a
+side stream beside a split suffix launch (the builder then splits every suffix launch at
+least in two), joined before `cascade_merge_kernel`: the compute-bound prefix and the
+memory-bound suffixes share the SMs instead of running one after the other.
 """
 
 from __future__ import annotations
@@ -38,11 +42,13 @@ from pagedcore_triton.launch import PreparedLaunch
 from pagedcore_triton.plan import LaunchPart, TileConfig
 
 __all__ = [
+    "CASCADE_OVERLAP_ENV",
     "CASCADE_PREFIX_ENV",
     "MAX_SUFFIX_ROWS",
     "CascadePlan",
     "PrefixConfig",
     "fill_graph_cascade",
+    "overlap_enabled",
     "plan_cascade",
     "plan_graph_cascade",
     "prefix_config",
@@ -52,6 +58,9 @@ __all__ = [
 
 #: Tuning override of the prefix launch (`prefix_config`).
 CASCADE_PREFIX_ENV = "PAGEDCORE_TRITON_CASCADE_PREFIX"
+#: Experiment switch: the prefix launch on a side stream beside the suffix launch
+#: (`overlap_enabled`).
+CASCADE_OVERLAP_ENV = "PAGEDCORE_TRITON_CASCADE_OVERLAP"
 #: Fewest prefix tiles a split-KV segment of the prefix holds.
 MIN_PREFIX_TILES_PER_SEGMENT = 4
 #: Largest prefix partials (bytes) a step may hold before the prefix stops splitting.
@@ -302,19 +311,27 @@ def suffix_tiles(part: LaunchPart, *, num_queries_per_kv: int, head_size: int,
     return attrs.evolve(base, **SUFFIX_DECODE_TILES)
 
 
-def run_prefix(
-    plan: CascadePlan,
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    *,
-    scale: float,
-    logits_soft_cap: float | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The prefix launch for one layer: its partials ``[T, Hq, S, HEAD_PAD]`` and
-    ``[T, Hq, S, 2]`` float32."""
-    from pagedcore_triton.kernels.cascade import cascade_prefix_kernel
+def overlap_enabled(device: torch.device) -> bool:
+    """Whether cascade steps on `device` run their prefix launch beside the suffix launch
+    (``PAGEDCORE_TRITON_CASCADE_OVERLAP=1`` on a CUDA device; never in the interpreter)."""
+    value = os.environ.get(CASCADE_OVERLAP_ENV, "0").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{CASCADE_OVERLAP_ENV}={value!r}: expected 0 or 1 (unset it for "
+                         "the default, 0)")
+    return value == "1" and torch.device(device).type == "cuda" and not interpreting()
 
-    _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
+
+@functools.lru_cache(maxsize=8)
+def _side_stream(device: torch.device) -> Any:
+    return torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+
+
+def _prefix_scratch(
+    plan: CascadePlan, query: torch.Tensor, kv_cache: torch.Tensor
+) -> tuple[PrefixConfig, torch.Tensor, torch.Tensor]:
+    """The prefix launch's shape and its partials for this layer shape (allocated by the
+    step's first layer, on the caller's stream)."""
+    _, _, block_size, num_kv_heads, head_size = kv_cache.shape
     num_tokens, num_heads = plan.num_tokens, query.shape[1]
     key = (num_heads, query.dtype, tuple(kv_cache.shape))
     entry = plan.scratch.get(key)
@@ -332,10 +349,27 @@ def run_prefix(
                              device=query.device)
         entry = plan.scratch[key] = (cfg, pfx_acc, pfx_ml)
     cfg, pfx_acc, pfx_ml = entry
+    return cfg, pfx_acc, pfx_ml
+
+
+def _launch_prefix(
+    plan: CascadePlan,
+    scratch: tuple[PrefixConfig, torch.Tensor, torch.Tensor],
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    *,
+    scale: float,
+    logits_soft_cap: float | None,
+) -> None:
+    from pagedcore_triton.kernels.cascade import cascade_prefix_kernel
+
+    cfg, pfx_acc, pfx_ml = scratch
+    _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
+    num_heads = query.shape[1]
     stride_cs = num_kv_heads * head_size
     cascade_prefix_kernel[(cfg.m_tiles, num_kv_heads, cfg.segments)](
         query, kv_cache, num_blocks * block_size * stride_cs, plan.prefix_blocks, pfx_acc,
-        pfx_ml, num_tokens, plan.prefix_len,
+        pfx_ml, plan.num_tokens, plan.prefix_len,
         plan.prefix_blocks if plan.prefix_len_dev is None else plan.prefix_len_dev, scale,
         1.0 if logits_soft_cap is None else logits_soft_cap,
         query.stride(0), query.stride(1), block_size * stride_cs, stride_cs, head_size,
@@ -346,7 +380,22 @@ def run_prefix(
         PREFIX_FROM_PTR=plan.prefix_len_dev is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return pfx_acc, pfx_ml
+
+
+def run_prefix(
+    plan: CascadePlan,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    *,
+    scale: float,
+    logits_soft_cap: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prefix launch for one layer: its partials ``[T, Hq, S, HEAD_PAD]`` and
+    ``[T, Hq, S, 2]`` float32."""
+    scratch = _prefix_scratch(plan, query, kv_cache)
+    _launch_prefix(plan, scratch, query, kv_cache, scale=scale,
+                   logits_soft_cap=logits_soft_cap)
+    return scratch[1], scratch[2]
 
 
 def run_cascade(
@@ -369,12 +418,27 @@ def run_cascade(
 
     if plan.num_tokens == 0:
         return
-    pfx_acc, pfx_ml = run_prefix(plan, query, kv_cache, scale=scale,
-                                 logits_soft_cap=logits_soft_cap)
+    scratch = _prefix_scratch(plan, query, kv_cache)
+    _, pfx_acc, pfx_ml = scratch
     fused = suffix.part_acc is None
-    run_launch(suffix, query, kv_cache, output, scale=scale, alibi_slopes=None,
-               sliding_window=None, logits_soft_cap=logits_soft_cap, merge=False,
-               prefix_partials=(pfx_acc, pfx_ml) if fused else None)
+    if not fused and query.is_cuda and overlap_enabled(query.device):
+        # The prefix beside the suffix launch: fork onto the side stream, join before the
+        # merge (both are captured as parallel branches under a CUDA graph).
+        main = torch.cuda.current_stream(query.device)
+        side = _side_stream(query.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            _launch_prefix(plan, scratch, query, kv_cache, scale=scale,
+                           logits_soft_cap=logits_soft_cap)
+        run_launch(suffix, query, kv_cache, output, scale=scale, alibi_slopes=None,
+                   sliding_window=None, logits_soft_cap=logits_soft_cap, merge=False)
+        main.wait_stream(side)
+    else:
+        _launch_prefix(plan, scratch, query, kv_cache, scale=scale,
+                       logits_soft_cap=logits_soft_cap)
+        run_launch(suffix, query, kv_cache, output, scale=scale, alibi_slopes=None,
+                   sliding_window=None, logits_soft_cap=logits_soft_cap, merge=False,
+                   prefix_partials=(pfx_acc, pfx_ml) if fused else None)
     if fused:
         return
     assert suffix.part_acc is not None and suffix.part_ml is not None

@@ -244,11 +244,19 @@ class TritonMetadataBuilder(MetadataBuilder[TritonAttentionMetadata]):
             whole = self._part(common, 0, num_reqs, allow_split=False)
             if whole.max_query_len <= 1:  # decodes: split-KV by the suffix lengths
                 longest = int(common.seq_lens_cpu[:num_reqs].max()) - common_prefix_len
-                whole = attrs.evolve(whole, num_segments=self.decode_segments(
-                    num_reqs=num_reqs, max_seq_len=longest))
+                whole = attrs.evolve(whole, num_segments=self._suffix_segments(
+                    self.decode_segments(num_reqs=num_reqs, max_seq_len=longest)))
             plan = plan_cascade(common, common_prefix_len, self.kv_cache_spec.block_size, whole)
             meta = attrs.evolve(meta, cascade=plan)
         return meta
+
+    def _suffix_segments(self, segments: int) -> int:
+        """A decode cascade's suffix split: `segments`, at least 2 when the prefix launch
+        runs beside the suffix launch (``PAGEDCORE_TRITON_CASCADE_OVERLAP``: the suffix
+        then leaves partials for the merge instead of waiting for the prefix's)."""
+        from pagedcore_triton.cascade import overlap_enabled
+
+        return max(segments, 2) if overlap_enabled(self.device) else segments
 
     def build_for_cudagraph_capture(
         self, common: CommonAttentionMetadata
@@ -326,8 +334,8 @@ class TritonMetadataBuilder(MetadataBuilder[TritonAttentionMetadata]):
         if suffix_table is None:
             suffix_table = torch.zeros((n, width), dtype=torch.int32,
                                        device=common.block_table.device)
-        segments = self.decode_segments(num_reqs=common.num_reqs,
-                                        max_seq_len=common.max_seq_len)
+        segments = self._suffix_segments(self.decode_segments(
+            num_reqs=common.num_reqs, max_seq_len=common.max_seq_len))
         whole = attrs.evolve(meta.parts[0], num_segments=segments, balanced_programs=None)
         plan = plan_graph_cascade(common, prefix_len, capacity,
                                   self.kv_cache_spec.block_size, whole,

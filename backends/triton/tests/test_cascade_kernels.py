@@ -179,3 +179,27 @@ def test_suffix_tiles_for_gpu_decode_cascades_only(monkeypatch: pytest.MonkeyPat
     assert cascade.suffix_tiles(decode, **{**kw, "head_size": 256}) is None
     monkeypatch.setenv(DECODE_TILES_ENV, "64,4,3")
     assert cascade.suffix_tiles(decode, **kw) is None
+
+
+def test_overlap_switch_splits_the_suffix(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``PAGEDCORE_TRITON_CASCADE_OVERLAP``: off unless ``1`` on a CUDA device, a bad value
+    is named; with it on, a decode cascade's suffix launch splits at least in two (it
+    leaves partials for the merge while the prefix runs beside it; where the query is not
+    on CUDA the launches run one after the other), the output equal to the plain plan's."""
+    import pagedcore_triton.cascade as cascade
+
+    monkeypatch.delenv(cascade.CASCADE_OVERLAP_ENV, raising=False)
+    assert not cascade.overlap_enabled(torch.device("cuda"))
+    monkeypatch.setenv(cascade.CASCADE_OVERLAP_ENV, "1")
+    assert not cascade.overlap_enabled(torch.device("cpu"))
+    monkeypatch.setenv(cascade.CASCADE_OVERLAP_ENV, "yes")
+    with pytest.raises(ValueError, match=cascade.CASCADE_OVERLAP_ENV):
+        cascade.overlap_enabled(torch.device("cuda"))
+    monkeypatch.delenv(cascade.CASCADE_OVERLAP_ENV)
+    monkeypatch.setattr(cascade, "overlap_enabled", lambda device: True)
+    prefix = 2 * BS
+    step = _step(prefix, owns=[5, 40, 17], queries=[1, 1, 1])
+    plain, (casc, meta) = _run(step, prefix)
+    assert meta.cascade.suffix_part.num_segments >= 2
+    assert not torch.isnan(casc).any()
+    assert float((casc - plain).abs().max() / plain.abs().max()) < 1e-5

@@ -305,6 +305,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             graphs["two_streams_speedup"] = graphs["plain_ms"] / graphs["two_streams_ms"]
         result["cuda_graph_replay"] = graphs
         print(f"graphs {graphs}", flush=True)
+        save()
+        # The library's overlap (PAGEDCORE_TRITON_CASCADE_OVERLAP=1), eager and graphed.
+        from pagedcore_triton.cascade import CASCADE_OVERLAP_ENV
+
+        os.environ[CASCADE_OVERLAP_ENV] = "1"
+        try:
+            ometa = builder.build(step.common, common_prefix_len=p)
+            oout = torch.empty_like(q)
+
+            def overlapped() -> None:
+                impl.forward(q, q, q, cache, ometa, output=oout)
+
+            overlapped()
+            torch.cuda.synchronize()
+            lib: dict[str, Any] = {"rel_err": _rel(oout, out_plain),
+                                   "suffix_segments": ometa.cascade.suffix_part.num_segments,
+                                   "cascade_ms": timer(overlapped)}
+            replay = _graphed(overlapped)
+            oout.fill_(float("nan"))
+            replay()
+            torch.cuda.synchronize()
+            lib["graph_rel_err"] = _rel(oout, out_plain)
+            lib["graph_ms"] = timer(replay)
+        except Exception as e:
+            lib = {"error": f"{type(e).__name__}: {e}"[:300]}
+        finally:
+            os.environ.pop(CASCADE_OVERLAP_ENV, None)
+        result["library_overlap"] = lib
+        print(f"library overlap {lib}", flush=True)
     save()
     print(f"wrote {args.json}")
     return result
