@@ -19,7 +19,7 @@ hold), reading the real length on the device; its launches can be captured once 
 replayed for any prefix up to the capacity (``docs/engine.md``).
 
 ``PAGEDCORE_TRITON_CASCADE_PREFIX`` (tuning) overrides the prefix launch's shape:
-``BLOCK_M,TILE_N,num_warps,num_stages,programs_per_sm`` (see `prefix_config`).
+``BLOCK_M,TILE_N,num_warps,num_stages,programs_per_sm[,rMAXNREG]`` (see `prefix_config`).
 ``PAGEDCORE_TRITON_CASCADE_OVERLAP=1`` (experiment, CUDA only) runs the prefix launch on a
 side stream beside a split suffix launch (the builder then splits every suffix launch at
 least in two), joined before `cascade_merge_kernel`: the compute-bound prefix and the
@@ -124,7 +124,7 @@ class CascadePlan:
 class PrefixConfig:
     """Shape of one prefix launch: ``(m_tiles, Hkv, segments)`` programs of ``block_m``
     query rows, walking ``tile_n``-token tiles on ``num_warps`` warps and ``num_stages``
-    pipeline stages."""
+    pipeline stages, registers capped at ``maxnreg`` per thread when set."""
 
     block_m: int
     tile_n: int
@@ -132,6 +132,7 @@ class PrefixConfig:
     num_stages: int
     m_tiles: int
     segments: int
+    maxnreg: int | None = None
 
 
 def plan_cascade(
@@ -242,24 +243,33 @@ def _num_sms(device: torch.device) -> int:
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
-def _parse_override(text: str) -> tuple[int, int, int, int, float]:
+def _parse_override(text: str) -> tuple[int, int, int, int, float, int | None]:
+    fields = [f.strip() for f in text.split(",")]
+    maxnreg = None
+    if len(fields) == 6 and fields[5][:1] == "r" and fields[5][1:].isdigit():
+        maxnreg = int(fields[5][1:])
+        fields = fields[:5]
     try:
-        block_m, tile_n, warps, stages = (int(x) for x in text.split(",")[:4])
-        per_sm = float(text.split(",")[4]) if text.count(",") >= 4 else 1.0
+        block_m, tile_n, warps, stages = (int(x) for x in fields[:4])
+        per_sm = float(fields[4]) if len(fields) == 5 else 1.0
+        if len(fields) > 5:
+            raise ValueError
     except ValueError:
         raise ValueError(
             f"{CASCADE_PREFIX_ENV}={text!r}: expected BLOCK_M,TILE_N,num_warps,num_stages"
-            "[,programs_per_sm] (integers; e.g. 128,64,8,3,1); unset it for the default"
+            "[,programs_per_sm[,rMAXNREG]] (integers; e.g. 128,64,8,3,1 or 64,32,4,3,3,r168); "
+            "unset it for the default"
         ) from None
     for name, v in (("BLOCK_M", block_m), ("TILE_N", tile_n)):
         if v < 16 or v & (v - 1):
             raise ValueError(f"{CASCADE_PREFIX_ENV}: {name}={v} must be a power of two >= 16")
-    if warps not in (1, 2, 4, 8, 16) or stages < 1 or per_sm <= 0:
+    if (warps not in (1, 2, 4, 8, 16) or stages < 1 or per_sm <= 0
+            or (maxnreg is not None and not 24 <= maxnreg <= 255)):
         raise ValueError(
             f"{CASCADE_PREFIX_ENV}={text!r}: num_warps must be 1/2/4/8/16, num_stages >= 1, "
-            "programs_per_sm > 0"
+            "programs_per_sm > 0, rMAXNREG within r24..r255"
         )
-    return block_m, tile_n, warps, stages, per_sm
+    return block_m, tile_n, warps, stages, per_sm, maxnreg
 
 
 def prefix_config(
@@ -275,8 +285,9 @@ def prefix_config(
     head_pad = triton.next_power_of_2(head_size)
     rows = num_tokens * (num_heads // num_kv_heads)
     per_sm = 1.0
+    maxnreg = None
     if override:
-        block_m, tile_n, warps, stages, per_sm = _parse_override(override)
+        block_m, tile_n, warps, stages, per_sm, maxnreg = _parse_override(override)
     elif interpreting():
         block_m, tile_n, warps, stages = 16, max(16, block_size), 4, 1
     elif head_pad > 128 or itemsize > 2:  # bound registers and shared memory
@@ -293,7 +304,7 @@ def prefix_config(
     row_bytes = num_tokens * num_heads * (head_pad + 2) * 4
     segments = max(1, min(segments, MAX_PREFIX_PARTIAL_BYTES // max(1, row_bytes)))
     return PrefixConfig(block_m=block_m, tile_n=tile_n, num_warps=warps, num_stages=stages,
-                        m_tiles=m_tiles, segments=segments)
+                        m_tiles=m_tiles, segments=segments, maxnreg=maxnreg)
 
 
 def suffix_tiles(part: LaunchPart, *, num_queries_per_kv: int, head_size: int,
@@ -379,6 +390,7 @@ def _launch_prefix(
         DOT_FP32=interpreting() or query.dtype == torch.float32, STAGES=cfg.num_stages,
         PREFIX_FROM_PTR=plan.prefix_len_dev is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
     )
 
 

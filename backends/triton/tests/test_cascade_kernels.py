@@ -203,3 +203,16 @@ def test_overlap_switch_splits_the_suffix(monkeypatch: pytest.MonkeyPatch) -> No
     assert meta.cascade.suffix_part.num_segments >= 2
     assert not torch.isnan(casc).any()
     assert float((casc - plain).abs().max() / plain.abs().max()) < 1e-5
+
+
+def test_prefix_override_register_cap() -> None:
+    """``...,rN`` caps the prefix launch's registers (tuning the programs per SM)."""
+    from pagedcore_triton.cascade import CASCADE_PREFIX_ENV, prefix_config
+
+    kw = dict(num_tokens=4, num_heads=4, num_kv_heads=2, head_size=64, block_size=16,
+              prefix_len=64, num_sms=4)
+    assert prefix_config(override="64,32,4,3,3,r168", **kw).maxnreg == 168
+    assert prefix_config(override="64,32,4,3,3", **kw).maxnreg is None
+    for bad in ("64,32,4,3,3,r9", "64,32,4,3,3,168", "64,32,4,3,3,r168,x"):
+        with pytest.raises(ValueError, match=CASCADE_PREFIX_ENV):
+            prefix_config(override=bad, **kw)
