@@ -187,60 +187,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(result["profiler_us_per_call"], flush=True)
     save()
 
-    # Prefix-launch shapes.
-    rows = []
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 4
-    for text in ([] if args.smoke else PREFIX_VARIANTS):
-        os.environ[CASCADE_PREFIX_ENV] = text
-        try:
-            vmeta = builder.build(step.common, common_prefix_len=p)
-            vplan = vmeta.cascade
-            vout = torch.empty_like(q)
-            impl.forward(q, q, q, cache, vmeta, output=vout)
-            cfg = prefix_config(num_tokens=vplan.num_tokens, num_heads=args.heads,
-                                num_kv_heads=args.kv_heads, head_size=args.head_size,
-                                block_size=args.block_size, prefix_len=p, num_sms=sms,
-                                override=text)
-            row: dict[str, Any] = {"variant": text, "segments": cfg.segments,
-                                   "m_tiles": cfg.m_tiles, "rel_err": _rel(vout, out_plain)}
-            row["cascade_ms"] = timer(lambda m=vmeta, o=vout: impl.forward(
-                q, q, q, cache, m, output=o))
-            row["prefix_only_ms"] = timer(lambda pl=vplan: run_prefix(
-                pl, q, cache, scale=impl.scale, logits_soft_cap=None))
-        except Exception as e:  # a shape the compiler rejects
-            row = {"variant": text, "error": f"{type(e).__name__}: {e}"[:300]}
-        finally:
-            os.environ.pop(CASCADE_PREFIX_ENV, None)
-        print(f"prefix variant {row}", flush=True)
-        rows.append(row)
-    result["prefix_variants"] = rows
-    save()
-
-    # Suffix-launch shapes (``PAGEDCORE_TRITON_DECODE_TILES``), with the default prefix.
-    from pagedcore_triton.plan import DECODE_TILES_ENV
-
-    rows = []
-    for text in ([] if args.smoke else SUFFIX_VARIANTS):
-        os.environ[DECODE_TILES_ENV] = text
-        try:
-            vmeta = builder.build(step.common, common_prefix_len=p)
-            vout = torch.empty_like(q)
-            impl.forward(q, q, q, cache, vmeta, output=vout)
-            row = {"variant": text, "rel_err": _rel(vout, out_plain),
-                   "cascade_ms": timer(lambda m=vmeta, o=vout: impl.forward(
-                       q, q, q, cache, m, output=o))}
-            ometa = builder.build(own.common)
-            row["own_only_decode_ms"] = timer(lambda m=ometa: impl.forward(
-                own.query, own.query, own.query, own.cache, m, output=own_out))
-        except Exception as e:  # a shape the compiler rejects
-            row = {"variant": text, "error": f"{type(e).__name__}: {e}"[:300]}
-        finally:
-            os.environ.pop(DECODE_TILES_ENV, None)
-        print(f"suffix variant {row}", flush=True)
-        rows.append(row)
-    result["suffix_variants"] = rows
-    save()
-
     # Two streams: the prefix beside a split suffix launch (partials), then the merge.
     if cuda:
         builder.decode_segments = lambda **_: 2  # type: ignore[method-assign]
@@ -335,6 +281,60 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             os.environ.pop(CASCADE_OVERLAP_ENV, None)
         result["library_overlap"] = lib
         print(f"library overlap {lib}", flush=True)
+    # Prefix-launch shapes.
+    rows = []
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 4
+    for text in ([] if args.smoke else PREFIX_VARIANTS):
+        os.environ[CASCADE_PREFIX_ENV] = text
+        try:
+            vmeta = builder.build(step.common, common_prefix_len=p)
+            vplan = vmeta.cascade
+            vout = torch.empty_like(q)
+            impl.forward(q, q, q, cache, vmeta, output=vout)
+            cfg = prefix_config(num_tokens=vplan.num_tokens, num_heads=args.heads,
+                                num_kv_heads=args.kv_heads, head_size=args.head_size,
+                                block_size=args.block_size, prefix_len=p, num_sms=sms,
+                                override=text)
+            row: dict[str, Any] = {"variant": text, "segments": cfg.segments,
+                                   "m_tiles": cfg.m_tiles, "rel_err": _rel(vout, out_plain)}
+            row["cascade_ms"] = timer(lambda m=vmeta, o=vout: impl.forward(
+                q, q, q, cache, m, output=o))
+            row["prefix_only_ms"] = timer(lambda pl=vplan: run_prefix(
+                pl, q, cache, scale=impl.scale, logits_soft_cap=None))
+        except Exception as e:  # a shape the compiler rejects
+            row = {"variant": text, "error": f"{type(e).__name__}: {e}"[:300]}
+        finally:
+            os.environ.pop(CASCADE_PREFIX_ENV, None)
+        print(f"prefix variant {row}", flush=True)
+        rows.append(row)
+        result["prefix_variants"] = rows
+        save()
+
+    # Suffix-launch shapes (``PAGEDCORE_TRITON_DECODE_TILES``), with the default prefix.
+    from pagedcore_triton.plan import DECODE_TILES_ENV
+
+    rows = []
+    for text in ([] if args.smoke else SUFFIX_VARIANTS):
+        os.environ[DECODE_TILES_ENV] = text
+        try:
+            vmeta = builder.build(step.common, common_prefix_len=p)
+            vout = torch.empty_like(q)
+            impl.forward(q, q, q, cache, vmeta, output=vout)
+            row = {"variant": text, "rel_err": _rel(vout, out_plain),
+                   "cascade_ms": timer(lambda m=vmeta, o=vout: impl.forward(
+                       q, q, q, cache, m, output=o))}
+            ometa = builder.build(own.common)
+            row["own_only_decode_ms"] = timer(lambda m=ometa: impl.forward(
+                own.query, own.query, own.query, own.cache, m, output=own_out))
+        except Exception as e:  # a shape the compiler rejects
+            row = {"variant": text, "error": f"{type(e).__name__}: {e}"[:300]}
+        finally:
+            os.environ.pop(DECODE_TILES_ENV, None)
+        print(f"suffix variant {row}", flush=True)
+        rows.append(row)
+        result["suffix_variants"] = rows
+        save()
+
     save()
     print(f"wrote {args.json}")
     return result
