@@ -81,13 +81,13 @@ def cubin_facts(cubin: bytes) -> tuple[int | None, int | None, str]:
 
 
 def compile_for_sm90(kernel: Any, consts: dict[str, Any], types: dict[str, str],
-                     num_warps: int, num_stages: int) -> Any:
+                     num_warps: int, num_stages: int, *, maxnreg: int | None = None) -> Any:
     """``triton.compile`` of `kernel` for sm_90 (no GPU needed): `consts` become constexprs,
     `types` names the arguments that are not ``i32`` (``"*bf16"``, ``"fp32"``, a
     ``tensordesc<...>``); other ``*_ptr`` arguments are ``*i32``. Pointers, strides and
     ``v_offset`` are declared 16-divisible, as the launches guarantee. Constexpr parameters
     missing from `consts` take their declared defaults (as a launch that omits them does),
-    so a kernel that gains one keeps compiling here."""
+    so a kernel that gains one keeps compiling here. `maxnreg` caps registers per thread."""
     import inspect
 
     import triton
@@ -113,7 +113,8 @@ def compile_for_sm90(kernel: Any, consts: dict[str, Any], types: dict[str, str],
     return triton.compile(
         ASTSource(kernel, sig, constexprs=consts, attrs=attrs),
         target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": num_warps, "num_stages": num_stages},
+        options={"num_warps": num_warps, "num_stages": num_stages,
+                 **({} if maxnreg is None else {"maxnreg": maxnreg})},
     )
 
 
