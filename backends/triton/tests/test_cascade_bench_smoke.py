@@ -33,3 +33,22 @@ def test_run_cascade_script_smoke(tmp_path: Path) -> None:
     assert not result["unshared"]["cascade_planned"]
     assert [r["num_reqs"] for r in result["sweep"]] == [2, 4]
     assert all(r["rel_err_cascade_vs_plain"] < 1e-4 for r in result["sweep"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the smoke mode is the CPU interpreter's")
+def test_cascade_probe_smoke(tmp_path: Path) -> None:
+    """``backends/triton/tools/cascade_probe.py --smoke``: the step and its parts on tiny
+    shapes, the cascade equal to the plain step."""
+    out = tmp_path / "probe.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "backends/triton/tools/cascade_probe.py"), "--smoke",
+         "--json", str(out)],
+        cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True,
+        text=True, timeout=600, check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["rel_err_cascade"] < 1e-5 and not result["nan"], result
+    for part in ("prefix_only_ms", "suffix_with_merge_ms", "suffix_no_merge_ms",
+                 "own_only_decode_ms"):
+        assert result[part] > 0, part
