@@ -5,9 +5,9 @@ set -u
 export PYTHONPATH="$PWD:$PWD/backends/triton${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv > "$OUT/device.txt" 2>&1
-timeout 150 python3 backends/triton/tools/cascade_probe.py --json "$OUT/probe.json" \
+timeout 300 python3 backends/triton/tools/cascade_probe.py --json "$OUT/probe.json" \
     > "$OUT/probe.log" 2>&1; echo "probe rc $?" >> "$OUT/probe.log"
-timeout 50 ncu --clock-control none --kernel-name regex:"cascade_prefix|paged_attention" \
+timeout 120 ncu --clock-control none --kernel-name regex:"cascade_prefix|paged_attention" \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
     --section MemoryWorkloadAnalysis \
     python3 backends/triton/tools/cascade_probe.py --json "$OUT/ncu_probe.json" --ncu \
