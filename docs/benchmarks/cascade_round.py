@@ -78,17 +78,9 @@ def components() -> str:
     """Time the target step's parts per prefix shape; return the fastest correct shape."""
     sys.path.insert(0, str(ROOT / "backends/triton/tools"))
     import cascade_bench
-    import torch
 
     args = argparse.Namespace(smoke=SMOKE)
-    if SMOKE:
-        args.reqs, args.prefix, args.own = 4, 32, 16
-        args.heads, args.kv_heads, args.head_size, args.block_size = 4, 2, 64, 16
-        args.dtype, device = "float32", torch.device("cpu")
-    else:
-        args.reqs, args.prefix, args.own = 64, 4096, 256
-        args.heads, args.kv_heads, args.head_size, args.block_size = 32, 8, 128, 16
-        args.dtype, device = "bfloat16", torch.device("cuda")
+    device = cascade_bench.set_target_shape(args, smoke=SMOKE)
     variants = [""] + [v for v in os.environ.get(
         "CASCADE_VARIANTS", "16,16,4,1,2" if SMOKE else "64,64,4,3,2").split(";") if v]
     rows = cascade_bench.components(args, device, variants=variants)

@@ -37,8 +37,8 @@ def test_run_cascade_script_smoke(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the smoke mode is the CPU interpreter's")
 def test_cascade_probe_smoke(tmp_path: Path) -> None:
-    """``backends/triton/tools/cascade_probe.py --smoke``: the step and its parts on tiny
-    shapes, the cascade equal to the plain step."""
+    """``backends/triton/tools/cascade_probe.py --smoke``: the step, its parts and the shape
+    sweeps on tiny shapes, every cascade equal to the plain step."""
     out = tmp_path / "probe.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "backends/triton/tools/cascade_probe.py"), "--smoke",
@@ -52,3 +52,6 @@ def test_cascade_probe_smoke(tmp_path: Path) -> None:
     for part in ("prefix_only_ms", "suffix_with_merge_ms", "suffix_no_merge_ms",
                  "own_only_decode_ms"):
         assert result[part] > 0, part
+    sweeps = result["prefix_variants"] + result["suffix_variants"]
+    assert len(sweeps) == 3 and all("error" not in r for r in sweeps), sweeps
+    assert all(r["rel_err"] < 1e-5 and r["cascade_ms"] > 0 for r in sweeps), sweeps

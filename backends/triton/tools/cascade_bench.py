@@ -82,6 +82,22 @@ class Step:
         )
 
 
+def set_target_shape(args: argparse.Namespace, *, smoke: bool) -> torch.device:
+    """Fill `args` with the target step's shape (issue 26: 64 requests x (4,096 shared + 256
+    own) tokens, 32 / 8 heads, d128, block 16, bf16, on CUDA) or, with `smoke`, a tiny one
+    for Triton's interpreter (4 x (32 + 16), 4 / 2 heads, d64, float32, on the CPU); return
+    the device."""
+    if smoke:
+        args.reqs, args.prefix, args.own = 4, 32, 16
+        args.heads, args.kv_heads, args.head_size, args.block_size = 4, 2, 64, 16
+        args.dtype = "float32"
+        return torch.device("cpu")
+    args.reqs, args.prefix, args.own = 64, 4096, 256
+    args.heads, args.kv_heads, args.head_size, args.block_size = 32, 8, 128, 16
+    args.dtype = "bfloat16"
+    return torch.device("cuda")
+
+
 def _setup(step: Step, args: argparse.Namespace, device: torch.device) -> tuple[Any, Any]:
     from pagedcore_triton import TritonAttentionBackend
 
@@ -349,17 +365,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if unknown:
         ap.error(f"--parts: unknown {sorted(unknown)}; pick from target, components, "
                  "suffix, unshared, sweep")
+    device = set_target_shape(args, smoke=args.smoke)
     if args.smoke:
-        args.reqs, args.prefix, args.own = 4, 32, 16
-        args.heads, args.kv_heads, args.head_size, args.block_size = 4, 2, 64, 16
-        args.dtype, sweep_reqs, sweep_prefix = "float32", [2, 4], [32]
-        device = torch.device("cpu")
+        sweep_reqs, sweep_prefix = [2, 4], [32]
     else:
-        args.reqs, args.prefix, args.own = 64, 4096, 256
-        args.heads, args.kv_heads, args.head_size, args.block_size = 32, 8, 128, 16
-        args.dtype, sweep_reqs, sweep_prefix = "bfloat16", [2, 4, 8, 16, 32, 64], [256, 1024,
-                                                                                   4096]
-        device = torch.device("cuda")
+        sweep_reqs, sweep_prefix = [2, 4, 8, 16, 32, 64], [256, 1024, 4096]
     if args.sweep_reqs:
         sweep_reqs = [int(x) for x in args.sweep_reqs.split(",")]
     if args.sweep_prefix:

@@ -91,14 +91,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="only launch the plain step, the cascade twice and the own-only "
                          "decode once (for Nsight Compute), then exit")
     args = ap.parse_args(argv)
-    if args.smoke:
-        args.reqs, args.prefix, args.own = 4, 64, 16
-        args.heads, args.kv_heads, args.head_size, args.block_size = 4, 2, 64, 16
-        args.dtype, device = "float32", torch.device("cpu")
-    else:
-        args.reqs, args.prefix, args.own = 64, 4096, 256
-        args.heads, args.kv_heads, args.head_size, args.block_size = 32, 8, 128, 16
-        args.dtype, device = "bfloat16", torch.device("cuda")
+    device = cb.set_target_shape(args, smoke=args.smoke)
     dtype = getattr(torch, args.dtype)
     cuda = device.type == "cuda"
     timer = cb._timer(args.smoke, device, 200.0)
@@ -279,60 +272,58 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             os.environ.pop(CASCADE_OVERLAP_ENV, None)
         result["library_overlap"] = lib
         print(f"library overlap {lib}", flush=True)
-    # Prefix-launch shapes.
-    rows = []
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 4
-    for text in ([] if args.smoke else PREFIX_VARIANTS):
-        os.environ[CASCADE_PREFIX_ENV] = text
-        try:
-            vmeta = builder.build(step.common, common_prefix_len=p)
-            vplan = vmeta.cascade
-            vout = torch.empty_like(q)
-            impl.forward(q, q, q, cache, vmeta, output=vout)
-            cfg = prefix_config(num_tokens=vplan.num_tokens, num_heads=args.heads,
-                                num_kv_heads=args.kv_heads, head_size=args.head_size,
-                                block_size=args.block_size, prefix_len=p, num_sms=sms,
-                                override=text)
-            row: dict[str, Any] = {"variant": text, "segments": cfg.segments,
-                                   "m_tiles": cfg.m_tiles, "rel_err": _rel(vout, out_plain)}
-            row["cascade_ms"] = timer(lambda m=vmeta, o=vout: impl.forward(
-                q, q, q, cache, m, output=o))
-            row["prefix_only_ms"] = timer(lambda pl=vplan: run_prefix(
-                pl, q, cache, scale=impl.scale, logits_soft_cap=None))
-        except Exception as e:  # a shape the compiler rejects
-            row = {"variant": text, "error": f"{type(e).__name__}: {e}"[:300]}
-        finally:
-            os.environ.pop(CASCADE_PREFIX_ENV, None)
-        print(f"prefix variant {row}", flush=True)
-        rows.append(row)
-        result["prefix_variants"] = rows
-        save()
+    def sweep(name: str, env: str, texts: list[str],
+              measure: Callable[[str], dict[str, Any]]) -> None:
+        """`measure` each shape text with `env` set to it, one JSON row each (a shape the
+        compiler rejects records its error), saved as it goes under `name`."""
+        rows: list[dict[str, Any]] = []
+        for text in texts:
+            os.environ[env] = text
+            try:
+                row = {"variant": text, **measure(text)}
+            except Exception as e:
+                row = {"variant": text, "error": f"{type(e).__name__}: {e}"[:300]}
+            finally:
+                os.environ.pop(env, None)
+            print(f"{name}: {row}", flush=True)
+            rows.append(row)
+            result[name] = rows
+            save()
 
-    # Suffix-launch shapes (``PAGEDCORE_TRITON_DECODE_TILES``), with the default prefix.
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 4
+
+    def prefix_shape(text: str) -> dict[str, Any]:
+        vmeta = builder.build(step.common, common_prefix_len=p)
+        vplan = vmeta.cascade
+        vout = torch.empty_like(q)
+        impl.forward(q, q, q, cache, vmeta, output=vout)
+        cfg = prefix_config(num_tokens=vplan.num_tokens, num_heads=args.heads,
+                            num_kv_heads=args.kv_heads, head_size=args.head_size,
+                            block_size=args.block_size, prefix_len=p, num_sms=sms,
+                            override=text)
+        return {"segments": cfg.segments, "m_tiles": cfg.m_tiles,
+                "rel_err": _rel(vout, out_plain),
+                "cascade_ms": timer(lambda: impl.forward(q, q, q, cache, vmeta, output=vout)),
+                "prefix_only_ms": timer(lambda: run_prefix(vplan, q, cache, scale=impl.scale,
+                                                           logits_soft_cap=None))}
+
+    def suffix_shape(text: str) -> dict[str, Any]:
+        vmeta = builder.build(step.common, common_prefix_len=p)
+        vout = torch.empty_like(q)
+        impl.forward(q, q, q, cache, vmeta, output=vout)
+        ometa = builder.build(own.common)
+        return {"rel_err": _rel(vout, out_plain),
+                "cascade_ms": timer(lambda: impl.forward(q, q, q, cache, vmeta, output=vout)),
+                "own_only_decode_ms": timer(lambda: impl.forward(
+                    own.query, own.query, own.query, own.cache, ometa, output=own_out))}
+
     from pagedcore_triton.plan import DECODE_TILES_ENV
 
-    rows = []
-    for text in ([] if args.smoke else SUFFIX_VARIANTS):
-        os.environ[DECODE_TILES_ENV] = text
-        try:
-            vmeta = builder.build(step.common, common_prefix_len=p)
-            vout = torch.empty_like(q)
-            impl.forward(q, q, q, cache, vmeta, output=vout)
-            row = {"variant": text, "rel_err": _rel(vout, out_plain),
-                   "cascade_ms": timer(lambda m=vmeta, o=vout: impl.forward(
-                       q, q, q, cache, m, output=o))}
-            ometa = builder.build(own.common)
-            row["own_only_decode_ms"] = timer(lambda m=ometa: impl.forward(
-                own.query, own.query, own.query, own.cache, m, output=own_out))
-        except Exception as e:  # a shape the compiler rejects
-            row = {"variant": text, "error": f"{type(e).__name__}: {e}"[:300]}
-        finally:
-            os.environ.pop(DECODE_TILES_ENV, None)
-        print(f"suffix variant {row}", flush=True)
-        rows.append(row)
-        result["suffix_variants"] = rows
-        save()
-
+    smoke = args.smoke
+    sweep("prefix_variants", CASCADE_PREFIX_ENV,
+          ["16,16,4,1,2", "16,32,4,1,1,r128"] if smoke else PREFIX_VARIANTS, prefix_shape)
+    sweep("suffix_variants", DECODE_TILES_ENV, ["16,4,1"] if smoke else SUFFIX_VARIANTS,
+          suffix_shape)
     save()
     print(f"wrote {args.json}")
     return result
