@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BLOCK_SIZE", "HEAD_SIZE", "NUM_HEADS", "NUM_KV_HEADS", "BackendUnderTest", "PagedKV",
-    "copy_bandwidth_gbps", "graph_time_ms", "host_ms", "time_ms",
+    "copy_bandwidth_gbps", "graph_time_ms", "host_ms", "kernel_summary", "time_ms",
 ]
 
 #: Query heads, KV heads and head size of every kernel bench case.
@@ -124,6 +124,20 @@ def graph_time_ms(
             fn()
     _sync(device)
     return time_ms(graph.replay, device, budget_ms=budget_ms) / calls
+
+
+def kernel_summary(prof: Any, calls: int, top: int = 25) -> list[dict[str, Any]]:
+    """The CUDA kernels and copies of a `torch.profiler` run of `calls` repetitions, slowest
+    first: ``name``, ``us_per_step`` (own device microseconds per repetition) and
+    ``calls_per_step`` (launches per repetition); the first `top`."""
+    rows = []
+    for ev in prof.key_averages():
+        if ev.device_type.name != "CUDA" or ev.self_device_time_total <= 0:
+            continue
+        rows.append({"name": ev.key[:120], "us_per_step": ev.self_device_time_total / calls,
+                     "calls_per_step": ev.count / calls})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return rows[:top]
 
 
 def copy_bandwidth_gbps(device: torch.device, *, quick: bool) -> float:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from pagedcore.bench.kernel_primitives import kernel_summary
 from pagedcore.cli_progress import progress_bar
 from pagedcore.cli_types import IntList, OutputPath, positive_int
 from pagedcore.engine.engine_args_cli import engine_options
@@ -108,17 +109,6 @@ def _device_intervals(prof: Any) -> list[tuple[float, float]]:
         if ev.device_type.name == "CUDA":
             out.append((float(ev.time_range.start), float(ev.time_range.end)))
     return out
-
-
-def _kernel_summary(prof: Any, steps: int, top: int = 25) -> list[dict[str, Any]]:
-    rows = []
-    for ev in prof.key_averages():
-        if ev.device_type.name != "CUDA" or ev.self_device_time_total <= 0:
-            continue
-        rows.append({"name": ev.key[:120], "us_per_step": ev.self_device_time_total / steps,
-                     "calls_per_step": ev.count / steps})
-    rows.sort(key=lambda r: -r["us_per_step"])
-    return rows[:top]
 
 
 def _fill(llm: Any, batch: int, context: int, max_new: int, vocab: int, seed: int,
@@ -203,7 +193,7 @@ def measure_step(llm: Any, *, batch: int, context: int, steps: int, overlap: boo
         if idle is not None:  # (the profiler slows the host: an upper bound)
             row["profiled_gpu_idle_pct"] = 100.0 * idle["idle_us"] / max(idle["span_us"], 1e-9)
             row["profiled_gpu_busy_ms_per_step"] = idle["busy_us"] / n / 1e3
-        row["kernels"] = _kernel_summary(prof, n)
+        row["kernels"] = kernel_summary(prof, n)
         if trace_path is not None:
             _write_trace(prof, trace_path)
     for rid in ids:
@@ -329,7 +319,7 @@ def measure_prefix_hit(llm: Any, *, prefix: int, user: int = 64, reps: int = 5,
             idle = gpu_idle(_device_intervals(prof))
             if idle is not None:
                 rows["profiled_gpu_busy_ms"] = idle["busy_us"] / 1e3
-            rows["kernels"] = _kernel_summary(prof, 1)
+            rows["kernels"] = kernel_summary(prof, 1)
     finally:
         llm.set_async_scheduling(before)
     rows["hits_proven"] = all(

@@ -108,6 +108,9 @@ class CascadePlan:
         ``[1]`` int32 device scalar holding the real ``P`` (`plan_graph_cascade`), else None;
         with it `prefix_len` is the capacity the prefix launch is sized for and
         `prefix_blocks` spans the capacity's blocks.
+    overlap:
+        Run the prefix launch on a side stream beside the (split) suffix launch
+        (``PAGEDCORE_TRITON_CASCADE_OVERLAP``, decided once per step by the builder).
     """
 
     prefix_len: int
@@ -118,6 +121,7 @@ class CascadePlan:
     num_tokens: int
     scratch: dict[tuple[Any, ...], Any] = attrs.field(factory=dict, repr=False)
     prefix_len_dev: torch.Tensor | None = None
+    overlap: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -136,11 +140,13 @@ class PrefixConfig:
 
 
 def plan_cascade(
-    common: CommonAttentionMetadata, prefix_len: int, block_size: int, part: LaunchPart
+    common: CommonAttentionMetadata, prefix_len: int, block_size: int, part: LaunchPart,
+    *, overlap: bool = False,
 ) -> CascadePlan:
     """The cascade plan of a step whose requests share `prefix_len` tokens; `part` is the
     builder's one-launch part over the whole step, with the split-KV segments it chose for
-    the suffix lengths."""
+    the suffix lengths. `overlap` (`overlap_enabled`) holds only when `part` splits: an
+    unsplit suffix launch merges the prefix's partials itself, so it must follow it."""
     num_reqs = common.num_reqs
     n_blocks = prefix_len // block_size
     suffix_part = attrs.evolve(
@@ -157,6 +163,7 @@ def plan_cascade(
         suffix_table=common.block_table[:num_reqs, n_blocks:],
         suffix_part=suffix_part,
         num_tokens=common.num_actual_tokens,
+        overlap=overlap and suffix_part.num_segments > 1,
     )
 
 
@@ -169,6 +176,7 @@ def plan_graph_cascade(
     *,
     suffix_seq_lens: torch.Tensor,
     suffix_table: torch.Tensor,
+    overlap: bool = False,
 ) -> CascadePlan:
     """The cascade plan of a CUDA-graph step: no host reads, only device ops into static
     buffers (so the same plan, its launches captured, serves every replay of the bucket).
@@ -193,6 +201,8 @@ def plan_graph_cascade(
         ``[B, W]`` int32 buffer (``W`` the block table's width), filled with the block
         table shifted left by ``P // block_size`` (its tail repeats the last column; those
         entries lie past every suffix length, never read).
+    overlap:
+        As in `plan_cascade`.
     """
     num_reqs = common.num_reqs
     table = common.block_table[:num_reqs]
@@ -215,6 +225,7 @@ def plan_graph_cascade(
         suffix_part=suffix_part,
         num_tokens=common.num_actual_tokens,
         prefix_len_dev=prefix_len_dev,
+        overlap=overlap and suffix_part.num_segments > 1,
     )
 
 
@@ -433,7 +444,7 @@ def run_cascade(
     scratch = _prefix_scratch(plan, query, kv_cache)
     _, pfx_acc, pfx_ml = scratch
     fused = suffix.part_acc is None
-    if not fused and query.is_cuda and overlap_enabled(query.device):
+    if plan.overlap and not fused and query.is_cuda:
         # The prefix beside the suffix launch: fork onto the side stream, join before the
         # merge (both are captured as parallel branches under a CUDA graph).
         main = torch.cuda.current_stream(query.device)

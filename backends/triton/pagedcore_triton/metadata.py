@@ -239,24 +239,18 @@ class TritonMetadataBuilder(MetadataBuilder[TritonAttentionMetadata]):
                 block_size=self.kv_cache_spec.block_size,
                 context_lens=common.context_lens_cpu[:num_reqs].tolist(),
             )
-            from pagedcore_triton.cascade import plan_cascade
+            from pagedcore_triton.cascade import overlap_enabled, plan_cascade
 
             whole = self._part(common, 0, num_reqs, allow_split=False)
+            overlap = overlap_enabled(self.device)
             if whole.max_query_len <= 1:  # decodes: split-KV by the suffix lengths
                 longest = int(common.seq_lens_cpu[:num_reqs].max()) - common_prefix_len
-                whole = attrs.evolve(whole, num_segments=self._suffix_segments(
-                    self.decode_segments(num_reqs=num_reqs, max_seq_len=longest)))
-            plan = plan_cascade(common, common_prefix_len, self.kv_cache_spec.block_size, whole)
+                whole = attrs.evolve(whole, num_segments=_suffix_segments(
+                    self.decode_segments(num_reqs=num_reqs, max_seq_len=longest), overlap))
+            plan = plan_cascade(common, common_prefix_len, self.kv_cache_spec.block_size, whole,
+                                overlap=overlap)
             meta = attrs.evolve(meta, cascade=plan)
         return meta
-
-    def _suffix_segments(self, segments: int) -> int:
-        """A decode cascade's suffix split: `segments`, at least 2 when the prefix launch
-        runs beside the suffix launch (``PAGEDCORE_TRITON_CASCADE_OVERLAP``: the suffix
-        then leaves partials for the merge instead of waiting for the prefix's)."""
-        from pagedcore_triton.cascade import overlap_enabled
-
-        return max(segments, 2) if overlap_enabled(self.device) else segments
 
     def build_for_cudagraph_capture(
         self, common: CommonAttentionMetadata
@@ -322,7 +316,7 @@ class TritonMetadataBuilder(MetadataBuilder[TritonAttentionMetadata]):
         with ALiBi, a window, sinks or an fp8 cache run the plain capture plan."""
         import torch
 
-        from pagedcore_triton.cascade import plan_graph_cascade
+        from pagedcore_triton.cascade import overlap_enabled, plan_graph_cascade
 
         if common.max_query_len > 1 or common.num_actual_tokens != common.num_reqs:
             raise ValueError("build_cascade_for_cudagraph_capture serves single-token decode "
@@ -334,12 +328,14 @@ class TritonMetadataBuilder(MetadataBuilder[TritonAttentionMetadata]):
         if suffix_table is None:
             suffix_table = torch.zeros((n, width), dtype=torch.int32,
                                        device=common.block_table.device)
-        segments = self._suffix_segments(self.decode_segments(
-            num_reqs=common.num_reqs, max_seq_len=common.max_seq_len))
+        overlap = overlap_enabled(self.device)
+        segments = _suffix_segments(self.decode_segments(
+            num_reqs=common.num_reqs, max_seq_len=common.max_seq_len), overlap)
         whole = attrs.evolve(meta.parts[0], num_segments=segments, balanced_programs=None)
         plan = plan_graph_cascade(common, prefix_len, capacity,
                                   self.kv_cache_spec.block_size, whole,
-                                  suffix_seq_lens=suffix_seq_lens, suffix_table=suffix_table)
+                                  suffix_seq_lens=suffix_seq_lens, suffix_table=suffix_table,
+                                  overlap=overlap)
         return attrs.evolve(meta, cascade=plan)
 
     def prepare_replay(self, metadata: TritonAttentionMetadata,
@@ -468,3 +464,10 @@ def _one_launch(
         balanced_programs=balanced_programs,
     )
     return TritonAttentionMetadata.from_common(common, (part,) if common.num_reqs > 0 else ())
+
+
+def _suffix_segments(segments: int, overlap: bool) -> int:
+    """A decode cascade's suffix split: `segments`, at least 2 when the prefix launch runs
+    beside the suffix launch (`overlap`, ``PAGEDCORE_TRITON_CASCADE_OVERLAP``: the suffix then
+    leaves partials for the merge instead of folding in the prefix's)."""
+    return max(segments, 2) if overlap else segments

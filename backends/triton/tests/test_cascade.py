@@ -52,8 +52,8 @@ def test_conformance_catches_prefix_counted_twice(monkeypatch: pytest.MonkeyPatc
 
     real = cascade.plan_cascade
 
-    def twice(common: Any, prefix_len: int, block_size: int, part: Any) -> Any:
-        plan = real(common, prefix_len, block_size, part)
+    def twice(common: Any, prefix_len: int, block_size: int, part: Any, **kw: Any) -> Any:
+        plan = real(common, prefix_len, block_size, part, **kw)
         n = common.num_reqs
         return attrs.evolve(plan, suffix_seq_lens=common.seq_lens[:n],
                             suffix_table=common.block_table[:n])

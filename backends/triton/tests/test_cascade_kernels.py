@@ -183,9 +183,10 @@ def test_suffix_tiles_for_gpu_decode_cascades_only(monkeypatch: pytest.MonkeyPat
 
 def test_overlap_switch_splits_the_suffix(monkeypatch: pytest.MonkeyPatch) -> None:
     """``PAGEDCORE_TRITON_CASCADE_OVERLAP``: off unless ``1`` on a CUDA device, a bad value
-    is named; with it on, a decode cascade's suffix launch splits at least in two (it
-    leaves partials for the merge while the prefix runs beside it; where the query is not
-    on CUDA the launches run one after the other), the output equal to the plain plan's."""
+    is named; with it on, a decode cascade's suffix launch splits at least in two and the
+    plan overlaps (the suffix leaves partials for the merge while the prefix runs beside
+    it; where the query is not on CUDA the launches run one after the other), the output
+    equal to the plain plan's; a mixed step's unsplit suffix never overlaps."""
     import pagedcore_triton.cascade as cascade
 
     monkeypatch.delenv(cascade.CASCADE_OVERLAP_ENV, raising=False)
@@ -196,12 +197,19 @@ def test_overlap_switch_splits_the_suffix(monkeypatch: pytest.MonkeyPatch) -> No
     with pytest.raises(ValueError, match=cascade.CASCADE_OVERLAP_ENV):
         cascade.overlap_enabled(torch.device("cuda"))
     monkeypatch.delenv(cascade.CASCADE_OVERLAP_ENV)
-    monkeypatch.setattr(cascade, "overlap_enabled", lambda device: True)
     prefix = 2 * BS
     step = _step(prefix, owns=[5, 40, 17], queries=[1, 1, 1])
+    _, (_, meta) = _run(step, prefix)
+    assert meta.cascade.suffix_part.num_segments == 1 and not meta.cascade.overlap
+    monkeypatch.setattr(cascade, "overlap_enabled", lambda device: True)
     plain, (casc, meta) = _run(step, prefix)
-    assert meta.cascade.suffix_part.num_segments >= 2
+    assert meta.cascade.suffix_part.num_segments >= 2 and meta.cascade.overlap
     assert not torch.isnan(casc).any()
+    assert float((casc - plain).abs().max() / plain.abs().max()) < 1e-5
+    # A mixed step's suffix launch stays unsplit (it folds the prefix in): no overlap.
+    mixed = _step(prefix, owns=[5, 0, 17], queries=[1, 4, 1])
+    plain, (casc, meta) = _run(mixed, prefix)
+    assert meta.cascade.suffix_part.num_segments == 1 and not meta.cascade.overlap
     assert float((casc - plain).abs().max() / plain.abs().max()) < 1e-5
 
 

@@ -39,9 +39,11 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
 
 
-def _kernel_times(fn: Callable[[], None], calls: int) -> dict[str, float]:
-    """Mean device microseconds per call of each kernel `fn` launches (torch.profiler)."""
+def _profile(fn: Callable[[], None], calls: int) -> list[dict[str, Any]]:
+    """`fn`'s kernels, own device microseconds per call (`torch.profiler`)."""
     from torch.profiler import ProfilerActivity, profile
+
+    from pagedcore.bench.kernel_primitives import kernel_summary
 
     fn()
     torch.cuda.synchronize()
@@ -49,28 +51,22 @@ def _kernel_times(fn: Callable[[], None], calls: int) -> dict[str, float]:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    out: dict[str, float] = {}
-    for evt in prof.key_averages():
-        dev_us = getattr(evt, "device_time_total", None)
-        if dev_us is None:
-            dev_us = evt.cuda_time_total
-        if dev_us:
-            out[evt.key[:60]] = dev_us / calls
-    return out
+    return kernel_summary(prof, calls)
 
 
-def _graphed(fn: Callable[[], None]) -> Callable[[], None]:
-    """`fn` captured once in a CUDA graph; the returned callable replays it."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+def _graph_rel_err(fn: Callable[[], None], out: torch.Tensor, ref: torch.Tensor,
+                   device: torch.device) -> float:
+    """Relative error of `out` after `fn` is replayed from a CUDA graph that first fills
+    `out` with NaN (a replay that writes nothing, or only part, shows)."""
+    from pagedcore.bench.kernel_primitives import graph_time_ms
+
+    def poisoned() -> None:
+        out.fill_(float("nan"))
         fn()
-    return graph.replay
+
+    graph_time_ms(poisoned, device, calls=1, budget_ms=5.0)
+    torch.cuda.synchronize()
+    return _rel(out, ref)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -83,6 +79,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     from pagedcore_triton.kernels.cascade import cascade_merge_kernel
     from pagedcore_triton.ops import run_launch
+
+    from pagedcore.bench.kernel_primitives import graph_time_ms
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", required=True)
@@ -173,9 +171,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         own.query, own.query, own.query, own.cache, own_meta, output=own_out))
     print({k: round(result[k], 4) for k in [*parts, "own_only_decode_ms"]}, flush=True)
     if cuda:
-        result["profiler_us_per_call"] = {"cascade": _kernel_times(cascade, 50),
-                                          "plain": _kernel_times(plain, 20)}
-        print(result["profiler_us_per_call"], flush=True)
+        result["profiler_kernels"] = {"cascade": _profile(cascade, 50),
+                                      "plain": _profile(plain, 20)}
+        print(result["profiler_kernels"], flush=True)
     save()
 
     # Two streams: the prefix beside a split suffix launch (partials), then the merge.
@@ -228,15 +226,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for name, fn in (("plain", plain), ("cascade", cascade),
                          ("two_streams", two_streams)):
             try:
-                replay = _graphed(fn)
-                graphs[f"{name}_ms"] = timer(replay)
+                graphs[f"{name}_ms"] = graph_time_ms(fn, device, calls=1)
             except Exception as e:
                 graphs[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
-        replay = _graphed(cascade)
-        out.fill_(float("nan"))
-        replay()
-        torch.cuda.synchronize()
-        graphs["cascade_rel_err"] = _rel(out, out_plain)
+        graphs["cascade_rel_err"] = _graph_rel_err(cascade, out, out_plain, device)
         if "plain_ms" in graphs and "cascade_ms" in graphs:
             graphs["speedup"] = graphs["plain_ms"] / graphs["cascade_ms"]
         if "plain_ms" in graphs and "two_streams_ms" in graphs:
@@ -260,18 +253,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             lib: dict[str, Any] = {"rel_err": _rel(oout, out_plain),
                                    "suffix_segments": ometa.cascade.suffix_part.num_segments,
                                    "cascade_ms": timer(overlapped)}
-            replay = _graphed(overlapped)
-            oout.fill_(float("nan"))
-            replay()
-            torch.cuda.synchronize()
-            lib["graph_rel_err"] = _rel(oout, out_plain)
-            lib["graph_ms"] = timer(replay)
+            lib["graph_rel_err"] = _graph_rel_err(overlapped, oout, out_plain, device)
+            lib["graph_ms"] = graph_time_ms(overlapped, device, calls=1)
         except Exception as e:
             lib = {"error": f"{type(e).__name__}: {e}"[:300]}
         finally:
             os.environ.pop(CASCADE_OVERLAP_ENV, None)
         result["library_overlap"] = lib
         print(f"library overlap {lib}", flush=True)
+
     def sweep(name: str, env: str, texts: list[str],
               measure: Callable[[str], dict[str, Any]]) -> None:
         """`measure` each shape text with `env` set to it, one JSON row each (a shape the
