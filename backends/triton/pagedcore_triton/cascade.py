@@ -21,9 +21,9 @@ replayed for any prefix up to the capacity (``docs/engine.md``).
 ``PAGEDCORE_TRITON_CASCADE_PREFIX`` (tuning) overrides the prefix launch's shape:
 ``BLOCK_M,TILE_N,num_warps,num_stages,programs_per_sm[,rMAXNREG]`` (see `prefix_config`).
 ``PAGEDCORE_TRITON_CASCADE_OVERLAP=1`` (experiment, CUDA only) runs the prefix launch on a
-side stream beside a split suffix launch (the builder then splits every suffix launch at
-least in two), joined before `cascade_merge_kernel`: the compute-bound prefix and the
-memory-bound suffixes share the SMs instead of running one after the other.
+side stream beside a split suffix launch (the builder then splits a decode step's suffix
+launch at least in two), joined before `cascade_merge_kernel`, so that the compute-bound
+prefix and the memory-bound suffixes can share the SMs (untimed; see `CascadePlan.overlap`).
 """
 
 from __future__ import annotations
