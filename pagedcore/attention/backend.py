@@ -225,6 +225,12 @@ class AttentionBackend(abc.ABC):
     #: captured cascade graph for decode steps that share a prefix instead of running them
     #: eagerly.
     supports_cascade_cudagraph: ClassVar[bool] = False
+    #: True when `MetadataBuilder.build_cascade_for_cudagraph_capture` also plans a *mixed*
+    #: token bucket's cascade (needs ``supports_cascade_cudagraph`` and ``cudagraph_support
+    #: == ALWAYS``): the engine then replays a captured cascade graph for mixed steps (new
+    #: prompts beside decodes) whose requests share a prefix, instead of giving up either
+    #: the cascade or the mixed-step graph.
+    supports_cascade_mixed_cudagraph: ClassVar[bool] = False
     #: The backend whose kernel serves some prefills instead of this one's (named in the
     #: capability table as ``prefill:<name>``; the metadata builder decides per step, e.g.
     #: cuda_paged hands prompts without cached context to triton's Hopper kernel), or None.
@@ -451,6 +457,13 @@ class MetadataBuilder(abc.ABC, Generic[M]):
         `build_for_cudagraph_capture`. Buffers the plan derives from the step (suffix
         lengths, a shifted block table) are refreshed in `prepare_replay`, which the engine
         calls after writing `prefix_len`.
+
+        Mixed token buckets (backends declaring ``supports_cascade_mixed_cudagraph``):
+        `common` is then a mixed bucket as `build_for_cudagraph_capture` describes it
+        (``max_query_len`` = ``num_actual_tokens`` = ``T``, ``num_reqs`` = the engine's
+        ``max_num_seqs``, padding requests with query length 0 and ``seq_lens`` 0), and the
+        plan must stay valid for any contents allowed there whose real requests share ``P``
+        tokens, every query after them.
         """
         raise NotImplementedError(
             f"{type(self).__name__} does not plan cascade attention for CUDA graphs; a "
@@ -470,9 +483,10 @@ class MetadataBuilder(abc.ABC, Generic[M]):
         ``use_cuda_graph`` wrappers with preallocated indptr / indices / last-page buffers)
         rewrites them here, *in place*: same tensors, same shapes, nothing the graph's
         kernels were launched with may move. The default does nothing (plans that read the
-        engine's buffers at run time need no refresh). Not called for mixed-step graphs.
-        Also called for the plans of `build_cascade_for_cudagraph_capture`, after the engine
-        wrote the replay's shared prefix length.
+        engine's buffers at run time need no refresh). Not called for plain mixed-step
+        graphs. Also called for the plans of `build_cascade_for_cudagraph_capture` (decode
+        and mixed buckets), after the engine wrote the replay's inputs and shared prefix
+        length.
         """
 
 

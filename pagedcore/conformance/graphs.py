@@ -10,7 +10,10 @@ each step with the reference; they run only for what a backend declares:
   `MetadataBuilder.build_for_cudagraph_capture`;
 * ``graph/cascade/...`` (``supports_cascade_cudagraph``): the plan of
   `MetadataBuilder.build_cascade_for_cudagraph_capture`, whose ``[1]`` int32 ``prefix_len``
-  is rewritten (``fill_``) before each replay, 0 included.
+  is rewritten (``fill_``) before each replay, 0 included;
+* ``graph/cascade_mixed/...`` (``supports_cascade_mixed_cudagraph``): the same method on a
+  mixed token bucket (`MIXED_TOKENS` token slots over `BUCKET` request slots): decodes and
+  prompt chunks that share a prefix, each query after it.
 
 One case is one plan, one KV cache and one set of buffers for a bucket of `BUCKET` requests,
 through the steps of `graph_steps`: the capture step (the plan's first contents; its forward
@@ -71,6 +74,7 @@ from pagedcore.conformance.report import CaseResult
 
 __all__ = [
     "BUCKET",
+    "MIXED_TOKENS",
     "GraphCase",
     "GraphStep",
     "build_graph_cases",
@@ -81,6 +85,8 @@ __all__ = [
 
 #: Requests in the captured bucket (real ones first, then padding).
 BUCKET = 4
+#: Token slots of the mixed bucket (``graph/cascade_mixed``; real tokens first).
+MIXED_TOKENS = 16
 #: The block table's capacity in tokens at block size 16 (stretched for larger blocks).
 CAPACITY_TOKENS = 96
 #: Head sizes the cases prefer, smallest first (CPU and interpreter friendly).
@@ -91,7 +97,10 @@ _WINDOW = 19
 _NAN = float("nan")
 #: The builder method that plans each kind of case.
 _CAPTURE_METHODS = {"decode": "build_for_cudagraph_capture",
-                    "cascade": "build_cascade_for_cudagraph_capture"}
+                    "cascade": "build_cascade_for_cudagraph_capture",
+                    "cascade_mixed": "build_cascade_for_cudagraph_capture"}
+#: The kinds whose plan gets ``(prefix_len, capacity)``.
+_CASCADE_KINDS = ("cascade", "cascade_mixed")
 
 
 @attrs.frozen(kw_only=True)
@@ -102,16 +111,24 @@ class GraphStep:
     ----------
     contexts:
         Per real request (the first ``len(contexts)`` rows of the bucket), the tokens already
-        in the cache; each has one query token, at position ``context``. The other rows are
+        in the cache; its query tokens start at position ``context``. The other rows are
         padding.
     prefix_len:
         Cascade: tokens ``P`` the real requests share in the same physical blocks (a multiple
         of the block size, at most every context), written into the plan's ``prefix_len``;
         0 shares nothing.
+    query_lens:
+        Mixed buckets: query tokens per real request (decodes first); empty: one each.
     """
 
     contexts: tuple[int, ...]
     prefix_len: int = 0
+    query_lens: tuple[int, ...] = ()
+
+    @property
+    def queries(self) -> tuple[int, ...]:
+        """Query tokens per real request."""
+        return self.query_lens or (1,) * len(self.contexts)
 
 
 @attrs.frozen(kw_only=True)
@@ -121,8 +138,9 @@ class GraphCase:
     Attributes
     ----------
     kind:
-        ``"decode"`` (`MetadataBuilder.build_for_cudagraph_capture`) or ``"cascade"``
-        (`MetadataBuilder.build_cascade_for_cudagraph_capture`).
+        ``"decode"`` (`MetadataBuilder.build_for_cudagraph_capture`), ``"cascade"`` or
+        ``"cascade_mixed"`` (`MetadataBuilder.build_cascade_for_cudagraph_capture` on a
+        decode or a mixed bucket).
     layer:
         The layer: shapes, dtype, features, seed and tolerance, as a `CaseSpec` named like
         this case (its ``batch`` is unused: the steps are `graph_steps`).
@@ -153,6 +171,9 @@ def graph_steps(kind: str, block_size: int) -> tuple[GraphStep, ...]:
     on a block edge. Cascade: the same capture (``P`` = 0, as the engine captures); then 4
     requests sharing 2 blocks (one whose context is exactly the prefix); then ``P`` = 0 on
     unshared requests (the plain plan); then a prefix of about two thirds of the capacity.
+    Mixed cascade: the cascade steps with prompt chunks beside the decodes (up to
+    `MIXED_TOKENS` tokens; one request's chunk starting exactly at the prefix), the last
+    with padding tokens after the real ones.
     """
     f = max(1, block_size // 16)
     cap = graph_capacity(block_size)
@@ -163,10 +184,20 @@ def graph_steps(kind: str, block_size: int) -> tuple[GraphStep, ...]:
             GraphStep(contexts=(40 * f, 16 * f, 71 * f, 25 * f)),
             GraphStep(contexts=(cap - 1, 31 * f, 57 * f)),
         )
-    if kind != "cascade":
-        raise ValueError(f"graph case kind {kind!r} is not 'decode' or 'cascade'")
+    if kind not in _CASCADE_KINDS:
+        raise ValueError(f"graph case kind {kind!r} is not one of 'decode', "
+                         "'cascade', 'cascade_mixed'")
     short = 2 * block_size
     long = max(2 * cap // 3 // block_size, 3) * block_size
+    if kind == "cascade_mixed":
+        return (
+            GraphStep(contexts=(3 * f, 9 * f), query_lens=(1, 5)),
+            GraphStep(contexts=(short + 8 * f, short + 39 * f, short, short + 18 * f),
+                      prefix_len=short, query_lens=(1, 1, 5, 9)),
+            GraphStep(contexts=(cap - 17, 31 * f, 57 * f), query_lens=(1, 6, 9)),
+            GraphStep(contexts=(cap - 1, long, min(long + 5 * f, cap - 8)), prefix_len=long,
+                      query_lens=(1, 2, 7)),
+        )
     return (
         capture,
         GraphStep(contexts=(short + 8 * f, short, short + 39 * f, short + 18 * f),
@@ -192,6 +223,9 @@ def build_graph_cases(
         kinds.append("decode")
     if backend.supports_cascade_cudagraph:
         kinds.append("cascade")
+    if (getattr(backend, "supports_cascade_mixed_cudagraph", False)
+            and backend.cudagraph_support >= CudaGraphSupport.ALWAYS):
+        kinds.append("cascade_mixed")
     if backend.mla_only or not kinds:
         return []
     base_dtype = _base_dtype(backend, device)
@@ -221,7 +255,7 @@ def build_graph_cases(
     cases = []
     for kind in kinds:
         for v in variants:
-            if kind == "cascade" and "sliding_window" in v:
+            if kind in _CASCADE_KINDS and "sliding_window" in v:
                 continue
             spec = {**base, **v}
             name = (f"graph/{kind}/{spec['dtype']}/hs{spec['head_size']}/bs{spec['block_size']}/"
@@ -232,23 +266,28 @@ def build_graph_cases(
 
 
 class _Buffers:
-    """The engine's persistent decode buffers of one bucket, and the metadata over them.
+    """The engine's persistent buffers of one bucket, and the metadata over them.
 
     Attributes
     ----------
     common:
-        `CommonAttentionMetadata` over the buffers (``num_reqs`` = ``num_actual_tokens`` =
-        the bucket, ``max_query_len`` 1, ``max_seq_len`` the capacity); the same object at
-        capture and every replay.
+        `CommonAttentionMetadata` over the buffers, the same object at capture and every
+        replay. A decode bucket: ``num_reqs`` = ``num_actual_tokens`` = the bucket,
+        ``max_query_len`` 1; a mixed bucket (`mixed_tokens` given): ``num_reqs`` = the
+        bucket's request slots, ``num_actual_tokens`` = ``max_query_len`` = its token slots.
+        ``max_seq_len`` is the capacity.
     query, key, value:
-        ``[bucket, Hq, D]`` / ``[bucket, Hkv, D]`` in the model dtype; NaN in padding rows.
+        ``[tokens, Hq, D]`` / ``[tokens, Hkv, D]`` in the model dtype; NaN in padding rows.
     """
 
     def __init__(self, layer: CaseSpec, *, bucket: int, width: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, mixed_tokens: int | None = None) -> None:
         i32 = torch.int32
-        self.qsl_cpu = torch.arange(bucket + 1, dtype=i32)
-        self.seq_cpu = torch.ones(bucket, dtype=i32)
+        self.mixed = mixed_tokens is not None
+        tokens = bucket if mixed_tokens is None else mixed_tokens
+        self.qsl_cpu = (torch.zeros(bucket + 1, dtype=i32) if self.mixed
+                        else torch.arange(bucket + 1, dtype=i32))
+        self.seq_cpu = (torch.zeros if self.mixed else torch.ones)(bucket, dtype=i32)
         # Device buffers of their own, also on the CPU: the host copies change on their own.
         self.common = CommonAttentionMetadata(
             query_start_loc=self.qsl_cpu.to(device, copy=True),
@@ -256,46 +295,58 @@ class _Buffers:
             seq_lens=self.seq_cpu.to(device, copy=True),
             seq_lens_cpu=self.seq_cpu,
             num_reqs=bucket,
-            num_actual_tokens=bucket,
-            max_query_len=1,
+            num_actual_tokens=tokens,
+            max_query_len=tokens if self.mixed else 1,
             max_seq_len=width * layer.block_size,
             block_table=torch.zeros(bucket, width, dtype=i32, device=device),
-            slot_mapping=torch.full((bucket,), -1, dtype=torch.int64, device=device),
-            positions=torch.zeros(bucket, dtype=torch.int64, device=device),
+            slot_mapping=torch.full((tokens,), -1, dtype=torch.int64, device=device),
+            positions=torch.zeros(tokens, dtype=torch.int64, device=device),
             causal=True,
         )
         hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_size
-        self.query = torch.full((bucket, hq, d), _NAN, dtype=dtype, device=device)
-        self.key = torch.full((bucket, hkv, d), _NAN, dtype=dtype, device=device)
-        self.value = torch.full((bucket, hkv, d), _NAN, dtype=dtype, device=device)
+        self.query = torch.full((tokens, hq, d), _NAN, dtype=dtype, device=device)
+        self.key = torch.full((tokens, hkv, d), _NAN, dtype=dtype, device=device)
+        self.value = torch.full((tokens, hkv, d), _NAN, dtype=dtype, device=device)
 
     def write(self, batch: Batch) -> None:
-        """Rewrite every buffer in place: `batch`'s requests (one query token each), then
-        padding rows (``seq_lens`` 1, a null-block row, slot -1, position 0, NaN inputs)."""
+        """Rewrite every buffer in place: `batch`'s requests, then padding. A decode bucket's
+        padding rows have ``seq_lens`` 1, a null-block row, slot -1 and position 0; a mixed
+        bucket's padding requests query length 0 and ``seq_lens`` 0 and its padding tokens
+        slot -1 and position 0. Padding inputs are NaN."""
         c = self.common
         bucket, width = c.block_table.shape
+        tokens = c.slot_mapping.shape[0]
         n = len(batch.contexts)
-        if n > bucket or any(len(ids) > width for ids in batch.block_ids):
-            raise ValueError(f"a step of {n} requests does not fit the bucket of {bucket} "
-                             f"requests x {width} blocks")
-        pad = bucket - n
+        real = sum(batch.query_lens)
+        if (n > bucket or real > tokens or any(len(ids) > width for ids in batch.block_ids)
+                or (not self.mixed and real != n)):
+            raise ValueError(f"a step of {n} requests / {real} tokens does not fit the bucket "
+                             f"of {bucket} requests x {width} blocks / {tokens} tokens")
+        pad_reqs, pad_tokens = bucket - n, tokens - real
         table = torch.zeros(bucket, width, dtype=torch.int32)
         for r, ids in enumerate(batch.block_ids):
             table[r, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
-        slots = [batch.slots(r, ctx, ctx + 1)[0] for r, ctx in enumerate(batch.contexts)]
-        self.qsl_cpu.copy_(torch.arange(bucket + 1, dtype=torch.int32))
-        self.seq_cpu.copy_(torch.tensor(batch.seq_lens + [1] * pad, dtype=torch.int32))
+        spans = [(ctx, ctx + q) for ctx, q in zip(batch.contexts, batch.query_lens,
+                                                  strict=True)]
+        slots = [s for r, (a, b) in enumerate(spans) for s in batch.slots(r, a, b)]
+        positions = [p for a, b in spans for p in range(a, b)]
+        starts = [0]
+        for q in batch.query_lens:
+            starts.append(starts[-1] + q)
+        self.qsl_cpu.copy_(torch.tensor(starts + [real] * pad_reqs, dtype=torch.int32))
+        self.seq_cpu.copy_(torch.tensor(batch.seq_lens + [0 if self.mixed else 1] * pad_reqs,
+                                        dtype=torch.int32))
         c.query_start_loc.copy_(self.qsl_cpu)
         c.seq_lens.copy_(self.seq_cpu)
         c.block_table.copy_(table)
-        c.slot_mapping.copy_(torch.tensor(slots + [-1] * pad, dtype=torch.int64))
-        c.positions.copy_(torch.tensor(list(batch.contexts) + [0] * pad, dtype=torch.int64))
-        rows = list(zip(batch.keys, batch.values, batch.contexts, strict=True))
-        for buf, new in ((self.query, [q[0] for q in batch.queries]),
-                         (self.key, [k[ctx] for k, _, ctx in rows]),
-                         (self.value, [v[ctx] for _, v, ctx in rows])):
+        c.slot_mapping.copy_(torch.tensor(slots + [-1] * pad_tokens, dtype=torch.int64))
+        c.positions.copy_(torch.tensor(positions + [0] * pad_tokens, dtype=torch.int64))
+        rows = list(zip(batch.keys, batch.values, spans, strict=True))
+        for buf, new in ((self.query, list(batch.queries)),
+                         (self.key, [k[a:b] for k, _, (a, b) in rows]),
+                         (self.value, [v[a:b] for _, v, (a, b) in rows])):
             buf.fill_(_NAN)
-            buf[:n] = torch.stack(new).to(buf.device, buf.dtype)
+            buf[:real] = torch.cat(new).to(buf.device, buf.dtype)
 
     def host_copies(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of the host arrays' current values (``query_start_loc_cpu``,
@@ -321,12 +372,14 @@ def _describe(index: int, step: GraphStep, batch: Batch) -> str:
     pad = BUCKET - len(batch.contexts)
     what = f"{len(batch.contexts)} requests" + (f" + {pad} padding" if pad else "")
     what += ", seq_lens " + ", ".join(map(str, batch.seq_lens))
+    if step.query_lens:
+        what += ", query_lens " + ", ".join(map(str, step.query_lens))
     what += f", prefix_len {step.prefix_len}" if step.prefix_len else ""
     return f"{'capture step' if index == 0 else f'replay {index}'} ({what})"
 
 
 def _replay_hint(kind: str) -> str:
-    what = "the buffers and prefix_len" if kind == "cascade" else "the buffers"
+    what = "the buffers and prefix_len" if kind in _CASCADE_KINDS else "the buffers"
     return (f"; the plan was right for its capture step, not after {what} were rewritten in "
             "place: nothing in it may depend on their values at capture, and whatever it "
             "derives from them must be refreshed in prepare_replay (MetadataBuilder docs)")
@@ -346,13 +399,15 @@ def _run(backend: type[AttentionBackend], case: GraphCase, device: torch.device,
                                        layer.head_size, layer.kv_cache_dtype)
     kv_cache = torch.full(shape, _NAN, dtype=kv_cache_torch_dtype(layer.kv_cache_dtype, dtype),
                           device=device)
-    bufs = _Buffers(layer, bucket=BUCKET, width=width, dtype=dtype, device=device)
+    bufs = _Buffers(layer, bucket=BUCKET, width=width, dtype=dtype, device=device,
+                    mixed_tokens=MIXED_TOKENS if case.kind == "cascade_mixed" else None)
     prefix_len = torch.zeros(1, dtype=torch.int32, device=device)
     plan: Any = None
     frozen = bufs.host_copies()
     worst = 0.0
     for i, step in enumerate(graph_steps(case.kind, layer.block_size)):
-        spec = BatchSpec(f"{case.name}#{i}", tuple((ctx, 1) for ctx in step.contexts), 0,
+        spec = BatchSpec(f"{case.name}#{i}",
+                         tuple(zip(step.contexts, step.queries, strict=True)), 0,
                          "a graph step", stretch=False, shared_prefix=step.prefix_len)
         batch = make_batch(layer, 1, spec=spec, num_blocks=num_blocks, seed=layer.seed + i)
         label = _describe(i, step, batch)
@@ -364,7 +419,8 @@ def _run(backend: type[AttentionBackend], case: GraphCase, device: torch.device,
             method = _CAPTURE_METHODS[case.kind]
             phase[0] = f"{label}, {method}"
             plan = getattr(builder, method)(
-                bufs.common, *((prefix_len, capacity) if case.kind == "cascade" else ()))
+                bufs.common,
+                *((prefix_len, capacity) if case.kind in _CASCADE_KINDS else ()))
             frozen = bufs.host_copies()
         else:
             prefix_len.fill_(step.prefix_len)

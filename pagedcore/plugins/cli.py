@@ -49,6 +49,7 @@ def _features(cls: type[AttentionBackend]) -> list[str]:
         "sink": cls.supports_sink,
         "cascade": cls.supports_cascade,
         "cascade_graph": cls.supports_cascade_cudagraph,
+        "cascade_mixed_graph": cls.supports_cascade_mixed_cudagraph,
         "mla_only" if cls.mla_only else "mla": cls.supports_mla or cls.mla_only,
     }
     names = [name for name, on in flags.items() if on]

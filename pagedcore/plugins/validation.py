@@ -42,7 +42,7 @@ _DEVICES = ("cpu", "cuda")
 _FLAGS = (
     "supports_sliding_window", "supports_mla", "mla_only", "supports_alibi",
     "supports_logits_soft_cap", "supports_sink", "supports_cascade",
-    "supports_cascade_cudagraph",
+    "supports_cascade_cudagraph", "supports_cascade_mixed_cudagraph",
 )
 T = TypeVar("T")
 
@@ -216,6 +216,14 @@ def declaration_problems(cls: type[AttentionBackend]) -> list[str]:
             "`supports_cascade_cudagraph = True` needs `supports_cascade = True` and "
             "`cudagraph_support >= CudaGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE` (cascade "
             "graphs are decode graphs that cascade); declare both or set it False"
+        )
+    if not problems and getattr(cls, "supports_cascade_mixed_cudagraph", False) and not (
+        cls.supports_cascade_cudagraph and cls.cudagraph_support >= CudaGraphSupport.ALWAYS
+    ):
+        problems.append(
+            "`supports_cascade_mixed_cudagraph = True` needs `supports_cascade_cudagraph = "
+            "True` and `cudagraph_support = CudaGraphSupport.ALWAYS` (mixed cascade graphs "
+            "are mixed-step graphs that cascade); declare both or set it False"
         )
     return problems
 

@@ -30,7 +30,7 @@ from pagedcore.attention.backend import (
 )
 from pagedcore.conformance import run_suite
 from pagedcore.conformance.cli import conformance
-from pagedcore.conformance.graphs import BUCKET, graph_capacity, graph_steps
+from pagedcore.conformance.graphs import BUCKET, MIXED_TOKENS, graph_capacity, graph_steps
 from pagedcore.conformance.runner import list_graph_cases
 from pagedcore.reference import ReferenceBackend
 from pagedcore.reference.metadata import ReferenceMetadataBuilder
@@ -156,6 +156,20 @@ def test_steps_cover_the_contract() -> None:
             assert prefixes[0] == 0 and 0 in prefixes[1:] and len(set(prefixes)) == 3
             for s in steps:
                 assert s.prefix_len % bsz == 0 and s.prefix_len <= min(s.contexts)
+        # Mixed buckets: decodes first, then prompt chunks, within the token slots; one chunk
+        # starts exactly at the prefix; a step leaves padding tokens; the capacity is reached.
+        steps = graph_steps("cascade_mixed", bsz)
+        assert [s.prefix_len for s in steps] == [s.prefix_len
+                                                 for s in graph_steps("cascade", bsz)]
+        for s in steps:
+            q = list(s.queries)
+            assert q == sorted(q) and q[0] == 1 and q[-1] > 1 and sum(q) <= MIXED_TOKENS
+            assert s.prefix_len <= min(s.contexts)
+            assert max(c + n for c, n in zip(s.contexts, q, strict=True)) <= cap
+        assert any(s.prefix_len and s.prefix_len in s.contexts for s in steps)
+        assert any(sum(s.queries) < MIXED_TOKENS for s in steps[1:])
+        assert max(c + n for s in steps for c, n in zip(s.contexts, s.queries,
+                                                        strict=True)) == cap
 
 
 def test_the_backend_sees_the_engine_s_buffers_poisoned() -> None:
@@ -222,7 +236,7 @@ def test_triton_passes_the_graph_cases() -> None:
     triton = _triton()
     report = run_suite(triton, quick=True, device=_device(), case_filter="graph/")
     names = [r.name.split("/")[1] for r in report.results]
-    assert names == ["decode", "cascade"], report.summary()
+    assert names == ["decode", "cascade", "cascade_mixed"], report.summary()
     assert report.passed, report.summary()
 
 
@@ -233,9 +247,13 @@ def test_triton_without_cascade_refresh_fails_the_cascade_case() -> None:
     _triton()
     report = run_suite(triton_without_cascade_refresh(), quick=True, device=_device(),
                        case_filter="graph/")
-    assert [r.status for r in report.results] == ["PASS", "FAIL"], report.summary()
-    failure = report.failures[0]
+    assert [r.status for r in report.results] == ["PASS", "FAIL", "FAIL"], report.summary()
+    failure, mixed = report.failures
     assert failure.name.startswith("graph/cascade/"), report.summary()
     assert "replay 1 (4 requests, seq_lens 41, 33, 72, 51, prefix_len 32)" in (
         failure.message or ""), failure.message
     assert "prefix_len were rewritten" in (failure.message or "")
+    # The mixed bucket's plan keeps the capture step's suffix buffers just the same.
+    assert mixed.name.startswith("graph/cascade_mixed/"), report.summary()
+    assert ("replay 1 (4 requests, seq_lens 41, 72, 37, 59, query_lens 1, 1, 5, 9, "
+            "prefix_len 32)") in (mixed.message or ""), mixed.message

@@ -190,3 +190,189 @@ def test_a_failing_cascade_capture_falls_back_with_a_warning(pays: None) -> None
         check_outputs_against_hf(ref, prompts, outs, 5)
         assert all(o.outputs[0].finish_reason == "length" for o in outs)
         assert_no_leak(llm)
+
+
+# ---- mixed steps (`CascadeMixedGraphs`) -------------------------------------------------
+
+
+@attrs.frozen(eq=False)
+class CascadeMixedMetadata:
+    """A mixed token bucket over the persistent buffers whose first ``prefix_len[0]`` tokens
+    are read from block-table row 0 for every request (values read at run time)."""
+
+    common: CommonAttentionMetadata
+    prefix_len: torch.Tensor
+
+
+class CascadeMixedBuilder(CascadeGraphBuilder):
+    """Plans mixed cascade graphs too; records each mixed replay's prefix length and the
+    host arrays `prepare_replay` got (the contract: the loaded step's, padding after)."""
+
+    seen_mixed: ClassVar[list[tuple[int, list[int], list[int]]]] = []
+
+    def build_cascade_for_cudagraph_capture(
+        self, common: CommonAttentionMetadata, prefix_len: torch.Tensor, capacity: int
+    ) -> Any:
+        if common.max_query_len == 1:
+            return super().build_cascade_for_cudagraph_capture(common, prefix_len, capacity)
+        assert common.max_query_len == common.num_actual_tokens
+        assert capacity == common.block_table.shape[1] * self.kv_cache_spec.block_size
+        return CascadeMixedMetadata(common, prefix_len)
+
+    def prepare_replay(self, metadata: Any, common: CommonAttentionMetadata) -> None:
+        if not isinstance(metadata, CascadeMixedMetadata):
+            return super().prepare_replay(metadata, common)
+        assert metadata.common.block_table.data_ptr() == common.block_table.data_ptr()
+        # The host arrays hold the device buffers' values (the step, then padding).
+        assert common.query_start_loc_cpu.tolist() == common.query_start_loc.tolist()
+        assert common.seq_lens_cpu.tolist() == common.seq_lens.tolist()
+        CascadeMixedBuilder.seen_mixed.append((int(metadata.prefix_len[0]),
+                                               common.query_start_loc_cpu.tolist(),
+                                               common.seq_lens_cpu.tolist()))
+
+
+class CascadeMixedImpl(CascadeGraphImpl):
+    """`GraphMixedImpl`'s mixed forward with the shared blocks read from row 0."""
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, metadata: Any, *,
+                output: torch.Tensor | None = None) -> torch.Tensor:
+        if not isinstance(metadata, CascadeMixedMetadata):
+            return super().forward(query, key, value, kv_cache, metadata, output=output)
+        common = metadata.common
+        qsl, seq = common.query_start_loc.long(), common.seq_lens.long()
+        tok = torch.arange(query.shape[0])
+        real = tok < qsl[-1]
+        req = torch.searchsorted(qsl[1:], tok, right=True).clamp(max=seq.shape[0] - 1)
+        pos_q = seq[req] - (qsl[req + 1] - qsl[req]) + (tok - qsl[req])
+        rows = common.block_table.long()
+        shared = torch.arange(rows.shape[1]) * kv_cache.shape[2] < metadata.prefix_len
+        table = torch.where(shared[None, :], rows[:1], rows)[req]
+        pos = torch.arange(table.shape[1] * kv_cache.shape[2])
+        visible = (pos[None, :] <= pos_q[:, None]) & real[:, None]
+        return attend_rows(self, query, kv_cache, table, pos_q, visible, output)
+
+
+class CascadeMixedBackend(CascadeGraphBackend):
+    name: ClassVar[str] = "graph_cascade_mixed_test"
+    supports_cascade_mixed_cudagraph: ClassVar[bool] = True
+
+    @classmethod
+    def get_builder_cls(cls) -> type[MetadataBuilder[Any]]:
+        return CascadeMixedBuilder
+
+    @classmethod
+    def get_impl_cls(cls) -> type[AttentionImpl[Any]]:
+        return CascadeMixedImpl
+
+
+def _record_eager_builds(builder: Any) -> list[int]:
+    """Wrap `builder.build`: the returned list gets each eager plan's prefix length."""
+    eager = builder.build
+    builds: list[int] = []
+
+    def build(c: CommonAttentionMetadata, common_prefix_len: int = 0, **kw: Any) -> Any:
+        builds.append(common_prefix_len)
+        return eager(c, common_prefix_len=common_prefix_len, **kw)
+
+    builder.build = build
+    return builds
+
+
+def _mixed_engine(name: str, mode: str) -> tuple[LLM, Any]:
+    llm, ref = _engine(name, mode)
+    CascadeMixedBuilder.seen_mixed = []
+    return llm, ref
+
+
+def test_shared_prefix_mixed_steps_replay_the_mixed_cascade_graph(pays: None) -> None:
+    """Prompts over a cached 20-token prefix prefill in one mixed step, and a second group
+    arrives while the first decodes: those steps replay the mixed cascade graph with P = 20
+    (no eager cascade, no plain mixed replay), the decodes the decode cascade graph, and
+    the tokens and logprobs are transformers' and those of cascade off."""
+    base = random_prompts([21], seed=3)[0]
+    prompts = [base + tail for tail in random_prompts([3, 5, 2, 6], seed=4)]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=2)
+    results = {}
+    with backend_registered(CascadeMixedBackend, "graph-cascade-mixed-test") as name:
+        for mode in ("auto", "off"):
+            llm, ref = _mixed_engine(name, mode)
+            runner: Any = llm.runner
+            llm.generate(prompts[:1], SamplingParams(max_tokens=1))  # the prefix, cached
+            builds = _record_eager_builds(runner.builders[0])
+            for i, p in enumerate(prompts[:2]):
+                llm.add_request(f"a{i}", p, params)
+            outs = list(llm.step())  # the first two prefill together (a mixed step)
+            for i, p in enumerate(prompts[2:]):
+                llm.add_request(f"b{i}", p, params)  # they join the decoding pair
+            while llm.has_unfinished_requests():
+                outs += llm.step()
+            done = sorted((o for o in outs if o.finished), key=lambda o: o.request_id)
+            assert [o.request_id for o in done] == ["a0", "a1", "b0", "b1"]
+            assert all(o.num_cached_tokens == 20 for o in done)  # 5 shared blocks of 4
+            ordered = [done[i] for i in (0, 1, 2, 3)]
+            check_outputs_against_hf(ref, prompts, ordered, 5)
+            results[mode] = [(c.token_ids, c.logprobs) for o in ordered for c in o.outputs]
+            paths = llm.stats()["cudagraph"]["step_paths"]
+            mixed = runner.cascade_mixed_graphs
+            if mode == "auto":
+                assert not any(builds), builds  # nothing cascaded eagerly
+                assert paths["cascade mixed graph"] == mixed.num_replays >= 2, paths
+                assert "eager (cascade plan)" not in paths, paths
+                assert {p for p, _, _ in CascadeMixedBuilder.seen_mixed} == {20}
+                # The step where b0 and b1 join a0 and a1: 2 decodes, then their prompts.
+                joined = [(qsl, seq) for p, qsl, seq in CascadeMixedBuilder.seen_mixed
+                          if qsl[:3] == [0, 1, 2]]
+                assert joined and joined[0][1][:4] == [25, 27, 23, 27], joined
+            else:
+                assert mixed.num_replays == 0 and "cascade mixed graph" not in paths
+            assert_no_leak(llm)
+    assert results["auto"] == results["off"]
+
+
+class BrokenMixedCascadeBuilder(CascadeMixedBuilder):
+    def build_cascade_for_cudagraph_capture(
+        self, common: CommonAttentionMetadata, prefix_len: torch.Tensor, capacity: int
+    ) -> Any:
+        if common.max_query_len > 1:
+            raise RuntimeError("planted: cannot plan this mixed cascade")
+        return super().build_cascade_for_cudagraph_capture(common, prefix_len, capacity)
+
+
+class BrokenMixedCascadeBackend(CascadeMixedBackend):
+    name: ClassVar[str] = "graph_cascade_mixed_broken_test"
+
+    @classmethod
+    def get_builder_cls(cls) -> type[MetadataBuilder[Any]]:
+        return BrokenMixedCascadeBuilder
+
+
+def test_a_failing_mixed_cascade_capture_falls_back_with_a_warning(pays: None) -> None:
+    """The mixed capture raises: the step warns and cascades eagerly, mixed cascade graphs
+    go off (decode cascade graphs stay), and the tokens are transformers'."""
+    base = random_prompts([21], seed=3)[0]
+    prompts = [base + tail for tail in random_prompts([3, 5], seed=4)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=1)
+    with backend_registered(BrokenMixedCascadeBackend, "graph-cascade-mixed-broken") as name:
+        llm, ref = _mixed_engine(name, "auto")
+        llm.generate(prompts[:1], SamplingParams(max_tokens=1))
+        with pytest.warns(RuntimeWarning, match="planted: cannot plan this mixed cascade"):
+            outs = llm.generate(prompts, params)
+        runner: Any = llm.runner
+        assert runner.cascade_mixed_graphs is None and runner.cascade_graphs is not None
+        paths = llm.stats()["cudagraph"]["step_paths"]
+        assert paths["eager (cascade plan)"] >= 1 and paths["cascade graph"] >= 1, paths
+        check_outputs_against_hf(ref, prompts, outs, 4)
+        assert_no_leak(llm)
+
+
+def test_mixed_cascade_graph_declaration_needs_cascade_graphs_and_mixed_graphs() -> None:
+    class DecodeGraphsOnly(CascadeMixedBackend):
+        name: ClassVar[str] = "decode_graphs_only"
+        cudagraph_support: ClassVar[CudaGraphSupport] = (
+            CudaGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE)
+
+    problems = declaration_problems(DecodeGraphsOnly)
+    assert any("supports_cascade_mixed_cudagraph" in p and "ALWAYS" in p
+               for p in problems), problems
+    assert declaration_problems(CascadeMixedBackend) == []

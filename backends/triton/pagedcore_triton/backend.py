@@ -68,11 +68,12 @@ class TritonAttentionBackend(AttentionBackend, metaclass=_TritonBackendMeta):
     supports_alibi: ClassVar[bool] = True
     supports_logits_soft_cap: ClassVar[bool] = True
     supports_sink: ClassVar[bool] = True
-    #: Shared-prefix steps (``pagedcore_triton.cascade``), eager and in decode CUDA graphs
-    #: (`TritonMetadataBuilder.build_cascade_for_cudagraph_capture`); layers with ALiBi, a
-    #: sliding window, sinks or an fp8 cache compute such steps the plain way.
+    #: Shared-prefix steps (``pagedcore_triton.cascade``), eager and in decode and mixed
+    #: CUDA graphs (`TritonMetadataBuilder.build_cascade_for_cudagraph_capture`); layers
+    #: with ALiBi, a sliding window, sinks or an fp8 cache compute such steps the plain way.
     supports_cascade: ClassVar[bool] = True
     supports_cascade_cudagraph: ClassVar[bool] = True
+    supports_cascade_mixed_cudagraph: ClassVar[bool] = True
     #: Uniform decode batches and mixed token buckets, planned by
     #: `TritonMetadataBuilder.build_for_cudagraph_capture`.
     cudagraph_support: ClassVar[CudaGraphSupport] = CudaGraphSupport.ALWAYS

@@ -207,12 +207,14 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         run_tma(launch, query, key, value, kv_cache, output, scale=self.scale)
 
     def _cascade_fits(self, plan: CascadePlan) -> bool:
-        """The step's suffix launch stays within `cascade.MAX_SUFFIX_ROWS` query rows per
-        KV head (else the plain plan serves the step)."""
+        """The step's suffix launch splits (its partials go to `cascade_merge_kernel`: a
+        captured mixed cascade) or stays within `cascade.MAX_SUFFIX_ROWS` query rows per KV
+        head with the prefix merge fused in (else the plain plan serves the step)."""
         from pagedcore_triton.cascade import MAX_SUFFIX_ROWS
 
-        return bool(plan.suffix_part.max_query_len * self.num_queries_per_kv
-                    <= MAX_SUFFIX_ROWS)
+        part = plan.suffix_part
+        return bool(part.num_segments > 1
+                    or part.max_query_len * self.num_queries_per_kv <= MAX_SUFFIX_ROWS)
 
     def _forward_cascade(
         self,

@@ -49,6 +49,10 @@ MIXED_SPLIT_TOKEN_SLOTS = 8192
 #: sooner; the merge reads only the segments that saw keys).
 MIXED_MIN_SEGMENT_TOKENS = 128
 
+#: Fewest split-KV segments of a captured mixed cascade's suffix launch: split, its prefill
+#: tiles leave partials for `cascade_merge_kernel` instead of folding the prefix's in.
+MIXED_CASCADE_SEGMENTS = 2
+
 #: ``classic`` plans captured mixed steps the way s3b1 measured (a grid over every request
 #: slot and `TritonMetadataBuilder._mixed_segments` segments), for comparisons; unset or
 #: ``flat`` uses the flat grid (`TritonMetadataBuilder._plan_mixed_capture`).
@@ -313,14 +317,28 @@ class TritonMetadataBuilder(MetadataBuilder[TritonAttentionMetadata]):
         every replay of the bucket. The suffix launch splits for ``common.max_seq_len`` like
         the plain capture plan; `prepare_replay` refills the suffix buffers from the replay's
         lengths and block table (`pagedcore_triton.cascade.fill_graph_cascade`). Layers
-        with ALiBi, a window, sinks or an fp8 cache run the plain capture plan."""
+        with ALiBi, a window, sinks or an fp8 cache run the plain capture plan.
+
+        A mixed token bucket (``max_query_len == num_actual_tokens == T > 1``) gets the
+        mixed capture plan (for the layers that run plain) and a suffix launch on the classic
+        grid of `_plan_mixed_capture_classic`, split in at least `MIXED_CASCADE_SEGMENTS`:
+        its prefill tiles then leave partials for `cascade_merge_kernel` instead of folding
+        the prefix's in themselves (the fused form crashed ptxas for long chunks, see
+        `pagedcore_triton.cascade.MAX_SUFFIX_ROWS`)."""
         import torch
 
         from pagedcore_triton.cascade import overlap_enabled, plan_graph_cascade
 
-        if common.max_query_len > 1 or common.num_actual_tokens != common.num_reqs:
-            raise ValueError("build_cascade_for_cudagraph_capture serves single-token decode "
-                             "buckets only (a mixed step's cascade runs eagerly)")
+        mixed = 1 < common.max_query_len == common.num_actual_tokens
+        if not mixed and (
+            common.max_query_len > 1 or common.num_actual_tokens != common.num_reqs
+        ):
+            raise ValueError(
+                "build_cascade_for_cudagraph_capture serves single-token decode buckets or "
+                "mixed token buckets (max_query_len == num_actual_tokens) only "
+                f"(got max_query_len={common.max_query_len}, "
+                f"num_actual_tokens={common.num_actual_tokens}, num_reqs={common.num_reqs})"
+            )
         meta = self.build_for_cudagraph_capture(common)
         n, width = common.num_reqs, common.block_table.shape[1]
         if suffix_seq_lens is None:
@@ -329,9 +347,14 @@ class TritonMetadataBuilder(MetadataBuilder[TritonAttentionMetadata]):
             suffix_table = torch.zeros((n, width), dtype=torch.int32,
                                        device=common.block_table.device)
         overlap = overlap_enabled(self.device)
-        segments = _suffix_segments(self.decode_segments(
-            num_reqs=common.num_reqs, max_seq_len=common.max_seq_len), overlap)
-        whole = attrs.evolve(meta.parts[0], num_segments=segments, balanced_programs=None)
+        if mixed:
+            classic = self._plan_mixed_capture_classic(common).parts[0]
+            whole = attrs.evolve(classic, num_segments=max(
+                MIXED_CASCADE_SEGMENTS, classic.num_segments))
+        else:
+            segments = _suffix_segments(self.decode_segments(
+                num_reqs=common.num_reqs, max_seq_len=common.max_seq_len), overlap)
+            whole = attrs.evolve(meta.parts[0], num_segments=segments, balanced_programs=None)
         plan = plan_graph_cascade(common, prefix_len, capacity,
                                   self.kv_cache_spec.block_size, whole,
                                   suffix_seq_lens=suffix_seq_lens, suffix_table=suffix_table,

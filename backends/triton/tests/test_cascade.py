@@ -212,3 +212,41 @@ def test_engine_cascade_cuda_graphs_gpu(monkeypatch: pytest.MonkeyPatch) -> None
         monkeypatch.undo()
     assert replays["auto"] >= 6 and replays["off"] == 0, replays
     _assert_same(results["auto"], results["off"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="real CUDA graphs need a GPU")
+def test_engine_mixed_cascade_cuda_graphs_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Real CUDA graphs: requests over a shared system prompt that arrive while others
+    decode over it make mixed steps that replay the mixed cascade graph
+    (`CascadeMixedGraphs`); tokens and logprobs as with cascade off."""
+    from pagedcore.engine.runner import cascade_plan
+
+    g = torch.Generator().manual_seed(6)
+    system = torch.randint(3, 128, (45,), generator=g).tolist()
+    prompts = [system + torch.randint(3, 128, (n,), generator=g).tolist()
+               for n in (3, 9, 5, 1, 7, 4)]
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
+    results, mixed = {}, {}
+    for mode in ("auto", "off"):
+        monkeypatch.setattr(cascade_plan, "cascade_pays", lambda *_a, **_k: True)
+        monkeypatch.setenv(CASCADE_ENV, mode)
+        config = tiny_config("llama", head_dim=64)
+        model = random_model(copy.deepcopy(config), dtype=torch.float32,
+                             device=torch.device("cuda"), seed=0)
+        llm = LLM(model, device="cuda", backend="triton", block_size=16, max_model_len=128,
+                  max_num_batched_tokens=128, max_num_seqs=8, kv_cache_memory_bytes=64 << 20)
+        llm.generate(prompts[:1], greedy)  # warm the prefix cache
+        for i, p in enumerate(prompts[:3]):
+            llm.add_request(f"r{i}", p, greedy)
+        outs = list(llm.step()) + list(llm.step())
+        for i, p in enumerate(prompts[3:], start=3):
+            llm.add_request(f"r{i}", p, greedy)  # they join the three decoding requests
+        while llm.has_unfinished_requests():
+            outs += llm.step()
+        done = sorted((o for o in outs if o.finished), key=lambda o: o.request_id)
+        assert len(done) == len(prompts)
+        results[mode] = [(c.token_ids, c.logprobs) for o in done for c in o.outputs]
+        mixed[mode] = llm.stats()["cudagraph"]["step_paths"].get("cascade mixed graph", 0)
+        monkeypatch.undo()
+    assert mixed["auto"] >= 1 and mixed["off"] == 0, mixed
+    _assert_same(results["auto"], results["off"])

@@ -45,6 +45,7 @@ __all__ = [
     "MixedBuffers",
     "MixedGraphs",
     "enable_mixed_graphs",
+    "mixed_forward_over",
     "mixed_unsupported_reason",
     "token_buckets",
 ]
@@ -284,34 +285,43 @@ class MixedGraphs(BucketedGraphs):
         return graph.output
 
 
+def mixed_forward_over(
+    runner: GraphedRunner, buffers: MixedBuffers, bucket: int, metadata: tuple[Any, ...]
+) -> Callable[[], torch.Tensor]:
+    """The zero-argument forward of `runner`'s base model over the first `bucket` token
+    slots of `buffers` with these per-group plans, returning ``[bucket, hidden]`` (what a
+    plain or cascade mixed-step graph records)."""
+    import torch
+
+    from pagedcore.engine.models import attention_hook
+
+    ctx = attention_hook.StepContext(
+        layers=runner.layers,
+        metadata=metadata,
+        slot_mappings=tuple(slots[:bucket] for slots in buffers.slot_mappings),
+    )
+    input_ids = buffers.input_ids[:bucket]
+    positions = buffers.positions[:bucket]
+
+    def forward() -> torch.Tensor:
+        with torch.inference_mode():
+            hidden: torch.Tensor = runner._hidden(input_ids, positions, ctx)
+        return hidden
+
+    return forward
+
+
 def _make_forward(
     runner: GraphedRunner, buffers: MixedBuffers
 ) -> Callable[[int], Callable[[], torch.Tensor]]:
     """``bucket -> forward`` over `buffers` with the runner's builders, layers and model."""
-    from pagedcore.engine.models import attention_hook
 
     def make(bucket: int) -> Callable[[], torch.Tensor]:
-        import torch
-
-        common = buffers.common(bucket)
         metadata = tuple(
             b.build_for_cudagraph_capture(c)
-            for b, c in zip(runner.builders, common, strict=True)
+            for b, c in zip(runner.builders, buffers.common(bucket), strict=True)
         )
-        ctx = attention_hook.StepContext(
-            layers=runner.layers,
-            metadata=metadata,
-            slot_mappings=tuple(c.slot_mapping for c in common),
-        )
-        input_ids = buffers.input_ids[:bucket]
-        positions = buffers.positions[:bucket]
-
-        def forward() -> torch.Tensor:
-            with torch.inference_mode():
-                hidden: torch.Tensor = runner._hidden(input_ids, positions, ctx)
-            return hidden
-
-        return forward
+        return mixed_forward_over(runner, buffers, bucket, metadata)
 
     return make
 

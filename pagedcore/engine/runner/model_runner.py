@@ -14,6 +14,7 @@ import attrs
 from pagedcore.engine.models import attention_hook
 from pagedcore.engine.models.support import output_logit_scale
 from pagedcore.engine.runner.cascade_graphs import CascadeDecodeGraphs
+from pagedcore.engine.runner.cascade_mixed_graphs import CascadeMixedGraphs
 from pagedcore.engine.runner.cascade_plan import CascadePlanner
 from pagedcore.engine.runner.cuda_graph import (
     DecodeGraphs,
@@ -22,7 +23,11 @@ from pagedcore.engine.runner.cuda_graph import (
     cudagraph_unsupported_reason,
 )
 from pagedcore.engine.runner.input_batch import InputBatch, StepInputs
-from pagedcore.engine.runner.mixed_graphs import MixedGraphs, enable_mixed_graphs
+from pagedcore.engine.runner.mixed_graphs import (
+    MixedGraphs,
+    enable_mixed_graphs,
+    mixed_forward_over,
+)
 from pagedcore.engine.runner.prompt_rows import prompt_rows_wanted
 from pagedcore.engine.scheduling.scheduler_types import DecodeBatch
 from pagedcore.kv_cache.spec import (
@@ -220,6 +225,9 @@ class ModelRunner:
         #: Decode graphs whose attention cascades over a shared prefix (captured on first
         #: use; None: shared-prefix decode steps replay the plain graph or run eagerly).
         self.cascade_graphs: CascadeDecodeGraphs | None = None
+        #: Mixed-step graphs whose attention cascades (captured on first use; None: a
+        #: shared-prefix mixed step replays the plain mixed graph or cascades eagerly).
+        self.cascade_mixed_graphs: CascadeMixedGraphs | None = None
         #: A failed lazy capture turns a graph kind off instead of raising.
         self._graph_fallback = True
         #: Steps executed, by how (`STEP_PATHS`): what `LLM.stats()["cudagraph"]["step_paths"]`
@@ -363,6 +371,7 @@ class ModelRunner:
             self, capturer=capturer, capture_now=capture_now, check_device=automatic,
             strict=not (automatic and fallback),
         )
+        self._enable_cascade_mixed_graphs(capturer, cascading)
         if capture_now:
             try:
                 self.graphs.capture_all()
@@ -385,9 +394,31 @@ class ModelRunner:
                 return self.cudagraph_disabled_reason
         return None
 
+    def _enable_cascade_mixed_graphs(self, capturer: GraphCapturer,
+                                     cascading: Sequence[bool]) -> None:
+        """Set up (not capture) cascade mixed-step graphs over the mixed graphs' buffers for
+        the groups whose decode graphs cascade and whose backend declares
+        ``supports_cascade_mixed_cudagraph``."""
+        mixed = self.mixed_graphs
+        flags = [on and b.supports_cascade_mixed_cudagraph
+                 for on, b in zip(cascading, self.backends, strict=True)]
+        self.cascade_mixed_graphs = None
+        if mixed is None or not any(flags):
+            return
+        buffers = mixed.buffers
+
+        def forward_over(bucket: int, metadata: tuple[Any, ...]) -> Callable[[], torch.Tensor]:
+            return mixed_forward_over(self, buffers, bucket, metadata)
+
+        self.cascade_mixed_graphs = CascadeMixedGraphs(
+            sizes=mixed.sizes, buffers=buffers, capturer=capturer, builders=self.builders,
+            cascading=flags, forward_over=forward_over, device=self.device,
+        )
+
     def release_graphs(self) -> None:
         """Free the captured decode and mixed-step graphs (steps run eagerly afterwards)."""
-        for graphs in (self.graphs, self.mixed_graphs, self.cascade_graphs):
+        for graphs in (self.graphs, self.mixed_graphs, self.cascade_graphs,
+                       self.cascade_mixed_graphs):
             if graphs is not None:
                 graphs.release()
         if self.graphs is not None or self.mixed_graphs is not None:
@@ -396,6 +427,7 @@ class ModelRunner:
         self.graphs = None
         self.mixed_graphs = None
         self.cascade_graphs = None
+        self.cascade_mixed_graphs = None
         self._graph_plans.clear()
 
     def _graph_forward(self, bucket: int) -> Callable[[], torch.Tensor]:
@@ -481,17 +513,67 @@ class ModelRunner:
             return None, use
         return bucket, graph_use
 
-    def _graph_would_serve(self, scheduled: Sequence[ScheduledRequest],
-                           decode_graph: bool) -> bool:
-        """A decode or mixed-step graph would replay this step if it did not cascade."""
-        if decode_graph and self._graph_bucket(scheduled) is not None:
-            return True
+    def _capture_cascade_mixed(self, bucket: int) -> bool:
+        """Capture `bucket`'s mixed cascade graph if not yet done. A capture that fails turns
+        mixed cascade graphs off with a warning (the step then cascades eagerly; later
+        shared-prefix mixed steps follow `against_graph`), unless graphs were enabled with
+        ``fallback=False``, which raises."""
+        graphs = self.cascade_mixed_graphs
+        assert graphs is not None
+        try:
+            graphs.capture(bucket)
+        except Exception as exc:
+            if not self._graph_fallback:
+                raise
+            graphs.release()
+            self.cascade_mixed_graphs = None
+            warnings.warn(
+                f"cascade mixed-step graphs disabled (capture of token bucket {bucket} "
+                f"failed: {type(exc).__name__}: {exc}"[:400] + "); shared-prefix mixed steps "
+                "replay the plain mixed graph or cascade eagerly",
+                RuntimeWarning, stacklevel=2,
+            )
+            return False
+        return True
+
+    def _cascade_mixed_ready(self, inputs: StepInputs) -> bool:
+        """A mixed cascade graph serves this prepared step, its bucket captured (now, on
+        first use: the mixed buffers are loaded after the capture's padding)."""
+        graphs = self.cascade_mixed_graphs
+        if graphs is None or self._kv_scales_pending() or not graphs.serves(inputs):
+            return False
+        bucket = graphs.bucket_for(inputs)
+        return bucket is not None and self._capture_cascade_mixed(bucket)
+
+    def _mixed_graph_fits(self, scheduled: Sequence[ScheduledRequest]) -> bool:
+        """A mixed-step graph's token bucket and request slots hold this step."""
         mixed = self.mixed_graphs
         if mixed is None or self._kv_scales_pending():
             return False
         tokens = (len(scheduled) if isinstance(scheduled, DecodeBatch)
                   else sum(s.num_new_tokens for s in scheduled))
         return 0 < tokens <= max(mixed.sizes) and len(scheduled) <= mixed.buffers.num_reqs
+
+    def _graph_would_serve(self, scheduled: Sequence[ScheduledRequest],
+                           decode_graph: bool) -> bool:
+        """A decode or mixed-step graph would replay this step if it did not cascade."""
+        if decode_graph and self._graph_bucket(scheduled) is not None:
+            return True
+        return self._mixed_graph_fits(scheduled)
+
+    def _mixed_cascade_use(
+        self, scheduled: Sequence[ScheduledRequest], use: tuple[int, ...], decode_graph: bool
+    ) -> tuple[int, ...] | None:
+        """The per-group prefix lengths a mixed cascade graph replays this step with (groups
+        whose plan does not cascade get 0), or None when none serves it (no such graphs, a
+        step a decode graph holds, no bucket fits, no group left cascading)."""
+        graphs = self.cascade_mixed_graphs
+        if graphs is None or (decode_graph and self._graph_bucket(scheduled) is not None):
+            return None
+        graph_use = tuple(p if on else 0 for p, on in zip(use, graphs.cascading, strict=True))
+        if not any(graph_use) or not self._mixed_graph_fits(scheduled):
+            return None
+        return graph_use
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -511,8 +593,12 @@ class ModelRunner:
             cascade_bucket, graph_use = self._cascade_graph_bucket(scheduled, use, decode_graph)
             if cascade_bucket is not None and not self._capture_cascade_graph(cascade_bucket):
                 cascade_bucket = None
+            mixed_use = (None if cascade_bucket is not None
+                         else self._mixed_cascade_use(scheduled, use, decode_graph))
             if cascade_bucket is not None:
                 use = graph_use  # the step replays its bucket's cascade graph
+            elif mixed_use is not None:
+                use = mixed_use  # the step replays its token bucket's mixed cascade graph
             elif self._graph_would_serve(scheduled, decode_graph):
                 # An eager cascade plan follows this step's lengths: cascade only when the
                 # reads it saves outweigh the lost replay.
@@ -574,6 +660,10 @@ class ModelRunner:
                     ):
                         builder.prepare_replay(plan, common)
                     hidden = self.graphs.replay(bucket)
+            elif self._cascade_mixed_ready(inputs):
+                assert self.cascade_mixed_graphs is not None
+                self.step_paths["cascade mixed graph"] += 1
+                hidden = self.cascade_mixed_graphs.run(inputs)
             elif (
                 not any(inputs.cascade_prefix_lens)
                 and self.mixed_graphs is not None
@@ -624,7 +714,8 @@ class ModelRunner:
 #: decode graphs exist and the step is not a decode batch they hold, a layer's fp8 scales
 #: wait for the first prefill, or the step has more tokens or requests than the largest bucket.
 STEP_PATHS = (
-    "decode graph", "cascade graph", "mixed graph", "eager (cascade plan)", "eager (graphs off)",
+    "decode graph", "cascade graph", "mixed graph", "cascade mixed graph",
+    "eager (cascade plan)", "eager (graphs off)",
     "eager (no mixed-step graphs)", "eager (fp8 scales pending)", "eager (no bucket fits)",
 )
 
