@@ -42,12 +42,37 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _timed_step(llm: LLM) -> tuple[float, list[Any]]:
-    _sync()
-    t0 = time.perf_counter()
-    outs = llm.step()
-    _sync()
-    return time.perf_counter() - t0, list(outs)
+def _timed_step(llm: LLM) -> tuple[float, float, list[Any]]:
+    """One step: its wall seconds (host work included) and the device seconds of its
+    forward (`ModelRunner.execute`, CUDA events; the wall time on the CPU)."""
+    runner: Any = llm.runner
+    execute = runner.execute
+    device_s: list[float] = []
+
+    def timed(inputs: Any) -> Any:
+        if not torch.cuda.is_available():
+            t = time.perf_counter()
+            out = execute(inputs)
+            device_s.append(time.perf_counter() - t)
+            return out
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        start.record()
+        out = execute(inputs)
+        end.record()
+        end.synchronize()
+        device_s.append(start.elapsed_time(end) / 1e3)
+        return out
+
+    runner.execute = timed
+    try:
+        _sync()
+        t0 = time.perf_counter()
+        outs = llm.step()
+        _sync()
+    finally:
+        del runner.execute
+    return time.perf_counter() - t0, sum(device_s), list(outs)
 
 
 def _drain(llm: LLM) -> list[Any]:
@@ -63,10 +88,16 @@ def run_mode(llm: LLM, mode: str, args: argparse.Namespace, shared: list[int]) -
     runner.cascade.set_mode("off" if mode == "off" else "auto")
     if mode == "auto_no_mixed_graphs":
         runner.cascade_mixed_graphs = None
+    # Every mode sees the same prompts, and only the shared prefix cached (no hits on an
+    # earlier mode's prompts).
+    kv: Any = llm.scheduler.kv
+    if not kv.reset_prefix_cache():
+        raise RuntimeError("the prefix cache could not be reset (blocks in use)")
+    llm.generate([shared + _tokens(args.own, 2)], SamplingParams(max_tokens=1))
     paths0 = dict(runner.step_paths)
     decode = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     one = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    join_ms, prefill_ms, tokens = [], [], []
+    join_ms, prefill_ms, join_dev, prefill_dev, tokens = [], [], [], [], []
     try:
         for rep in range(args.reps + 1):  # the first rep warms up (captures, compiles)
             base = 10_000 * (rep + 1)
@@ -79,26 +110,31 @@ def run_mode(llm: LLM, mode: str, args: argparse.Namespace, shared: list[int]) -
             for i in range(args.joining):
                 llm.add_request(f"{mode}-j{rep}-{i}", shared + _tokens(args.own, base + 500 + i),
                                 one)
-            seconds, _ = _timed_step(llm)
+            seconds, dev_s, _ = _timed_step(llm)
             outs = _drain(llm)
             if rep:
                 join_ms.append(seconds * 1e3)
+                join_dev.append(dev_s * 1e3)
             tokens = sorted((o.request_id.split("-", 2)[2], o.outputs[0].token_ids)
                             for o in outs if o.finished)
             for i in range(4 * args.joining):
                 llm.add_request(f"{mode}-p{rep}-{i}", shared + _tokens(args.own, base + 900 + i),
                                 one)
-            seconds, _ = _timed_step(llm)
+            seconds, dev_s, _ = _timed_step(llm)
             _drain(llm)
             if rep:
                 prefill_ms.append(seconds * 1e3)
+                prefill_dev.append(dev_s * 1e3)
     finally:
         runner.cascade_mixed_graphs = saved
     paths = {k: v - paths0.get(k, 0) for k, v in runner.step_paths.items()
              if v - paths0.get(k, 0)}
     return {"join_step_ms_median": statistics.median(join_ms), "join_step_ms": join_ms,
             "prefill_step_ms_median": statistics.median(prefill_ms),
-            "prefill_step_ms": prefill_ms, "step_paths": paths, "join_tokens": tokens}
+            "prefill_step_ms": prefill_ms,
+            "join_forward_ms_median": statistics.median(join_dev), "join_forward_ms": join_dev,
+            "prefill_forward_ms_median": statistics.median(prefill_dev),
+            "prefill_forward_ms": prefill_dev, "step_paths": paths, "join_tokens": tokens}
 
 
 def main() -> None:
@@ -122,7 +158,6 @@ def main() -> None:
     setup_s = time.perf_counter() - t0
     llm.set_async_scheduling(False)  # each timed step is the step itself
     shared = _tokens(args.prefix, 1)
-    llm.generate([shared + _tokens(args.own, 2)], SamplingParams(max_tokens=1))
     report: dict[str, Any] = {
         "command": "python3 gpu/cascade_mixed.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "json"),
@@ -132,8 +167,10 @@ def main() -> None:
     for mode in MODES:
         report["modes"][mode] = run_mode(llm, mode, args, shared)
         row = report["modes"][mode]
-        print(f"{mode}: join {row['join_step_ms_median']:.3f} ms, prefill "
-              f"{row['prefill_step_ms_median']:.3f} ms, paths {row['step_paths']}", flush=True)
+        print(f"{mode}: join {row['join_step_ms_median']:.3f} ms (forward "
+              f"{row['join_forward_ms_median']:.3f}), prefill {row['prefill_step_ms_median']:.3f}"
+              f" ms (forward {row['prefill_forward_ms_median']:.3f}), paths {row['step_paths']}",
+              flush=True)
     toks = {m: r.pop("join_tokens") for m, r in report["modes"].items()}
     report["same_tokens_as_off"] = {m: toks[m] == toks["off"] for m in MODES}
     print("same tokens as off:", report["same_tokens_as_off"])

@@ -329,17 +329,8 @@ class TritonMetadataBuilder(MetadataBuilder[TritonAttentionMetadata]):
 
         from pagedcore_triton.cascade import overlap_enabled, plan_graph_cascade
 
-        mixed = 1 < common.max_query_len == common.num_actual_tokens
-        if not mixed and (
-            common.max_query_len > 1 or common.num_actual_tokens != common.num_reqs
-        ):
-            raise ValueError(
-                "build_cascade_for_cudagraph_capture serves single-token decode buckets or "
-                "mixed token buckets (max_query_len == num_actual_tokens) only "
-                f"(got max_query_len={common.max_query_len}, "
-                f"num_actual_tokens={common.num_actual_tokens}, num_reqs={common.num_reqs})"
-            )
-        meta = self.build_for_cudagraph_capture(common)
+        meta = self.build_for_cudagraph_capture(common)  # also checks the bucket's shape
+        mixed = common.max_query_len > 1
         n, width = common.num_reqs, common.block_table.shape[1]
         if suffix_seq_lens is None:
             suffix_seq_lens = torch.zeros(n, dtype=torch.int32, device=common.seq_lens.device)

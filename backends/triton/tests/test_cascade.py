@@ -182,6 +182,16 @@ def test_engine_cascade_graph_replays_equal_plain(monkeypatch: pytest.MonkeyPatc
     _assert_same(results["auto"], results["off"])
 
 
+def _gpu_engine() -> LLM:
+    """A tiny random llama (head size 64) on the GPU with the triton backend and CUDA
+    graphs (decode, mixed and, on first use, cascade)."""
+    config = tiny_config("llama", head_dim=64)
+    model = random_model(copy.deepcopy(config), dtype=torch.float32,
+                         device=torch.device("cuda"), seed=0)
+    return LLM(model, device="cuda", backend="triton", block_size=16, max_model_len=128,
+               max_num_batched_tokens=128, max_num_seqs=8, kv_cache_memory_bytes=64 << 20)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="real CUDA graphs need a GPU")
 def test_engine_cascade_cuda_graphs_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """Real CUDA graphs: the decode steps over a shared prompt (one request's n = 3
@@ -200,11 +210,7 @@ def test_engine_cascade_cuda_graphs_gpu(monkeypatch: pytest.MonkeyPatch) -> None
     for mode in ("auto", "off"):
         monkeypatch.setattr(cascade_plan, "cascade_pays", lambda *_a, **_k: True)
         monkeypatch.setenv(CASCADE_ENV, mode)
-        config = tiny_config("llama", head_dim=64)
-        model = random_model(copy.deepcopy(config), dtype=torch.float32,
-                             device=torch.device("cuda"), seed=0)
-        llm = LLM(model, device="cuda", backend="triton", block_size=16, max_model_len=128,
-                  max_num_batched_tokens=128, max_num_seqs=8, kv_cache_memory_bytes=64 << 20)
+        llm = _gpu_engine()
         llm.generate(prompts[:1], greedy)  # warm the prefix cache
         results[mode] = _run(llm, prompts, greedy) + _run(llm, [prompts[2]], samples)
         graphs: Any = llm.runner.cascade_graphs
@@ -230,11 +236,7 @@ def test_engine_mixed_cascade_cuda_graphs_gpu(monkeypatch: pytest.MonkeyPatch) -
     for mode in ("auto", "off"):
         monkeypatch.setattr(cascade_plan, "cascade_pays", lambda *_a, **_k: True)
         monkeypatch.setenv(CASCADE_ENV, mode)
-        config = tiny_config("llama", head_dim=64)
-        model = random_model(copy.deepcopy(config), dtype=torch.float32,
-                             device=torch.device("cuda"), seed=0)
-        llm = LLM(model, device="cuda", backend="triton", block_size=16, max_model_len=128,
-                  max_num_batched_tokens=128, max_num_seqs=8, kv_cache_memory_bytes=64 << 20)
+        llm = _gpu_engine()
         llm.generate(prompts[:1], greedy)  # warm the prefix cache
         for i, p in enumerate(prompts[:3]):
             llm.add_request(f"r{i}", p, greedy)

@@ -31,7 +31,67 @@ if TYPE_CHECKING:
     from pagedcore.attention.backend import MetadataBuilder
     from pagedcore.attention.metadata import CommonAttentionMetadata
 
-__all__ = ["CascadeDecodeGraphs"]
+__all__ = ["CascadeDecodeGraphs", "CascadePlans"]
+
+
+class CascadePlans:
+    """What cascade graphs of either kind (decode buckets here, mixed token buckets in
+    `pagedcore.engine.runner.cascade_mixed_graphs`) keep besides their graphs: per group
+    the ``[1]`` int32 shared-prefix length every replay reads, and each bucket's captured
+    plans.
+
+    Parameters
+    ----------
+    builders:
+        One metadata builder per KV-cache group.
+    cascading:
+        Per group, whether its graph plan cascades.
+    device:
+        Where the prefix-length scalars live.
+    """
+
+    def __init__(self, builders: Sequence[MetadataBuilder[Any]], cascading: Sequence[bool],
+                 device: torch.device) -> None:
+        import torch
+
+        if len(builders) != len(cascading) or not any(cascading):
+            raise ValueError("cascade graphs need one flag per group and a group that cascades")
+        self.builders = list(builders)
+        self.cascading = tuple(cascading)
+        #: Per group, the ``[1]`` int32 shared-prefix length every replay reads.
+        self.prefix_lens = [torch.zeros(1, dtype=torch.int32, device=device)
+                            for _ in self.builders]
+        #: Each bucket's captured plans (one per group), for `prepare_replay`.
+        self.plans: dict[int, tuple[Any, ...]] = {}
+
+    def plan(self, bucket: int, common: Sequence[CommonAttentionMetadata]) -> tuple[Any, ...]:
+        """Plan `bucket`'s capture over `common` (the buffers filled with padding): cascading
+        groups by `MetadataBuilder.build_cascade_for_cudagraph_capture` (capacity: the block
+        table's width in tokens), the others by `build_for_cudagraph_capture`."""
+        for length in self.prefix_lens:
+            length.zero_()  # the warm-up and capture run with nothing shared
+        metadata = tuple(
+            builder.build_cascade_for_cudagraph_capture(
+                c, length, int(c.block_table.shape[1]) * builder.kv_cache_spec.block_size)
+            if on else builder.build_for_cudagraph_capture(c)
+            for builder, c, length, on in zip(self.builders, common, self.prefix_lens,
+                                              self.cascading, strict=True)
+        )
+        self.plans[bucket] = metadata
+        return metadata
+
+    def prepare(self, bucket: int, prefix_lens: Sequence[int],
+                common: Sequence[CommonAttentionMetadata]) -> None:
+        """Before a replay of `bucket` (its inputs already in the buffers): write each
+        cascading group's ``P`` (a non-cascading group's entry must be 0), then
+        `MetadataBuilder.prepare_replay` of every group's plan with `common`."""
+        for length, p, on in zip(self.prefix_lens, prefix_lens, self.cascading, strict=True):
+            if p and not on:
+                raise ValueError(f"prefix length {p} for a group whose graph does not cascade")
+            if on:
+                length.fill_(p)
+        for builder, plan, c in zip(self.builders, self.plans[bucket], common, strict=True):
+            builder.prepare_replay(plan, c)
 
 
 class CascadeDecodeGraphs(DecodeGraphs):
@@ -72,38 +132,22 @@ class CascadeDecodeGraphs(DecodeGraphs):
         forward_over: Callable[[int, tuple[Any, ...]], Callable[[], torch.Tensor]],
         device: torch.device,
     ) -> None:
-        import torch
-
-        if len(builders) != len(cascading) or not any(cascading):
-            raise ValueError("cascade graphs need one flag per group and a group that cascades")
-        self.builders = list(builders)
-        self.cascading = tuple(cascading)
+        self.cascade = CascadePlans(builders, cascading, device)
         self._graph_common = graph_common
         self._write_padding = write_padding
         self._forward_over = forward_over
-        #: Per group, the ``[1]`` int32 shared-prefix length every replay reads.
-        self.prefix_lens = [torch.zeros(1, dtype=torch.int32, device=device)
-                            for _ in self.builders]
-        #: Each bucket's captured plans (one per group), for `prepare_replay`.
-        self.plans: dict[int, tuple[Any, ...]] = {}
         #: Replays per bucket (benchmarks and tests read it).
         self.num_replays = 0
         super().__init__(sizes=sizes, capturer=capturer, make_forward=self._make_forward)
 
+    @property
+    def cascading(self) -> tuple[bool, ...]:
+        """Per group, whether its graph plan cascades."""
+        return self.cascade.cascading
+
     def _make_forward(self, bucket: int) -> Callable[[], torch.Tensor]:
         self._write_padding(bucket)
-        common = self._graph_common(bucket)
-        for length in self.prefix_lens:
-            length.zero_()  # the warm-up and capture run with nothing shared
-        metadata = tuple(
-            builder.build_cascade_for_cudagraph_capture(
-                c, length, int(c.block_table.shape[1]) * builder.kv_cache_spec.block_size)
-            if on else builder.build_for_cudagraph_capture(c)
-            for builder, c, length, on in zip(self.builders, common, self.prefix_lens,
-                                              self.cascading, strict=True)
-        )
-        self.plans[bucket] = metadata
-        return self._forward_over(bucket, metadata)
+        return self._forward_over(bucket, self.cascade.plan(bucket, self._graph_common(bucket)))
 
     def replay_step(
         self, bucket: int, prefix_lens: Sequence[int], common: Sequence[CommonAttentionMetadata]
@@ -114,17 +158,11 @@ class CascadeDecodeGraphs(DecodeGraphs):
         written. Returns the graph's ``[bucket, hidden]`` output (read it before the next
         replay)."""
         graph = self.capture(bucket)
-        for length, p, on in zip(self.prefix_lens, prefix_lens, self.cascading, strict=True):
-            if p and not on:
-                raise ValueError(f"prefix length {p} for a group whose graph does not cascade")
-            if on:
-                length.fill_(p)
-        for builder, plan, c in zip(self.builders, self.plans[bucket], common, strict=True):
-            builder.prepare_replay(plan, c)
+        self.cascade.prepare(bucket, prefix_lens, common)
         graph.replay()
         self.num_replays += 1
         return graph.output
 
     def release(self) -> None:
         super().release()
-        self.plans.clear()
+        self.cascade.plans.clear()

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from pagedcore.engine.runner.cascade_graphs import CascadePlans
 from pagedcore.engine.runner.mixed_graphs import MixedBuffers, MixedGraphs
 
 if TYPE_CHECKING:
@@ -88,35 +89,18 @@ class CascadeMixedGraphs(MixedGraphs):
         forward_over: Callable[[int, tuple[Any, ...]], Callable[[], torch.Tensor]],
         device: torch.device,
     ) -> None:
-        import torch
-
-        if len(builders) != len(cascading) or not any(cascading):
-            raise ValueError("mixed cascade graphs need one flag per group and a group that "
-                             "cascades")
-        self.builders = list(builders)
-        self.cascading = tuple(cascading)
+        self.cascade = CascadePlans(builders, cascading, device)
         self._forward_over = forward_over
-        #: Per group, the ``[1]`` int32 shared-prefix length every replay reads.
-        self.prefix_lens = [torch.zeros(1, dtype=torch.int32, device=device)
-                            for _ in self.builders]
-        #: Each bucket's captured plans (one per group), for `prepare_replay`.
-        self.plans: dict[int, tuple[Any, ...]] = {}
         super().__init__(sizes=sizes, buffers=buffers, capturer=capturer,
                          make_forward=self._make_forward)
 
+    @property
+    def cascading(self) -> tuple[bool, ...]:
+        """Per group, whether its graph plan cascades."""
+        return self.cascade.cascading
+
     def _make_forward(self, bucket: int) -> Callable[[], torch.Tensor]:
-        common = self.buffers.common(bucket)
-        for length in self.prefix_lens:
-            length.zero_()  # the warm-up and capture run with nothing shared
-        metadata = tuple(
-            builder.build_cascade_for_cudagraph_capture(
-                c, length, int(c.block_table.shape[1]) * builder.kv_cache_spec.block_size)
-            if on else builder.build_for_cudagraph_capture(c)
-            for builder, c, length, on in zip(self.builders, common, self.prefix_lens,
-                                              self.cascading, strict=True)
-        )
-        self.plans[bucket] = metadata
-        return self._forward_over(bucket, metadata)
+        return self._forward_over(bucket, self.cascade.plan(bucket, self.buffers.common(bucket)))
 
     def serves(self, inputs: StepInputs) -> bool:
         """Whether a replay can serve `inputs` with its cascade request (every group asked
@@ -131,27 +115,21 @@ class CascadeMixedGraphs(MixedGraphs):
         """Serve a cascading mixed step by a replay: ``[bucket, hidden]`` hidden states, the
         step's rows first (the graph's persistent output: read it before the next replay).
         ``inputs.cascade_prefix_lens`` gives each group's ``P`` (0: not cascading)."""
-        if not self.serves(inputs):
+        bucket = self.bucket_for(inputs) if self.serves(inputs) else None
+        if bucket is None:
             raise ValueError(
                 f"no mixed cascade graph serves this step ({inputs.num_tokens} tokens, "
                 f"prefix lengths {inputs.cascade_prefix_lens}; buckets {self.sizes}, "
                 f"cascading groups {self.cascading}); run it eagerly"
             )
-        bucket = self.bucket_for(inputs)
-        assert bucket is not None
         graph = self.capture(bucket)
         self.buffers.load(inputs, bucket)
-        for length, p, on in zip(self.prefix_lens, inputs.cascade_prefix_lens, self.cascading,
-                                 strict=True):
-            if on:
-                length.fill_(p)
-        common = replay_common(self.buffers, bucket, inputs)
-        for builder, plan, c in zip(self.builders, self.plans[bucket], common, strict=True):
-            builder.prepare_replay(plan, c)
+        self.cascade.prepare(bucket, inputs.cascade_prefix_lens,
+                             replay_common(self.buffers, bucket, inputs))
         graph.replay()
         self.num_replays += 1
         return graph.output
 
     def release(self) -> None:
         super().release()
-        self.plans.clear()
+        self.cascade.plans.clear()

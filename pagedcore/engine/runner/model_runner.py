@@ -474,12 +474,12 @@ class ModelRunner:
             return None
         return self.graphs.bucket_for(n)
 
-    def _capture_cascade_graph(self, bucket: int) -> bool:
-        """Capture `bucket`'s cascade graph if not yet done (before the step's inputs land:
-        a capture fills the buffers with padding). A capture that fails turns cascade graphs
-        off with a warning (shared-prefix decode steps then follow `against_graph`), unless
-        graphs were enabled with ``fallback=False`` (tensor parallelism), which raises."""
-        graphs = self.cascade_graphs
+    def _capture_lazily(self, attr: str, bucket: int, kind: str, steps: str) -> bool:
+        """Capture `bucket` of the cascade graphs in ``self.<attr>`` if not yet done. A
+        capture that fails turns that kind off with a warning naming `kind` and what its
+        `steps` do instead, unless graphs were enabled with ``fallback=False`` (tensor
+        parallelism), which raises."""
+        graphs = getattr(self, attr)
         assert graphs is not None
         try:
             graphs.capture(bucket)
@@ -487,15 +487,22 @@ class ModelRunner:
             if not self._graph_fallback:
                 raise
             graphs.release()
-            self.cascade_graphs = None
+            setattr(self, attr, None)
             warnings.warn(
-                f"cascade decode graphs disabled (capture of bucket {bucket} failed: "
-                f"{type(exc).__name__}: {exc}"[:400] + "); shared-prefix decode steps replay "
-                "the plain graph or cascade eagerly",
-                RuntimeWarning, stacklevel=2,
+                f"{kind} disabled (capture of {graphs.bucket_unit} {bucket} failed: "
+                f"{type(exc).__name__}: {exc}"[:400] + f"); {steps} replay the plain graph "
+                "or cascade eagerly",
+                RuntimeWarning, stacklevel=3,
             )
             return False
         return True
+
+    def _capture_cascade_graph(self, bucket: int) -> bool:
+        """Capture `bucket`'s cascade graph if not yet done (before the step's inputs land:
+        a capture fills the buffers with padding); a failure turns cascade decode graphs off
+        (shared-prefix decode steps then follow `against_graph`), see `_capture_lazily`."""
+        return self._capture_lazily("cascade_graphs", bucket, "cascade decode graphs",
+                                    "shared-prefix decode steps")
 
     def _cascade_graph_bucket(
         self, scheduled: Sequence[ScheduledRequest], use: tuple[int, ...], decode_graph: bool
@@ -514,27 +521,11 @@ class ModelRunner:
         return bucket, graph_use
 
     def _capture_cascade_mixed(self, bucket: int) -> bool:
-        """Capture `bucket`'s mixed cascade graph if not yet done. A capture that fails turns
-        mixed cascade graphs off with a warning (the step then cascades eagerly; later
-        shared-prefix mixed steps follow `against_graph`), unless graphs were enabled with
-        ``fallback=False``, which raises."""
-        graphs = self.cascade_mixed_graphs
-        assert graphs is not None
-        try:
-            graphs.capture(bucket)
-        except Exception as exc:
-            if not self._graph_fallback:
-                raise
-            graphs.release()
-            self.cascade_mixed_graphs = None
-            warnings.warn(
-                f"cascade mixed-step graphs disabled (capture of token bucket {bucket} "
-                f"failed: {type(exc).__name__}: {exc}"[:400] + "); shared-prefix mixed steps "
-                "replay the plain mixed graph or cascade eagerly",
-                RuntimeWarning, stacklevel=2,
-            )
-            return False
-        return True
+        """Capture `bucket`'s mixed cascade graph if not yet done; a failure turns mixed
+        cascade graphs off (the step then cascades eagerly; later shared-prefix mixed steps
+        follow `against_graph`), see `_capture_lazily`."""
+        return self._capture_lazily("cascade_mixed_graphs", bucket,
+                                    "cascade mixed-step graphs", "shared-prefix mixed steps")
 
     def _cascade_mixed_ready(self, inputs: StepInputs) -> bool:
         """A mixed cascade graph serves this prepared step, its bucket captured (now, on
