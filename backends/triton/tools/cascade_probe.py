@@ -88,6 +88,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--ncu", action="store_true",
                     help="only launch the plain step, the cascade twice and the own-only "
                          "decode once (for Nsight Compute), then exit")
+    ap.add_argument("--no-sweeps", action="store_true",
+                    help="skip the prefix- and suffix-shape sweeps (their compiles take most "
+                         "of the run)")
     args = ap.parse_args(argv)
     device = cb.set_target_shape(args, smoke=args.smoke)
     dtype = getattr(torch, args.dtype)
@@ -310,10 +313,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from pagedcore_triton.plan import DECODE_TILES_ENV
 
     smoke = args.smoke
-    sweep("prefix_variants", CASCADE_PREFIX_ENV,
-          ["16,16,4,1,2", "16,32,4,1,1,r128"] if smoke else PREFIX_VARIANTS, prefix_shape)
-    sweep("suffix_variants", DECODE_TILES_ENV, ["16,4,1"] if smoke else SUFFIX_VARIANTS,
-          suffix_shape)
+    if not args.no_sweeps:
+        sweep("prefix_variants", CASCADE_PREFIX_ENV,
+              ["16,16,4,1,2", "16,32,4,1,1,r128"] if smoke else PREFIX_VARIANTS, prefix_shape)
+        sweep("suffix_variants", DECODE_TILES_ENV, ["16,4,1"] if smoke else SUFFIX_VARIANTS,
+              suffix_shape)
     save()
     print(f"wrote {args.json}")
     return result
