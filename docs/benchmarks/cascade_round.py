@@ -98,8 +98,21 @@ def components() -> str:
     return choice
 
 
+def _registered() -> list[str]:
+    """The attention backends registered through entry points (empty on a fresh machine
+    whose packages were copied but not installed)."""
+    from pagedcore.plugins.registry import get_registry
+
+    return sorted(get_registry().backends)
+
+
 def main() -> None:
     log(f"round start (smoke={SMOKE})")
+    names = _registered()
+    if "triton" not in names:
+        log(f"the triton backend is not registered (registered: {names or 'none'}): install "
+            "the packages first, e.g. python3 -m pip install --no-deps --no-build-isolation "
+            "-e . -e backends/triton; the steps that need it are skipped")
     quick = ["--quick"] if SMOKE else []
     dev = ["--device", "cpu"] if SMOKE else ["--device", "cuda"]
     choice = step("components", 14, components)
