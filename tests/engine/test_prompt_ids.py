@@ -50,3 +50,20 @@ def test_request_owns_a_python_int_copy_of_its_prompt() -> None:
     assert Request("f", [1.0, 2], SamplingParams(), arrival_index=1).prompt_token_ids == [1, 2]
     req.append_token(4)
     assert req.num_prompt_tokens == 3 and req.output_token_ids == [4]
+
+
+def test_checked_ids_are_copied_not_shared() -> None:
+    """The prompt check hands back a list of its own, and a `Request` built with
+    ``checked=True`` (what the engine does with that list) still owns its copy: neither
+    the caller's list nor a sibling sample's tokens leak in."""
+    prompt = [5, 0, 99]
+    ids = _ids(prompt)
+    assert ids == prompt and ids is not prompt
+    prompt[0] = 7
+    assert ids == [5, 0, 99]
+    a = Request("a", ids, SamplingParams(), arrival_index=0, checked=True)
+    b = Request("b", ids, SamplingParams(), arrival_index=1, checked=True)
+    a.append_token(4)
+    ids[1] = 3
+    assert a.all_token_ids == [5, 0, 99, 4] and b.all_token_ids == [5, 0, 99]
+    assert b.num_prompt_tokens == 3 and b.output_token_ids == []

@@ -77,6 +77,11 @@ class Request:
 
     Satisfies the KV-cache manager's request protocol (`request_id`, `all_token_ids`,
     `num_prompt_tokens`, `num_computed_tokens`, `cache_salt`, `lora_name`).
+
+    The prompt's ids are copied: converted to Python ints (floats, numpy ints and the like
+    are accepted), or with ``checked=True`` (ids already checked to be Python ints, as the
+    engine's prompt check leaves them) only shallow-copied, the cheaper copy inside a long
+    prompt's time to first token.
     """
 
     __slots__ = (
@@ -111,12 +116,17 @@ class Request:
         eos_token_ids: Collection[int] = (),
         sample_index: int = 0,
         arrival_time: float | None = None,
+        checked: bool = False,
     ) -> None:
         self.request_id = request_id
-        try:  # at C speed: the prompt is copied inside its time to first token
-            ids: list[int] = array("q", prompt_token_ids).tolist()
-        except (TypeError, OverflowError):  # floats, huge ints, ...: the general conversion
-            ids = [int(t) for t in prompt_token_ids]
+        ids: list[int]
+        if checked:  # Python ints already (the engine's prompt check): a shallow copy
+            ids = list(prompt_token_ids)
+        else:
+            try:  # at C speed: the prompt is copied inside its time to first token
+                ids = array("q", prompt_token_ids).tolist()
+            except (TypeError, OverflowError):  # floats, huge ints, ...: converted one by one
+                ids = [int(t) for t in prompt_token_ids]
         self._all_token_ids = ids
         self._num_prompt_tokens = len(self._all_token_ids)
         self.params = params
