@@ -38,22 +38,23 @@ __all__ = ["CascadeMixedGraphs", "replay_common"]
 
 
 def replay_common(
-    buffers: MixedBuffers, bucket: int, inputs: StepInputs
+    capture_common: Sequence[CommonAttentionMetadata], inputs: StepInputs
 ) -> tuple[CommonAttentionMetadata, ...]:
-    """Per group, the `bucket`-token metadata over `buffers` holding `inputs` (after
-    `MixedBuffers.load`), with the host arrays of the loaded step: the real requests'
+    """Per group, a bucket's capture metadata (over the mixed buffers, now holding `inputs`
+    after `MixedBuffers.load`) with the host arrays of the loaded step: the real requests'
     ``query_start_loc`` and ``seq_lens``, then padding requests (query length 0,
     ``seq_lens`` 0). What `MetadataBuilder.prepare_replay` receives."""
     import torch
 
     first = inputs.common[0]
+    slots = capture_common[0].num_reqs
     n, t = first.num_reqs, inputs.num_tokens
-    qsl = torch.full((buffers.num_reqs + 1,), t, dtype=torch.int32)
+    qsl = torch.full((slots + 1,), t, dtype=torch.int32)
     qsl[: n + 1] = first.query_start_loc_cpu[: n + 1]
-    seq = torch.zeros(buffers.num_reqs, dtype=torch.int32)
+    seq = torch.zeros(slots, dtype=torch.int32)
     seq[:n] = first.seq_lens_cpu[:n]
     return tuple(attrs.evolve(c, query_start_loc_cpu=qsl, seq_lens_cpu=seq)
-                 for c in buffers.common(bucket))
+                 for c in capture_common)
 
 
 class CascadeMixedGraphs(MixedGraphs):
@@ -91,6 +92,9 @@ class CascadeMixedGraphs(MixedGraphs):
     ) -> None:
         self.cascade = CascadePlans(builders, cascading, device)
         self._forward_over = forward_over
+        #: Each captured bucket's metadata over the buffers (`replay_common` fills in the
+        #: host arrays per replay).
+        self._capture_common: dict[int, tuple[CommonAttentionMetadata, ...]] = {}
         super().__init__(sizes=sizes, buffers=buffers, capturer=capturer,
                          make_forward=self._make_forward)
 
@@ -100,22 +104,25 @@ class CascadeMixedGraphs(MixedGraphs):
         return self.cascade.cascading
 
     def _make_forward(self, bucket: int) -> Callable[[], torch.Tensor]:
-        return self._forward_over(bucket, self.cascade.plan(bucket, self.buffers.common(bucket)))
+        common = self.buffers.common(bucket)
+        self._capture_common[bucket] = common
+        return self._forward_over(bucket, self.cascade.plan(bucket, common))
 
-    def serves(self, inputs: StepInputs) -> bool:
-        """Whether a replay can serve `inputs` with its cascade request (every group asked
-        to cascade has a cascading plan, and a token bucket holds the step)."""
+    def cascade_bucket(self, inputs: StepInputs) -> int | None:
+        """The token bucket whose graph serves `inputs` with its cascade request, or None
+        (nothing to cascade, a group asked to cascade whose plan does not, or no bucket
+        holds the step)."""
         prefix = inputs.cascade_prefix_lens
         if not any(prefix) or any(p and not on for p, on in zip(prefix, self.cascading,
                                                                   strict=True)):
-            return False
-        return self.bucket_for(inputs) is not None
+            return None
+        return self.bucket_for(inputs)
 
     def run(self, inputs: StepInputs) -> torch.Tensor:
         """Serve a cascading mixed step by a replay: ``[bucket, hidden]`` hidden states, the
         step's rows first (the graph's persistent output: read it before the next replay).
         ``inputs.cascade_prefix_lens`` gives each group's ``P`` (0: not cascading)."""
-        bucket = self.bucket_for(inputs) if self.serves(inputs) else None
+        bucket = self.cascade_bucket(inputs)
         if bucket is None:
             raise ValueError(
                 f"no mixed cascade graph serves this step ({inputs.num_tokens} tokens, "
@@ -125,7 +132,7 @@ class CascadeMixedGraphs(MixedGraphs):
         graph = self.capture(bucket)
         self.buffers.load(inputs, bucket)
         self.cascade.prepare(bucket, inputs.cascade_prefix_lens,
-                             replay_common(self.buffers, bucket, inputs))
+                             replay_common(self._capture_common[bucket], inputs))
         graph.replay()
         self.num_replays += 1
         return graph.output
@@ -133,3 +140,4 @@ class CascadeMixedGraphs(MixedGraphs):
     def release(self) -> None:
         super().release()
         self.cascade.plans.clear()
+        self._capture_common.clear()

@@ -531,10 +531,10 @@ class ModelRunner:
         """A mixed cascade graph serves this prepared step, its bucket captured (now, on
         first use: the mixed buffers are loaded after the capture's padding)."""
         graphs = self.cascade_mixed_graphs
-        if graphs is None or self._kv_scales_pending() or not graphs.serves(inputs):
-            return False
-        bucket = graphs.bucket_for(inputs)
-        return bucket is not None and self._capture_cascade_mixed(bucket)
+        bucket = None if graphs is None else graphs.cascade_bucket(inputs)
+        # (cheapest check first: most steps cascade nothing)
+        return (bucket is not None and not self._kv_scales_pending()
+                and self._capture_cascade_mixed(bucket))
 
     def _mixed_graph_fits(self, scheduled: Sequence[ScheduledRequest]) -> bool:
         """A mixed-step graph's token bucket and request slots hold this step."""
