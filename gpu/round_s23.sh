@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Session 23's GPU round (issue 26): the cascade overlap probe, the GPU cascade tests and the
+# graph conformance at HEAD, and the mixed-cascade steps timed on CUDA events. Each step has its
+# own time limit so that whatever ran comes back under $OUT. Run from the repo root:
+#   PAGEDCORE_GIT_COMMIT=<sha> bash gpu/round_s23.sh [steps...]   (default: all)
+set -uo pipefail
+OUT=${OUT:-/tmp/round_s23}
+mkdir -p "$OUT"
+steps=${*:-"install probe tests conf mixed8b mixed05b"}
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader > "$OUT/device.txt" 2>&1 || true
+run() {  # name, limit seconds, command...
+  local name=$1 limit=$2; shift 2
+  local t0=$(date +%s)
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "$name rc=$? ${SECONDS}s total, $(( $(date +%s) - t0 ))s" | tee -a "$OUT/steps.txt"
+  tail -n 8 "$OUT/$name.log"
+}
+for s in $steps; do
+  case $s in
+    install) run install 120 python3 -m pip install --no-deps --no-build-isolation -e . -e backends/triton ;;
+    probe) run probe 200 python3 backends/triton/tools/cascade_probe.py --no-sweeps --json "$OUT/probe.json" ;;
+    tests) run tests 200 python3 -m pytest -q -x backends/triton/tests/test_cascade.py -k gpu ;;
+    conf) run conf 200 python3 -m pagedcore.cli conformance triton -k graph/ ;;
+    confprefix) run confprefix 200 python3 -m pagedcore.cli conformance triton -k prefix ;;
+    mixed8b) run mixed8b 240 python3 gpu/cascade_mixed.py --reps 4 --json "$OUT/cascade_mixed_llama3-8b.json" ;;
+    mixed05b) run mixed05b 180 python3 gpu/cascade_mixed.py --reps 4 --model-shape qwen2-0.5b --json "$OUT/cascade_mixed_qwen2-0.5b.json" ;;
+    *) echo "unknown step $s" ;;
+  esac
+done
+exit 0
