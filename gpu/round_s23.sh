@@ -21,7 +21,11 @@ for s in $steps; do
     probe) run probe 200 python3 backends/triton/tools/cascade_probe.py --no-sweeps --json "$OUT/probe.json" ;;
     tests) run tests 200 python3 -m pytest -q -x backends/triton/tests/test_cascade.py -k gpu ;;
     conf) run conf 200 python3 -m pagedcore.cli conformance triton -k graph/ ;;
-    confprefix) run confprefix 200 python3 -m pagedcore.cli conformance triton -k prefix ;;
+    confshared) run confshared 200 python3 -m pagedcore.cli conformance triton -k shared_ ;;
+    # The same with the prefix launch beside the suffix launch (PAGEDCORE_TRITON_CASCADE_OVERLAP).
+    confov) PAGEDCORE_TRITON_CASCADE_OVERLAP=1 run confov 200 python3 -m pagedcore.cli conformance triton -k cascade
+            PAGEDCORE_TRITON_CASCADE_OVERLAP=1 run confovshared 200 python3 -m pagedcore.cli conformance triton -k shared_ ;;
+    testsov) PAGEDCORE_TRITON_CASCADE_OVERLAP=1 run testsov 200 python3 -m pytest -q -x backends/triton/tests/test_cascade.py -k gpu ;;
     mixed8b) run mixed8b 240 python3 gpu/cascade_mixed.py --reps 4 --json "$OUT/cascade_mixed_llama3-8b.json" ;;
     mixed05b) run mixed05b 180 python3 gpu/cascade_mixed.py --reps 4 --model-shape qwen2-0.5b --json "$OUT/cascade_mixed_qwen2-0.5b.json" ;;
     *) echo "unknown step $s" ;;
