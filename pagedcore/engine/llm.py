@@ -326,7 +326,7 @@ class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
         "capture_seconds", "step_paths", ...}`` (``reason`` says why not when disabled;
         ``step_paths`` counts the steps run so far by how they ran: ``"decode graph"``,
         ``"mixed graph"``, ``"eager (no bucket fits)"``, ... see
-        `pagedcore.engine.runner.model_runner.STEP_PATHS`)."""
+        `pagedcore.engine.runner.graph_routing.STEP_PATHS`)."""
         # With tensor parallelism: rank 0's runner (every rank captured the same graphs).
         runner: Any = getattr(self.runner, "local_runner", self.runner)
         graphs = getattr(runner, "graphs", None)
