@@ -27,6 +27,9 @@ for s in $steps; do
             PAGEDCORE_TRITON_CASCADE_OVERLAP=1 run confovshared 200 python3 -m pagedcore.cli conformance triton -k shared_ ;;
     testsov) PAGEDCORE_TRITON_CASCADE_OVERLAP=1 run testsov 200 python3 -m pytest -q -x backends/triton/tests/test_cascade.py -k gpu ;;
     mixed8b) run mixed8b 240 python3 gpu/cascade_mixed.py --reps 4 --json "$OUT/cascade_mixed_llama3-8b.json" ;;
+    # The mixed cascade rule's risk: a short shared prefix under long prompt chunks (the split
+    # suffix's partials, ~T x Hq x 2 x (D+2) x 4 B each way, rival the saved prefix reads).
+    mixedshort) run mixedshort 240 python3 gpu/cascade_mixed.py --reps 3 --prefix 512 --own 240 --json "$OUT/cascade_mixed_llama3-8b_p512.json" ;;
     mixed05b) run mixed05b 180 python3 gpu/cascade_mixed.py --reps 4 --model-shape qwen2-0.5b --json "$OUT/cascade_mixed_qwen2-0.5b.json" ;;
     *) echo "unknown step $s" ;;
   esac
