@@ -19,6 +19,8 @@ for s in $steps; do
   case $s in
     install) run install 120 python3 -m pip install --no-deps --no-build-isolation -e . -e backends/triton ;;
     probe) run probe 200 python3 backends/triton/tools/cascade_probe.py --no-sweeps --json "$OUT/probe.json" ;;
+    bench) run bench 150 python3 -m pagedcore.cli bench kernels --backend triton --case cascade --json "$OUT/kernels_cascade.json" ;;
+    benchov) PAGEDCORE_TRITON_CASCADE_OVERLAP=1 run benchov 150 python3 -m pagedcore.cli bench kernels --backend triton --case cascade --json "$OUT/kernels_cascade_overlap.json" ;;
     tests) run tests 200 python3 -m pytest -q -x backends/triton/tests/test_cascade.py -k gpu ;;
     conf) run conf 200 python3 -m pagedcore.cli conformance triton -k graph/ ;;
     confshared) run confshared 200 python3 -m pagedcore.cli conformance triton -k shared_ ;;
