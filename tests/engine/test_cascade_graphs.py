@@ -106,10 +106,13 @@ def test_shared_prefix_decodes_replay_the_cascade_graph(pays: None) -> None:
         runner: Any = llm.runner
         llm.generate(prompts[:1], SamplingParams(max_tokens=1))  # the prefix, cached
         eager = runner.builders[0].build
-        builds = []
-        runner.builders[0].build = lambda c, common_prefix_len=0, **kw: (
-            builds.append(common_prefix_len), eager(c, common_prefix_len=common_prefix_len,
-                                                    **kw))[1]
+        builds: list[int] = []
+
+        def recording_build(c: Any, common_prefix_len: int = 0, **kw: Any) -> Any:
+            builds.append(common_prefix_len)
+            return eager(c, common_prefix_len=common_prefix_len, **kw)
+
+        runner.builders[0].build = recording_build
         outs = llm.generate(prompts, params)
         assert all(o.num_cached_tokens == 20 for o in outs)  # 5 shared blocks of 4
         check_outputs_against_hf(ref, prompts, outs, 6)
@@ -147,6 +150,7 @@ def test_cascade_graph_with_samples_and_preemption_equals_plain(pays: None) -> N
     for on, off in zip(results["auto"], results["off"], strict=True):
         for (tok_a, lp_a), (tok_b, lp_b) in zip(on, off, strict=True):
             assert tok_a == tok_b
+            assert lp_a is not None and lp_b is not None
             for a, b in zip(lp_a, lp_b, strict=True):
                 assert all(abs(a[t] - b[t]) < 1e-4 for t in a)
 
