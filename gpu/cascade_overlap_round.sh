@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
-# Session 23's GPU round (issue 26): the cascade overlap probe, the GPU cascade tests and the
-# graph conformance at HEAD, and the mixed-cascade steps timed on CUDA events. Each step has its
-# own time limit so that whatever ran comes back under $OUT. Run from the repo root:
-#   PAGEDCORE_GIT_COMMIT=<sha> bash gpu/round_s23.sh [steps...]   (default: all)
+# The cascade overlap round (issue 26), prepared in session 23 and not yet run (no device came):
+# the overlap probe (the prefix launch on a side stream beside a split suffix launch, eager and
+# graphed, against the shipped fused cascade), `bench kernels --case cascade` with and without
+# the overlap, the GPU cascade tests and graph conformance at HEAD and with the overlap on, and
+# the mixed-cascade steps timed on CUDA events (incl. a short prefix under long chunks). Steps
+# run in the order given, each with its own time limit, so whatever ran comes back under $OUT.
+# On a fresh device machine `install` must come first (it registers the plugins). Repo root:
+#   PAGEDCORE_GIT_COMMIT=<sha> bash gpu/cascade_overlap_round.sh [steps...]
+# e.g. one 600 s call: install probe benchov bench tests conf confov testsov mixedshort mixed8b
 set -uo pipefail
-OUT=${OUT:-/tmp/round_s23}
+OUT=${OUT:-/tmp/cascade_overlap_round}
 mkdir -p "$OUT"
-steps=${*:-"install probe tests conf mixed8b mixed05b"}
+steps=${*:-"install probe benchov bench tests conf confov testsov mixedshort mixed8b"}
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader > "$OUT/device.txt" 2>&1 || true
 run() {  # name, limit seconds, command...
   local name=$1 limit=$2; shift 2
