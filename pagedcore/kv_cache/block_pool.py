@@ -223,20 +223,12 @@ class BlockPool:
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on each block (prefix hit); a free one leaves the free queue."""
-        queue = self.free_queue
+        remove = self.free_queue.remove
         for block in blocks:
             if block.is_null:
                 continue
             if block.ref_cnt == 0:
-                # FreeBlockQueue.remove, inlined: a 4K-token hit touches ~260 blocks inside
-                # its request's time to first token.
-                prev, nxt = block.prev_free, block.next_free
-                if prev is None or nxt is None:
-                    raise ValueError(f"{block!r} is not in the free queue")
-                prev.next_free = nxt
-                nxt.prev_free = prev
-                block.prev_free = block.next_free = None
-                queue.num_free_blocks -= 1
+                remove(block)
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:

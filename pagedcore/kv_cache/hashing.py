@@ -89,7 +89,6 @@ def make_hash_function(algo: str) -> Callable[[bytes], BlockHash]:
         def _sha256(data: bytes) -> BlockHash:
             return sha256(data).digest()
 
-        _sha256.new = sha256  # type: ignore[attr-defined]  # BlockHasher's tight loop
         return _sha256
     if algo == "xxhash":
         try:
@@ -257,13 +256,6 @@ class BlockHasher:
             # No extra keys in any new block (the common case): the tightest loop, since a
             # request's first schedule hashes its whole prompt inside its time to first token.
             append = hashes.append
-            new = getattr(hash_fn, "new", None)
-            if new is not None:  # sha256: one call less per block
-                for off in range(0, (num_full - first) * width, width):
-                    parent = new(head + parent + count + packed[off : off + width]
-                                 + no_extra).digest()
-                    append(parent)
-                return hashes
             for off in range(0, (num_full - first) * width, width):
                 parent = hash_fn(head + parent + count + packed[off : off + width] + no_extra)
                 append(parent)

@@ -194,15 +194,14 @@ class FullAttentionManager(SingleTypeKVCacheManager):
     def find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_length: int
     ) -> list[KVCacheBlock]:
-        lookup = self.block_pool.cached.get  # BlockPool.get_cached_block, inlined
+        pool = self.block_pool
         gid = self.group_id
         hit: list[KVCacheBlock] = []
-        append = hit.append
         for block_hash in block_hashes[: max(0, max_length) // self.block_size]:
-            block = lookup((block_hash, gid))
+            block = pool.get_cached_block(block_hash, gid)
             if block is None:
                 break
-            append(block)
+            hit.append(block)
         return hit
 
     def get_num_common_prefix_blocks(self, request_id: str, num_running_requests: int) -> int:
