@@ -15,7 +15,11 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from pagedcore_triton._env import interpreting
-from pagedcore_triton.kernels.prefill_tma import prefill_tma_kernel, prefill_tma_ws_kernel
+from pagedcore_triton.kernels.prefill_tma import (
+    prefill_tma_kernel,
+    prefill_tma_ws_kernel,
+    prefill_tma_ws_persistent_kernel,
+)
 from pagedcore_triton.launch import PreparedLaunch, cache_strides, part_tensors
 from pagedcore_triton.plan import LaunchPart, TileConfig
 from pagedcore_triton.plan_tma import TMA_TILES_ENV, packed_tile_config, tma_tile_config
@@ -104,11 +108,21 @@ def _prepare_ws(part: LaunchPart, cfg: TileConfig, views: dict[str, torch.Tensor
     """`prepare_tma` for the warp-specialized kernel (a part without a cached prefix)."""
     grid = None
     heads_fast = cfg.heads_fast
+    q_blocks = 0
     if part.num_reqs > 0 and part.token_end > part.token_begin:
+        # The request search counts one spare q-block per request (`_ws_q_block`).
         q_blocks = part.token_end // cfg.block_m - part.token_begin // cfg.block_m
-        heads_fast = heads_fast and q_blocks + part.num_reqs <= 65535
-        grid = ((num_heads, q_blocks + part.num_reqs, 1) if heads_fast
-                else (q_blocks + part.num_reqs, num_heads, 1))
+        q_blocks += part.num_reqs
+        heads_fast = heads_fast and q_blocks <= 65535
+        grid = ((num_heads, q_blocks, 1) if heads_fast else (q_blocks, num_heads, 1))
+        if cfg.persistent:
+            grid = (min(_programs_per_device(views["qsl"].device, interp),
+                        num_heads * q_blocks), 1, 1)
+    ws = {"WARP_SPECIALIZE": not interp and cfg.persistent in (0, 1)}
+    if cfg.persistent:
+        ws["OUTER_WS"] = not interp and cfg.persistent == 2
+    else:
+        ws["HEADS_FAST"] = heads_fast
     return PreparedLaunch(
         grid=grid,
         **views,
@@ -117,7 +131,7 @@ def _prepare_ws(part: LaunchPart, cfg: TileConfig, views: dict[str, torch.Tensor
         num_reqs=part.num_reqs,
         token_begin=part.token_begin,
         num_tokens=part.token_end - part.token_begin,
-        static_args=("ws", part.token_end),
+        static_args=("ws", part.token_end, num_heads, q_blocks, bool(cfg.persistent)),
         constexprs={
             "HEAD_SIZE": head_size,
             "QPK": qpk,
@@ -127,13 +141,24 @@ def _prepare_ws(part: LaunchPart, cfg: TileConfig, views: dict[str, torch.Tensor
             "DOT_FP32": dot_fp32,
             "SEARCH_STEPS": max(1, part.num_reqs.bit_length()),
             "STAGES": cfg.num_stages,
-            "WARP_SPECIALIZE": not interp,
-            "HEADS_FAST": heads_fast,
+            **ws,
             "num_warps": cfg.num_warps,
             "num_stages": cfg.num_stages,
             **({} if cfg.maxnreg is None or interp else {"maxnreg": cfg.maxnreg}),
         },
     )
+
+
+#: Programs of a persistent launch in the interpreter (no device to size it by): a few, so
+#: that each loops over several q-blocks.
+INTERPRETER_PROGRAMS = 3
+
+
+def _programs_per_device(device: torch.device, interp: bool) -> int:
+    """Programs of a persistent launch: one per SM (its ~200 KB of shared memory fit one)."""
+    if interp or device.type != "cuda":
+        return INTERPRETER_PROGRAMS
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def _tma_rows(t: torch.Tensor) -> bool:
@@ -146,7 +171,7 @@ def _run_ws(launch: PreparedLaunch, query: torch.Tensor, key: torch.Tensor,
             value: torch.Tensor, output: torch.Tensor, *, scale: float) -> None:
     grid = launch.grid
     assert grid is not None
-    token_end = launch.static_args[1]
+    _, token_end, num_heads, q_blocks, persistent = launch.static_args
     c = launch.constexprs
     if not _tma_rows(query):
         query = query.contiguous()
@@ -155,11 +180,13 @@ def _run_ws(launch: PreparedLaunch, query: torch.Tensor, key: torch.Tensor,
     k_desc = TensorDescriptor(key, [token_end, width], [key.stride(0), 1], box)
     v_desc = TensorDescriptor(value, [token_end, width], [value.stride(0), 1], box)
     _ensure_allocator()
-    prefill_tma_ws_kernel[grid](
-        output, query, k_desc, v_desc, launch.qsl, launch.num_reqs, scale, token_end,
-        query.shape[1] * query.shape[2], query.stride(0), output.stride(0), output.stride(1),
-        **c,
-    )
+    args = (output, query, k_desc, v_desc, launch.qsl, launch.num_reqs, scale, token_end,
+            query.shape[1] * query.shape[2], query.stride(0), output.stride(0),
+            output.stride(1))
+    if persistent:
+        prefill_tma_ws_persistent_kernel[grid](*args, num_heads, q_blocks, **c)
+    else:
+        prefill_tma_ws_kernel[grid](*args, **c)
 
 
 def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:

@@ -146,9 +146,42 @@ def test_parse_tiles() -> None:
     cfg = parse_tma_tiles("128,64,8,2,hm,r128", 4)
     assert (cfg.heads_fast, cfg.maxnreg, cfg.maxnreg is None) == (True, 128, False)
     for bad in ("128,128,8", "128,96,8,3", "128,128,8,3,d64", "128,128,8,3,zz",
-                "128,64,8,2,r100", "128,64,8,2,r128,r96", "128,64,4,3,wsk"):
+                "128,64,8,2,r100", "128,64,8,2,r128,r96", "128,64,4,3,wsk",
+                "128,128,4,2,p", "128,128,4,2,wsk,p,po"):
         with pytest.raises(ValueError, match="PAGEDCORE_TRITON_TMA_TILES"):
             parse_tma_tiles(bad, 4)
+
+
+def test_persistent_tiles_and_grid(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``wsk,p`` / ``po`` / ``pn``: one program per SM (at most one per work item), the
+    q-blocks in the ``hm`` order, and which of its loops is warp-specialized."""
+    from pagedcore_triton import ops_tma
+    from pagedcore_triton.plan import LaunchPart
+
+    monkeypatch.setattr(ops_tma, "interpreting", lambda: False)
+    monkeypatch.setattr(ops_tma, "_programs_per_device", lambda device, interp: 100)
+    qsl = torch.tensor([0, 100, 300], dtype=torch.int32)
+    seq_lens = torch.tensor([100, 200], dtype=torch.int32)
+
+    def plan(tiles: str, heads: int = 32) -> Any:
+        part = LaunchPart(req_begin=0, req_end=2, token_begin=0, token_end=300,
+                          max_query_len=200, prefill_only=True, tma_prefill=True,
+                          has_context=False)
+        return ops_tma.prepare_tma(part, num_heads=heads, dtype=torch.bfloat16,
+                                   kv_cache_shape=(2, 20, 16, heads // 4, 128),
+                                   query_start_loc=qsl, seq_lens=seq_lens,
+                                   block_table=torch.zeros((2, 16), dtype=torch.int32),
+                                   causal=True, tiles=parse_tma_tiles(tiles, 4))
+
+    q_blocks = 300 // 128 + 2  # one spare q-block per request
+    for flag, inner, outer in (("p", True, False), ("po", False, True), ("pn", False, False)):
+        launch = plan(f"128,128,4,2,wsk,{flag}")
+        assert launch.grid == (100, 1, 1) and launch.static_args[2:] == (32, q_blocks, True)
+        c = launch.constexprs
+        assert (c["WARP_SPECIALIZE"], c["OUTER_WS"], "HEADS_FAST" in c) == (inner, outer, False)
+    assert plan("128,128,4,2,wsk,p", heads=8).grid == (8 * q_blocks, 1, 1)
+    assert parse_tma_tiles("128,128,4,2,wsk,pn", 4).heads_fast
+    assert plan("128,128,4,2,wsk").static_args[2:] == (32, q_blocks, False)
 
 
 def test_register_cap_and_grid_order(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -182,10 +215,10 @@ def test_register_cap_and_grid_order(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_warp_specialized_kernel(tma: pytest.MonkeyPatch, causal: bool) -> None:
     """``wsk``: prefills without a cached prefix on ``prefill_tma_ws_kernel`` (one query head
     per program, the mask on every tile); a part with a prefix keeps the packed kernel."""
-    for tiles in ("16,16,4,1,wsk", "32,32,4,1,wsk,hm"):
+    for tiles in ("16,16,4,1,wsk", "32,32,4,1,wsk,hm", "16,16,4,1,wsk,p"):
         tma.setenv(TMA_TILES_ENV, tiles)
         err, ran = _run([(0, 37), (0, 16), (0, 3)], causal=causal)
-        assert ran and err < TOL[torch.float32], err
+        assert ran and err < TOL[torch.float32], (tiles, err)
     err, ran = _run([(0, 37), (5, 20)], causal=causal)
     assert ran and err < TOL[torch.float32], err
 

@@ -27,7 +27,11 @@ import triton.language as tl
 
 from pagedcore_triton.kernels.attention import _attend_tile, _find_request, _grid_q_block
 
-__all__ = ["prefill_tma_kernel", "prefill_tma_ws_kernel"]
+__all__ = [
+    "prefill_tma_kernel",
+    "prefill_tma_ws_kernel",
+    "prefill_tma_ws_persistent_kernel",
+]
 
 
 @triton.jit
@@ -261,14 +265,7 @@ def prefill_tma_ws_kernel(
 
     Grid ``(q_blocks, Hq)`` (``(Hq, q_blocks)`` with ``HEADS_FAST``): a program owns
     ``BLOCK_M`` query tokens of one query head (no GQA packing: its K/V tiles are re-read
-    by the ``QPK`` heads of the group, from L2).
-    Every load is a tensor-descriptor (TMA) load and the key loop is one branch-free loop
-    (the causal mask applied to every tile), the form in which Triton 3.6 splits the
-    program into a producer warpgroup and consumer warpgroups (``WARP_SPECIALIZE``); a
-    second loop, an ``if`` inside the loop or a plain pointer load make its pass fail or
-    leave the kernel unspecialized. The request search is a binary search unrolled into
-    ``SEARCH_STEPS`` (`num_reqs`'s bit length) steps for the same reason; spare programs run one
-    tile and store nothing.
+    by the ``QPK`` heads of the group, from L2), longest q-block first (`_ws_q_block`).
 
     `q_ptr`: the step's ``query``, read as ``[token_end, q_width = Hq * HEAD_SIZE]`` (row
     stride `stride_qt`) in ``[BLOCK_M, HEAD_SIZE]`` blocks; `k_desc` / `v_desc`: ``key`` /
@@ -282,6 +279,92 @@ def prefill_tma_ws_kernel(
     else:
         head = tl.program_id(1)
         q_block_id = tl.num_programs(0) - 1 - tl.program_id(0)
+    # Built here, not on the host: the warp specialization splits the query load between
+    # the two consumer warpgroups (64 rows each) and rewrites the descriptor's box to match;
+    # a host descriptor keeps its 128-row box and overruns the halves (it hung on the H200).
+    q_desc = tl.make_tensor_descriptor(q_ptr, [token_end, q_width], [stride_qt, 1],
+                                       [BLOCK_M, HEAD_SIZE])
+    _ws_q_block(
+        out_ptr, q_desc, k_desc, v_desc, qsl_ptr, num_reqs, scale, stride_ot, stride_oh,
+        q_block_id, head, HEAD_SIZE, QPK, BLOCK_M, TILE_N, CAUSAL, DOT_FP32, SEARCH_STEPS,
+        STAGES, WARP_SPECIALIZE,
+    )
+
+
+@triton.jit
+def prefill_tma_ws_persistent_kernel(
+    out_ptr,
+    q_ptr,
+    k_desc,
+    v_desc,
+    qsl_ptr,
+    num_reqs,
+    scale,
+    token_end,
+    q_width,
+    stride_qt,
+    stride_ot,
+    stride_oh,
+    num_heads,
+    num_q_blocks,
+    HEAD_SIZE: tl.constexpr,
+    QPK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
+    STAGES: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+    OUTER_WS: tl.constexpr = False,
+):
+    """`prefill_tma_ws_kernel` as a persistent kernel: grid ``(P,)`` with ``P`` at most the
+    number of work items ``num_heads * num_q_blocks`` (the device's SM count, one program
+    per SM), each program serving items ``pid, pid + P, ...`` in the order of the ``HEADS_FAST``
+    grid (every head of the longest q-block first), so that a program's next item starts
+    while the SM still holds its shared memory, and no program waits for a launch slot.
+
+    ``WARP_SPECIALIZE`` specializes the key loop of each item (as the non-persistent
+    kernel); ``OUTER_WS`` the loop over items instead (Triton then may run the producer
+    warps into the next item's loads)."""
+    pid = tl.program_id(0)
+    q_desc = tl.make_tensor_descriptor(q_ptr, [token_end, q_width], [stride_qt, 1],
+                                       [BLOCK_M, HEAD_SIZE])
+    for item in tl.range(pid, num_heads * num_q_blocks, tl.num_programs(0),
+                         warp_specialize=OUTER_WS):
+        head = item % num_heads
+        q_block_id = num_q_blocks - 1 - item // num_heads  # longest first
+        _ws_q_block(
+            out_ptr, q_desc, k_desc, v_desc, qsl_ptr, num_reqs, scale, stride_ot, stride_oh,
+            q_block_id, head, HEAD_SIZE, QPK, BLOCK_M, TILE_N, CAUSAL, DOT_FP32,
+            SEARCH_STEPS, STAGES, WARP_SPECIALIZE,
+        )
+
+
+@triton.jit
+def _ws_q_block(
+    out_ptr, q_desc, k_desc, v_desc, qsl_ptr, num_reqs, scale, stride_ot, stride_oh,
+    q_block_id, head,
+    HEAD_SIZE: tl.constexpr,
+    QPK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
+    STAGES: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+):
+    """Query block `q_block_id` (numbered over the launch, ``num_reqs`` spare ones among
+    them) of query head `head`: ``BLOCK_M`` query tokens against their keys.
+
+    Every load is a tensor-descriptor (TMA) load and the key loop is one branch-free loop
+    (the causal mask applied to every tile), the form in which Triton 3.6 splits the
+    program into a producer warpgroup and consumer warpgroups (``WARP_SPECIALIZE``); a
+    second loop, an ``if`` inside the loop or a plain pointer load make its pass fail or
+    leave the kernel unspecialized. The request search is a binary search unrolled into
+    ``SEARCH_STEPS`` (`num_reqs`'s bit length) steps for the same reason; spare q-blocks run
+    one tile and store nothing."""
     kv_head = head // QPK
     # The request: a binary search of `_find_request`, unrolled (scalar loads
     # only: no loop and no cross-warp reduction, which the warp partitions could not share).
@@ -304,11 +387,6 @@ def prefill_tma_ws_kernel(
 
     rows = tl.arange(0, BLOCK_M)
     tok = q_off + rows
-    # Built here, not on the host: the warp specialization splits this load between the two
-    # consumer warpgroups (64 rows each) and rewrites the descriptor's box to match; a host
-    # descriptor keeps its 128-row box and overruns the halves (it hung on the H200).
-    q_desc = tl.make_tensor_descriptor(q_ptr, [token_end, q_width], [stride_qt, 1],
-                                       [BLOCK_M, HEAD_SIZE])
     q = q_desc.load([q_begin + q_off, head * HEAD_SIZE])
     if DOT_FP32:
         q = q.to(tl.float32)
@@ -324,9 +402,8 @@ def prefill_tma_ws_kernel(
     else:
         hi = tl.cdiv(q_len, TILE_N)
         last = tl.zeros([BLOCK_M], tl.int32) + (q_len - 1)
-    # A spare program of the over-provisioned grid runs one tile (stores nothing): a
-    # warp-specialized loop that runs no iteration would leave the query's TMA load in
-    # flight at exit.
+    # A spare q-block runs one tile (stores nothing): a warp-specialized loop that runs no
+    # iteration would leave the query's TMA load in flight at exit.
     hi = tl.where(q_off < q_len, hi, 1)
     for t in tl.range(0, hi, num_stages=STAGES, warp_specialize=WARP_SPECIALIZE):
         k = k_desc.load([q_begin + t * TILE_N, col])
