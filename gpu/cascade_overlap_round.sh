@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The cascade overlap round (issue 26), prepared in session 23 and not yet run (no device came):
+# The cascade overlap round (issue 26), prepared in session 23, run in session 24 on an H100
+# (results: docs/benchmarks/h100_s24/README.md; the overlap did not pay and stays off):
 # the overlap probe (the prefix launch on a side stream beside a split suffix launch, eager and
 # graphed, against the shipped fused cascade), `bench kernels --case cascade` with and without
 # the overlap, the GPU cascade tests and graph conformance at HEAD and with the overlap on, and

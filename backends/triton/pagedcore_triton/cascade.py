@@ -23,7 +23,9 @@ replayed for any prefix up to the capacity (``docs/engine.md``).
 ``PAGEDCORE_TRITON_CASCADE_OVERLAP=1`` (experiment, CUDA only) runs the prefix launch on a
 side stream beside a split suffix launch (the builder then splits a decode step's suffix
 launch at least in two), joined before `cascade_merge_kernel`, so that the compute-bound
-prefix and the memory-bound suffixes can share the SMs (untimed; see `CascadePlan.overlap`).
+prefix and the memory-bound suffixes can share the SMs (see `CascadePlan.overlap`). On an
+H100 it measured no faster than the fused cascade (0.0653 vs 0.0637 ms from a graph,
+``docs/benchmarks/h100_s24/README.md``), so it stays off.
 """
 
 from __future__ import annotations
