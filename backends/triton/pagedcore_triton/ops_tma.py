@@ -120,7 +120,8 @@ def _prepare_ws(part: LaunchPart, cfg: TileConfig, views: dict[str, torch.Tensor
                         num_heads * q_blocks), 1, 1)
     ws = {"WARP_SPECIALIZE": not interp and cfg.persistent in (0, 1)}
     if cfg.persistent:
-        ws["OUTER_WS"] = not interp and cfg.persistent == 2
+        ws["OUTER_WS"] = not interp and cfg.persistent in (2, 4)
+        ws["FLATTEN"] = cfg.persistent in (4, 5)
     else:
         ws["HEADS_FAST"] = heads_fast
     return PreparedLaunch(

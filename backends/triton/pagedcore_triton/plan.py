@@ -344,7 +344,9 @@ class TileConfig:
     tma_ws: bool = False
     #: With `tma_ws`: 0 one program per q-block and head; else the persistent kernel
     #: (``prefill_tma_ws_persistent_kernel``, one program per SM looping over them) with the
-    #: key loop warp-specialized (1), the loop over q-blocks instead (2), or neither (3).
+    #: key loop warp-specialized (1), the loop over q-blocks instead (2), or neither (3);
+    #: 4 and 5: both loops flattened into one, the loop over q-blocks warp-specialized (4)
+    #: or not (5).
     persistent: int = 0
 
 

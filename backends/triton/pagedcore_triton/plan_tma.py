@@ -49,10 +49,13 @@ TMA_HEAD_SIZES = (64, 128)
 #: (``prefill_tma_ws_kernel``: one query head per program, one branch-free key loop);
 #: with ``wsk``, ``p`` / ``po`` / ``pn`` run its persistent form (one program per SM looping
 #: over the q-blocks in the ``hm`` order) with the key loop warp-specialized, the loop over
-#: q-blocks instead, or neither (`TileConfig.persistent` 1, 2, 3).
-TMA_TILE_FLAGS = ("ws", "fwd", "e1", "d16", "d32", "d64", "hm", "wsk", "p", "po", "pn")
+#: q-blocks instead, or neither (`TileConfig.persistent` 1, 2, 3); ``pf`` / ``pfn`` the same
+#: with the two loops flattened into one, the loop over q-blocks warp-specialized or not
+#: (4, 5).
+TMA_TILE_FLAGS = ("ws", "fwd", "e1", "d16", "d32", "d64", "hm", "wsk",
+                  "p", "po", "pn", "pf", "pfn")
 #: `TileConfig.persistent` by flag.
-TMA_PERSISTENT_FLAGS = {"p": 1, "po": 2, "pn": 3}
+TMA_PERSISTENT_FLAGS = {"p": 1, "po": 2, "pn": 3, "pf": 4, "pfn": 5}
 #: The default tiles for head size 128 on the GPU when not `packed_tile_config`'s (None):
 #: set only from a variant that passed the conformance suite on the H200 and beat the
 #: packed default there (``docs/benchmarks/triton.md``, "Session 12": the warp-specialized
@@ -126,8 +129,8 @@ def parse_tma_tiles(text: str, num_queries_per_kv: int) -> TileConfig:
     Flags: ``ws`` (warp-specialize the unmasked loop), ``fwd`` (natural q-block order),
     ``e1`` (the diagonal loop not pipelined), ``dN`` (diagonal keys in tiles of ``N``),
     ``hm`` (KV heads on the grid's fast axis), ``rN`` (at most ``N`` registers per thread),
-    ``wsk`` (the warp-specialized kernel) and with it ``p`` / ``po`` / ``pn`` (its
-    persistent form, see `TMA_TILE_FLAGS`).
+    ``wsk`` (the warp-specialized kernel) and with it ``p`` / ``po`` / ``pn`` / ``pf`` /
+    ``pfn`` (its persistent forms, see `TMA_TILE_FLAGS`).
     """
     fields = [f.strip() for f in text.split(",")]
     try:
@@ -155,7 +158,7 @@ def parse_tma_tiles(text: str, num_queries_per_kv: int) -> TileConfig:
             "BLOCK_M and TILE_N powers of two >= 16 (BLOCK_M at least the query heads per KV "
             f"head), positive WARPS and STAGES, flags among {', '.join(TMA_TILE_FLAGS)} (dN: "
             "N at most TILE_N and BLOCK_M / query heads per KV head, a power of two; at most "
-            "one of p, po, pn, and only with wsk, whose TILE_N must equal BLOCK_M) and at "
+            "one of p, po, pn, pf, pfn, and only with wsk, whose TILE_N must equal BLOCK_M) and at "
             f"most one rN (N in {', '.join(map(str, TMA_MAXNREG))}); e.g. '128,128,8,3' or "
             "'128,64,8,2,r128'"
         )

@@ -174,11 +174,14 @@ def test_persistent_tiles_and_grid(monkeypatch: pytest.MonkeyPatch) -> None:
                                    causal=True, tiles=parse_tma_tiles(tiles, 4))
 
     q_blocks = 300 // 128 + 2  # one spare q-block per request
-    for flag, inner, outer in (("p", True, False), ("po", False, True), ("pn", False, False)):
+    for flag, inner, outer, flat in (("p", True, False, False), ("po", False, True, False),
+                                     ("pn", False, False, False), ("pf", False, True, True),
+                                     ("pfn", False, False, True)):
         launch = plan(f"128,128,4,2,wsk,{flag}")
         assert launch.grid == (100, 1, 1) and launch.static_args[2:] == (32, q_blocks, True)
         c = launch.constexprs
-        assert (c["WARP_SPECIALIZE"], c["OUTER_WS"], "HEADS_FAST" in c) == (inner, outer, False)
+        assert (c["WARP_SPECIALIZE"], c["OUTER_WS"], c["FLATTEN"], "HEADS_FAST" in c) == (
+            inner, outer, flat, False)
     assert plan("128,128,4,2,wsk,p", heads=8).grid == (8 * q_blocks, 1, 1)
     assert parse_tma_tiles("128,128,4,2,wsk,pn", 4).heads_fast
     assert plan("128,128,4,2,wsk").static_args[2:] == (32, q_blocks, False)
@@ -215,7 +218,7 @@ def test_register_cap_and_grid_order(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_warp_specialized_kernel(tma: pytest.MonkeyPatch, causal: bool) -> None:
     """``wsk``: prefills without a cached prefix on ``prefill_tma_ws_kernel`` (one query head
     per program, the mask on every tile); a part with a prefix keeps the packed kernel."""
-    for tiles in ("16,16,4,1,wsk", "32,32,4,1,wsk,hm", "16,16,4,1,wsk,p"):
+    for tiles in ("16,16,4,1,wsk", "32,32,4,1,wsk,hm", "16,16,4,1,wsk,p", "16,16,4,1,wsk,pf"):
         tma.setenv(TMA_TILES_ENV, tiles)
         err, ran = _run([(0, 37), (0, 16), (0, 3)], causal=causal)
         assert ran and err < TOL[torch.float32], (tiles, err)

@@ -317,6 +317,7 @@ def prefill_tma_ws_persistent_kernel(
     STAGES: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
     OUTER_WS: tl.constexpr = False,
+    FLATTEN: tl.constexpr = False,
 ):
     """`prefill_tma_ws_kernel` as a persistent kernel: grid ``(P,)`` with ``P`` at most the
     number of work items ``num_heads * num_q_blocks`` (the device's SM count, one program
@@ -326,12 +327,14 @@ def prefill_tma_ws_persistent_kernel(
 
     ``WARP_SPECIALIZE`` specializes the key loop of each item (as the non-persistent
     kernel); ``OUTER_WS`` the loop over items instead (Triton then may run the producer
-    warps into the next item's loads)."""
+    warps into the next item's loads). ``FLATTEN`` asks Triton to fuse the two loops into one
+    (``tl.range(flatten=True)``, as its persistent matmul does), so that the software
+    pipeline runs on across items instead of draining and refilling at each."""
     pid = tl.program_id(0)
     q_desc = tl.make_tensor_descriptor(q_ptr, [token_end, q_width], [stride_qt, 1],
                                        [BLOCK_M, HEAD_SIZE])
     for item in tl.range(pid, num_heads * num_q_blocks, tl.num_programs(0),
-                         warp_specialize=OUTER_WS):
+                         flatten=FLATTEN, warp_specialize=OUTER_WS):
         head = item % num_heads
         q_block_id = num_q_blocks - 1 - item // num_heads  # longest first
         _ws_q_block(
