@@ -27,7 +27,7 @@ echo "commit ${PAGEDCORE_GIT_COMMIT:-unknown}" >> "$R/device.txt"
 timeout 120 python3 -m pip install --no-deps --no-build-isolation -e . -e backends/triton \
   > "$R/install.log" 2>&1
 stamp "install rc=$?"
-PROBES=${PROBES:-"default 128,128,4,2,wsk,p 128,128,4,2,wsk,pf 128,128,8,2,wsk,pfn 128,128,4,2,wsk,po"}
+PROBES=${PROBES:-"default 128,128,4,2,wsk,hm,ts 128,128,4,2,wsk,p,ts 128,128,4,2,wsk,p 128,128,4,2,wsk,pf 128,128,8,2,wsk,pfn"}
 i=0
 for v in $PROBES; do
   timeout -k 2 "${PROBE_CAP:-120}" python3 $T/tma_variants.py --warm "$v" "$R/check_$i.json" \
