@@ -159,7 +159,8 @@ def parse_tma_tiles(text: str, num_queries_per_kv: int) -> TileConfig:
             "BLOCK_M and TILE_N powers of two >= 16 (BLOCK_M at least the query heads per KV "
             f"head), positive WARPS and STAGES, flags among {', '.join(TMA_TILE_FLAGS)} (dN: "
             "N at most TILE_N and BLOCK_M / query heads per KV head, a power of two; at most "
-            "one of p, po, pn, pf, pfn, and those and ts only with wsk, whose TILE_N must equal BLOCK_M) and at "
+            "one of p, po, pn, pf, pfn; those and ts only with wsk, whose TILE_N must equal "
+            "BLOCK_M) and at "
             f"most one rN (N in {', '.join(map(str, TMA_MAXNREG))}); e.g. '128,128,8,3' or "
             "'128,64,8,2,r128'"
         )
