@@ -118,8 +118,7 @@ def _prepare_ws(part: LaunchPart, cfg: TileConfig, views: dict[str, torch.Tensor
         if cfg.persistent:
             grid = (min(_programs_per_device(views["qsl"].device, interp),
                         num_heads * q_blocks), 1, 1)
-    ws = {"WARP_SPECIALIZE": not interp and cfg.persistent in (0, 1),
-          "TMA_STORE": cfg.tma_store}
+    ws = {"WARP_SPECIALIZE": not interp and cfg.persistent in (0, 1)}
     if cfg.persistent:
         ws["OUTER_WS"] = not interp and cfg.persistent in (2, 4)
         ws["FLATTEN"] = cfg.persistent in (4, 5)
@@ -177,8 +176,6 @@ def _run_ws(launch: PreparedLaunch, query: torch.Tensor, key: torch.Tensor,
     c = launch.constexprs
     if not _tma_rows(query):
         query = query.contiguous()
-    if c["TMA_STORE"] and not _tma_rows(output):  # an output a TMA box cannot address
-        c = {**c, "TMA_STORE": False}
     width = key.shape[1] * key.shape[2]
     box = [c["TILE_N"], c["HEAD_SIZE"]]
     k_desc = TensorDescriptor(key, [token_end, width], [key.stride(0), 1], box)

@@ -348,8 +348,6 @@ class TileConfig:
     #: 4 and 5: both loops flattened into one, the loop over q-blocks warp-specialized (4)
     #: or not (5).
     persistent: int = 0
-    #: With `tma_ws`: whole q-blocks store their output with one TMA bulk copy.
-    tma_store: bool = False
 
 
 def parse_tiles(text: str, num_queries_per_kv: int) -> TileConfig:

@@ -147,7 +147,7 @@ def test_parse_tiles() -> None:
     assert (cfg.heads_fast, cfg.maxnreg, cfg.maxnreg is None) == (True, 128, False)
     for bad in ("128,128,8", "128,96,8,3", "128,128,8,3,d64", "128,128,8,3,zz",
                 "128,64,8,2,r100", "128,64,8,2,r128,r96", "128,64,4,3,wsk",
-                "128,128,4,2,p", "128,128,4,2,wsk,p,po", "128,128,4,2,ts"):
+                "128,128,4,2,p", "128,128,4,2,wsk,p,po"):
         with pytest.raises(ValueError, match="PAGEDCORE_TRITON_TMA_TILES"):
             parse_tma_tiles(bad, 4)
 
@@ -218,8 +218,7 @@ def test_register_cap_and_grid_order(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_warp_specialized_kernel(tma: pytest.MonkeyPatch, causal: bool) -> None:
     """``wsk``: prefills without a cached prefix on ``prefill_tma_ws_kernel`` (one query head
     per program, the mask on every tile); a part with a prefix keeps the packed kernel."""
-    for tiles in ("16,16,4,1,wsk", "32,32,4,1,wsk,hm", "16,16,4,1,wsk,p", "16,16,4,1,wsk,pf",
-                  "16,16,4,1,wsk,ts", "16,16,4,1,wsk,p,ts"):
+    for tiles in ("16,16,4,1,wsk", "32,32,4,1,wsk,hm", "16,16,4,1,wsk,p", "16,16,4,1,wsk,pf"):
         tma.setenv(TMA_TILES_ENV, tiles)
         err, ran = _run([(0, 37), (0, 16), (0, 3)], causal=causal)
         assert ran and err < TOL[torch.float32], (tiles, err)

@@ -260,7 +260,6 @@ def prefill_tma_ws_kernel(
     STAGES: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
     HEADS_FAST: tl.constexpr = False,
-    TMA_STORE: tl.constexpr = False,
 ):
     """Prefill without a cached prefix, written for Triton's Hopper warp specialization.
 
@@ -285,14 +284,10 @@ def prefill_tma_ws_kernel(
     # a host descriptor keeps its 128-row box and overruns the halves (it hung on the H200).
     q_desc = tl.make_tensor_descriptor(q_ptr, [token_end, q_width], [stride_qt, 1],
                                        [BLOCK_M, HEAD_SIZE])
-    o_desc = q_desc  # unused without TMA_STORE
-    if TMA_STORE:
-        o_desc = tl.make_tensor_descriptor(out_ptr, [token_end, q_width], [stride_ot, 1],
-                                           [BLOCK_M, HEAD_SIZE])
     _ws_q_block(
-        out_ptr, q_desc, o_desc, k_desc, v_desc, qsl_ptr, num_reqs, scale, stride_ot,
-        stride_oh, q_block_id, head, HEAD_SIZE, QPK, BLOCK_M, TILE_N, CAUSAL, DOT_FP32,
-        SEARCH_STEPS, STAGES, WARP_SPECIALIZE, TMA_STORE,
+        out_ptr, q_desc, k_desc, v_desc, qsl_ptr, num_reqs, scale, stride_ot, stride_oh,
+        q_block_id, head, HEAD_SIZE, QPK, BLOCK_M, TILE_N, CAUSAL, DOT_FP32, SEARCH_STEPS,
+        STAGES, WARP_SPECIALIZE,
     )
 
 
@@ -323,7 +318,6 @@ def prefill_tma_ws_persistent_kernel(
     WARP_SPECIALIZE: tl.constexpr,
     OUTER_WS: tl.constexpr = False,
     FLATTEN: tl.constexpr = False,
-    TMA_STORE: tl.constexpr = False,
 ):
     """`prefill_tma_ws_kernel` as a persistent kernel: grid ``(P,)`` with ``P`` at most the
     number of work items ``num_heads * num_q_blocks`` (the device's SM count, one program
@@ -339,24 +333,20 @@ def prefill_tma_ws_persistent_kernel(
     pid = tl.program_id(0)
     q_desc = tl.make_tensor_descriptor(q_ptr, [token_end, q_width], [stride_qt, 1],
                                        [BLOCK_M, HEAD_SIZE])
-    o_desc = q_desc  # unused without TMA_STORE
-    if TMA_STORE:
-        o_desc = tl.make_tensor_descriptor(out_ptr, [token_end, q_width], [stride_ot, 1],
-                                           [BLOCK_M, HEAD_SIZE])
     for item in tl.range(pid, num_heads * num_q_blocks, tl.num_programs(0),
                          flatten=FLATTEN, warp_specialize=OUTER_WS):
         head = item % num_heads
         q_block_id = num_q_blocks - 1 - item // num_heads  # longest first
         _ws_q_block(
-            out_ptr, q_desc, o_desc, k_desc, v_desc, qsl_ptr, num_reqs, scale, stride_ot,
-            stride_oh, q_block_id, head, HEAD_SIZE, QPK, BLOCK_M, TILE_N, CAUSAL, DOT_FP32,
-            SEARCH_STEPS, STAGES, WARP_SPECIALIZE, TMA_STORE,
+            out_ptr, q_desc, k_desc, v_desc, qsl_ptr, num_reqs, scale, stride_ot, stride_oh,
+            q_block_id, head, HEAD_SIZE, QPK, BLOCK_M, TILE_N, CAUSAL, DOT_FP32,
+            SEARCH_STEPS, STAGES, WARP_SPECIALIZE,
         )
 
 
 @triton.jit
 def _ws_q_block(
-    out_ptr, q_desc, o_desc, k_desc, v_desc, qsl_ptr, num_reqs, scale, stride_ot, stride_oh,
+    out_ptr, q_desc, k_desc, v_desc, qsl_ptr, num_reqs, scale, stride_ot, stride_oh,
     q_block_id, head,
     HEAD_SIZE: tl.constexpr,
     QPK: tl.constexpr,
@@ -367,15 +357,9 @@ def _ws_q_block(
     SEARCH_STEPS: tl.constexpr,
     STAGES: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
-    TMA_STORE: tl.constexpr,
 ):
     """Query block `q_block_id` (numbered over the launch, ``num_reqs`` spare ones among
     them) of query head `head`: ``BLOCK_M`` query tokens against their keys.
-
-    ``TMA_STORE``: a q-block whose ``BLOCK_M`` rows all belong to its request stores its
-    output through `o_desc` (``[token_end, Hq * HEAD_SIZE]``, one asynchronous bulk copy);
-    a request's last, partial q-block keeps the masked store (the box would overwrite the
-    next request's rows).
 
     Every load is a tensor-descriptor (TMA) load and the key loop is one branch-free loop
     (the causal mask applied to every tile), the form in which Triton 3.6 splits the
@@ -445,14 +429,11 @@ def _ws_q_block(
             acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
 
-    out = (acc / l_i[:, None]).to(out_ptr.dtype.element_ty)
-    if TMA_STORE and q_off + BLOCK_M <= q_len:
-        o_desc.store([q_begin + q_off, head * HEAD_SIZE], out)
-    else:
-        d = tl.arange(0, HEAD_SIZE)
-        q_rows = (q_begin + tok).to(tl.int64)
-        tl.store(
-            out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + d[None, :],
-            out,
-            mask=(tok < q_len)[:, None],
-        )
+    out = acc / l_i[:, None]
+    d = tl.arange(0, HEAD_SIZE)
+    q_rows = (q_begin + tok).to(tl.int64)
+    tl.store(
+        out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=(tok < q_len)[:, None],
+    )
