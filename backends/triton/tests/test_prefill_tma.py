@@ -28,6 +28,9 @@ from pagedcore.kv_cache.spec import FullAttentionSpec
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+#: The tests' dtype: float32 in the interpreter; float16 on a GPU, where the kernel serves
+#: 16-bit dtypes only (`tma_layer_reason`: a float32 layer runs the gather kernel there).
+DTYPE = torch.float32 if DEVICE == "cpu" else torch.float16
 
 
 def _run(
@@ -35,7 +38,7 @@ def _run(
     *,
     heads: tuple[int, int] = (8, 2),
     head_size: int = 64,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype = DTYPE,
     causal: bool = True,
     key_layout: str = "contiguous",
     **features: Any,
@@ -84,7 +87,7 @@ MIXED = [(5, 1), (70, 1), (0, 37), (0, 7), (33, 20), (16, 45)]
 def test_mixed_batch(tma: pytest.MonkeyPatch, dtype: torch.dtype, heads: tuple[int, int],
                      head_size: int) -> None:
     err, ran = _run(MIXED, heads=heads, head_size=head_size, dtype=dtype)
-    assert ran
+    assert ran == (dtype != torch.float32 or DEVICE == "cpu")
     assert err < TOL[dtype], err
 
 
@@ -95,13 +98,13 @@ def test_tile_variants(tma: pytest.MonkeyPatch, tiles: str) -> None:
     tma.setenv(TMA_TILES_ENV, tiles)
     err, ran = _run([(0, 70), (20, 45), (0, 3)])
     assert ran
-    assert err < TOL[torch.float32], err
+    assert err < TOL[DTYPE], err
 
 
 def test_not_causal(tma: pytest.MonkeyPatch) -> None:
     err, ran = _run([(0, 21), (9, 30)], causal=False)
     assert ran
-    assert err < TOL[torch.float32], err
+    assert err < TOL[DTYPE], err
 
 
 @pytest.mark.parametrize(
@@ -113,7 +116,7 @@ def test_layers_it_does_not_serve_fall_back(tma: pytest.MonkeyPatch,
                                             features: dict[str, Any]) -> None:
     err, ran = _run([(5, 1), (0, 30), (12, 20)], **features)
     assert not ran
-    assert err < TOL[torch.float32], err
+    assert err < TOL[DTYPE], err
 
 
 def test_selection(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -130,9 +133,9 @@ def test_selection(monkeypatch: pytest.MonkeyPatch) -> None:
     # Head sizes the kernel has no box for, and decode-only steps, stay on the gather.
     monkeypatch.setenv(PREFILL_KERNEL_ENV, "tma")
     err, ran = _run([(0, 30), (4, 9)], head_size=96)
-    assert not ran and err < TOL[torch.float32]
+    assert not ran and err < TOL[DTYPE]
     err, ran = _run([(30, 1), (4, 1)])
-    assert not ran and err < TOL[torch.float32]
+    assert not ran and err < TOL[DTYPE]
 
 
 def test_parse_tiles() -> None:
@@ -221,16 +224,16 @@ def test_warp_specialized_kernel(tma: pytest.MonkeyPatch, causal: bool) -> None:
     for tiles in ("16,16,4,1,wsk", "32,32,4,1,wsk,hm", "16,16,4,1,wsk,p", "16,16,4,1,wsk,pf"):
         tma.setenv(TMA_TILES_ENV, tiles)
         err, ran = _run([(0, 37), (0, 16), (0, 3)], causal=causal)
-        assert ran and err < TOL[torch.float32], (tiles, err)
+        assert ran and err < TOL[DTYPE], (tiles, err)
     err, ran = _run([(0, 37), (5, 20)], causal=causal)
-    assert ran and err < TOL[torch.float32], err
+    assert ran and err < TOL[DTYPE], err
 
 
 def test_warp_specialized_request_search(tma: pytest.MonkeyPatch) -> None:
     """The unrolled binary search finds every request among many short ones."""
     tma.setenv(TMA_TILES_ENV, "16,16,4,1,wsk")
     err, ran = _run([(0, 5)] * 9 + [(0, 40), (0, 17)])
-    assert ran and err < TOL[torch.float32], err
+    assert ran and err < TOL[DTYPE], err
 
 
 def test_default_tiles_for_head_size_128(monkeypatch: pytest.MonkeyPatch) -> None:
