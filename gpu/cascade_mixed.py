@@ -10,7 +10,9 @@ Two steps, each timed alone (device synced around `LLM.step`), median of `--reps
   step of ``decoding + joining * own`` tokens;
 * ``prefill``: `--joining` * 4 requests over the prefix arrive at once (one prompt-only step).
 
-Also checks that every mode generates the same tokens (greedy) in its last join run.
+Also checks that every mode generates the same tokens (greedy) in its last join run, and
+where one differs says how close a call it was (`first_differences`: the position, the top-2
+logprob gap there in the ``off`` run, and how far the two runs' logprobs of that token lie).
 
     python3 gpu/cascade_mixed.py --json out.json [--model-shape llama3-8b]
 """
@@ -96,7 +98,7 @@ def run_mode(llm: LLM, mode: str, args: argparse.Namespace, shared: list[int]) -
     llm.generate([shared + _tokens(args.own, 2)], SamplingParams(max_tokens=1))
     paths0 = dict(runner.step_paths)
     decode = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
-    one = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    one = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logprobs=2)
     join_ms, prefill_ms, join_dev, prefill_dev, tokens = [], [], [], [], []
     try:
         for rep in range(args.reps + 1):  # the first rep warms up (captures, compiles)
@@ -115,7 +117,9 @@ def run_mode(llm: LLM, mode: str, args: argparse.Namespace, shared: list[int]) -
             if rep:
                 join_ms.append(seconds * 1e3)
                 join_dev.append(dev_s * 1e3)
-            tokens = sorted((o.request_id.split("-", 2)[2], o.outputs[0].token_ids)
+            tokens = sorted((o.request_id.split("-", 2)[2], list(o.outputs[0].token_ids),
+                             [{int(t): float(lp) for t, lp in step.items()}
+                              for step in o.outputs[0].logprobs or []])
                             for o in outs if o.finished)
             for i in range(4 * args.joining):
                 llm.add_request(f"{mode}-p{rep}-{i}", shared + _tokens(args.own, base + 900 + i),
@@ -135,6 +139,32 @@ def run_mode(llm: LLM, mode: str, args: argparse.Namespace, shared: list[int]) -
             "join_forward_ms_median": statistics.median(join_dev), "join_forward_ms": join_dev,
             "prefill_forward_ms_median": statistics.median(prefill_dev),
             "prefill_forward_ms": prefill_dev, "step_paths": paths, "join_tokens": tokens}
+
+
+def first_differences(off: list[Any], other: list[Any]) -> list[dict[str, Any]]:
+    """Per join request whose greedy tokens differ from the ``off`` run's: the first position
+    that differs, the top-2 logprob gap there in the ``off`` run (a near-tie flips on a
+    rounding difference), and the two runs' logprobs of the ``off`` run's token there.
+
+    >>> a = [("j1-0", [5, 6], [{5: -0.1, 7: -0.2}, {6: -0.5, 8: -2.0}])]
+    >>> b = [("j1-0", [7, 6], [{7: -0.1, 5: -0.15}, {6: -0.5, 8: -2.0}])]
+    >>> row = first_differences(a, b)[0]
+    >>> (row["position"], row["off_token"], row["token"], round(row["off_top2_gap"], 3))
+    (0, 5, 7, 0.1)
+    """
+    rows: list[dict[str, Any]] = []
+    for (rid, toks_a, lps_a), (_, toks_b, lps_b) in zip(off, other, strict=True):
+        for pos, (ta, tb) in enumerate(zip(toks_a, toks_b, strict=False)):
+            if ta == tb:
+                continue
+            la = lps_a[pos] if pos < len(lps_a) else {}
+            lb = lps_b[pos] if pos < len(lps_b) else {}
+            top = sorted(la.values(), reverse=True)
+            rows.append({"request": rid, "position": pos, "off_token": ta, "token": tb,
+                         "off_top2_gap": top[0] - top[1] if len(top) > 1 else None,
+                         "off_token_logprob": la.get(ta), "its_logprob_here": lb.get(ta)})
+            break
+    return rows
 
 
 def main() -> None:
@@ -172,8 +202,13 @@ def main() -> None:
               f" ms (forward {row['prefill_forward_ms_median']:.3f}), paths {row['step_paths']}",
               flush=True)
     toks = {m: r.pop("join_tokens") for m, r in report["modes"].items()}
-    report["same_tokens_as_off"] = {m: toks[m] == toks["off"] for m in MODES}
+    report["same_tokens_as_off"] = {
+        m: [t[:2] for t in toks[m]] == [t[:2] for t in toks["off"]] for m in MODES}
+    report["first_differences"] = {m: first_differences(toks["off"], toks[m]) for m in MODES}
     print("same tokens as off:", report["same_tokens_as_off"])
+    for mode, rows in report["first_differences"].items():
+        for row in rows:
+            print(f"  {mode}: {row}")
     with open(args.json, "w") as f:
         json.dump(report, f, indent=1)
 
