@@ -118,11 +118,8 @@ def _prepare_ws(part: LaunchPart, cfg: TileConfig, views: dict[str, torch.Tensor
         if cfg.persistent:
             grid = (min(_programs_per_device(views["qsl"].device, interp),
                         num_heads * q_blocks), 1, 1)
-    ws = {"WARP_SPECIALIZE": not interp and cfg.persistent in (0, 1)}
-    if cfg.persistent:
-        ws["OUTER_WS"] = not interp and cfg.persistent in (2, 4)
-        ws["FLATTEN"] = cfg.persistent in (4, 5)
-    else:
+    ws = {"WARP_SPECIALIZE": not interp}
+    if not cfg.persistent:
         ws["HEADS_FAST"] = heads_fast
     return PreparedLaunch(
         grid=grid,
@@ -132,7 +129,7 @@ def _prepare_ws(part: LaunchPart, cfg: TileConfig, views: dict[str, torch.Tensor
         num_reqs=part.num_reqs,
         token_begin=part.token_begin,
         num_tokens=part.token_end - part.token_begin,
-        static_args=("ws", part.token_end, num_heads, q_blocks, bool(cfg.persistent)),
+        static_args=("ws", part.token_end, num_heads, q_blocks, cfg.persistent),
         constexprs={
             "HEAD_SIZE": head_size,
             "QPK": qpk,

@@ -342,12 +342,9 @@ class TileConfig:
     #: Hopper prefill kernel only: the warp-specialized kernel for launches without a
     #: cached prefix (``prefill_tma_ws_kernel``; ``block_q == block_m``, no GQA packing).
     tma_ws: bool = False
-    #: With `tma_ws`: 0 one program per q-block and head; else the persistent kernel
-    #: (``prefill_tma_ws_persistent_kernel``, one program per SM looping over them) with the
-    #: key loop warp-specialized (1), the loop over q-blocks instead (2), or neither (3);
-    #: 4 and 5: both loops flattened into one, the loop over q-blocks warp-specialized (4)
-    #: or not (5).
-    persistent: int = 0
+    #: With `tma_ws`: the persistent kernel (``prefill_tma_ws_persistent_kernel``, one
+    #: program per SM looping over the q-blocks and heads) instead of one program each.
+    persistent: bool = False
 
 
 def parse_tiles(text: str, num_queries_per_kv: int) -> TileConfig:

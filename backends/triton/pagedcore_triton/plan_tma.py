@@ -47,16 +47,12 @@ TMA_HEAD_SIZES = (64, 128)
 #: gather would spill under the cap).
 #: ``wsk`` runs launches without a cached prefix on the warp-specialized kernel
 #: (``prefill_tma_ws_kernel``: one query head per program, one branch-free key loop);
-#: with ``wsk``, ``p`` / ``po`` / ``pn`` run its persistent form (one program per SM looping
-#: over the q-blocks in the ``hm`` order) with the key loop warp-specialized, the loop over
-#: q-blocks instead, or neither (`TileConfig.persistent` 1, 2, 3); ``pf`` / ``pfn`` the same
-#: with the two loops flattened into one, the loop over q-blocks warp-specialized or not
-#: (4, 5). None of them beat the one-program-per-q-block kernel on an H100 (session 24,
-#: ``docs/benchmarks/h100_s24/README.md``); they stay for tuning on other cards.
-TMA_TILE_FLAGS = ("ws", "fwd", "e1", "d16", "d32", "d64", "hm", "wsk",
-                  "p", "po", "pn", "pf", "pfn")
-#: `TileConfig.persistent` by flag.
-TMA_PERSISTENT_FLAGS = {"p": 1, "po": 2, "pn": 3, "pf": 4, "pfn": 5}
+#: with ``wsk``, ``p`` runs its persistent form (`TileConfig.persistent`: one program per
+#: SM looping over the q-blocks in the ``hm`` order). It ran as fast as the shipped kernel
+#: on an H100, no faster (session 24, ``docs/benchmarks/h100_s24/README.md``, where the
+#: other persistent forms measured slower and were removed); it stays for tuning on other
+#: cards.
+TMA_TILE_FLAGS = ("ws", "fwd", "e1", "d16", "d32", "d64", "hm", "wsk", "p")
 #: The default tiles for head size 128 on the GPU when not `packed_tile_config`'s (None):
 #: set only from a variant that passed the conformance suite on the H200 and beat the
 #: packed default there (``docs/benchmarks/triton.md``, "Session 12": the warp-specialized
@@ -130,8 +126,8 @@ def parse_tma_tiles(text: str, num_queries_per_kv: int) -> TileConfig:
     Flags: ``ws`` (warp-specialize the unmasked loop), ``fwd`` (natural q-block order),
     ``e1`` (the diagonal loop not pipelined), ``dN`` (diagonal keys in tiles of ``N``),
     ``hm`` (KV heads on the grid's fast axis), ``rN`` (at most ``N`` registers per thread),
-    ``wsk`` (the warp-specialized kernel) and with it ``p`` / ``po`` / ``pn`` / ``pf`` /
-    ``pfn`` (its persistent forms, see `TMA_TILE_FLAGS`).
+    ``wsk`` (the warp-specialized kernel) and with it ``p`` (its persistent form, see
+    `TMA_TILE_FLAGS`).
     """
     fields = [f.strip() for f in text.split(",")]
     try:
@@ -146,8 +142,8 @@ def parse_tma_tiles(text: str, num_queries_per_kv: int) -> TileConfig:
     ok = ok and (maxnreg is None or (maxnreg in TMA_MAXNREG and len(regs) == 1))
     # wsk with keys tiles narrower than the query block returned NaN on the H200 (round 3).
     ok = ok and ("wsk" not in flags or tile_n == block_m)
-    persistent = [TMA_PERSISTENT_FLAGS[f] for f in flags if f in TMA_PERSISTENT_FLAGS]
-    ok = ok and len(persistent) <= 1 and ("wsk" in flags or not persistent)
+    persistent = "p" in flags
+    ok = ok and ("wsk" in flags or not persistent)
     pow2 = all(x >= 16 and x & (x - 1) == 0 for x in (block_m, tile_n))
     block_q = block_m if "wsk" in flags else max(1, block_m // num_queries_per_kv)
     diag = max([int(f[1:]) for f in flags if f.startswith("d")], default=0)
@@ -159,8 +155,7 @@ def parse_tma_tiles(text: str, num_queries_per_kv: int) -> TileConfig:
             "BLOCK_M and TILE_N powers of two >= 16 (BLOCK_M at least the query heads per KV "
             f"head), positive WARPS and STAGES, flags among {', '.join(TMA_TILE_FLAGS)} (dN: "
             "N at most TILE_N and BLOCK_M / query heads per KV head, a power of two; at most "
-            "one of p, po, pn, pf, pfn, only with wsk, whose TILE_N must equal "
-            "BLOCK_M) and at "
+            "p only with wsk, whose TILE_N must equal BLOCK_M) and at "
             f"most one rN (N in {', '.join(map(str, TMA_MAXNREG))}); e.g. '128,128,8,3' or "
             "'128,64,8,2,r128'"
         )
@@ -177,9 +172,9 @@ def parse_tma_tiles(text: str, num_queries_per_kv: int) -> TileConfig:
         warp_specialize="ws" in flags,
         diag_tile_n=diag,
         maxnreg=maxnreg,
-        heads_fast="hm" in flags or bool(persistent),
+        heads_fast="hm" in flags or persistent,
         tma_ws="wsk" in flags,
-        persistent=persistent[0] if persistent else 0,
+        persistent=persistent,
     )
 
 

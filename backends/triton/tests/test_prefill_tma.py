@@ -150,14 +150,14 @@ def test_parse_tiles() -> None:
     assert (cfg.heads_fast, cfg.maxnreg, cfg.maxnreg is None) == (True, 128, False)
     for bad in ("128,128,8", "128,96,8,3", "128,128,8,3,d64", "128,128,8,3,zz",
                 "128,64,8,2,r100", "128,64,8,2,r128,r96", "128,64,4,3,wsk",
-                "128,128,4,2,p", "128,128,4,2,wsk,p,po"):
+                "128,128,4,2,p", "128,128,4,2,wsk,p,pf"):
         with pytest.raises(ValueError, match="PAGEDCORE_TRITON_TMA_TILES"):
             parse_tma_tiles(bad, 4)
 
 
 def test_persistent_tiles_and_grid(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``wsk,p`` / ``po`` / ``pn``: one program per SM (at most one per work item), the
-    q-blocks in the ``hm`` order, and which of its loops is warp-specialized."""
+    """``wsk,p``: one program per SM (at most one per work item), the q-blocks in the ``hm``
+    order, the key loop warp-specialized as in the one-program-per-q-block kernel."""
     from pagedcore_triton import ops_tma
     from pagedcore_triton.plan import LaunchPart
 
@@ -177,16 +177,11 @@ def test_persistent_tiles_and_grid(monkeypatch: pytest.MonkeyPatch) -> None:
                                    causal=True, tiles=parse_tma_tiles(tiles, 4))
 
     q_blocks = 300 // 128 + 2  # one spare q-block per request
-    for flag, inner, outer, flat in (("p", True, False, False), ("po", False, True, False),
-                                     ("pn", False, False, False), ("pf", False, True, True),
-                                     ("pfn", False, False, True)):
-        launch = plan(f"128,128,4,2,wsk,{flag}")
-        assert launch.grid == (100, 1, 1) and launch.static_args[2:] == (32, q_blocks, True)
-        c = launch.constexprs
-        assert (c["WARP_SPECIALIZE"], c["OUTER_WS"], c["FLATTEN"], "HEADS_FAST" in c) == (
-            inner, outer, flat, False)
+    launch = plan("128,128,4,2,wsk,p")
+    assert launch.grid == (100, 1, 1) and launch.static_args[2:] == (32, q_blocks, True)
+    assert launch.constexprs["WARP_SPECIALIZE"] and "HEADS_FAST" not in launch.constexprs
     assert plan("128,128,4,2,wsk,p", heads=8).grid == (8 * q_blocks, 1, 1)
-    assert parse_tma_tiles("128,128,4,2,wsk,pn", 4).heads_fast
+    assert parse_tma_tiles("128,128,4,2,wsk,p", 4).heads_fast
     assert plan("128,128,4,2,wsk").static_args[2:] == (32, q_blocks, False)
 
 
@@ -221,7 +216,7 @@ def test_register_cap_and_grid_order(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_warp_specialized_kernel(tma: pytest.MonkeyPatch, causal: bool) -> None:
     """``wsk``: prefills without a cached prefix on ``prefill_tma_ws_kernel`` (one query head
     per program, the mask on every tile); a part with a prefix keeps the packed kernel."""
-    for tiles in ("16,16,4,1,wsk", "32,32,4,1,wsk,hm", "16,16,4,1,wsk,p", "16,16,4,1,wsk,pf"):
+    for tiles in ("16,16,4,1,wsk", "32,32,4,1,wsk,hm", "16,16,4,1,wsk,p"):
         tma.setenv(TMA_TILES_ENV, tiles)
         err, ran = _run([(0, 37), (0, 16), (0, 3)], causal=causal)
         assert ran and err < TOL[DTYPE], (tiles, err)
