@@ -31,6 +31,7 @@
 #include <type_traits>
 
 #include "decode.cuh"
+#include "decode_fp8_keys.cuh"
 #include "mma.cuh"
 
 namespace pagedcore {
@@ -60,27 +61,6 @@ __device__ __forceinline__ uint2 v_fragment(const uint2& raw) { return raw; }
 template <typename C>
 __device__ __forceinline__ uint2 v_fragment(const uint32_t& raw) {
   return make_uint2(fp8x2_to_half2<C>(raw), fp8x2_to_half2<C>(raw >> 16));
-}
-
-// Eight T values (one 16-byte vector) as eight M values: the same registers when M is T,
-// rounded to fp16 otherwise.
-template <typename T, typename M>
-__device__ __forceinline__ uint4 as_mma_type(const uint4& v) {
-  if constexpr (std::is_same_v<T, M>) {
-    return v;
-  } else {
-    static_assert(std::is_same_v<M, __half>, "mma inputs are T or fp16");
-    uint4 r;
-    const uint32_t* src = &v.x;
-    uint32_t* dst = &r.x;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(src + i));
-      const __half2 h = __floats2half2_rn(f.x, f.y);
-      dst[i] = *reinterpret_cast<const uint32_t*>(&h);
-    }
-    return r;
-  }
 }
 
 template <typename T, int HEAD, int BLOCK, bool BIG, int UNROLL, int STAGES, typename C = T>
@@ -524,6 +504,8 @@ cudaError_t launch_decode_mma(const AttentionParams& p, int head_size, cudaStrea
 // registers capped for three blocks per SM (docs/benchmarks/cuda_paged.md).
 template <typename T, int HEAD, typename C>
 cudaError_t launch_decode_mma_fp8_head(const AttentionParams& p, cudaStream_t stream) {
+  cudaError_t keys_err = cudaSuccess;
+  if (launch_decode_fp8_keys<T, HEAD, C>(p, stream, keys_err)) return keys_err;
   const bool big = p.num_heads / p.num_kv_heads > 8;
   if (p.block_size == 16) {
     return big ? launch_decode_mma_cfg<T, HEAD, 16, true, 2, 0, C>(p, stream)

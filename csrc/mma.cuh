@@ -97,6 +97,27 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// Eight T values (one 16-byte vector) as eight M values: the same registers when M is T,
+// rounded to fp16 otherwise.
+template <typename T, typename M>
+__device__ __forceinline__ uint4 as_mma_type(const uint4& v) {
+  if constexpr (std::is_same_v<T, M>) {
+    return v;
+  } else {
+    static_assert(std::is_same_v<M, __half>, "mma inputs are T or fp16");
+    uint4 r;
+    const uint32_t* src = &v.x;
+    uint32_t* dst = &r.x;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(src + i));
+      const __half2 h = __floats2half2_rn(f.x, f.y);
+      dst[i] = *reinterpret_cast<const uint32_t*>(&h);
+    }
+    return r;
+  }
+}
+
 constexpr float kLog2e = 1.4426950408889634f;
 
 // 2^x on the special-function unit (ex2.approx.ftz: 2^-inf = 0, rel. error ~2^-22).
