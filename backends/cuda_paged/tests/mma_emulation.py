@@ -12,6 +12,7 @@ A 32-bit register is modelled as a pair ``(lo, hi)`` of floats.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -383,3 +384,175 @@ def gather_plan(head_dim: int, block: int, bt: list[int], kt: int, kv_lo: int, k
             if d < head_dim:
                 out[("v", d, v_kc * 8)] = vbase + d * block if vph >= 0 else None
     return out
+
+
+def movmatrix_trans(x: list[Reg]) -> list[Reg]:
+    """``movmatrix.m8n8.trans.b16``: lane holds row lane // 4, columns 2 (lane % 4) and +1."""
+    mat = [[0.0] * 8 for _ in range(8)]
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        mat[g][2 * t], mat[g][2 * t + 1] = x[lane]
+    return [(mat[2 * (lane % 4)][lane // 4], mat[2 * (lane % 4) + 1][lane // 4])
+            for lane in range(32)]
+
+
+def decode_fp8_keys(q: torch.Tensor, k_view: torch.Tensor, v_view: torch.Tensor,
+                    bt: list[int], seq_len: int, *, kv_head: int, group: int, ctx_start: int,
+                    p_begin: int, p_end: int, scale: float, cap: float,
+                    slopes: list[float] | None, nw: int = 4,
+                    depth: int = 2) -> tuple[torch.Tensor, list[float], list[float]]:
+    """One thread block of decode_fp8_keys_kernel (csrc/decode_fp8_keys.cuh), k_scale = 1.
+
+    `k_view` is the fp8 K layout ``[blocks, Hkv, D // 16, block, 16]`` and `v_view`
+    ``[blocks, Hkv, D, block]``, as values. Returns ``(out [group, D], max (natural), sum)``.
+    """
+    head_dim = q.shape[1]
+    block = v_view.shape[-1]
+    vec, mt = head_dim // 16, head_dim // 16
+    vpl = vec // 4
+    head0 = kv_head * group
+    pos_q = seq_len - 1
+    n_tiles = -(-(p_end - p_begin) // 16)
+    log2e = 1 / math.log(2)
+    plain = slopes is None and cap <= 0
+    lazy = 8.0
+    m_s, l_s, o_s = [], [], []
+    def run_warp(warp: int) -> tuple[list[float], list[float], torch.Tensor]:
+        qb: list[list[list[Reg]]] = [[[ZERO, ZERO] for _ in range(vec)] for _ in range(32)]
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            qrow = q[head0 + g] if g < group else torch.zeros(head_dim, dtype=q.dtype)
+            for v in range(vpl):
+                for half in range(2):
+                    base = t * vpl * 16 + v * 16 + half * 8
+                    h = _vec(qrow[base:base + 8])
+                    s = v * 4 + 2 * half
+                    qb[lane][s] = [h[0], h[1]]
+                    qb[lane][s + 1] = [h[2], h[3]]
+        o = [[[0.0] * 4 for _ in range(mt)] for _ in range(32)]
+        m = [[NEG, NEG] for _ in range(32)]
+        lsum = [[0.0, 0.0] for _ in range(32)]
+
+        def lookup(tile: int) -> int:
+            kb = p_begin + tile * 16
+            return bt[kb // block] if tile < n_tiles and kb + 16 > ctx_start else -1
+
+        def load(tile: int, phys: int) -> tuple[list[Any], list[Any]]:
+            kr = [[[[0.0] * 16, [0.0] * 16] for _ in range(vpl)] for _ in range(32)]
+            vr = [[[[0.0] * 4, [0.0] * 4] for _ in range(mt)] for _ in range(32)]
+            if phys < 0:
+                return kr, vr
+            in_blk = (p_begin + tile * 16) % block
+            for lane in range(32):
+                g, t = lane // 4, lane % 4
+                row0 = 4 * (g // 2) + (g & 1)
+                for v in range(vpl):
+                    for r in range(2):
+                        kr[lane][v][r] = k_view[phys, kv_head, t * vpl + v,
+                                                in_blk + row0 + 2 * r].tolist()
+                for j in range(mt):
+                    for r in range(2):
+                        vr[lane][j][r] = v_view[phys, kv_head, 16 * j + g + 8 * r,
+                                                in_blk + 4 * t:in_blk + 4 * t + 4].tolist()
+            return kr, vr
+
+        def compute(tile: int, kr: list[Any], vr: list[Any]) -> None:
+            kb = p_begin + tile * 16
+            acc = [[[0.0] * 4 for _ in range(32)] for _ in range(2)]
+            for s in range(vec):
+                a = []
+                for lane in range(32):
+                    w0 = kr[lane][s // 4][0][4 * (s % 4):4 * (s % 4) + 4]
+                    w1 = kr[lane][s // 4][1][4 * (s % 4):4 * (s % 4) + 4]
+                    a.append([(w0[0], w0[1]), (w1[0], w1[1]), (w0[2], w0[3]), (w1[2], w1[3])])
+                acc[s % 2] = mma_16816(a, [qb[lane][s] for lane in range(32)], acc[s % 2])
+            full = kb >= ctx_start and kb + 16 <= p_end
+            x = [[[0.0, 0.0], [0.0, 0.0]] for _ in range(32)]  # [lane][head 2t + h][row r]
+            for lane in range(32):
+                g, t = lane // 4, lane % 4
+                row0 = 4 * (g // 2) + (g & 1)
+                for r in range(2):
+                    key = kb + row0 + 2 * r
+                    vis = full or ctx_start <= key < p_end
+                    for h in range(2):
+                        raw = acc[0][lane][2 * r + h] + acc[1][lane][2 * r + h]
+                        slope = (slopes[head0 + 2 * t + h]
+                                 if slopes and 2 * t + h < group else 0.0)
+                        val = (raw * scale * log2e if plain
+                               else log2e * _transform(raw, scale, cap, slope, key, pos_q))
+                        x[lane][h][r] = val if vis else NEG
+            lmx = [[max(x[lane][h]) for h in range(2)] for lane in range(32)]
+            if any(lmx[lane][h] > m[lane][h] + lazy for lane in range(32) for h in range(2)):
+                for h in range(2):
+                    tmax = [max(lmx[u][h] for u in range(lane % 4, 32, 4)) for lane in range(32)]
+                    for lane in range(32):
+                        m_new = max(m[lane][h], tmax[lane])
+                        alpha = 1.0 if m_new == NEG else _exp2(m[lane][h] - m_new)
+                        lsum[lane][h] *= alpha
+                        for j in range(mt):
+                            o[lane][j][h] *= alpha
+                            o[lane][j][2 + h] *= alpha
+                        m[lane][h] = m_new
+            pr = [[[0.0 if x[lane][h][r] == NEG else _exp2(x[lane][h][r] - m[lane][h])
+                    for r in range(2)] for h in range(2)] for lane in range(32)]
+            for lane in range(32):
+                for h in range(2):
+                    assert pr[lane][h][0] <= 2.0**lazy and pr[lane][h][1] <= 2.0**lazy
+                    lsum[lane][h] += pr[lane][h][0] + pr[lane][h][1]
+            b0 = movmatrix_trans([(pr[lane][0][0], pr[lane][1][0]) for lane in range(32)])
+            b1 = movmatrix_trans([(pr[lane][0][1], pr[lane][1][1]) for lane in range(32)])
+            bp = [[b0[lane], b1[lane]] for lane in range(32)]
+            for j in range(mt):
+                a = []
+                for lane in range(32):
+                    t = lane % 4
+                    vis = [full or ctx_start <= kb + 4 * t + i < p_end for i in range(4)]
+                    w0 = [val if vis[i] else 0.0 for i, val in enumerate(vr[lane][j][0])]
+                    w1 = [val if vis[i] else 0.0 for i, val in enumerate(vr[lane][j][1])]
+                    a.append([(w0[0], w0[1]), (w1[0], w1[1]), (w0[2], w0[3]), (w1[2], w1[3])])
+                d = mma_16816(a, bp, [o[lane][j] for lane in range(32)])
+                for lane in range(32):
+                    o[lane][j] = d[lane]
+
+        ring = [load(warp + u * nw, lookup(warp + u * nw)) for u in range(depth)]
+        ph = [lookup(warp + (u + depth) * nw) for u in range(depth)]
+        for it in range(warp, n_tiles, nw * depth):
+            for u in range(depth):
+                tile = it + u * nw
+                if tile >= n_tiles:
+                    break
+                compute(tile, *ring[u])
+                nxt = tile + depth * nw
+                ring[u] = load(nxt, ph[u])
+                ph[u] = lookup(nxt + depth * nw)
+        wm, wl = [NEG] * 8, [0.0] * 8
+        wo = torch.zeros(8, head_dim, dtype=torch.float64)
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            for h in range(2):
+                col = 2 * t + h
+                wm[col] = m[lane][h]
+                wl[col] = sum(lsum[u][h] for u in range(t, 32, 4))
+                for j in range(mt):
+                    wo[col, 16 * j + g] = o[lane][j][h]
+                    wo[col, 16 * j + g + 8] = o[lane][j][2 + h]
+        return wm, wl, wo
+
+    for warp in range(nw):
+        wm, wl, wo = run_warp(warp)
+        m_s.append(wm)
+        l_s.append(wl)
+        o_s.append(wo)
+    out = torch.zeros(group, head_dim, dtype=torch.float64)
+    mxs, sums = [], []
+    for row in range(group):
+        mx = max(m_s[w][row] for w in range(nw))
+        total, accum = 0.0, torch.zeros(head_dim, dtype=torch.float64)
+        for w in range(nw):
+            f = 0.0 if m_s[w][row] == NEG else _exp2(m_s[w][row] - mx)
+            total += f * l_s[w][row]
+            accum += f * o_s[w][row]
+        out[row] = accum / total if total > 0 else 0.0
+        mxs.append(mx / log2e if mx != NEG else NEG)
+        sums.append(total)
+    return out, mxs, sums

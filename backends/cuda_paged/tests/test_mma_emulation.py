@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from mma_emulation import decode_mma, gather_plan, prefill_mma
+from mma_emulation import decode_fp8_keys, decode_mma, gather_plan, prefill_mma
 from pagedcore_cuda_paged.layout import kv_cache_shape, split_kv_cache, write_kv
 from pagedcore_cuda_paged.plan import decode_span, num_partitions
 from pagedcore_cuda_paged.torch_ref import attention_reference
@@ -69,6 +69,57 @@ def test_decode_mma_model(seq_len: int, head: int, block: int, group: int, windo
                 mx = max(r[1][row] for r in res)
                 w = [r[2][row] * math.exp(r[1][row] - mx) for r in res]
                 out[h0 + row] = sum(wi * r[0][row] for wi, r in zip(w, res, strict=True)) / sum(w)
+    err = float((out - ref.double()).abs().max() / ref.abs().max())
+    assert err < 1e-6, err
+
+
+@pytest.mark.parametrize(
+    "seq_len,head,block,group,window,alibi,cap,part,depth",
+    [
+        (300, 128, 16, 4, None, False, 0.0, None, 2),  # Llama-3's GQA 4, one pass
+        (77, 64, 32, 7, 37, True, 0.0, 32, 3),  # Qwen2-0.5B's GQA 7, window in a partition
+        (130, 64, 16, 8, None, False, 5.0, 64, 2),
+        (45, 128, 32, 1, 20, True, 5.0, None, 2),
+    ],
+)
+def test_decode_fp8_keys_model(seq_len: int, head: int, block: int, group: int,
+                               window: int | None, alibi: bool, cap: float, part: int | None,
+                               depth: int) -> None:
+    # The keys-as-rows fp8 decode on fp8-rounded K/V in the fp8 layout (16 dims a vector),
+    # unused slots NaN, queries scaled up so that later tiles exceed the lazily kept max by
+    # more than 2^8 (the rescale path) as well as staying under it.
+    hkv, hq = 2, 2 * group
+    gen = torch.Generator().manual_seed(seq_len)
+    n = -(-seq_len // block)
+    ids = (torch.randperm(n + 3, generator=gen) + 1)[:n].tolist()
+    k = torch.randn(seq_len, hkv, head, generator=gen).to(torch.float8_e4m3fn).double()
+    v = torch.randn(seq_len, hkv, head, generator=gen).to(torch.float8_e4m3fn).double()
+    k[seq_len // 2:] *= 2.0  # later keys score higher: the running max grows mid-sequence
+    kv = torch.full((n + 4, hkv, head // 16, block, 16), float("nan"), dtype=torch.float64)
+    vv = torch.full((n + 4, hkv, head, block), float("nan"), dtype=torch.float64)
+    for pos in range(seq_len):
+        b, off = ids[pos // block], pos % block
+        kv[b, :, :, off, :] = k[pos].view(hkv, head // 16, 16)
+        vv[b, :, :, off] = v[pos]
+    q = (3.0 * torch.randn(hq, head, generator=gen)).to(torch.float16).double()
+    slopes = _slopes(hq) if alibi else None
+    ref = attention_reference(q[None], k, v, scale=head**-0.5, sliding_window=window,
+                              alibi_slopes=slopes, logits_soft_cap=cap or None)[0]
+    begin, ctx_start = decode_span(seq_len, block_size=block, sliding_window=window)
+    psize = part or (-(-(seq_len - begin) // block) * block)
+    nparts = num_partitions(seq_len, partition_size=psize, block_size=block,
+                            sliding_window=window)
+    out = torch.zeros(hq, head, dtype=torch.float64)
+    for kv_head in range(hkv):
+        res = [decode_fp8_keys(q, kv, vv, ids, seq_len, kv_head=kv_head, group=group,
+                               ctx_start=ctx_start, p_begin=begin + i * psize,
+                               p_end=min(begin + (i + 1) * psize, seq_len), scale=head**-0.5,
+                               cap=cap, slopes=slopes, depth=depth) for i in range(nparts)]
+        h0 = kv_head * group
+        for row in range(group):  # decode_reduce_kernel's merge
+            mx = max(r[1][row] for r in res)
+            w = [r[2][row] * math.exp(r[1][row] - mx) for r in res]
+            out[h0 + row] = sum(wi * r[0][row] for wi, r in zip(w, res, strict=True)) / sum(w)
     err = float((out - ref.double()).abs().max() / ref.abs().max())
     assert err < 1e-6, err
 
