@@ -86,8 +86,9 @@ __device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
-template <typename T, int HEAD, int BLOCK, int DEPTH, typename C>
-__global__ void __launch_bounds__(kMmaDecodeThreads) decode_fp8_keys_kernel(AttentionParams p) {
+template <typename T, int HEAD, int BLOCK, int DEPTH, int STAGES, typename C>
+__global__ void __launch_bounds__(kMmaDecodeThreads, STAGES > 0 && STAGES < 5 ? 4 : 1)
+    decode_fp8_keys_kernel(AttentionParams p) {
   constexpr int VEC = HEAD / 16;  // 16-byte fp8 vectors per K row = k-steps of S^T
   constexpr int VPL = VEC / 4;    // vectors a lane reads per key row
   constexpr int MT = HEAD / 16;   // m-tiles (16 head dims) of O^T
@@ -269,7 +270,7 @@ __global__ void __launch_bounds__(kMmaDecodeThreads) decode_fp8_keys_kernel(Atte
     }
   };
 
-  {
+  if constexpr (STAGES == 0) {
     uint4 kr[DEPTH][VPL][2];
     uint32_t vr[DEPTH][MT][2];
     int ph[DEPTH];  // the block of the tile each buffer loads next
@@ -290,6 +291,68 @@ __global__ void __launch_bounds__(kMmaDecodeThreads) decode_fp8_keys_kernel(Atte
         ph[u] = lookup(next + DEPTH * NW);
       }
     }
+  } else {
+    // STAGES-deep ring of this warp's tiles in shared memory, filled by cp.async (no registers
+    // held by loads in flight). A stage is the tile's K (VEC x 16 keys x 16 bytes, key rows
+    // XOR-swizzled by 2 (vector / VPL) so that a quarter-warp's 16-byte reads hit 8 distinct
+    // bank groups) then its V (HEAD rows x 16 keys). The lanes copy 16-byte chunks
+    // cooperatively; each waits for its own copies, then __syncwarp makes the warp's visible.
+    extern __shared__ uint4 ring_all[];
+    constexpr int K_CHUNKS = VEC * 16, STAGE_CHUNKS = K_CHUNKS + HEAD;
+    uint4* ring = ring_all + warp * STAGES * STAGE_CHUNKS;
+    auto issue = [&](int tile, int phys, int stage) {
+      if (phys < 0) return;
+      uint4* st = ring + stage * STAGE_CHUNKS;
+      const int in_blk = (p_begin + tile * 16) % BLOCK;
+      const C* kp = k_cache + static_cast<int64_t>(phys) * blk_stride + head_off + in_blk * 16;
+      const C* vp = v_cache + static_cast<int64_t>(phys) * blk_stride + head_off + in_blk;
+#pragma unroll
+      for (int i = 0; i < K_CHUNKS / 32; ++i) {
+        const int c = lane + 32 * i, vv = c / 16, k = c % 16;
+        cp_async_16(st + vv * 16 + (k ^ (2 * (vv / VPL))), kp + vv * BLOCK * 16 + k * 16, true);
+      }
+#pragma unroll
+      for (int i = 0; i < HEAD / 32; ++i) {
+        const int r = lane + 32 * i;
+        cp_async_16(st + K_CHUNKS + r, vp + r * BLOCK, true);
+      }
+    };
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+      issue(warp + s * NW, lookup(warp + s * NW), s);
+      cp_async_commit();
+    }
+    int ph = lookup(warp + (STAGES - 1) * NW);  // the block of the next tile to issue
+    int stage = 0;
+    for (int tile = warp; tile < n_tiles; tile += NW) {
+      cp_async_wait<STAGES - 2>();  // this lane's copies of the tile have landed
+      __syncwarp();                 // and every lane's
+      const uint4* st = ring + stage * STAGE_CHUNKS;
+      uint4 kr[VPL][2];
+      uint32_t vr[MT][2];
+#pragma unroll
+      for (int v = 0; v < VPL; ++v) {
+        const int vv = t * VPL + v;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) kr[v][r] = st[vv * 16 + ((row0 + 2 * r) ^ (2 * t))];
+      }
+      const uint32_t* vs = reinterpret_cast<const uint32_t*>(st + K_CHUNKS);
+#pragma unroll
+      for (int j = 0; j < MT; ++j) {
+        vr[j][0] = vs[(16 * j + g) * 4 + t];
+        vr[j][1] = vs[(16 * j + g + 8) * 4 + t];
+      }
+      // Refill the stage read in the previous iteration (every lane is past it: __syncwarp).
+      const int prev = stage == 0 ? STAGES - 1 : stage - 1;
+      issue(tile + (STAGES - 1) * NW, ph, prev);
+      cp_async_commit();
+      ph = lookup(tile + STAGES * NW);
+      stage = stage == STAGES - 1 ? 0 : stage + 1;
+      // A tile without a visible key copied nothing (its stage holds stale bytes): skip it.
+      if (p_begin + tile * 16 + 16 > span.ctx_start) compute(tile, kr, vr);
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // the merge below reuses the rings' shared memory
   }
 
   // Merge the four warps: m, l and O^T through shared memory, once.
@@ -346,32 +409,63 @@ __global__ void __launch_bounds__(kMmaDecodeThreads) decode_fp8_keys_kernel(Atte
   }
 }
 
-template <int HEAD>
+// Dynamic shared memory: the warps' merge buffers, or the STAGES-deep rings when larger.
+template <int HEAD, int STAGES>
 constexpr int decode_fp8_keys_smem() {
-  return static_cast<int>(sizeof(float)) * (kMmaDecodeThreads / 32) * 8 * (HEAD + 2);
+  constexpr int merge = static_cast<int>(sizeof(float)) * (kMmaDecodeThreads / 32) * 8 * (HEAD + 2);
+  constexpr int ring = 16 * (kMmaDecodeThreads / 32) * STAGES * (HEAD / 16 * 16 + HEAD);
+  return ring > merge ? ring : merge;
 }
 
-template <typename T, int HEAD, int BLOCK, int DEPTH, typename C>
+template <typename T, int HEAD, int BLOCK, int DEPTH, int STAGES, typename C>
 cudaError_t launch_decode_fp8_keys_cfg(const AttentionParams& p, cudaStream_t stream) {
+  constexpr int smem = decode_fp8_keys_smem<HEAD, STAGES>();
+  auto kernel = decode_fp8_keys_kernel<T, HEAD, BLOCK, DEPTH, STAGES, C>;
+  if (smem > 48 * 1024) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return err;
+  }
   const dim3 grid(p.num_kv_heads, p.num_items, p.max_partitions);
-  decode_fp8_keys_kernel<T, HEAD, BLOCK, DEPTH, C>
-      <<<grid, kMmaDecodeThreads, decode_fp8_keys_smem<HEAD>(), stream>>>(p);
+  kernel<<<grid, kMmaDecodeThreads, smem, stream>>>(p);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || p.max_partitions == 1) return err;
   return launch_decode_reduce<T, HEAD>(p, stream);
 }
 
 // Which fp8 decode runs where both can (head size 64 / 128, at most 8 query heads per KV head):
-// PAGEDCORE_CUDA_PAGED_FP8_DECODE = "rows" (the grouped kernel, heads as M rows), "keys" (this
-// kernel, two tiles in flight per warp) or "keys3" (three). Read once per process.
-inline int fp8_decode_keys_depth() {
-  static const int depth = [] {
+// PAGEDCORE_CUDA_PAGED_FP8_DECODE = "rows" (the grouped kernel, heads as M rows), "keys" /
+// "keys3" (this kernel, 2 / 3 tiles in flight per warp in registers), "ring3" / "ring4" /
+// "ring6" (this kernel, a 3 / 4 / 6-stage shared-memory ring per warp). Read once per process.
+enum class Fp8Decode { kRows, kKeys2, kKeys3, kRing3, kRing4, kRing6 };
+inline Fp8Decode fp8_decode_choice() {
+  static const Fp8Decode choice = [] {
     const char* env = std::getenv("PAGEDCORE_CUDA_PAGED_FP8_DECODE");
-    if (env == nullptr || std::strcmp(env, "rows") == 0) return 0;
-    if (std::strcmp(env, "keys3") == 0) return 3;
-    return std::strcmp(env, "keys") == 0 ? 2 : 0;
+    if (env == nullptr) return Fp8Decode::kRows;
+    const char* names[] = {"rows", "keys", "keys3", "ring3", "ring4", "ring6"};
+    for (int i = 0; i < 6; ++i) {
+      if (std::strcmp(env, names[i]) == 0) return static_cast<Fp8Decode>(i);
+    }
+    return Fp8Decode::kRows;
   }();
-  return depth;
+  return choice;
+}
+
+template <typename T, int HEAD, int BLOCK, typename C>
+cudaError_t launch_decode_fp8_keys_block(const AttentionParams& p, Fp8Decode choice,
+                                         cudaStream_t stream) {
+  switch (choice) {
+    case Fp8Decode::kKeys3:
+      return launch_decode_fp8_keys_cfg<T, HEAD, BLOCK, 3, 0, C>(p, stream);
+    case Fp8Decode::kRing3:
+      return launch_decode_fp8_keys_cfg<T, HEAD, BLOCK, 1, 3, C>(p, stream);
+    case Fp8Decode::kRing4:
+      return launch_decode_fp8_keys_cfg<T, HEAD, BLOCK, 1, 4, C>(p, stream);
+    case Fp8Decode::kRing6:
+      return launch_decode_fp8_keys_cfg<T, HEAD, BLOCK, 1, 6, C>(p, stream);
+    default:
+      return launch_decode_fp8_keys_cfg<T, HEAD, BLOCK, 2, 0, C>(p, stream);
+  }
 }
 
 // Launches the keys-as-rows fp8 decode when it applies; false when the caller's kernel runs.
@@ -380,15 +474,10 @@ bool launch_decode_fp8_keys(const AttentionParams& p, cudaStream_t stream, cudaE
   if constexpr (HEAD % 64 != 0) {
     return false;
   } else {
-    const int depth = fp8_decode_keys_depth();
-    if (depth == 0 || p.num_heads / p.num_kv_heads > 8) return false;
-    if (p.block_size == 16) {
-      err = depth == 3 ? launch_decode_fp8_keys_cfg<T, HEAD, 16, 3, C>(p, stream)
-                       : launch_decode_fp8_keys_cfg<T, HEAD, 16, 2, C>(p, stream);
-    } else {
-      err = depth == 3 ? launch_decode_fp8_keys_cfg<T, HEAD, 32, 3, C>(p, stream)
-                       : launch_decode_fp8_keys_cfg<T, HEAD, 32, 2, C>(p, stream);
-    }
+    const Fp8Decode choice = fp8_decode_choice();
+    if (choice == Fp8Decode::kRows || p.num_heads / p.num_kv_heads > 8) return false;
+    err = p.block_size == 16 ? launch_decode_fp8_keys_block<T, HEAD, 16, C>(p, choice, stream)
+                             : launch_decode_fp8_keys_block<T, HEAD, 32, C>(p, choice, stream);
     return true;
   }
 }

@@ -556,3 +556,64 @@ def decode_fp8_keys(q: torch.Tensor, k_view: torch.Tensor, v_view: torch.Tensor,
         mxs.append(mx / log2e if mx != NEG else NEG)
         sums.append(total)
     return out, mxs, sums
+
+
+def keys_ring_reads(head_dim: int) -> list[dict[str, list[tuple[int, ...]]]]:
+    """What each lane of decode_fp8_keys_kernel's shared-memory ring reads back, as sources.
+
+    A stage is written by the cooperative 16-byte copies (`issue`: lane + 32 i takes K chunk
+    (vector, key) to slot ``vector * 16 + (key ^ 2 (vector / VPL))``, V row r to slot
+    ``K_CHUNKS + r``) and read per lane as in the kernel. Returns per lane the K sources
+    ``(vector, key)`` and V sources ``(row, first key)`` it received, in the order of the
+    register path's `load` (``kr[v][r]``, then ``vr[j][r]``), to compare with it.
+    """
+    vec = head_dim // 16
+    vpl = vec // 4
+    k_chunks = vec * 16
+    slots: dict[int, tuple[str, int, int]] = {}
+    for lane in range(32):
+        for i in range(k_chunks // 32):
+            c = lane + 32 * i
+            vv, k = c // 16, c % 16
+            slots[vv * 16 + (k ^ (2 * (vv // vpl)))] = ("k", vv, k)
+        for i in range(head_dim // 32):
+            r = lane + 32 * i
+            slots[k_chunks + r] = ("v", r, 0)
+    assert len(slots) == k_chunks + head_dim, "two copies land in one slot"
+    reads = []
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        row0 = 4 * (g // 2) + (g & 1)
+        ks, vs = [], []
+        for v in range(vpl):
+            vv = t * vpl + v
+            for r in range(2):
+                kind, a, b = slots[vv * 16 + ((row0 + 2 * r) ^ (2 * t))]
+                assert kind == "k"
+                ks.append((a, b))
+        for j in range(head_dim // 16):
+            for r in range(2):
+                word = (16 * j + g + 8 * r) * 4 + t  # 32-bit word index in the V part
+                kind, row, _ = slots[k_chunks + word // 4]
+                assert kind == "v"
+                vs.append((row, 4 * (word % 4)))
+        reads.append({"k": ks, "v": vs})
+    return reads
+
+
+def keys_ring_bank_conflicts(head_dim: int) -> int:
+    """Most lanes of one quarter-warp whose 16-byte K reads share a bank group (1 = none)."""
+    vec = head_dim // 16
+    vpl = vec // 4
+    worst = 1
+    for v in range(vpl):
+        for r in range(2):
+            for quarter in range(4):
+                groups: dict[int, int] = {}
+                for lane in range(8 * quarter, 8 * quarter + 8):
+                    g, t = lane // 4, lane % 4
+                    row0 = 4 * (g // 2) + (g & 1)
+                    slot = (t * vpl + v) * 16 + ((row0 + 2 * r) ^ (2 * t))
+                    groups[slot % 8] = groups.get(slot % 8, 0) + 1
+                worst = max(worst, *groups.values())
+    return worst

@@ -9,7 +9,14 @@ import math
 
 import pytest
 import torch
-from mma_emulation import decode_fp8_keys, decode_mma, gather_plan, prefill_mma
+from mma_emulation import (
+    decode_fp8_keys,
+    decode_mma,
+    gather_plan,
+    keys_ring_bank_conflicts,
+    keys_ring_reads,
+    prefill_mma,
+)
 from pagedcore_cuda_paged.layout import kv_cache_shape, split_kv_cache, write_kv
 from pagedcore_cuda_paged.plan import decode_span, num_partitions
 from pagedcore_cuda_paged.torch_ref import attention_reference
@@ -176,3 +183,19 @@ def test_pipelined_gather_reads_what_the_per_vector_gather_reads(
                           threads=threads, keys=keys)
         assert got == want
         assert len(want) == keys * head // 8 + head * keys // 8
+
+
+@pytest.mark.parametrize("head", [64, 128])
+def test_keys_ring_reads_what_the_register_path_loads(head: int) -> None:
+    # The shared-memory ring of decode_fp8_keys_kernel (STAGES > 0): each lane gets back the
+    # K rows rho(g), rho(g) + 2 of its vectors and the V words (rows 16 j + g (+ 8), keys
+    # 4t..4t+3) that the register path loads directly, and the swizzle keeps a quarter-warp's
+    # 16-byte K reads on distinct bank groups.
+    vpl = head // 64
+    for lane, got in enumerate(keys_ring_reads(head)):
+        g, t = lane // 4, lane % 4
+        row0 = 4 * (g // 2) + (g & 1)
+        assert got["k"] == [(t * vpl + v, row0 + 2 * r) for v in range(vpl) for r in range(2)]
+        assert got["v"] == [(16 * j + g + 8 * r, 4 * t) for j in range(head // 16)
+                            for r in range(2)]
+    assert keys_ring_bank_conflicts(head) == 1
