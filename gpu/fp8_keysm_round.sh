@@ -1,25 +1,30 @@
 #!/usr/bin/env bash
 # cuda_paged fp8 decode, keys as the mma's M rows (issue 24), session 25. Steps run in the order
-# given, each with its own time limit; everything under $OUT also goes into $OUT/round.tgz (the
+# given, each with its own time limit; files go under $OUT/zz_raw and into $OUT/round.tgz (the
 # device tool brings back only a few files per call). On a fresh device machine `install` and
 # `build` come first. Repo root:
 #   PAGEDCORE_GIT_COMMIT=<sha> OUT=... bash gpu/fp8_keysm_round.sh [steps...]
-# Steps: install build tests ncu probe conf grid bench memcheck
-# PAGEDCORE_CUDA_PAGED_FP8_DECODE=rows|keys picks the fp8 decode kernel (rows: the grouped mma
-# kernel with heads as M; keys: keys as M); `probe`, `conf`, `grid` and `bench` run both.
+# Steps: install build tests ncu probe pick conf grid bench memcheck confgraph
+# `pick` sets KERNELS to the fastest keys variant by the probe's fp8 times (sum over the
+# three shapes) for the steps after it, with `rows` for comparison in `bench`.
+# PAGEDCORE_CUDA_PAGED_FP8_DECODE=rows|keys|keys3|ring3|ring4|ring6 picks the fp8 decode
+# kernel (csrc/decode_fp8_keys.cuh); the steps run each variant in $KERNELS.
 set -uo pipefail
 OUT=${OUT:-/tmp/fp8_keysm_round}
-mkdir -p "$OUT"
+# Files go to $OUT/zz_raw; $OUT/round.tgz (sorted first, so it is among the files returned)
+# packs them after each invocation.
+R=$OUT/zz_raw
+mkdir -p "$R"
 steps=${*:-"install build tests ncu probe conf grid bench memcheck"}
 KERNELS=${KERNELS:-"rows keys"}
 export PYTHONUNBUFFERED=1 MAX_JOBS=16 PAGEDCORE_CUDA_PAGED_ARCHS=90
-nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader > "$OUT/device.txt" 2>&1 || true
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader > "$R/device.txt" 2>&1 || true
 run() {  # name, limit seconds, command...
   local name=$1 limit=$2; shift 2
   local t0=$(date +%s)
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  echo "$name rc=$? ${SECONDS}s total, $(( $(date +%s) - t0 ))s" | tee -a "$OUT/steps.txt"
-  tail -n 6 "$OUT/$name.log"
+  timeout "$limit" "$@" > "$R/$name.log" 2>&1
+  echo "$name rc=$? ${SECONDS}s total, $(( $(date +%s) - t0 ))s" | tee -a "$R/steps.txt"
+  tail -n 6 "$R/$name.log"
 }
 NCU_SECTIONS="--section SpeedOfLight --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section ComputeWorkloadAnalysis"
 for s in $steps; do
@@ -33,21 +38,34 @@ for s in $steps; do
              python3 backends/cuda_paged/bench/decode_probe.py --kv fp8,auto --iters 2
          done ;;
     probe) for shape in 64x4096 8x32768 256x1024; do for k in $KERNELS; do
-             PAGEDCORE_CUDA_PAGED_FP8_DECODE=$k run probe_${k}_$shape 90 python3 backends/cuda_paged/bench/decode_probe.py --shape $shape --kv fp8,auto,fp8_e5m2 --json "$OUT/probe_${k}_$shape.json"
+             PAGEDCORE_CUDA_PAGED_FP8_DECODE=$k run probe_${k}_$shape 90 python3 backends/cuda_paged/bench/decode_probe.py --shape $shape --kv fp8,auto,fp8_e5m2 --json "$R/probe_${k}_$shape.json"
            done; done ;;
     conf) for k in $KERNELS; do
-            PAGEDCORE_CUDA_PAGED_FP8_DECODE=$k run conf_$k 150 python3 -m pagedcore.cli conformance cuda_paged --device cuda --json "$OUT/conformance_$k.json"
+            PAGEDCORE_CUDA_PAGED_FP8_DECODE=$k run conf_$k 150 python3 -m pagedcore.cli conformance cuda_paged --device cuda --json "$R/conformance_$k.json"
           done ;;
     grid) for k in $KERNELS; do
-            PAGEDCORE_CUDA_PAGED_FP8_DECODE=$k run grid_$k 120 python3 gpu/fp8_grid.py "$OUT/fp8_grid_$k.json"
+            PAGEDCORE_CUDA_PAGED_FP8_DECODE=$k run grid_$k 120 python3 gpu/fp8_grid.py "$R/fp8_grid_$k.json"
           done ;;
-    bench) for k in $KERNELS; do for kv in auto fp8; do
-             PAGEDCORE_CUDA_PAGED_FP8_DECODE=$k run bench_${k}_$kv 60 python3 -m pagedcore.cli bench kernels --backend cuda_paged --case decode --kv-cache-dtype $kv --json "$OUT/bench_decode_${k}_$kv.json"
+    bench) for k in rows $KERNELS; do for kv in auto fp8; do
+             PAGEDCORE_CUDA_PAGED_FP8_DECODE=$k run bench_${k}_$kv 60 python3 -m pagedcore.cli bench kernels --backend cuda_paged --case decode --kv-cache-dtype $kv --json "$R/bench_decode_${k}_$kv.json"
            done; done ;;
-    memcheck) PAGEDCORE_CUDA_PAGED_FP8_DECODE=keys run memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pagedcore.cli \
+    memcheck) PAGEDCORE_CUDA_PAGED_FP8_DECODE=${KERNELS%% *} run memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pagedcore.cli \
                 conformance cuda_paged --device cuda -k fp8 ;;
+    pick) best=$(python3 - "$R" <<'PY'
+import glob, json, sys
+tot = {}
+for f in glob.glob(f"{sys.argv[1]}/probe_*.json"):
+    rows = json.load(open(f))["rows"]
+    for r in rows:
+        if r["kv_cache_dtype"] == "fp8" and r["fp8_kernel"] != "rows":
+            tot.setdefault(r["fp8_kernel"], []).append(r["ms"])
+print(min((sum(v), k) for k, v in tot.items() if len(v) == 3)[1])
+PY
+)
+          echo "picked $best" | tee -a "$R/steps.txt"; KERNELS="$best" ;;
+    confgraph) run confgraph_triton 200 python3 -m pagedcore.cli conformance triton -k graph/ ;;
     *) echo "unknown step $s" ;;
   esac
 done
-tar czf /tmp/fp8_keysm_round.tgz -C "$OUT" . && mv /tmp/fp8_keysm_round.tgz "$OUT/round.tgz"
+tar czf /tmp/fp8_keysm_round.tgz -C "$R" . && mv /tmp/fp8_keysm_round.tgz "$OUT/round.tgz"
 exit 0

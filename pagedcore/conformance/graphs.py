@@ -310,7 +310,8 @@ class _Buffers:
 
     def write(self, batch: Batch) -> None:
         """Rewrite every buffer in place: `batch`'s requests, then padding. A decode bucket's
-        padding rows have ``seq_lens`` 1, a null-block row, slot -1 and position 0; a mixed
+        padding rows have query length 1, ``seq_lens`` 1, a null-block row, slot -1 and
+        position 0; a mixed
         bucket's padding requests query length 0 and ``seq_lens`` 0 and its padding tokens
         slot -1 and position 0. Padding inputs are NaN."""
         c = self.common
@@ -333,7 +334,11 @@ class _Buffers:
         starts = [0]
         for q in batch.query_lens:
             starts.append(starts[-1] + q)
-        self.qsl_cpu.copy_(torch.tensor(starts + [real] * pad_reqs, dtype=torch.int32))
+        # A decode bucket's padding rows are one token each (the engine's uniform decode
+        # batch); a mixed bucket's padding requests are empty.
+        pad_starts = ([real] * pad_reqs if self.mixed
+                      else [real + i + 1 for i in range(pad_reqs)])
+        self.qsl_cpu.copy_(torch.tensor(starts + pad_starts, dtype=torch.int32))
         self.seq_cpu.copy_(torch.tensor(batch.seq_lens + [0 if self.mixed else 1] * pad_reqs,
                                         dtype=torch.int32))
         c.query_start_loc.copy_(self.qsl_cpu)

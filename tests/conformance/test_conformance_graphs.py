@@ -174,8 +174,8 @@ def test_steps_cover_the_contract() -> None:
 
 def test_the_backend_sees_the_engine_s_buffers_poisoned() -> None:
     """Every call gets the same metadata object over the same buffers (max_seq_len = the
-    capacity), padding rows as the contract says (seq_len 1, null-block row, slot -1, NaN
-    query), and a cache that is NaN wherever no written token is."""
+    capacity), padding rows as the contract says (query length 1, seq_len 1, null-block row,
+    slot -1, NaN query), and a cache that is NaN wherever no written token is."""
     calls: list[dict[str, Any]] = []
 
     class Spy(LiveGraphImpl):
@@ -185,6 +185,7 @@ def test_the_backend_sees_the_engine_s_buffers_poisoned() -> None:
             c = metadata.common
             calls.append({"common": c, "table": c.block_table.data_ptr(),
                           "seq": c.seq_lens.clone(), "rows": c.block_table.clone(),
+                          "qsl": c.query_start_loc.clone(),
                           "slots": c.slot_mapping.clone(), "query": query.clone(),
                           "written": int((~torch.isnan(kv_cache)).sum())})
             return super().forward(query, key, value, kv_cache, metadata, output=output)
@@ -204,6 +205,9 @@ def test_the_backend_sees_the_engine_s_buffers_poisoned() -> None:
         assert call["common"] is calls[0]["common"] and call["table"] == calls[0]["table"]
         assert call["common"].max_seq_len == graph_capacity(16)
         assert call["seq"].tolist() == [c + 1 for c in step.contexts] + [1] * (BUCKET - n)
+        # A uniform single-token batch, padding rows included (as the engine's decode graphs
+        # fill it): a builder may refuse anything else at capture.
+        assert call["qsl"].tolist() == list(range(BUCKET + 1))
         assert not call["rows"][n:].any() and (call["slots"][n:] == -1).all()
         assert torch.isnan(call["query"][n:]).all() and not torch.isnan(call["query"][:n]).any()
         assert call["written"] == sum(c + 1 for c in step.contexts) * per_token
