@@ -6,10 +6,11 @@
 // O^T = V^T P^T: the 16 keys of a tile are the M rows, the (at most 8) query heads the N
 // columns, so per 16-key tile a warp runs VEC (head dims / 16) + HEAD / 16 mmas instead of
 // twice that, holds half the output registers and computes 4 exponentials per lane, not 8.
-// With the registers it frees, DEPTH tiles stay in flight per warp: the loads of tile
-// i + DEPTH * warps are issued right after tile i is computed (a register ring), so the
-// memory never waits on the arithmetic (the grouped kernel issues a pair's loads only after
-// computing the previous pair).
+// Each warp streams its tiles through a STAGES-deep ring in shared memory filled by
+// cp.async, so STAGES - 1 tiles (4 KB each at head size 128) are in flight per warp without
+// holding registers: with the grouped kernel's scheme (loads straight into registers, two
+// tiles issued together after the previous two were computed) and with a register ring of 2
+// or 3 tiles, the warps waited on memory at 2-3 blocks per SM (H100, session 25).
 //
 // Grid (Hkv, num_decodes, max_partitions), 4 warps; warp w takes tiles w, w + 4, ...
 // Fragment orders (g = lane / 4, t = lane % 4; mma.cuh lists the m16n8k16 layouts):
@@ -86,14 +87,14 @@ __device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
-template <typename T, int HEAD, int BLOCK, int DEPTH, int STAGES, typename C>
-__global__ void __launch_bounds__(kMmaDecodeThreads, STAGES > 0 && STAGES < 5 ? 4 : 1)
+template <typename T, int HEAD, int BLOCK, int STAGES, typename C>
+__global__ void __launch_bounds__(kMmaDecodeThreads, STAGES < 5 ? 4 : 1)
     decode_fp8_keys_kernel(AttentionParams p) {
   constexpr int VEC = HEAD / 16;  // 16-byte fp8 vectors per K row = k-steps of S^T
   constexpr int VPL = VEC / 4;    // vectors a lane reads per key row
   constexpr int MT = HEAD / 16;   // m-tiles (16 head dims) of O^T
   constexpr int NW = kMmaDecodeThreads / 32;
-  static_assert(HEAD % 64 == 0 && (BLOCK == 16 || BLOCK == 32) && DEPTH >= 1,
+  static_assert(HEAD % 64 == 0 && (BLOCK == 16 || BLOCK == 32) && STAGES >= 2,
                 "head size 64 / 128, block size 16 / 32");
   static_assert(is_fp8<C>(), "the keys-as-rows decode reads an fp8 cache");
 
@@ -162,32 +163,6 @@ __global__ void __launch_bounds__(kMmaDecodeThreads, STAGES > 0 && STAGES < 5 ? 
   auto lookup = [&](int tile) -> int {
     const int kb = p_begin + tile * 16;
     return tile < n_tiles && kb + 16 > span.ctx_start ? bt[kb / BLOCK] : -1;
-  };
-  // Loads of one tile into registers: K rows rho(g), rho(g + 8) (VPL vectors each) and, per
-  // m-tile, the 4 bytes (keys 4t..4t+3) of V rows 16 mt + g and 16 mt + g + 8.
-  auto load = [&](int tile, int phys, uint4 (&kr)[VPL][2], uint32_t (&vr)[MT][2]) {
-    if (phys < 0) {
-#pragma unroll
-      for (int v = 0; v < VPL; ++v) kr[v][0] = kr[v][1] = make_uint4(0, 0, 0, 0);
-#pragma unroll
-      for (int j = 0; j < MT; ++j) vr[j][0] = vr[j][1] = 0u;
-      return;
-    }
-    const int in_blk = (p_begin + tile * 16) % BLOCK;
-    const C* kp = k_cache + static_cast<int64_t>(phys) * blk_stride + head_off +
-                  (in_blk + row0) * 16 + t * VPL * BLOCK * 16;
-#pragma unroll
-    for (int v = 0; v < VPL; ++v) {
-      kr[v][0] = *reinterpret_cast<const uint4*>(kp + v * BLOCK * 16);
-      kr[v][1] = *reinterpret_cast<const uint4*>(kp + v * BLOCK * 16 + 2 * 16);
-    }
-    const C* vp = v_cache + static_cast<int64_t>(phys) * blk_stride + head_off + in_blk +
-                  4 * t + g * BLOCK;
-#pragma unroll
-    for (int j = 0; j < MT; ++j) {
-      vr[j][0] = *reinterpret_cast<const uint32_t*>(vp + (16 * j) * BLOCK);
-      vr[j][1] = *reinterpret_cast<const uint32_t*>(vp + (16 * j + 8) * BLOCK);
-    }
   };
   // One 16-key tile: S^T = K Q^T, online softmax, O^T += V^T P^T (registers only).
   auto compute = [&](int tile, const uint4 (&kr)[VPL][2], const uint32_t (&vr)[MT][2]) {
@@ -270,28 +245,7 @@ __global__ void __launch_bounds__(kMmaDecodeThreads, STAGES > 0 && STAGES < 5 ? 
     }
   };
 
-  if constexpr (STAGES == 0) {
-    uint4 kr[DEPTH][VPL][2];
-    uint32_t vr[DEPTH][MT][2];
-    int ph[DEPTH];  // the block of the tile each buffer loads next
-#pragma unroll
-    for (int u = 0; u < DEPTH; ++u) {
-      load(warp + u * NW, lookup(warp + u * NW), kr[u], vr[u]);
-      ph[u] = lookup(warp + (u + DEPTH) * NW);
-    }
-    for (int it = warp; it < n_tiles; it += NW * DEPTH) {
-#pragma unroll
-      for (int u = 0; u < DEPTH; ++u) {
-        const int tile = it + u * NW;
-        if (tile >= n_tiles) break;
-        compute(tile, kr[u], vr[u]);
-        // Refill this buffer with the tile DEPTH steps ahead; look up the one after it.
-        const int next = tile + DEPTH * NW;
-        load(next, ph[u], kr[u], vr[u]);
-        ph[u] = lookup(next + DEPTH * NW);
-      }
-    }
-  } else {
+  {
     // STAGES-deep ring of this warp's tiles in shared memory, filled by cp.async (no registers
     // held by loads in flight). A stage is the tile's K (VEC x 16 keys x 16 bytes, key rows
     // XOR-swizzled by 2 (vector / VPL) so that a quarter-warp's 16-byte reads hit 8 distinct
@@ -417,10 +371,10 @@ constexpr int decode_fp8_keys_smem() {
   return ring > merge ? ring : merge;
 }
 
-template <typename T, int HEAD, int BLOCK, int DEPTH, int STAGES, typename C>
+template <typename T, int HEAD, int BLOCK, int STAGES, typename C>
 cudaError_t launch_decode_fp8_keys_cfg(const AttentionParams& p, cudaStream_t stream) {
   constexpr int smem = decode_fp8_keys_smem<HEAD, STAGES>();
-  auto kernel = decode_fp8_keys_kernel<T, HEAD, BLOCK, DEPTH, STAGES, C>;
+  auto kernel = decode_fp8_keys_kernel<T, HEAD, BLOCK, STAGES, C>;
   if (smem > 48 * 1024) {
     const cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -434,19 +388,19 @@ cudaError_t launch_decode_fp8_keys_cfg(const AttentionParams& p, cudaStream_t st
 }
 
 // Which fp8 decode runs where both can (head size 64 / 128, at most 8 query heads per KV head):
-// PAGEDCORE_CUDA_PAGED_FP8_DECODE = "rows" (the grouped kernel, heads as M rows), "keys" /
-// "keys3" (this kernel, 2 / 3 tiles in flight per warp in registers), "ring3" / "ring4" /
-// "ring6" (this kernel, a 3 / 4 / 6-stage shared-memory ring per warp). Read once per process.
-enum class Fp8Decode { kRows, kKeys2, kKeys3, kRing3, kRing4, kRing6 };
+// this kernel with a 3-stage ring (the default; 4 blocks of 4 warps per SM at head size 128),
+// or as set by PAGEDCORE_CUDA_PAGED_FP8_DECODE (tuning): "rows" (the grouped kernel of
+// decode_mma.cuh, heads as M rows), "ring4" / "ring6" (4 / 6 stages). Read once per process.
+enum class Fp8Decode { kRows, kRing3, kRing4, kRing6 };
 inline Fp8Decode fp8_decode_choice() {
   static const Fp8Decode choice = [] {
     const char* env = std::getenv("PAGEDCORE_CUDA_PAGED_FP8_DECODE");
-    if (env == nullptr) return Fp8Decode::kRows;
-    const char* names[] = {"rows", "keys", "keys3", "ring3", "ring4", "ring6"};
-    for (int i = 0; i < 6; ++i) {
+    if (env == nullptr) return Fp8Decode::kRing3;
+    const char* names[] = {"rows", "ring3", "ring4", "ring6"};
+    for (int i = 0; i < 4; ++i) {
       if (std::strcmp(env, names[i]) == 0) return static_cast<Fp8Decode>(i);
     }
-    return Fp8Decode::kRows;
+    return Fp8Decode::kRing3;
   }();
   return choice;
 }
@@ -455,16 +409,12 @@ template <typename T, int HEAD, int BLOCK, typename C>
 cudaError_t launch_decode_fp8_keys_block(const AttentionParams& p, Fp8Decode choice,
                                          cudaStream_t stream) {
   switch (choice) {
-    case Fp8Decode::kKeys3:
-      return launch_decode_fp8_keys_cfg<T, HEAD, BLOCK, 3, 0, C>(p, stream);
-    case Fp8Decode::kRing3:
-      return launch_decode_fp8_keys_cfg<T, HEAD, BLOCK, 1, 3, C>(p, stream);
     case Fp8Decode::kRing4:
-      return launch_decode_fp8_keys_cfg<T, HEAD, BLOCK, 1, 4, C>(p, stream);
+      return launch_decode_fp8_keys_cfg<T, HEAD, BLOCK, 4, C>(p, stream);
     case Fp8Decode::kRing6:
-      return launch_decode_fp8_keys_cfg<T, HEAD, BLOCK, 1, 6, C>(p, stream);
+      return launch_decode_fp8_keys_cfg<T, HEAD, BLOCK, 6, C>(p, stream);
     default:
-      return launch_decode_fp8_keys_cfg<T, HEAD, BLOCK, 2, 0, C>(p, stream);
+      return launch_decode_fp8_keys_cfg<T, HEAD, BLOCK, 3, C>(p, stream);
   }
 }
 

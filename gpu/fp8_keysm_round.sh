@@ -7,8 +7,9 @@
 # Steps: install build tests ncu probe pick conf grid bench memcheck confgraph
 # `pick` sets KERNELS to the fastest keys variant by the probe's fp8 times (sum over the
 # three shapes) for the steps after it, with `rows` for comparison in `bench`.
-# PAGEDCORE_CUDA_PAGED_FP8_DECODE=rows|keys|keys3|ring3|ring4|ring6 picks the fp8 decode
-# kernel (csrc/decode_fp8_keys.cuh); the steps run each variant in $KERNELS.
+# PAGEDCORE_CUDA_PAGED_FP8_DECODE=rows|ring3|ring4|ring6 picks the fp8 decode kernel
+# (csrc/decode_fp8_keys.cuh; ring3 is the default); the steps run each variant in $KERNELS.
+# Session 25's first rounds also had `keys` / `keys3` (register rings, removed).
 set -uo pipefail
 OUT=${OUT:-/tmp/fp8_keysm_round}
 # Files go to $OUT/zz_raw; $OUT/round.tgz (sorted first, so it is among the files returned)
@@ -16,7 +17,7 @@ OUT=${OUT:-/tmp/fp8_keysm_round}
 R=$OUT/zz_raw
 mkdir -p "$R"
 steps=${*:-"install build tests ncu probe conf grid bench memcheck"}
-KERNELS=${KERNELS:-"rows keys"}
+KERNELS=${KERNELS:-"rows ring3"}
 export PYTHONUNBUFFERED=1 MAX_JOBS=16 PAGEDCORE_CUDA_PAGED_ARCHS=90
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader > "$R/device.txt" 2>&1 || true
 run() {  # name, limit seconds, command...
@@ -66,6 +67,7 @@ PY
     confgraph) run confgraph_triton 200 python3 -m pagedcore.cli conformance triton -k graph/ ;;
     *) echo "unknown step $s" ;;
   esac
+  tar czf /tmp/fp8_keysm_round.tgz -C "$R" . && mv /tmp/fp8_keysm_round.tgz "$OUT/round.tgz"
 done
 tar czf /tmp/fp8_keysm_round.tgz -C "$R" . && mv /tmp/fp8_keysm_round.tgz "$OUT/round.tgz"
 exit 0

@@ -399,9 +399,12 @@ def movmatrix_trans(x: list[Reg]) -> list[Reg]:
 def decode_fp8_keys(q: torch.Tensor, k_view: torch.Tensor, v_view: torch.Tensor,
                     bt: list[int], seq_len: int, *, kv_head: int, group: int, ctx_start: int,
                     p_begin: int, p_end: int, scale: float, cap: float,
-                    slopes: list[float] | None, nw: int = 4,
-                    depth: int = 2) -> tuple[torch.Tensor, list[float], list[float]]:
+                    slopes: list[float] | None,
+                    nw: int = 4) -> tuple[torch.Tensor, list[float], list[float]]:
     """One thread block of decode_fp8_keys_kernel (csrc/decode_fp8_keys.cuh), k_scale = 1.
+
+    What a lane reads from its warp's shared-memory ring is modelled as the direct read of
+    `load` (`keys_ring_reads` checks that the ring returns exactly that).
 
     `k_view` is the fp8 K layout ``[blocks, Hkv, D // 16, block, 16]`` and `v_view`
     ``[blocks, Hkv, D, block]``, as values. Returns ``(out [group, D], max (natural), sum)``.
@@ -514,17 +517,10 @@ def decode_fp8_keys(q: torch.Tensor, k_view: torch.Tensor, v_view: torch.Tensor,
                 for lane in range(32):
                     o[lane][j] = d[lane]
 
-        ring = [load(warp + u * nw, lookup(warp + u * nw)) for u in range(depth)]
-        ph = [lookup(warp + (u + depth) * nw) for u in range(depth)]
-        for it in range(warp, n_tiles, nw * depth):
-            for u in range(depth):
-                tile = it + u * nw
-                if tile >= n_tiles:
-                    break
-                compute(tile, *ring[u])
-                nxt = tile + depth * nw
-                ring[u] = load(nxt, ph[u])
-                ph[u] = lookup(nxt + depth * nw)
+        for tile in range(warp, n_tiles, nw):
+            phys = lookup(tile)
+            if phys >= 0:  # a tile without a visible key copies nothing and is skipped
+                compute(tile, *load(tile, phys))
         wm, wl = [NEG] * 8, [0.0] * 8
         wo = torch.zeros(8, head_dim, dtype=torch.float64)
         for lane in range(32):

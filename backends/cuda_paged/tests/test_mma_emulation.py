@@ -81,17 +81,17 @@ def test_decode_mma_model(seq_len: int, head: int, block: int, group: int, windo
 
 
 @pytest.mark.parametrize(
-    "seq_len,head,block,group,window,alibi,cap,part,depth",
+    "seq_len,head,block,group,window,alibi,cap,part",
     [
-        (300, 128, 16, 4, None, False, 0.0, None, 2),  # Llama-3's GQA 4, one pass
-        (77, 64, 32, 7, 37, True, 0.0, 32, 3),  # Qwen2-0.5B's GQA 7, window in a partition
-        (130, 64, 16, 8, None, False, 5.0, 64, 2),
-        (45, 128, 32, 1, 20, True, 5.0, None, 2),
+        (300, 128, 16, 4, None, False, 0.0, None),  # Llama-3's GQA 4, one pass
+        (77, 64, 32, 7, 37, True, 0.0, 32),  # Qwen2-0.5B's GQA 7, window in a partition
+        (130, 64, 16, 8, None, False, 5.0, 64),
+        (45, 128, 32, 1, 20, True, 5.0, None),
     ],
 )
 def test_decode_fp8_keys_model(seq_len: int, head: int, block: int, group: int,
-                               window: int | None, alibi: bool, cap: float, part: int | None,
-                               depth: int) -> None:
+                               window: int | None, alibi: bool, cap: float,
+                               part: int | None) -> None:
     # The keys-as-rows fp8 decode on fp8-rounded K/V in the fp8 layout (16 dims a vector),
     # unused slots NaN, queries scaled up so that later tiles exceed the lazily kept max by
     # more than 2^8 (the rescale path) as well as staying under it.
@@ -121,7 +121,7 @@ def test_decode_fp8_keys_model(seq_len: int, head: int, block: int, group: int,
         res = [decode_fp8_keys(q, kv, vv, ids, seq_len, kv_head=kv_head, group=group,
                                ctx_start=ctx_start, p_begin=begin + i * psize,
                                p_end=min(begin + (i + 1) * psize, seq_len), scale=head**-0.5,
-                               cap=cap, slopes=slopes, depth=depth) for i in range(nparts)]
+                               cap=cap, slopes=slopes) for i in range(nparts)]
         h0 = kv_head * group
         for row in range(group):  # decode_reduce_kernel's merge
             mx = max(r[1][row] for r in res)
