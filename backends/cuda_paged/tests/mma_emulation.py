@@ -561,7 +561,7 @@ def keys_ring_reads(head_dim: int) -> list[dict[str, list[tuple[int, ...]]]]:
     (vector, key) to slot ``vector * 16 + (key ^ 2 (vector / VPL))``, V row r to slot
     ``K_CHUNKS + r``) and read per lane as in the kernel. Returns per lane the K sources
     ``(vector, key)`` and V sources ``(row, first key)`` it received, in the order of the
-    register path's `load` (``kr[v][r]``, then ``vr[j][r]``), to compare with it.
+    model's `load` (the direct reads) (``kr[v][r]``, then ``vr[j][r]``), to compare with it.
     """
     vec = head_dim // 16
     vpl = vec // 4

@@ -186,10 +186,10 @@ def test_pipelined_gather_reads_what_the_per_vector_gather_reads(
 
 
 @pytest.mark.parametrize("head", [64, 128])
-def test_keys_ring_reads_what_the_register_path_loads(head: int) -> None:
+def test_keys_ring_reads_what_the_direct_load_reads(head: int) -> None:
     # The shared-memory ring of decode_fp8_keys_kernel (STAGES > 0): each lane gets back the
     # K rows rho(g), rho(g) + 2 of its vectors and the V words (rows 16 j + g (+ 8), keys
-    # 4t..4t+3) that the register path loads directly, and the swizzle keeps a quarter-warp's
+    # 4t..4t+3) that the model's direct `load` reads, and the swizzle keeps a quarter-warp's
     # 16-byte K reads on distinct bank groups.
     vpl = head // 64
     for lane, got in enumerate(keys_ring_reads(head)):
