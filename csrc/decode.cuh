@@ -17,6 +17,13 @@ namespace pagedcore {
 // the block-aligned position at or below ctx_start.
 struct DecodeSpan {
   int seq_len, ctx_start, begin, num_parts;
+  // Keys [partition_begin, partition_end) of partition `part`.
+  __device__ __forceinline__ int partition_begin(int part, int partition_size) const {
+    return begin + part * partition_size;
+  }
+  __device__ __forceinline__ int partition_end(int part, int partition_size) const {
+    return min(partition_begin(part, partition_size) + partition_size, seq_len);
+  }
 };
 
 __device__ __forceinline__ DecodeSpan decode_span(const AttentionParams& p, int req) {

@@ -31,6 +31,7 @@
 #include <type_traits>
 
 #include "decode.cuh"
+#include "decode_merge.cuh"
 #include "decode_fp8_keys.cuh"
 #include "mma.cuh"
 
@@ -87,8 +88,8 @@ __global__ void __launch_bounds__(kMmaDecodeThreads) decode_mma_kernel(Attention
   const int req = p.work[item];
   const DecodeSpan span = decode_span(p, req);
   if (part >= span.num_parts) return;
-  const int p_begin = span.begin + part * p.partition_size;
-  const int p_end = min(p_begin + p.partition_size, span.seq_len);
+  const int p_begin = span.partition_begin(part, p.partition_size);
+  const int p_end = span.partition_end(part, p.partition_size);
   const int pos_q = span.seq_len - 1;
   const int n_tiles = cdiv(p_end - p_begin, 16);
 
@@ -389,35 +390,8 @@ __global__ void __launch_bounds__(kMmaDecodeThreads) decode_mma_kernel(Attention
     }
   }
   __syncthreads();
-  for (int i = tid; i < rows * HEAD; i += kMmaDecodeThreads) {
-    const int row = i / HEAD, d = i % HEAD;
-    float mx = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < NW; ++w) mx = fmaxf(mx, m_s[w * 16 + row]);
-    float lsum = 0.f, acc = 0.f;
-#pragma unroll
-    for (int w = 0; w < NW; ++w) {
-      const float mw = m_s[w * 16 + row];
-      const float f = mw == -INFINITY ? 0.f : fast_exp2(mw - mx);
-      lsum += f * l_s[w * 16 + row];
-      acc += f * o_s[(w * 16 + row) * HEAD + d];
-    }
-    const float val = lsum > 0.f ? acc / lsum * v_scale : 0.f;
-    const int head = head0 + row;
-    if (span.num_parts == 1) {
-      T* out = static_cast<T*>(p.out) + q_tok * p.o_stride_t +
-               static_cast<int64_t>(head) * p.o_stride_h;
-      out[d] = from_float<T>(val);
-    } else {
-      const int64_t prow =
-          (static_cast<int64_t>(item) * p.num_heads + head) * p.max_partitions + part;
-      p.tmp_out[prow * HEAD + d] = val;
-      if (d == 0) {
-        p.max_logits[prow] = mx == -INFINITY ? -INFINITY : mx / kLog2e;
-        p.exp_sums[prow] = lsum;
-      }
-    }
-  }
+  write_merged_rows<T, HEAD, 16, NW>(p, m_s, l_s, o_s, rows, head0, v_scale, span, item, part,
+                                    q_tok);
 }
 
 // Dynamic shared memory: the warps' merge buffers, or the STAGES-deep rings when larger.

@@ -1,5 +1,6 @@
 """cuda_paged fp8 decode on CUDA over a grid the quick conformance list does not reach: head
-sizes, block sizes, GQA groups (the M rows <= 8 and 16), batches (one pass and partitioned:
+sizes, block sizes, GQA groups (1, 4, 7, 8: the keys-as-rows kernel at head sizes 64 / 128;
+16: the grouped kernel), batches (one pass and partitioned:
 decode and long), e4m3 / e5m2, fp16 / bf16 queries, windows and soft-cap; each a conformance
 case (NaN-poisoned unused slots, the reference dequantizes what the kernel reads).
 
@@ -20,7 +21,7 @@ base = {c.batch: c for c in build_cases(CudaPagedBackend, device="cuda")
 rows, failed = [], 0
 grid = itertools.product(("decode", "long", "mixed"), ("float16", "bfloat16"),
                          ("fp8_e4m3", "fp8_e5m2"), (64, 96, 128), (16, 32),
-                         ((8, 2), (32, 2)))
+                         ((8, 2), (32, 2), (2, 2), (14, 2), (16, 2)))
 for batch, dtype, kv, hs, bs, (hq, hkv) in grid:
     case = attrs.evolve(base[batch], dtype=dtype, kv_cache_dtype=kv, head_size=hs,
                         block_size=bs, num_heads=hq, num_kv_heads=hkv,

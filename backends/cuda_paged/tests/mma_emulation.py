@@ -74,6 +74,26 @@ def _transform(s: float, scale: float, cap: float, slope: float, pos_k: int,
     return s + slope * (pos_k - pos_q)
 
 
+def _merge_warps(m_s: list[list[float]], l_s: list[list[float]], o_s: list[torch.Tensor],
+                 rows: int) -> tuple[torch.Tensor, list[float], list[float]]:
+    """csrc/decode_merge.cuh `write_merged_rows`: the warps' states of `rows` heads merged,
+    ``(out [rows, D], max (natural), sum)``."""
+    log2e = 1 / math.log(2)
+    out = torch.zeros(rows, o_s[0].shape[1], dtype=torch.float64)
+    mxs, sums = [], []
+    for row in range(rows):
+        mx = max(m[row] for m in m_s)
+        total, acc = 0.0, torch.zeros(o_s[0].shape[1], dtype=torch.float64)
+        for m, lw, o in zip(m_s, l_s, o_s, strict=True):
+            f = 0.0 if m[row] == NEG else _exp2(m[row] - mx)
+            total += f * lw[row]
+            acc += f * o[row]
+        out[row] = acc / total if total > 0 else 0.0
+        mxs.append(mx / log2e if mx != NEG else NEG)
+        sums.append(total)
+    return out, mxs, sums
+
+
 def decode_mma(q: torch.Tensor, k_view: torch.Tensor, v_view: torch.Tensor,
                bt: list[int], seq_len: int, *, kv_head: int, group: int, chunk: int,
                ctx_start: int, p_begin: int, p_end: int, scale: float, cap: float,
@@ -196,19 +216,7 @@ def decode_mma(q: torch.Tensor, k_view: torch.Tensor, v_view: torch.Tensor,
         m_s.append(wm)
         l_s.append(wl)
         o_s.append(wo)
-    out = torch.zeros(rows, head_dim, dtype=torch.float64)
-    mxs, sums = [], []
-    for row in range(rows):
-        mx = max(m_s[w][row] for w in range(nw))
-        total, acc = 0.0, torch.zeros(head_dim, dtype=torch.float64)
-        for w in range(nw):
-            f = 0.0 if m_s[w][row] == NEG else _exp2(m_s[w][row] - mx)
-            total += f * l_s[w][row]
-            acc += f * o_s[w][row]
-        out[row] = acc / total if total > 0 else 0.0
-        mxs.append(mx / log2e if mx != NEG else NEG)
-        sums.append(total)
-    return out, mxs, sums
+    return _merge_warps(m_s, l_s, o_s, rows)
 
 
 def prefill_mma(q: torch.Tensor, k_view: torch.Tensor, v_view: torch.Tensor, bt: list[int], *,
@@ -539,19 +547,7 @@ def decode_fp8_keys(q: torch.Tensor, k_view: torch.Tensor, v_view: torch.Tensor,
         m_s.append(wm)
         l_s.append(wl)
         o_s.append(wo)
-    out = torch.zeros(group, head_dim, dtype=torch.float64)
-    mxs, sums = [], []
-    for row in range(group):
-        mx = max(m_s[w][row] for w in range(nw))
-        total, accum = 0.0, torch.zeros(head_dim, dtype=torch.float64)
-        for w in range(nw):
-            f = 0.0 if m_s[w][row] == NEG else _exp2(m_s[w][row] - mx)
-            total += f * l_s[w][row]
-            accum += f * o_s[w][row]
-        out[row] = accum / total if total > 0 else 0.0
-        mxs.append(mx / log2e if mx != NEG else NEG)
-        sums.append(total)
-    return out, mxs, sums
+    return _merge_warps(m_s, l_s, o_s, group)
 
 
 def keys_ring_reads(head_dim: int) -> list[dict[str, list[tuple[int, ...]]]]:

@@ -38,6 +38,26 @@ def _paged(seq_len: int, hkv: int, head: int, block: int, seed: int):  # type: i
     return ids, k, v, kv.double(), vv.double(), gen
 
 
+def _partitions(seq_len: int, block: int, window: int | None,
+                part: int | None) -> tuple[int, int, int, int]:
+    """``(begin, ctx_start, partition size, partitions)`` of a decode, as the planner has
+    them (`part` None: one pass)."""
+    begin, ctx_start = decode_span(seq_len, block_size=block, sliding_window=window)
+    psize = part or (-(-(seq_len - begin) // block) * block)
+    nparts = num_partitions(seq_len, partition_size=psize, block_size=block,
+                            sliding_window=window)
+    return begin, ctx_start, psize, nparts
+
+
+def _reduce_partitions(res: list[tuple[torch.Tensor, list[float], list[float]]],
+                       out: torch.Tensor, h0: int) -> None:
+    """decode_reduce_kernel's merge of one block row's partitions into ``out[h0:]``."""
+    for row in range(res[0][0].shape[0]):
+        mx = max(r[1][row] for r in res)
+        w = [r[2][row] * math.exp(r[1][row] - mx) for r in res]
+        out[h0 + row] = sum(wi * r[0][row] for wi, r in zip(w, res, strict=True)) / sum(w)
+
+
 def _slopes(n: int) -> list[float]:
     return [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
 
@@ -60,10 +80,7 @@ def test_decode_mma_model(seq_len: int, head: int, block: int, group: int, windo
     slopes = _slopes(hq) if alibi else None
     ref = attention_reference(q[None], k, v, scale=head**-0.5, sliding_window=window,
                               alibi_slopes=slopes, logits_soft_cap=cap or None)[0]
-    begin, ctx_start = decode_span(seq_len, block_size=block, sliding_window=window)
-    psize = part or (-(-(seq_len - begin) // block) * block)
-    nparts = num_partitions(seq_len, partition_size=psize, block_size=block,
-                            sliding_window=window)
+    begin, ctx_start, psize, nparts = _partitions(seq_len, block, window, part)
     out = torch.zeros(hq, head, dtype=torch.float64)
     for kv_head in range(hkv):
         for chunk in range(-(-group // 16)):
@@ -71,11 +88,7 @@ def test_decode_mma_model(seq_len: int, head: int, block: int, group: int, windo
                               chunk=chunk, ctx_start=ctx_start, p_begin=begin + i * psize,
                               p_end=min(begin + (i + 1) * psize, seq_len), scale=head**-0.5,
                               cap=cap, slopes=slopes, unroll=unroll) for i in range(nparts)]
-            h0 = kv_head * group + chunk * 16
-            for row in range(res[0][0].shape[0]):  # decode_reduce_kernel's merge
-                mx = max(r[1][row] for r in res)
-                w = [r[2][row] * math.exp(r[1][row] - mx) for r in res]
-                out[h0 + row] = sum(wi * r[0][row] for wi, r in zip(w, res, strict=True)) / sum(w)
+            _reduce_partitions(res, out, kv_head * group + chunk * 16)
     err = float((out - ref.double()).abs().max() / ref.abs().max())
     assert err < 1e-6, err
 
@@ -112,21 +125,14 @@ def test_decode_fp8_keys_model(seq_len: int, head: int, block: int, group: int,
     slopes = _slopes(hq) if alibi else None
     ref = attention_reference(q[None], k, v, scale=head**-0.5, sliding_window=window,
                               alibi_slopes=slopes, logits_soft_cap=cap or None)[0]
-    begin, ctx_start = decode_span(seq_len, block_size=block, sliding_window=window)
-    psize = part or (-(-(seq_len - begin) // block) * block)
-    nparts = num_partitions(seq_len, partition_size=psize, block_size=block,
-                            sliding_window=window)
+    begin, ctx_start, psize, nparts = _partitions(seq_len, block, window, part)
     out = torch.zeros(hq, head, dtype=torch.float64)
     for kv_head in range(hkv):
         res = [decode_fp8_keys(q, kv, vv, ids, seq_len, kv_head=kv_head, group=group,
                                ctx_start=ctx_start, p_begin=begin + i * psize,
                                p_end=min(begin + (i + 1) * psize, seq_len), scale=head**-0.5,
                                cap=cap, slopes=slopes) for i in range(nparts)]
-        h0 = kv_head * group
-        for row in range(group):  # decode_reduce_kernel's merge
-            mx = max(r[1][row] for r in res)
-            w = [r[2][row] * math.exp(r[1][row] - mx) for r in res]
-            out[h0 + row] = sum(wi * r[0][row] for wi, r in zip(w, res, strict=True)) / sum(w)
+        _reduce_partitions(res, out, kv_head * group)
     err = float((out - ref.double()).abs().max() / ref.abs().max())
     assert err < 1e-6, err
 
