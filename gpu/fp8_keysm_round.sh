@@ -4,7 +4,7 @@
 # device tool brings back only a few files per call). On a fresh device machine `install` and
 # `build` come first. Repo root:
 #   PAGEDCORE_GIT_COMMIT=<sha> OUT=... bash gpu/fp8_keysm_round.sh [steps...]
-# Steps: install build tests ncu probe pick conf grid bench memcheck confgraph
+# Steps: install build tests ncu probe probeqwen pick conf grid bench memcheck confgraph
 # `pick` sets KERNELS to the fastest keys variant by the probe's fp8 times (sum over the
 # three shapes) for the steps after it, with `rows` for comparison in `bench`.
 # PAGEDCORE_CUDA_PAGED_FP8_DECODE=rows|ring3|ring4|ring6 picks the fp8 decode kernel
@@ -52,6 +52,11 @@ for s in $steps; do
            done; done ;;
     memcheck) PAGEDCORE_CUDA_PAGED_FP8_DECODE=${KERNELS%% *} run memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pagedcore.cli \
                 conformance cuda_paged --device cuda -k fp8 ;;
+    # The Qwen2-0.5B attention shape (14 query / 2 KV heads, head size 64: GQA 7, which the
+    # keys kernel serves too), fp8 and bf16.
+    probeqwen) for shape in 64x4096 256x1024; do for k in $KERNELS; do
+             PAGEDCORE_CUDA_PAGED_FP8_DECODE=$k run probeqwen_${k}_$shape 90 python3 backends/cuda_paged/bench/decode_probe.py --shape $shape --heads 14/2 --head-size 64 --kv fp8,auto --json "$R/probeqwen_${k}_$shape.json"
+           done; done ;;
     pick) best=$(python3 - "$R" <<'PY'
 import glob, json, sys
 tot = {}
