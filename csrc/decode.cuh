@@ -57,8 +57,8 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(AttentionParams 
   const DecodeSpan span = decode_span(p, req);
   if (part >= span.num_parts) return;
   const int kv_head = head / (p.num_heads / p.num_kv_heads);
-  const int p_begin = span.begin + part * p.partition_size;
-  const int p_end = min(p_begin + p.partition_size, span.seq_len);
+  const int p_begin = span.partition_begin(part, p.partition_size);
+  const int p_end = span.partition_end(part, p.partition_size);
   const int blk_begin = p_begin / BLOCK;
   const int blk_end = cdiv(p_end, BLOCK);
   const int pos_q = span.seq_len - 1;

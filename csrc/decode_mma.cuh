@@ -476,9 +476,9 @@ cudaError_t launch_decode_mma(const AttentionParams& p, int head_size, cudaStrea
 // heads per KV head run the keys-as-rows kernel (decode_fp8_keys.cuh; faster on the H100 at
 // 64x4096 / 8x32768 / 256x1024, docs/benchmarks/cuda_paged.md) unless
 // PAGEDCORE_CUDA_PAGED_FP8_DECODE=rows; the rest this grouped kernel: registers only, two
-// 16-key tiles of loads in flight per warp (the bytes of one bf16 tile). Measured slower on the H200 at 64x4096 /
-// 8x32768 / 256x1024: three tiles (236 registers), four (spills at head size 128), two with
-// registers capped for three blocks per SM (docs/benchmarks/cuda_paged.md).
+// 16-key tiles of loads in flight per warp (the bytes of one bf16 tile). Measured slower on
+// the H200 at 64x4096 / 8x32768 / 256x1024: three tiles (236 registers), four (spills at head
+// size 128), two with registers capped for three blocks per SM (docs/benchmarks/cuda_paged.md).
 template <typename T, int HEAD, typename C>
 cudaError_t launch_decode_mma_fp8_head(const AttentionParams& p, cudaStream_t stream) {
   cudaError_t keys_err = cudaSuccess;
