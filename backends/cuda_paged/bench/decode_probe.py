@@ -1,7 +1,7 @@
 """cuda_paged decode launches of one shape, checked then timed, for Nsight Compute and A/B runs.
 
     python3 backends/cuda_paged/bench/decode_probe.py [--shape 64x4096] [--kv auto,fp8] \
-        [--heads 32/8] [--head-size 128] [--json OUT.json] [--iters 50]
+        [--heads 32/8] [--head-size 128] [--json OUT.json] [--iters 50] [--backend triton]
 
 Per KV-cache dtype: the bench's cache (`pagedcore.bench.kernel_primitives.PagedKV`: by default
 32 query / 8 KV heads, head size 128 (``--heads 14/2 --head-size 64``: the Qwen2-0.5B shape),
@@ -11,7 +11,8 @@ checked against SDPA on the contiguous K/V (relative error printed), then ``--it
 launches (CUDA events, median of the per-launch times, L2 not flushed: the cache is far larger
 than L2). Under ``ncu --kernel-name regex:decode`` the first launches of each dtype are the
 checked one and the first timed ones. ``PAGEDCORE_CUDA_PAGED_FP8_DECODE`` (read by the
-extension) picks the fp8 decode kernel, so two processes compare them.
+extension) picks the fp8 decode kernel, so two processes compare them. ``--backend triton``
+runs the triton backend's decode on the same cache instead (the engine's default backend).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import statistics
 
 def main() -> None:
     import torch
-    from pagedcore_cuda_paged import CudaPagedBackend
 
     from pagedcore.bench.kernel_primitives import BackendUnderTest, PagedKV, rel_error
 
@@ -35,7 +35,12 @@ def main() -> None:
     parser.add_argument("--head-size", type=int, default=128)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--backend", choices=("cuda_paged", "triton"), default="cuda_paged")
     args = parser.parse_args()
+    if args.backend == "triton":
+        from pagedcore_triton.backend import TritonAttentionBackend as backend_cls
+    else:
+        from pagedcore_cuda_paged import CudaPagedBackend as backend_cls
     batch, ctx = (int(x) for x in args.shape.split("x"))
     hq, hkv = (int(x) for x in args.heads.split("/"))
     d = args.head_size
@@ -50,7 +55,7 @@ def main() -> None:
     ).transpose(1, 2).reshape(query.shape)
     rows = []
     for kv_dtype in args.kv.split(","):
-        under = BackendUnderTest(CudaPagedBackend, kv, kv_cache_dtype=kv_dtype, num_heads=hq)
+        under = BackendUnderTest(backend_cls, kv, kv_cache_dtype=kv_dtype, num_heads=hq)
         run = under.runner(kv, [1] * batch, list(range(batch)), query)
         err = rel_error(run(), ref)
         start = [torch.cuda.Event(enable_timing=True) for _ in range(args.iters)]
@@ -62,7 +67,7 @@ def main() -> None:
         torch.cuda.synchronize()
         ms = statistics.median(s.elapsed_time(e) for s, e in zip(start, end, strict=True))
         nbytes = 2 * batch * ctx * hkv * d * under.kv_cache.dtype.itemsize
-        row = {"shape": args.shape, "heads": args.heads, "head_size": d,
+        row = {"backend": args.backend, "shape": args.shape, "heads": args.heads, "head_size": d,
                "kv_cache_dtype": kv_dtype, "ms": ms, "rel_err": err,
                "GBps": nbytes / ms / 1e6,
                "fp8_kernel": os.environ.get("PAGEDCORE_CUDA_PAGED_FP8_DECODE", "default")}
