@@ -4,7 +4,7 @@
 # device tool brings back only a few files per call). On a fresh device machine `install` and
 # `build` come first. Repo root:
 #   PAGEDCORE_GIT_COMMIT=<sha> OUT=... bash gpu/fp8_keysm_round.sh [steps...]
-# Steps: install build tests ncu probe probeqwen pick conf grid bench memcheck confgraph
+# Steps: install build tests ncu probe probeqwen qwensweep pick conf grid bench memcheck confgraph
 # `pick` sets KERNELS to the fastest keys variant by the probe's fp8 times (sum over the
 # three shapes) for the steps after it, with `rows` for comparison in `bench`.
 # PAGEDCORE_CUDA_PAGED_FP8_DECODE=rows|ring3|ring4|ring6 picks the fp8 decode kernel
@@ -60,6 +60,7 @@ for s in $steps; do
            done
            run probeqwen_triton_$shape 120 python3 backends/cuda_paged/bench/decode_probe.py --backend triton --shape $shape --heads 14/2 --head-size 64 --kv fp8,auto --json "$R/probeqwen_triton_$shape.json"
            done ;;
+    qwensweep) run qwensweep 400 python3 gpu/qwen_decode_sweep.py "$R/qwen_decode_sweep.json" ;;
     pick) best=$(python3 - "$R" <<'PY'
 import glob, json, sys
 tot = {}
