@@ -10,7 +10,8 @@ shape, and times cuda_paged's decode on the same caches when it is installed. Ea
 is first checked against SDPA on the contiguous K/V (relative error in the JSON; a variant
 above 2e-2 is reported and not timed), then timed as the engine runs it: one launch per
 layer over `--layers` separate caches (together larger than L2), back to back between CUDA
-events. The variants are timed round-robin, `--rounds` samples each (after 2 s of copies
+events, behind a GPU spin that lets the host queue them all (device time, not launch
+cost). The variants are timed round-robin, `--rounds` samples each (after 2 s of copies
 that warm the clocks), so clock drift hits all alike; the JSON has each one's median, min
 and max.
 """
@@ -91,6 +92,9 @@ def main() -> None:
     def sample(runs, tiles: str) -> float:
         set_env(tiles)
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        # A 20 ms spin (~2e6 cycles per ms) while the host queues the 60 launches, so the
+        # figure is device time, not the launches' Python (as `time_ms` does).
+        torch.cuda._sleep(40_000_000)
         s.record()
         for _ in range(10):
             for r in runs:

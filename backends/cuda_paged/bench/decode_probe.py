@@ -8,8 +8,9 @@ Per KV-cache dtype: the bench's cache (`pagedcore.bench.kernel_primitives.PagedK
 block size 16, blocks in random order, bf16 K/V; fp8 caches written
 by the backend's own cache write with per-tensor scales from the data), one decode launch
 checked against SDPA on the contiguous K/V (relative error printed), then ``--iters`` timed
-launches (CUDA events, median of the per-launch times, L2 not flushed: the cache is far larger
-than L2). Under ``ncu --kernel-name regex:decode`` the first launches of each dtype are the
+launches (CUDA events, median of the per-launch times, each behind a ~0.2 ms GPU spin so that
+the host's launch cost is not timed; L2 not flushed: the cache is far larger than L2). Under
+``ncu --kernel-name regex:decode`` the first launches of each dtype are the
 checked one and the first timed ones. ``PAGEDCORE_CUDA_PAGED_FP8_DECODE`` (read by the
 extension) picks the fp8 decode kernel, so two processes compare them. ``--backend triton``
 runs the triton backend's decode on the same cache instead (the engine's default backend).
@@ -61,6 +62,7 @@ def main() -> None:
         start = [torch.cuda.Event(enable_timing=True) for _ in range(args.iters)]
         end = [torch.cuda.Event(enable_timing=True) for _ in range(args.iters)]
         for i in range(args.iters):
+            torch.cuda._sleep(400_000)  # ~0.2 ms: the host queues the launch meanwhile
             start[i].record()
             run()
             end[i].record()
