@@ -23,12 +23,41 @@ if TYPE_CHECKING:
     from pagedcore.attention import AttentionBackend, CommonAttentionMetadata
 
 __all__ = [
-    "BLOCK_SIZE", "HEAD_SIZE", "NUM_HEADS", "NUM_KV_HEADS", "BackendUnderTest", "PagedKV",
-    "copy_bandwidth_gbps", "graph_time_ms", "host_ms", "kernel_summary", "time_ms",
+    "BLOCK_SIZE", "DEFAULT_HEADS", "HEAD_SIZE", "NUM_HEADS", "NUM_KV_HEADS", "BackendUnderTest",
+    "HeadShape", "PagedKV", "copy_bandwidth_gbps", "graph_time_ms", "host_ms", "kernel_summary",
+    "time_ms",
 ]
 
-#: Query heads, KV heads and head size of every kernel bench case.
+#: Query heads, KV heads and head size of the kernel bench cases by default (Llama-3-8B's).
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE = 32, 8, 128
+
+
+@attrs.frozen
+class HeadShape:
+    """The attention heads a kernel bench case runs: `num_heads` query heads sharing
+    `num_kv_heads` KV heads (a whole multiple) of `head_size` each.
+
+    >>> HeadShape(14, 2, 64).group
+    7
+    """
+
+    num_heads: int = attrs.field(validator=attrs.validators.gt(0))
+    num_kv_heads: int = attrs.field(validator=attrs.validators.gt(0))
+    head_size: int = attrs.field(validator=attrs.validators.gt(0))
+
+    def __attrs_post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{self.num_heads} query heads are not a whole multiple of "
+                             f"{self.num_kv_heads} KV heads")
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head."""
+        return self.num_heads // self.num_kv_heads
+
+
+#: `NUM_HEADS` / `NUM_KV_HEADS` / `HEAD_SIZE`.
+DEFAULT_HEADS = HeadShape(NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE)
 #: Default tokens per KV-cache block (`PagedKV` and the bench functions take their own).
 BLOCK_SIZE = 16
 

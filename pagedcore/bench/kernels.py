@@ -6,8 +6,9 @@ the same run it measures a large device-to-device copy (bytes read + written), t
 contiguous KV cache (``enable_gqa=True``, no K/V expansion) and a naive gather-then-SDPA over a
 paged cache.
 
-Cases (bf16, 32 query heads / 8 KV heads, head size 128, block size 16): decode at
-batch x context 64x4096, 8x32768, 256x1024; causal prefill of 4x2048 and 4x8192 tokens; a mixed
+Cases (bf16, 32 query heads / 8 KV heads, head size 128 unless ``--heads`` / ``--head-size``
+say otherwise, block size 16): decode at batch x context 64x4096, 8x32768, 256x1024
+(``--decode-shapes`` replaces them); causal prefill of 4x2048 and 4x8192 tokens; a mixed
 batch of 64 decodes (context 4096) plus one 2,048-token chunk continuing a 2,048-token cached
 prefix, against the decode and prefill parts run as two separate ``forward`` calls; for
 backends that declare ``supports_cascade``, the ``cascade`` case (issue #26's target: 64
@@ -32,10 +33,12 @@ import click
 
 from pagedcore.bench.kernel_primitives import (
     BLOCK_SIZE,
+    DEFAULT_HEADS,
     HEAD_SIZE,
     NUM_HEADS,
     NUM_KV_HEADS,
     BackendUnderTest,
+    HeadShape,
     PagedKV,
     copy_bandwidth_gbps,
     graph_time_ms,
@@ -62,7 +65,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BLOCK_SIZE", "FULL", "HEAD_SIZE", "NUM_HEADS", "NUM_KV_HEADS", "QUICK", "BackendUnderTest",
-    "PagedKV", "bench_mixed", "bench_uniform", "copy_bandwidth_gbps", "kernels", "time_ms",
+    "HeadShape", "PagedKV", "bench_mixed", "bench_uniform", "copy_bandwidth_gbps", "kernels",
+    "time_ms",
 ]
 
 FULL: dict[str, list[tuple[int, ...]]] = {
@@ -82,9 +86,10 @@ QUICK: dict[str, list[tuple[int, ...]]] = {
 def bench_uniform(
     kind: str, batch: int, length: int, backends: list[type[AttentionBackend]],
     device: torch.device, copy_gbps: float, *, block_size: int = BLOCK_SIZE,
-    kv_cache_dtype: str = "auto", sinks: bool = False,
+    kv_cache_dtype: str = "auto", sinks: bool = False, heads: HeadShape = DEFAULT_HEADS,
 ) -> list[dict[str, Any]]:
-    """Decode (one new token over `length`) or causal prefill (`length` new tokens).
+    """Decode (one new token over `length`) or causal prefill (`length` new tokens), with
+    `heads` (query heads, KV heads, head size; Llama-3-8B's 32 / 8 / 128 by default).
 
     One row per implementation (SDPA on contiguous K/V, for decode a naive gather + SDPA over
     the paged cache, then each backend over a cache of `block_size`-token blocks); a backend
@@ -96,16 +101,18 @@ def bench_uniform(
     import torch
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    kv = PagedKV([length] * batch, dtype, device, block_size=block_size)
+    hq, hkv, d = heads.num_heads, heads.num_kv_heads, heads.head_size
+    kv = PagedKV([length] * batch, dtype, device, block_size=block_size, num_kv_heads=hkv,
+                 head_size=d)
     q_len = 1 if kind == "decode" else length
-    query = torch.randn((batch * q_len, NUM_HEADS, HEAD_SIZE), dtype=dtype, device=device)
-    k4 = kv.key.view(batch, length, NUM_KV_HEADS, HEAD_SIZE).transpose(1, 2).contiguous()
-    v4 = kv.value.view(batch, length, NUM_KV_HEADS, HEAD_SIZE).transpose(1, 2).contiguous()
-    q4 = query.view(batch, q_len, NUM_HEADS, HEAD_SIZE).transpose(1, 2)
+    query = torch.randn((batch * q_len, hq, d), dtype=dtype, device=device)
+    k4 = kv.key.view(batch, length, hkv, d).transpose(1, 2).contiguous()
+    v4 = kv.value.view(batch, length, hkv, d).transpose(1, 2).contiguous()
+    q4 = query.view(batch, q_len, hq, d).transpose(1, 2)
     causal = kind == "prefill"
     ref = _sdpa(q4, k4, v4, causal=causal).transpose(1, 2).reshape(query.shape)
-    kv_bytes = 2 * batch * length * NUM_KV_HEADS * HEAD_SIZE * dtype.itemsize
-    flops = 4 * HEAD_SIZE * NUM_HEADS * batch * (length * (length + 1) // 2 if causal else length)
+    kv_bytes = 2 * batch * length * hkv * d * dtype.itemsize
+    flops = 4 * d * hq * batch * (length * (length + 1) // 2 if causal else length)
     shape = f"{batch}x{length}"
     rows: list[dict[str, Any]] = []
 
@@ -126,17 +133,17 @@ def bench_uniform(
         table = kv.block_table
 
         def naive() -> torch.Tensor:
-            k = paged[0][table].view(batch, -1, NUM_KV_HEADS, HEAD_SIZE)[:, :length]
-            v = paged[1][table].view(batch, -1, NUM_KV_HEADS, HEAD_SIZE)[:, :length]
+            k = paged[0][table].view(batch, -1, hkv, d)[:, :length]
+            v = paged[1][table].view(batch, -1, hkv, d)[:, :length]
             return _sdpa(q4, k.transpose(1, 2), v.transpose(1, 2), causal=False)
 
         row("naive-gather+sdpa", time_ms(naive, device), None)
         del paged
-    sink_logits = [(-1.0 + 0.125 * h) for h in range(NUM_HEADS)] if sinks else None
+    sink_logits = [(-1.0 + 0.125 * h) for h in range(hq)] if sinks else None
     for backend in backends:
         try:
             under = BackendUnderTest(backend, kv, kv_cache_dtype=kv_cache_dtype,
-                                     sinks=sink_logits)
+                                     sinks=sink_logits, num_heads=hq)
             nbytes = kv_bytes * under.kv_cache.dtype.itemsize // dtype.itemsize
             run = under.runner(kv, [q_len] * batch, list(range(batch)), query)
             out = run()
@@ -183,15 +190,17 @@ def _chain(*fns: Callable[[], Any]) -> Callable[[], None]:
 
 def bench_mixed(
     decodes: int, ctx: int, chunk: int, prefix: int, backends: list[type[AttentionBackend]],
-    device: torch.device, *, block_size: int = BLOCK_SIZE,
+    device: torch.device, *, block_size: int = BLOCK_SIZE, heads: HeadShape = DEFAULT_HEADS,
 ) -> list[dict[str, Any]]:
     """One forward over decodes + a prefill chunk vs the two parts as separate forwards."""
     import torch
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    kv = PagedKV([ctx] * decodes + [prefix + chunk], dtype, device, block_size=block_size)
+    kv = PagedKV([ctx] * decodes + [prefix + chunk], dtype, device, block_size=block_size,
+                 num_kv_heads=heads.num_kv_heads, head_size=heads.head_size)
     q_lens = [1] * decodes + [chunk]
-    query = torch.randn((sum(q_lens), NUM_HEADS, HEAD_SIZE), dtype=dtype, device=device)
+    query = torch.randn((sum(q_lens), heads.num_heads, heads.head_size), dtype=dtype,
+                        device=device)
     rows: list[dict[str, Any]] = []
     shape = f"{decodes}x{ctx}+{chunk}@{prefix}"
     for backend in backends:
@@ -209,7 +218,7 @@ def _mixed_row(
     import torch
 
     decodes, chunk = len(q_lens) - 1, q_lens[-1]
-    under = BackendUnderTest(backend, kv)
+    under = BackendUnderTest(backend, kv, num_heads=query.shape[1])
     run_mixed = under.runner(kv, q_lens, list(range(decodes + 1)), query)
     run_dec = under.runner(kv, [1] * decodes, list(range(decodes)), query[:decodes])
     run_pre = under.runner(kv, [chunk], [decodes], query[decodes:])
@@ -226,7 +235,7 @@ def _mixed_row(
 
 def _pick_backends(
     names: tuple[str, ...], device: torch.device, *, block_size: int = BLOCK_SIZE,
-    kv_cache_dtype: str = "auto", sinks: bool = False,
+    kv_cache_dtype: str = "auto", sinks: bool = False, heads: HeadShape = DEFAULT_HEADS,
 ) -> tuple[list[Any], list[str]]:
     """The backends of `names` (all registered when empty) that accept the bench's config.
 
@@ -238,7 +247,7 @@ def _pick_backends(
     registry = get_registry()
     wanted = list(names) or list(registry.backends)
     cfg = AttentionConfig(
-        head_size=HEAD_SIZE, block_size=block_size, device=device.type,
+        head_size=heads.head_size, block_size=block_size, device=device.type,
         dtype="bfloat16" if device.type == "cuda" else "float32",
         kv_cache_dtype=kv_cache_dtype, has_sink=sinks,
     )
@@ -297,22 +306,37 @@ def _print_table(rows: list[dict[str, Any]], copy_gbps: float) -> None:
     "--case", "cases", multiple=True, type=click.Choice(["decode", "prefill", "mixed", "cascade"]),
     help="Run only these cases (repeatable; default: all).",
 )
+@click.option(
+    "--heads", "heads_text", default=f"{NUM_HEADS}/{NUM_KV_HEADS}", show_default=True,
+    metavar="Q/KV", help="Query heads / KV heads of every case (e.g. 14/2: Qwen2-0.5B).",
+)
+@click.option("--head-size", default=HEAD_SIZE, show_default=True, type=click.IntRange(min=1),
+              help="Head size of every case (e.g. 64: Qwen2-0.5B).")
+@click.option(
+    "--decode-shapes", default=None, metavar="BxC[,BxC...]",
+    help="Decode cases as batch x context, replacing the defaults (e.g. 256x560: issue 22's "
+         "0.5B decode step).",
+)
 def kernels(names: tuple[str, ...], json_path: str | None, quick: bool, kv_cache_dtype: str,
-            sinks: bool, cases: tuple[str, ...]) -> None:
+            sinks: bool, cases: tuple[str, ...], heads_text: str, head_size: int,
+            decode_shapes: str | None) -> None:
     """Time attention kernels (decode, prefill, mixed) against copy bandwidth and torch SDPA."""
     import torch
 
+    heads = _parse_heads(heads_text, head_size)
+    shapes = dict(QUICK if quick else FULL)
+    if decode_shapes is not None:
+        shapes["decode"] = _parse_decode_shapes(decode_shapes)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not quick:
         raise click.UsageError("no CUDA device: the full bench needs a GPU; pass --quick for a "
                                "CPU smoke run")
     torch.manual_seed(0)
     backends, skipped = _pick_backends(names, device, kv_cache_dtype=kv_cache_dtype,
-                                       sinks=sinks)
+                                       sinks=sinks, heads=heads)
     wanted = set(cases) or {"decode", "prefill", "mixed", "cascade"}
     for s in skipped:
         click.echo(f"skipped {s}", err=True)
-    shapes = QUICK if quick else FULL
     copy_gbps = copy_bandwidth_gbps(device, quick=quick)
     rows: list[dict[str, Any]] = []
     advance = click.get_current_context().with_resource(progress_bar(
@@ -322,26 +346,27 @@ def kernels(names: tuple[str, ...], json_path: str | None, quick: bool, kv_cache
         if json_path:
             _write_json(json_path, rows, names=names, quick=quick, cases=cases,
                         kv_cache_dtype=kv_cache_dtype, sinks=sinks, device=device,
-                        copy_gbps=copy_gbps, skipped=skipped)
+                        copy_gbps=copy_gbps, skipped=skipped, heads=heads,
+                        decode_shapes=decode_shapes)
 
     for kind in ("decode", "prefill"):
         for batch, length in shapes[kind] if kind in wanted else []:
             rows += bench_uniform(kind, batch, length, backends, device, copy_gbps,
-                                  kv_cache_dtype=kv_cache_dtype, sinks=sinks)
+                                  kv_cache_dtype=kv_cache_dtype, sinks=sinks, heads=heads)
             advance(1)
             save()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     if kv_cache_dtype == "auto" and not sinks and "mixed" in wanted:
         for decodes, ctx, chunk, prefix in shapes["mixed"]:
-            rows += bench_mixed(decodes, ctx, chunk, prefix, backends, device)
+            rows += bench_mixed(decodes, ctx, chunk, prefix, backends, device, heads=heads)
             advance(1)
             save()
     if kv_cache_dtype == "auto" and not sinks and "cascade" in wanted:
         from pagedcore.bench.kernels_cascade import bench_cascade
 
         for num_reqs, prefix, own in shapes["cascade"]:
-            rows += bench_cascade(num_reqs, prefix, own, backends, device)
+            rows += bench_cascade(num_reqs, prefix, own, backends, device, heads=heads)
             advance(1)
             save()
     _print_table(rows, copy_gbps)
@@ -350,9 +375,35 @@ def kernels(names: tuple[str, ...], json_path: str | None, quick: bool, kv_cache
         click.echo(f"wrote {json_path}")
 
 
+def _parse_heads(text: str, head_size: int) -> HeadShape:
+    """`HeadShape` of ``--heads Q/KV`` and ``--head-size`` (a usage error if malformed)."""
+    q, sep, kv = text.partition("/")
+    if not (sep and q.strip().isdigit() and kv.strip().isdigit()):
+        raise click.BadParameter(f"{text!r}: give query heads / KV heads, e.g. 32/8 or 14/2",
+                                 param_hint="--heads")
+    try:
+        return HeadShape(int(q), int(kv), head_size)
+    except ValueError as exc:
+        raise click.BadParameter(f"{text!r}: {exc}", param_hint="--heads") from None
+
+
+def _parse_decode_shapes(text: str) -> list[tuple[int, ...]]:
+    """``--decode-shapes`` ``"256x560,64x4096"`` -> ``[(256, 560), (64, 4096)]``."""
+    shapes: list[tuple[int, ...]] = []
+    for item in (t.strip() for t in text.split(",")):
+        batch, sep, ctx = item.partition("x")
+        if not (sep and batch.isdigit() and ctx.isdigit() and int(batch) > 0 and int(ctx) > 0):
+            raise click.BadParameter(
+                f"{item!r} in {text!r}: give batch x context with positive integers, e.g. "
+                "256x560,64x4096", param_hint="--decode-shapes")
+        shapes.append((int(batch), int(ctx)))
+    return shapes
+
+
 def _write_json(json_path: str, rows: list[dict[str, Any]], *, names: tuple[str, ...],
                 quick: bool, cases: tuple[str, ...], kv_cache_dtype: str, sinks: bool,
-                device: torch.device, copy_gbps: float, skipped: list[str]) -> None:
+                device: torch.device, copy_gbps: float, skipped: list[str],
+                heads: HeadShape = DEFAULT_HEADS, decode_shapes: str | None = None) -> None:
     import torch
 
     command = ["pagedcore bench kernels"]
@@ -360,6 +411,10 @@ def _write_json(json_path: str, rows: list[dict[str, Any]], *, names: tuple[str,
     command += [f"--case {c}" for c in cases]
     command += [f"--kv-cache-dtype {kv_cache_dtype}"] if kv_cache_dtype != "auto" else []
     command += ["--sinks"] if sinks else []
+    if heads != DEFAULT_HEADS:
+        command.append(f"--heads {heads.num_heads}/{heads.num_kv_heads} "
+                       f"--head-size {heads.head_size}")
+    command += [f"--decode-shapes {decode_shapes}"] if decode_shapes is not None else []
     command.append(f"--json {json_path}")
     info = {
         "command": " ".join(command),
@@ -368,8 +423,8 @@ def _write_json(json_path: str, rows: list[dict[str, Any]], *, names: tuple[str,
         "torch": torch.__version__,
         "config": {"dtype": "bfloat16" if device.type == "cuda" else "float32",
                    "kv_cache_dtype": kv_cache_dtype, "sinks": sinks,
-                   "num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS,
-                   "head_size": HEAD_SIZE, "block_size": BLOCK_SIZE,
+                   "num_heads": heads.num_heads, "num_kv_heads": heads.num_kv_heads,
+                   "head_size": heads.head_size, "block_size": BLOCK_SIZE,
                    "sdpa": "torch SDPA on contiguous [B, H, S, D], enable_gqa=True",
                    "timing": "median over samples of CUDA-event device time per call; a "
                              "sample is ~2 ms of back-to-back calls queued behind a GPU "

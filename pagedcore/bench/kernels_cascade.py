@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from pagedcore.bench.kernel_primitives import HEAD_SIZE, NUM_HEADS, NUM_KV_HEADS, time_ms
+from pagedcore.bench.kernel_primitives import DEFAULT_HEADS, HeadShape, time_ms
 
 if TYPE_CHECKING:
     import torch
@@ -58,9 +58,9 @@ def _slots(table: list[int], begin: int, end: int, block_size: int) -> list[int]
 
 def bench_cascade(
     num_reqs: int, prefix: int, own: int, backends: list[type[AttentionBackend]],
-    device: torch.device, *, block_size: int = 16,
+    device: torch.device, *, block_size: int = 16, heads: HeadShape = DEFAULT_HEADS,
 ) -> list[dict[str, Any]]:
-    """One row per backend that declares cascade (see the module docstring)."""
+    """One row per backend that declares cascade (see the module docstring), with `heads`."""
     import torch
 
     from pagedcore.attention.cascade import cascade_pays, common_prefix_len
@@ -83,12 +83,12 @@ def bench_cascade(
         shared.append(shared_ids + mine)
         private.append(copy + mine)
     num_blocks = next_id
-    kp = torch.randn((prefix, NUM_KV_HEADS, HEAD_SIZE), dtype=dtype, device=device)
+    hq, hkv, d = heads.num_heads, heads.num_kv_heads, heads.head_size
+    kp = torch.randn((prefix, hkv, d), dtype=dtype, device=device)
     vp = torch.randn_like(kp)
-    ko = torch.randn((num_reqs, seq - prefix, NUM_KV_HEADS, HEAD_SIZE), dtype=dtype,
-                     device=device)
+    ko = torch.randn((num_reqs, seq - prefix, hkv, d), dtype=dtype, device=device)
     vo = torch.randn_like(ko)
-    query = torch.randn((num_reqs, NUM_HEADS, HEAD_SIZE), dtype=dtype, device=device)
+    query = torch.randn((num_reqs, hq, d), dtype=dtype, device=device)
     k4 = torch.cat([kp.expand(num_reqs, -1, -1, -1), ko], 1).transpose(1, 2)
     v4 = torch.cat([vp.expand(num_reqs, -1, -1, -1), vo], 1).transpose(1, 2)
     ref = _sdpa(query.unsqueeze(2), k4, v4, causal=False).squeeze(2)
@@ -113,7 +113,7 @@ def bench_cascade(
     rows: list[dict[str, Any]] = []
     step = {"query": query, "new_k": ko[:, -1], "new_v": vo[:, -1], "keys": keys,
             "values": values, "slots": slot, "num_blocks": num_blocks,
-            "block_size": block_size, "dtype": dtype, "ref": ref,
+            "block_size": block_size, "dtype": dtype, "ref": ref, "heads": heads,
             "plans": {"plain": (common, 0), "cascade": (common, p),
                       "private": (common_private, p_private)}}
     for backend in backends:
@@ -139,13 +139,13 @@ def _backend_row(backend: type[AttentionBackend], step: dict[str, Any],
     from pagedcore.kv_cache.spec import FullAttentionSpec
 
     bs, dtype, query = step["block_size"], step["dtype"], step["query"]
-    spec = FullAttentionSpec(block_size=bs, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE,
-                             dtype=dtype)
-    shape = backend.get_kv_cache_shape(step["num_blocks"], bs, NUM_KV_HEADS, HEAD_SIZE, "auto")
+    heads: HeadShape = step["heads"]
+    hkv, d = heads.num_kv_heads, heads.head_size
+    spec = FullAttentionSpec(block_size=bs, num_kv_heads=hkv, head_size=d, dtype=dtype)
+    shape = backend.get_kv_cache_shape(step["num_blocks"], bs, hkv, d, "auto")
     cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
     builder = backend.get_builder_cls()(spec, ["bench"], device)
-    impl = backend.get_impl_cls()(NUM_HEADS, HEAD_SIZE, HEAD_SIZE**-0.5,
-                                  num_kv_heads=NUM_KV_HEADS)
+    impl = backend.get_impl_cls()(heads.num_heads, d, d**-0.5, num_kv_heads=hkv)
     keys, values, slots = step["keys"], step["values"], step["slots"]
     chunk = 1 << 16
     for a in range(0, keys.shape[0], chunk):

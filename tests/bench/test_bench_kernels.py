@@ -171,3 +171,70 @@ def test_cascade_case_checks_both_plans_against_sdpa(monkeypatch: pytest.MonkeyP
         assert row[key] < 1e-5, (key, row)
     with pytest.raises(ValueError, match="multiple of the block size"):
         kernels_cascade.bench_cascade(3, 30, 5, [ReferenceBackend], CPU)
+
+
+def test_every_case_runs_the_heads_it_is_given(no_timing: None,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """``heads`` (here the Qwen2-0.5B shape: 14 query / 2 KV heads of 64, GQA 7) reaches the
+    cache, the query and the backend in each case, and each result still matches SDPA."""
+    from pagedcore.bench import kernels_cascade
+
+    monkeypatch.setattr(kernels_cascade, "time_ms", _once)
+    torch.manual_seed(0)
+    heads = kernels.HeadShape(14, 2, 64)
+    caches: list[tuple[int, ...]] = []
+
+    class Recording(ReferenceBackend):
+        @staticmethod
+        def get_kv_cache_shape(*args: Any) -> tuple[int, ...]:
+            caches.append(args[2:4])  # (num_kv_heads, head_size)
+            return ReferenceBackend.get_kv_cache_shape(*args)
+
+    rows = kernels.bench_uniform("decode", 2, 40, [Recording], CPU, 1.0, heads=heads)
+    rows += kernels.bench_uniform("prefill", 1, 24, [Recording], CPU, 1.0, heads=heads)
+    ours = [r for r in rows if r["impl"] == "reference"]
+    assert len(ours) == 2 and all(r["rel_err_vs_sdpa"] < 1e-4 for r in ours), ours
+    decode = next(r for r in rows if r["case"] == "decode" and r["impl"] == "reference")
+    assert decode["kv_GBps"] == pytest.approx(2 * 2 * 40 * 2 * 64 * 4 / 1e6)  # ms is 1.0
+    (mixed,) = kernels.bench_mixed(2, 40, 16, 8, [Recording], CPU, heads=heads)
+    assert mixed["rel_err_mixed_vs_separate"] < 1e-4
+    (casc,) = kernels_cascade.bench_cascade(3, 32, 5, [Recording], CPU, heads=heads)
+    assert casc["rel_err_vs_sdpa"] < 1e-5 and casc["rel_err_plain_vs_sdpa"] < 1e-5
+    assert caches and set(caches) == {(2, 64)}
+    with pytest.raises(ValueError, match="whole multiple"):
+        kernels.HeadShape(14, 4, 64)
+
+
+def test_cli_heads_and_decode_shapes(no_timing: None, tmp_path: Path) -> None:
+    from pagedcore.cli import main
+
+    out = tmp_path / "k.json"
+    res = CliRunner().invoke(main, [
+        "bench", "kernels", "--backend", "reference", "--quick", "--case", "decode",
+        "--heads", "14/2", "--head-size", "64", "--decode-shapes", "3x40,2x17",
+        "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    info = json.loads(out.read_text())
+    cfg = info["config"]
+    assert (cfg["num_heads"], cfg["num_kv_heads"], cfg["head_size"]) == (14, 2, 64)
+    assert "--heads 14/2 --head-size 64" in info["command"]
+    assert "--decode-shapes 3x40,2x17" in info["command"]
+    ours = [r for r in info["results"] if r["impl"] == "reference"]
+    assert [r["shape"] for r in ours] == ["3x40", "2x17"]
+    assert all(r["rel_err_vs_sdpa"] < 1e-4 for r in ours)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--heads", "14"], "give query heads / KV heads"),
+    (["--heads", "14/4"], "whole multiple"),
+    (["--heads", "0/0"], "must be > 0"),
+    (["--decode-shapes", "256"], "give batch x context"),
+    (["--decode-shapes", "256x0"], "give batch x context"),
+])
+def test_cli_rejects_bad_heads_and_shapes(args: list[str], message: str) -> None:
+    from pagedcore.cli import main
+
+    res = CliRunner().invoke(main, ["bench", "kernels", "--backend", "reference", "--quick",
+                                    *args])
+    assert res.exit_code == 2, res.output
+    assert message in res.output and "Traceback" not in res.output
