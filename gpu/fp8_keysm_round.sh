@@ -4,7 +4,8 @@
 # device tool brings back only a few files per call). On a fresh device machine `install` and
 # `build` come first. Repo root:
 #   PAGEDCORE_GIT_COMMIT=<sha> OUT=... bash gpu/fp8_keysm_round.sh [steps...]
-# Steps: install build tests ncu probe probeqwen qwensweep pick conf grid bench memcheck confgraph
+# Steps: install build tests ncu probe probeqwen qwenbench qwensweep pick conf grid bench memcheck
+# confgraph
 # `pick` sets KERNELS to the fastest keys variant by the probe's fp8 times (sum over the
 # three shapes) for the steps after it, with `rows` for comparison in `bench`.
 # PAGEDCORE_CUDA_PAGED_FP8_DECODE=rows|ring3|ring4|ring6 picks the fp8 decode kernel
@@ -59,6 +60,12 @@ for s in $steps; do
              PAGEDCORE_CUDA_PAGED_FP8_DECODE=$k run probeqwen_${k}_$shape 90 python3 backends/cuda_paged/bench/decode_probe.py --shape $shape --heads 14/2 --head-size 64 --kv fp8,auto --json "$R/probeqwen_${k}_$shape.json"
            done
            run probeqwen_triton_$shape 120 python3 backends/cuda_paged/bench/decode_probe.py --backend triton --shape $shape --heads 14/2 --head-size 64 --kv fp8,auto --json "$R/probeqwen_triton_$shape.json"
+           done ;;
+    # The same shape through `pagedcore bench kernels` (its timing: behind a GPU spin, L2
+    # flushed; +cudagraph rows = the engine's captured plan), triton and cuda_paged side by side.
+    qwenbench) for kv in auto fp8; do
+             run qwenbench_$kv 240 python3 -m pagedcore.cli bench kernels --backend triton --backend cuda_paged --case decode \
+               --heads 14/2 --head-size 64 --decode-shapes 256x560,64x4096,256x1024 --kv-cache-dtype $kv --json "$R/qwenbench_$kv.json"
            done ;;
     qwensweep) run qwensweep 400 python3 gpu/qwen_decode_sweep.py "$R/qwen_decode_sweep.json" ;;
     pick) best=$(python3 - "$R" <<'PY'
