@@ -8,7 +8,7 @@ Per KV-cache dtype: the bench's cache (`pagedcore.bench.kernel_primitives.PagedK
 block size 16, blocks in random order, bf16 K/V; fp8 caches written
 by the backend's own cache write with per-tensor scales from the data), one decode launch
 checked against SDPA on the contiguous K/V (relative error printed), then ``--iters`` timed
-launches (CUDA events, median of the per-launch times, each behind a ~0.2 ms GPU spin so that
+launches (CUDA events, median of the per-launch times, each behind a ~1 ms GPU spin so that
 the host's launch cost is not timed; L2 not flushed: the cache is far larger than L2). Under
 ``ncu --kernel-name regex:decode`` the first launches of each dtype are the
 checked one and the first timed ones. ``PAGEDCORE_CUDA_PAGED_FP8_DECODE`` (read by the
@@ -62,7 +62,7 @@ def main() -> None:
         start = [torch.cuda.Event(enable_timing=True) for _ in range(args.iters)]
         end = [torch.cuda.Event(enable_timing=True) for _ in range(args.iters)]
         for i in range(args.iters):
-            torch.cuda._sleep(400_000)  # ~0.2 ms: the host queues the launch meanwhile
+            torch.cuda._sleep(2_000_000)  # ~1 ms: the host queues the launch meanwhile
             start[i].record()
             run()
             end[i].record()
