@@ -4,7 +4,8 @@ Two sources of figures:
 
 - live (default): `pagedcore.bench.kernels`' own measuring functions (`bench_uniform`) on its
   decode and prefill shapes (``--small``: its quick shapes, also on CPU) for every installed
-  backend that accepts the configuration, plus torch SDPA on a contiguous cache as the ceiling;
+  backend that accepts the configuration, plus torch SDPA on a contiguous cache as the ceiling,
+  at 32 query / 8 KV heads of 128 or the ``--heads`` / ``--head-size`` given;
 - ``--from-json PATH`` (repeatable): committed kernel reports. Understood layouts: the
   ``results`` rows of ``pagedcore bench kernels --json``, a ``shipped_configuration`` list
   (docs/benchmarks/triton_h200.json) and per-case ``decode`` / ``prefill`` lists with
@@ -21,10 +22,11 @@ from typing import Any
 
 import click
 
+from pagedcore.bench.kernel_primitives import DEFAULT_HEADS, HeadShape
 from pagedcore.cli_progress import progress_bar
 from pagedcore.cli_types import BACKEND, OutputPath
 
-__all__ = ["backends", "normalize_report"]
+__all__ = ["backends", "heads_label", "normalize_report", "report_heads"]
 
 _SDPA = "torch SDPA (contiguous)"
 
@@ -99,8 +101,23 @@ def _dedupe(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(best.values())
 
 
-def measure_live(*, small: bool, names: Sequence[str]) -> tuple[list[dict[str, Any]], Any]:
-    """Rows measured now with `pagedcore.bench.kernels` (``bench_uniform``)."""
+def heads_label(heads: HeadShape) -> str:
+    """``"32 q / 8 KV heads, head 128"``: the heads of a report, for captions."""
+    return f"{heads.num_heads} q / {heads.num_kv_heads} KV heads, head {heads.head_size}"
+
+
+def report_heads(data: dict[str, Any]) -> str:
+    """`heads_label` of a kernel report's ``config`` (the default heads when it has none)."""
+    cfg = data.get("config")
+    if isinstance(cfg, dict) and all(
+            isinstance(cfg.get(k), int) for k in ("num_heads", "num_kv_heads", "head_size")):
+        return heads_label(HeadShape(cfg["num_heads"], cfg["num_kv_heads"], cfg["head_size"]))
+    return heads_label(DEFAULT_HEADS)
+
+
+def measure_live(*, small: bool, names: Sequence[str],
+                 heads: HeadShape = DEFAULT_HEADS) -> tuple[list[dict[str, Any]], Any]:
+    """Rows measured now with `pagedcore.bench.kernels` (``bench_uniform``) at `heads`."""
     import torch
 
     from pagedcore.bench import kernels
@@ -112,7 +129,7 @@ def measure_live(*, small: bool, names: Sequence[str]) -> tuple[list[dict[str, A
             raise click.UsageError("no CUDA device: pass --small for the CPU shapes, or plot "
                                    "committed GPU reports with --from-json")
     torch.manual_seed(0)
-    chosen, skipped = kernels._pick_backends(tuple(names), device)
+    chosen, skipped = kernels._pick_backends(tuple(names), device, heads=heads)
     for s in skipped:
         click.echo(f"skipped {s}", err=True)
     shapes = kernels.QUICK if small else kernels.FULL
@@ -120,7 +137,8 @@ def measure_live(*, small: bool, names: Sequence[str]) -> tuple[list[dict[str, A
     raw: list[dict[str, Any]] = []
     for case in ("decode", "prefill"):
         for batch, length in shapes[case]:
-            raw += kernels.bench_uniform(case, batch, length, chosen, device, copy_gbps)
+            raw += kernels.bench_uniform(case, batch, length, chosen, device, copy_gbps,
+                                         heads=heads)
     return normalize_report({"results": raw}, source="live"), device
 
 
@@ -154,8 +172,8 @@ def _plot(report: dict[str, Any], path: str) -> None:
         ax.set_ylabel(unit)
         ax.set_title(f"{case}: {unit}")
         ax.legend(fontsize=7, loc="upper left", ncol=2)
-    save_figure(fig, path, caption=f"{report['device']} · 32 q / 8 KV heads, head 128, block "
-                f"16 · sources: {', '.join(report['sources'])}")
+    save_figure(fig, path, caption=f"{report['device']} · {report['heads']}, block 16 · "
+                f"sources: {', '.join(report['sources'])}")
 
 
 @click.command()
@@ -169,24 +187,36 @@ def _plot(report: dict[str, Any], path: str) -> None:
               help="Write the figures to this JSON file.")
 @click.option("--plot", "plot_path", default=None, type=OutputPath(),
               help="Write the plot to this image file (png, svg, ...).")
+@click.option("--heads", "heads_text", default=None, metavar="Q/KV",
+              help="Live: query heads / KV heads of every case (default 32/8; e.g. 14/2).")
+@click.option("--head-size", default=None, type=click.IntRange(min=1),
+              help="Live: head size of every case (default 128; e.g. 64).")
 def backends(small: bool, names: tuple[str, ...], sources: tuple[str, ...],
-             json_path: str | None, plot_path: str | None) -> None:
+             json_path: str | None, plot_path: str | None, heads_text: str | None,
+             head_size: int | None) -> None:
     """Every backend's decode GB/s and prefill TFLOP/s on the same shapes, one plot."""
     import json
 
     from rich.console import Console
     from rich.table import Table
 
+    from pagedcore.bench.kernels import _parse_heads
     from pagedcore.bench.report import environment, write_json
 
+    if sources and (heads_text is not None or head_size is not None):
+        raise click.UsageError("--heads / --head-size set the heads of a live run; the "
+                               "reports given with --from-json carry their own")
+    heads = _parse_heads(heads_text or f"{DEFAULT_HEADS.num_heads}/{DEFAULT_HEADS.num_kv_heads}",
+                         head_size or DEFAULT_HEADS.head_size)
     report: dict[str, Any]
     if sources:
         rows: list[dict[str, Any]] = []
-        devices, copies = set(), []
+        devices, copies, labels = set(), [], []
         for path in sources:
             with open(path) as fh:
                 data = json.load(fh)
             rows += normalize_report(data, source=os.path.basename(path))
+            labels.append(report_heads(data))
             devices.add(str(data.get("device", "?")).split(",")[0])
             cb = data.get("copy_bandwidth_GBps", data.get("copy", {}).get("copy_gbps"))
             if isinstance(cb, dict):
@@ -196,13 +226,14 @@ def backends(small: bool, names: tuple[str, ...], sources: tuple[str, ...],
         report = {"device": " / ".join(sorted(devices)), "sources": [os.path.basename(p)
                                                                    for p in sources],
                   "copy_bandwidth_GBps": max(copies) if copies else None,
-                  "environment": environment(_cpu()), "rows": _dedupe(rows)}
+                  "environment": environment(_cpu()), "rows": _dedupe(rows),
+                  "heads": " + ".join(dict.fromkeys(labels))}
     else:
         with progress_bar("bench backends (live)", None):
-            live, device = measure_live(small=small, names=names)
+            live, device = measure_live(small=small, names=names, heads=heads)
         env = environment(device)
         report = {"device": env["device"], "sources": ["live"], "copy_bandwidth_GBps": None,
-                  "environment": env, "rows": live}
+                  "environment": env, "rows": live, "heads": heads_label(heads)}
     report["experiment"] = "backends: decode bandwidth and prefill TFLOP/s"
     table = Table(title=f"backends on {report['device']}")
     for col in ("case", "shape", "backend", "variant", "value", "source"):

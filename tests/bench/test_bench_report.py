@@ -122,6 +122,29 @@ def test_backends_cli_plots_committed_reports(tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == PNG_MAGIC
 
 
+def test_backends_cli_live_at_other_heads(tmp_path: Path) -> None:
+    """``--heads`` / ``--head-size`` reach the live measurement and the report's caption
+    field; with ``--from-json`` they are a usage error (the reports carry their own)."""
+    from pagedcore.bench.backends import report_heads
+
+    out, png = tmp_path / "b.json", tmp_path / "b.png"
+    _run(["backends", "--small", "--backend", "reference", "--heads", "14/2", "--head-size",
+          "64", "--json", str(out), "--plot", str(png)])
+    report = json.loads(out.read_text())
+    assert report["heads"] == "14 q / 2 KV heads, head 64"
+    assert {(r["case"], r["backend"]) for r in report["rows"]} >= {
+        ("decode", "reference"), ("prefill", "reference")}
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    kernels_json = tmp_path / "k.json"
+    kernels_json.write_text(json.dumps({"config": {"num_heads": 14, "num_kv_heads": 2,
+                                                   "head_size": 64}, "results": []}))
+    assert report_heads(json.loads(kernels_json.read_text())) == "14 q / 2 KV heads, head 64"
+    assert report_heads({"results": []}) == "32 q / 8 KV heads, head 128"
+    res = CliRunner().invoke(bench, ["backends", "--from-json", str(kernels_json), "--heads",
+                                     "14/2"])
+    assert res.exit_code == 2 and "carry their own" in res.output, res.output
+
+
 def test_prefix_cli_small_end_to_end(tmp_path: Path) -> None:
     out, png = tmp_path / "p.json", tmp_path / "p.png"
     _run(["prefix", "--small", "--device", "cpu", "--lengths", "48,96", "--reps", "1",
