@@ -200,13 +200,13 @@ def backends(small: bool, names: tuple[str, ...], sources: tuple[str, ...],
     from rich.console import Console
     from rich.table import Table
 
-    from pagedcore.bench.kernels import _parse_heads
+    from pagedcore.bench.kernels import parse_heads
     from pagedcore.bench.report import environment, write_json
 
     if sources and (heads_text is not None or head_size is not None):
         raise click.UsageError("--heads / --head-size set the heads of a live run; the "
                                "reports given with --from-json carry their own")
-    heads = _parse_heads(heads_text or f"{DEFAULT_HEADS.num_heads}/{DEFAULT_HEADS.num_kv_heads}",
+    heads = parse_heads(heads_text or f"{DEFAULT_HEADS.num_heads}/{DEFAULT_HEADS.num_kv_heads}",
                          head_size or DEFAULT_HEADS.head_size)
     report: dict[str, Any]
     if sources:

@@ -66,7 +66,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BLOCK_SIZE", "FULL", "HEAD_SIZE", "NUM_HEADS", "NUM_KV_HEADS", "QUICK", "BackendUnderTest",
     "HeadShape", "PagedKV", "bench_mixed", "bench_uniform", "copy_bandwidth_gbps", "kernels",
-    "time_ms",
+    "parse_heads", "time_ms",
 ]
 
 FULL: dict[str, list[tuple[int, ...]]] = {
@@ -323,7 +323,7 @@ def kernels(names: tuple[str, ...], json_path: str | None, quick: bool, kv_cache
     """Time attention kernels (decode, prefill, mixed) against copy bandwidth and torch SDPA."""
     import torch
 
-    heads = _parse_heads(heads_text, head_size)
+    heads = parse_heads(heads_text, head_size)
     shapes = dict(QUICK if quick else FULL)
     if decode_shapes is not None:
         shapes["decode"] = _parse_decode_shapes(decode_shapes)
@@ -375,7 +375,7 @@ def kernels(names: tuple[str, ...], json_path: str | None, quick: bool, kv_cache
         click.echo(f"wrote {json_path}")
 
 
-def _parse_heads(text: str, head_size: int) -> HeadShape:
+def parse_heads(text: str, head_size: int) -> HeadShape:
     """`HeadShape` of ``--heads Q/KV`` and ``--head-size`` (a usage error if malformed)."""
     q, sep, kv = text.partition("/")
     if not (sep and q.strip().isdigit() and kv.strip().isdigit()):
