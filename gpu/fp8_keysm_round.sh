@@ -54,13 +54,11 @@ for s in $steps; do
     memcheck) PAGEDCORE_CUDA_PAGED_FP8_DECODE=${KERNELS%% *} run memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pagedcore.cli \
                 conformance cuda_paged --device cuda -k fp8 ;;
     # The Qwen2-0.5B attention shape (14 query / 2 KV heads, head size 64: GQA 7, which the
-    # keys kernel serves too), fp8 and bf16.
-    # 256x560 is the engine's 0.5B decode step of issue 22 (`pagedcore bench step`).
+    # keys kernel serves too), fp8 and bf16; 256x560 is the engine's 0.5B decode step of issue
+    # 22 (`pagedcore bench step`). Triton at this shape: `qwenbench`.
     probeqwen) for shape in 64x4096 256x1024 256x560; do for k in $KERNELS; do
              PAGEDCORE_CUDA_PAGED_FP8_DECODE=$k run probeqwen_${k}_$shape 90 python3 backends/cuda_paged/bench/decode_probe.py --shape $shape --heads 14/2 --head-size 64 --kv fp8,auto --json "$R/probeqwen_${k}_$shape.json"
-           done
-           run probeqwen_triton_$shape 120 python3 backends/cuda_paged/bench/decode_probe.py --backend triton --shape $shape --heads 14/2 --head-size 64 --kv fp8,auto --json "$R/probeqwen_triton_$shape.json"
-           done ;;
+           done; done ;;
     # The same shape through `pagedcore bench kernels` (its timing: behind a GPU spin, L2
     # flushed; +cudagraph rows = the engine's captured plan), triton and cuda_paged side by side.
     qwenbench) for kv in auto fp8; do

@@ -5,7 +5,8 @@
 Issue 22's 0.5B decode step at batch 256 spends 0.78 ms of its 2.02 ms of kernels in paged
 attention at 53 % of the copy bandwidth (14 query / 2 KV heads, head size 64, ~560 tokens of
 context). This sweeps ``PAGEDCORE_TRITON_DECODE_TILES`` x split rules (the builder's
-`SplitRule`: the eager default, the captured graphs' balanced plan, finer splits) on that
+`SplitRule`: the eager default; the balanced plan that decode CUDA graphs capture, from
+``build_for_cudagraph_capture``, run eagerly; finer balanced splits) on that
 shape, and times cuda_paged's decode on the same caches when it is installed. Each variant
 is first checked against SDPA on the contiguous K/V (relative error in the JSON; a variant
 above 2e-2 is reported and not timed), then timed as the engine runs it: one launch per
@@ -82,8 +83,14 @@ def main() -> None:
         if rule is not None:
             for u in unders:
                 u.builder.split_rule = attrs.evolve(SplitRule(), **rule)
-        runs = [u.runner(c, [1] * batch, list(range(batch)), query)
-                for u, c in zip(unders, caches, strict=True)]
+        if rule is not None and rule.get("balanced"):
+            # The plan decode CUDA graphs capture (an eager launch of equal lengths would take
+            # the uniform plan: `balanced_pays`), run eagerly.
+            runs = [u.capture_runner(c, list(range(batch)), query, max_seq_len=ctx)
+                    for u, c in zip(unders, caches, strict=True)]
+        else:
+            runs = [u.runner(c, [1] * batch, list(range(batch)), query)
+                    for u, c in zip(unders, caches, strict=True)]
         err = rel_error(runs[0](), ref)
         for r in runs:
             r()

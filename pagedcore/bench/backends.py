@@ -23,6 +23,7 @@ from typing import Any
 import click
 
 from pagedcore.bench.kernel_primitives import DEFAULT_HEADS, HeadShape
+from pagedcore.bench.kernels import head_options, parse_heads
 from pagedcore.cli_progress import progress_bar
 from pagedcore.cli_types import BACKEND, OutputPath
 
@@ -187,10 +188,7 @@ def _plot(report: dict[str, Any], path: str) -> None:
               help="Write the figures to this JSON file.")
 @click.option("--plot", "plot_path", default=None, type=OutputPath(),
               help="Write the plot to this image file (png, svg, ...).")
-@click.option("--heads", "heads_text", default=None, metavar="Q/KV",
-              help="Live: query heads / KV heads of every case (default 32/8; e.g. 14/2).")
-@click.option("--head-size", default=None, type=click.IntRange(min=1),
-              help="Live: head size of every case (default 128; e.g. 64).")
+@head_options
 def backends(small: bool, names: tuple[str, ...], sources: tuple[str, ...],
              json_path: str | None, plot_path: str | None, heads_text: str | None,
              head_size: int | None) -> None:
@@ -200,14 +198,12 @@ def backends(small: bool, names: tuple[str, ...], sources: tuple[str, ...],
     from rich.console import Console
     from rich.table import Table
 
-    from pagedcore.bench.kernels import parse_heads
     from pagedcore.bench.report import environment, write_json
 
     if sources and (heads_text is not None or head_size is not None):
         raise click.UsageError("--heads / --head-size set the heads of a live run; the "
                                "reports given with --from-json carry their own")
-    heads = parse_heads(heads_text or f"{DEFAULT_HEADS.num_heads}/{DEFAULT_HEADS.num_kv_heads}",
-                         head_size or DEFAULT_HEADS.head_size)
+    heads = parse_heads(heads_text, head_size)
     report: dict[str, Any]
     if sources:
         rows: list[dict[str, Any]] = []

@@ -65,8 +65,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BLOCK_SIZE", "FULL", "HEAD_SIZE", "NUM_HEADS", "NUM_KV_HEADS", "QUICK", "BackendUnderTest",
-    "HeadShape", "PagedKV", "bench_mixed", "bench_uniform", "copy_bandwidth_gbps", "kernels",
-    "parse_heads", "time_ms",
+    "HeadShape", "PagedKV", "bench_mixed", "bench_uniform", "copy_bandwidth_gbps",
+    "head_options", "kernels", "parse_heads", "time_ms",
 ]
 
 FULL: dict[str, list[tuple[int, ...]]] = {
@@ -289,6 +289,17 @@ def _print_table(rows: list[dict[str, Any]], copy_gbps: float) -> None:
     Console(width=220).print(table)
 
 
+def head_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``--heads Q/KV`` and ``--head-size`` (both None when not given; `parse_heads` turns them
+    into a `HeadShape`), shared by `pagedcore bench kernels` and `pagedcore bench backends`."""
+    fn = click.option("--head-size", default=None, type=click.IntRange(min=1),
+                      help=f"Head size of every case (default {HEAD_SIZE}; e.g. 64: "
+                           "Qwen2-0.5B).")(fn)
+    return click.option("--heads", "heads_text", default=None, metavar="Q/KV",
+                        help=f"Query heads / KV heads of every case (default "
+                             f"{NUM_HEADS}/{NUM_KV_HEADS}; e.g. 14/2: Qwen2-0.5B).")(fn)
+
+
 @click.command()
 @click.option(
     "--backend", "names", multiple=True, type=BACKEND,
@@ -306,19 +317,14 @@ def _print_table(rows: list[dict[str, Any]], copy_gbps: float) -> None:
     "--case", "cases", multiple=True, type=click.Choice(["decode", "prefill", "mixed", "cascade"]),
     help="Run only these cases (repeatable; default: all).",
 )
-@click.option(
-    "--heads", "heads_text", default=f"{NUM_HEADS}/{NUM_KV_HEADS}", show_default=True,
-    metavar="Q/KV", help="Query heads / KV heads of every case (e.g. 14/2: Qwen2-0.5B).",
-)
-@click.option("--head-size", default=HEAD_SIZE, show_default=True, type=click.IntRange(min=1),
-              help="Head size of every case (e.g. 64: Qwen2-0.5B).")
+@head_options
 @click.option(
     "--decode-shapes", default=None, metavar="BxC[,BxC...]",
     help="Decode cases as batch x context, replacing the defaults (e.g. 256x560: issue 22's "
          "0.5B decode step).",
 )
 def kernels(names: tuple[str, ...], json_path: str | None, quick: bool, kv_cache_dtype: str,
-            sinks: bool, cases: tuple[str, ...], heads_text: str, head_size: int,
+            sinks: bool, cases: tuple[str, ...], heads_text: str | None, head_size: int | None,
             decode_shapes: str | None) -> None:
     """Time attention kernels (decode, prefill, mixed) against copy bandwidth and torch SDPA."""
     import torch
@@ -375,8 +381,12 @@ def kernels(names: tuple[str, ...], json_path: str | None, quick: bool, kv_cache
         click.echo(f"wrote {json_path}")
 
 
-def parse_heads(text: str, head_size: int) -> HeadShape:
-    """`HeadShape` of ``--heads Q/KV`` and ``--head-size`` (a usage error if malformed)."""
+def parse_heads(text: str | None, head_size: int | None) -> HeadShape:
+    """`HeadShape` of ``--heads Q/KV`` and ``--head-size`` (a usage error if malformed; either
+    left out (None) takes its default, 32/8 and 128)."""
+    if text is None:
+        text = f"{DEFAULT_HEADS.num_heads}/{DEFAULT_HEADS.num_kv_heads}"
+    head_size = DEFAULT_HEADS.head_size if head_size is None else head_size
     q, sep, kv = text.partition("/")
     if not (sep and q.strip().isdigit() and kv.strip().isdigit()):
         raise click.BadParameter(f"{text!r}: give query heads / KV heads, e.g. 32/8 or 14/2",

@@ -122,15 +122,26 @@ def test_backends_cli_plots_committed_reports(tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == PNG_MAGIC
 
 
-def test_backends_cli_live_at_other_heads(tmp_path: Path) -> None:
+def test_backends_cli_live_at_other_heads(tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """``--heads`` / ``--head-size`` reach the live measurement and the report's caption
     field; with ``--from-json`` they are a usage error (the reports carry their own)."""
+    from pagedcore.bench import kernels
     from pagedcore.bench.backends import report_heads
 
+    measured = []
+    real = kernels.bench_uniform
+
+    def spy(*args: object, **kwargs: object) -> object:
+        measured.append(kwargs.get("heads"))
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(kernels, "bench_uniform", spy)
     out, png = tmp_path / "b.json", tmp_path / "b.png"
     _run(["backends", "--small", "--backend", "reference", "--heads", "14/2", "--head-size",
           "64", "--json", str(out), "--plot", str(png)])
     report = json.loads(out.read_text())
+    assert measured and set(measured) == {kernels.HeadShape(14, 2, 64)}
     assert report["heads"] == "14 q / 2 KV heads, head 64"
     assert {(r["case"], r["backend"]) for r in report["rows"]} >= {
         ("decode", "reference"), ("prefill", "reference")}

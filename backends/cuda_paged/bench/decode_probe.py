@@ -1,7 +1,7 @@
 """cuda_paged decode launches of one shape, checked then timed, for Nsight Compute and A/B runs.
 
     python3 backends/cuda_paged/bench/decode_probe.py [--shape 64x4096] [--kv auto,fp8] \
-        [--heads 32/8] [--head-size 128] [--json OUT.json] [--iters 50] [--backend triton]
+        [--heads 32/8] [--head-size 128] [--json OUT.json] [--iters 50]
 
 Per KV-cache dtype: the bench's cache (`pagedcore.bench.kernel_primitives.PagedKV`: by default
 32 query / 8 KV heads, head size 128 (``--heads 14/2 --head-size 64``: the Qwen2-0.5B shape),
@@ -12,8 +12,9 @@ launches (CUDA events, median of the per-launch times, each behind a ~1 ms GPU s
 the host's launch cost is not timed; L2 not flushed: the cache is far larger than L2). Under
 ``ncu --kernel-name regex:decode`` the first launches of each dtype are the
 checked one and the first timed ones. ``PAGEDCORE_CUDA_PAGED_FP8_DECODE`` (read by the
-extension) picks the fp8 decode kernel, so two processes compare them. ``--backend triton``
-runs the triton backend's decode on the same cache instead (the engine's default backend).
+extension) picks the fp8 decode kernel, so two processes compare them. (Other backends at
+the same shape, side by side: ``pagedcore bench kernels --case decode --heads ... --head-size
+... --decode-shapes ...``.)
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import statistics
 
 def main() -> None:
     import torch
+    from pagedcore_cuda_paged import CudaPagedBackend
 
     from pagedcore.bench.kernel_primitives import BackendUnderTest, PagedKV, rel_error
 
@@ -36,12 +38,7 @@ def main() -> None:
     parser.add_argument("--head-size", type=int, default=128)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--json", default=None)
-    parser.add_argument("--backend", choices=("cuda_paged", "triton"), default="cuda_paged")
     args = parser.parse_args()
-    if args.backend == "triton":
-        from pagedcore_triton.backend import TritonAttentionBackend as backend_cls
-    else:
-        from pagedcore_cuda_paged import CudaPagedBackend as backend_cls
     batch, ctx = (int(x) for x in args.shape.split("x"))
     hq, hkv = (int(x) for x in args.heads.split("/"))
     d = args.head_size
@@ -56,7 +53,7 @@ def main() -> None:
     ).transpose(1, 2).reshape(query.shape)
     rows = []
     for kv_dtype in args.kv.split(","):
-        under = BackendUnderTest(backend_cls, kv, kv_cache_dtype=kv_dtype, num_heads=hq)
+        under = BackendUnderTest(CudaPagedBackend, kv, kv_cache_dtype=kv_dtype, num_heads=hq)
         run = under.runner(kv, [1] * batch, list(range(batch)), query)
         err = rel_error(run(), ref)
         start = [torch.cuda.Event(enable_timing=True) for _ in range(args.iters)]
@@ -69,7 +66,7 @@ def main() -> None:
         torch.cuda.synchronize()
         ms = statistics.median(s.elapsed_time(e) for s, e in zip(start, end, strict=True))
         nbytes = 2 * batch * ctx * hkv * d * under.kv_cache.dtype.itemsize
-        row = {"backend": args.backend, "shape": args.shape, "heads": args.heads, "head_size": d,
+        row = {"shape": args.shape, "heads": args.heads, "head_size": d,
                "kv_cache_dtype": kv_dtype, "ms": ms, "rel_err": err,
                "GBps": nbytes / ms / 1e6,
                "fp8_kernel": os.environ.get("PAGEDCORE_CUDA_PAGED_FP8_DECODE", "default")}
