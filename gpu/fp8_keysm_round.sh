@@ -5,7 +5,7 @@
 # `build` come first. Repo root:
 #   PAGEDCORE_GIT_COMMIT=<sha> OUT=... bash gpu/fp8_keysm_round.sh [steps...]
 # Steps: install build tests ncu probe probeqwen qwenbench qwensweep pick conf grid bench memcheck
-# confgraph
+# confgraph ttests
 # `pick` sets KERNELS to the fastest keys variant by the probe's fp8 times (sum over the
 # three shapes) for the steps after it, with `rows` for comparison in `bench`.
 # PAGEDCORE_CUDA_PAGED_FP8_DECODE=rows|ring3|ring4|ring6 picks the fp8 decode kernel
@@ -78,6 +78,7 @@ print(min((sum(v), k) for k, v in tot.items() if len(v) == 3)[1])
 PY
 )
           echo "picked $best" | tee -a "$R/steps.txt"; KERNELS="$best" ;;
+    ttests) run tests_triton_graphs 200 python3 -m pytest -q backends/triton/tests/test_cudagraph.py backends/triton/tests/test_mixed_capture.py ;;
     confgraph) run confgraph_triton 200 python3 -m pagedcore.cli conformance triton -k graph/ ;;
     *) echo "unknown step $s" ;;
   esac
