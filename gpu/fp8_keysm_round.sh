@@ -5,7 +5,7 @@
 # `build` come first. Repo root:
 #   PAGEDCORE_GIT_COMMIT=<sha> OUT=... bash gpu/fp8_keysm_round.sh [steps...]
 # Steps: install build tests ncu probe probeqwen qwenbench qwensweep pick conf grid bench memcheck
-# confgraph ttests
+# confgraph ttests tilesweep stepqwen
 # `pick` sets KERNELS to the fastest keys variant by the probe's fp8 times (sum over the
 # three shapes) for the steps after it, with `rows` for comparison in `bench`.
 # PAGEDCORE_CUDA_PAGED_FP8_DECODE=rows|ring3|ring4|ring6 picks the fp8 decode kernel
@@ -79,6 +79,21 @@ PY
 )
           echo "picked $best" | tee -a "$R/steps.txt"; KERNELS="$best" ;;
     ttests) run tests_triton_graphs 200 python3 -m pytest -q backends/triton/tests/test_cudagraph.py backends/triton/tests/test_mixed_capture.py ;;
+    # Decode tiles at head size 64 (bf16 and fp8) on the three Qwen shapes, and a check at the
+    # 32/8/128 default heads; then the 0.5B engine step at the default vs the 2-warp tile.
+    tilesweep) for shape in 256x560 64x4096 256x1024; do
+             run tilesweep_$shape 240 python3 gpu/qwen_decode_sweep.py "$R/tilesweep_$shape.json" --shape $shape \
+               --tiles ";64,2,3;64,2,4;32,2,3;64,1,3;128,2,3;32,1,3;128,4,3" --rules uniform,balanced \
+               --fp8-tiles ";128,2,5;64,2,5;128,2,4;64,4,5;256,4,5;64,4,3;128,2,3"
+           done
+           for shape in 64x4096 256x1024; do
+             run tilesweep128_$shape 200 python3 gpu/qwen_decode_sweep.py "$R/tilesweep128_$shape.json" --shape $shape \
+               --heads 32/8 --head-size 128 --layers 3 --tiles ";64,2,3;64,2,4;32,2,3" --rules uniform --fp8-tiles ";128,2,5;64,2,5"
+           done ;;
+    stepqwen) for t in default 64,2,3; do
+             if [ $t = default ]; then unset PAGEDCORE_TRITON_DECODE_TILES; else export PAGEDCORE_TRITON_DECODE_TILES=$t; fi
+             run stepqwen_$t 200 python3 -m pagedcore.cli bench step --model-shape qwen2-0.5b --batch-sizes 64,256 --no-eager --profile --json "$R/stepqwen_$t.json"
+           done; unset PAGEDCORE_TRITON_DECODE_TILES ;;
     confgraph) run confgraph_triton 200 python3 -m pagedcore.cli conformance triton -k graph/ ;;
     *) echo "unknown step $s" ;;
   esac

@@ -1,6 +1,7 @@
 """Decode tile / split-plan sweep of the triton backend at the Qwen2-0.5B attention shape.
 
-    python3 gpu/qwen_decode_sweep.py OUT.json [--shape 256x560] [--layers 6]
+    python3 gpu/qwen_decode_sweep.py OUT.json [--shape 256x560] [--layers 6] [--heads 14/2]
+        [--head-size 64] [--tiles 'T;T..'] [--fp8-tiles 'T;T..'] [--rules uniform,balanced]
 
 Issue 22's 0.5B decode step at batch 256 spends 0.78 ms of its 2.02 ms of kernels in paged
 attention at 53 % of the copy bandwidth (14 query / 2 KV heads, head size 64, ~560 tokens of
@@ -52,9 +53,21 @@ def main() -> None:
     parser.add_argument("--shape", default="256x560")
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--heads", default="14/2", help="query/KV heads")
+    parser.add_argument("--head-size", type=int, default=64)
+    parser.add_argument("--tiles", default=";".join(TILES),
+                        help="bf16 decode tile texts, ';'-separated ('' = the default)")
+    parser.add_argument("--fp8-tiles", default="",
+                        help="fp8 decode tile texts swept under the uniform rule, "
+                             "';'-separated ('' = the default only)")
+    parser.add_argument("--rules", default=",".join(RULES), help="split rules, ','-separated")
     args = parser.parse_args()
     batch, ctx = (int(x) for x in args.shape.split("x"))
-    hq, hkv, d = 14, 2, 64
+    hq, hkv = (int(x) for x in args.heads.split("/"))
+    d = args.head_size
+    tiles_list = args.tiles.split(";")
+    fp8_tiles = args.fp8_tiles.split(";")
+    rules = {name: RULES[name] for name in args.rules.split(",")}
     dev = torch.device("cuda")
     torch.manual_seed(0)
     caches = [PagedKV([ctx] * batch, torch.bfloat16, dev, num_kv_heads=hkv, head_size=d)
@@ -113,8 +126,8 @@ def main() -> None:
     from pagedcore_triton.backend import TritonAttentionBackend
 
     variants = []  # (row, runs, tiles)
-    for rule_name, rule in RULES.items():
-        for tiles in TILES:
+    for rule_name, rule in rules.items():
+        for tiles in tiles_list:
             row = {"backend": "triton", "kv": "auto", "rule": rule_name,
                    "tiles": tiles or "default"}
             try:
@@ -125,7 +138,17 @@ def main() -> None:
                 continue
             row["rel_err"] = err
             variants.append((row, runs, tiles) if err < 2e-2 else (row, None, tiles))
-    others = [("triton", TritonAttentionBackend, "fp8")]
+    for tiles in fp8_tiles:
+        row = {"backend": "triton", "kv": "fp8", "rule": "uniform", "tiles": tiles or "default"}
+        try:
+            runs, err = build(TritonAttentionBackend, "fp8", tiles)
+        except Exception as exc:  # a variant that fails is a result
+            row["error"] = repr(exc)[:300]
+            variants.append((row, None, tiles))
+            continue
+        row["rel_err"] = err
+        variants.append((row, runs, tiles) if err < 6e-2 else (row, None, tiles))
+    others = []
     try:
         from pagedcore_cuda_paged import CudaPagedBackend
     except ImportError:
@@ -173,7 +196,7 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     with open(args.out, "w") as fh:
-        json.dump({"rows": rows, "shape": args.shape, "heads": "14/2", "head_size": d,
+        json.dump({"rows": rows, "shape": args.shape, "heads": args.heads, "head_size": d,
                    "layers": args.layers, "rounds": args.rounds, "copy_GBps": copy_gbps,
                    "device": torch.cuda.get_device_name(),
                    "commit": os.environ.get("PAGEDCORE_GIT_COMMIT")}, fh, indent=1)
