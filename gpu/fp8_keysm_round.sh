@@ -5,7 +5,7 @@
 # `build` come first. Repo root:
 #   PAGEDCORE_GIT_COMMIT=<sha> OUT=... bash gpu/fp8_keysm_round.sh [steps...]
 # Steps: install build tests ncu probe probeqwen qwenbench qwensweep pick conf grid bench memcheck
-# confgraph ttests tilesweep stepqwen
+# confgraph ttests tilesweep stepqwen qwentri stepdeltas conftri
 # `pick` sets KERNELS to the fastest keys variant by the probe's fp8 times (sum over the
 # three shapes) for the steps after it, with `rows` for comparison in `bench`.
 # PAGEDCORE_CUDA_PAGED_FP8_DECODE=rows|ring3|ring4|ring6 picks the fp8 decode kernel
@@ -94,6 +94,15 @@ PY
              if [ $t = default ]; then unset PAGEDCORE_TRITON_DECODE_TILES; else export PAGEDCORE_TRITON_DECODE_TILES=$t; fi
              run stepqwen_$t 200 python3 -m pagedcore.cli bench step --model-shape qwen2-0.5b --batch-sizes 64,256 --no-eager --profile --json "$R/stepqwen_$t.json"
            done; unset PAGEDCORE_TRITON_DECODE_TILES ;;
+    # Session 27: the small-head decode tiles (SMALL_HEAD_DECODE_TILES) in the bench, the
+    # engine step with the server's delta outputs, triton conformance on the GPU.
+    qwentri) for kv in auto fp8; do
+             run qwentri_$kv 200 python3 -m pagedcore.cli bench kernels --backend triton --case decode \
+               --heads 14/2 --head-size 64 --decode-shapes 256x560,64x4096,256x1024 --kv-cache-dtype $kv --json "$R/qwentri_$kv.json"
+           done ;;
+    stepdeltas) run stepdeltas 300 python3 -m pagedcore.cli bench step --model-shape qwen2-0.5b --batch-sizes 64,256 --steps 50 \
+               --outputs all,deltas --no-eager --json "$R/stepdeltas.json" ;;
+    conftri) run conf_triton 240 python3 -m pagedcore.cli conformance triton --device cuda --json "$R/conformance_triton.json" ;;
     confgraph) run confgraph_triton 200 python3 -m pagedcore.cli conformance triton -k graph/ ;;
     *) echo "unknown step $s" ;;
   esac

@@ -112,7 +112,7 @@ def _device_intervals(prof: Any) -> list[tuple[float, float]]:
 
 
 def _fill(llm: Any, batch: int, context: int, max_new: int, vocab: int, seed: int,
-          temperature: float = 0.0) -> list[str]:
+          temperature: float = 0.0, delta: bool = False) -> list[str]:
     import torch
 
     from pagedcore import SamplingParams
@@ -122,7 +122,8 @@ def _fill(llm: Any, batch: int, context: int, max_new: int, vocab: int, seed: in
     ids = []
     for i in range(batch):
         rid = f"s{seed}-{i}"
-        llm.add_request(rid, torch.randint(3, vocab, (context,), generator=gen).tolist(), params)
+        llm.add_request(rid, torch.randint(3, vocab, (context,), generator=gen).tolist(), params,
+                        delta=delta)
         ids.append(rid)
     # Prefill until every request decodes (one token per step).
     for _ in range(10_000):
@@ -137,11 +138,13 @@ def _fill(llm: Any, batch: int, context: int, max_new: int, vocab: int, seed: in
 def measure_step(llm: Any, *, batch: int, context: int, steps: int, overlap: bool,
                  profile: bool = False, warmup: int = 3, seed: int = 0,
                  trace_path: str | None = None, temperature: float = 0.0,
-                 finished_only: bool = False) -> dict[str, Any]:
+                 finished_only: bool = False, deltas: bool = False) -> dict[str, Any]:
     """Time `steps` decode steps of `batch` requests (prompts of `context` tokens), sampled
     greedily (`temperature` 0) or at `temperature` (no seed, no filter). Each `LLM.step`
-    builds every running request's output (a server's loop), or with `finished_only` only
-    those of finished requests (``LLM.generate``'s loop).
+    builds every running request's output, or with `finished_only` only those of finished
+    requests (``LLM.generate``'s loop), or with `deltas` every running request's new tokens
+    and text as delta tuples (the requests are added with ``delta=True`` and each step is
+    ``step(deltas=[])``: the OpenAI server's loop, `pagedcore.serve.core_loop`).
 
     Returns the wall time per step, the host phases per step, the mean context, and with
     `profile` (CUDA only) the GPU idle time and a kernel summary of a few profiled steps
@@ -151,15 +154,20 @@ def measure_step(llm: Any, *, batch: int, context: int, steps: int, overlap: boo
     device = llm.device
     vocab = min(1000, int(llm.model.config.vocab_size))
     # Requests decode while later ones prefill: give them all the room max_model_len leaves.
-    ids = _fill(llm, batch, context, llm.max_model_len - context, vocab, seed, temperature)
+    ids = _fill(llm, batch, context, llm.max_model_len - context, vocab, seed, temperature,
+                delta=deltas)
+
+    def one_step() -> None:
+        llm.step(finished_only=finished_only, deltas=[] if deltas else None)
+
     for _ in range(warmup):
-        llm.step(finished_only=finished_only)
+        one_step()
     _sync(device)
     before = dict(llm.phase_time)
     marks = StepMarks(llm) if device.type == "cuda" else None
     t0 = time.perf_counter()
     for _ in range(steps):
-        llm.step(finished_only=finished_only)
+        one_step()
     _sync(device)
     wall = (time.perf_counter() - t0) / steps
     if marks is not None:
@@ -168,7 +176,7 @@ def measure_step(llm: Any, *, batch: int, context: int, steps: int, overlap: boo
     seq = [r.num_computed_tokens for r in llm.scheduler.running]
     row: dict[str, Any] = {
         "batch": batch, "overlap": bool(llm.async_scheduling), "temperature": temperature,
-        "outputs": "finished" if finished_only else "all",
+        "outputs": "deltas" if deltas else "finished" if finished_only else "all",
         "step_ms": wall * 1e3,
         "host_ms": {k: round(v, 4) for k, v in phases.items()},
         "mean_context": sum(seq) / max(len(seq), 1),
@@ -187,7 +195,7 @@ def measure_step(llm: Any, *, batch: int, context: int, steps: int, overlap: boo
         n = 6
         with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(n):
-                llm.step()
+                one_step()
             _sync(device)
         idle = gpu_idle(_device_intervals(prof))
         if idle is not None:  # (the profiler slows the host: an upper bound)
@@ -401,8 +409,10 @@ def _critical_host_pct(row: dict[str, Any]) -> float | None:
               help="Comma-separated sampling temperatures, a row each (0: greedy; others "
                    "sample every row at that temperature, unseeded).")
 @click.option("--outputs", "outputs", default="all", show_default=True,
-              help="Comma list of all (each step builds every running request's output, as "
-                   "a server's loop) and finished (only finished ones, as LLM.generate).")
+              help="Comma list of all (each step builds every running request's "
+                   "RequestOutput), finished (only finished ones, as LLM.generate) and deltas "
+                   "(every running request's new tokens as delta tuples, as the OpenAI "
+                   "server's loop).")
 @click.option("--no-eager", is_flag=True,
               help="Skip the eager (no CUDA graph) rows (which take the first temperature "
                    "and outputs setting only).")
@@ -451,8 +461,8 @@ def step(shape: str, batch_sizes: list[int], context: int, steps: int, temperatu
         raise click.BadParameter(f"{temperatures!r} is not a comma list of numbers",
                                  param_hint="--temperatures") from None
     kinds = [k.strip() for k in outputs.split(",") if k.strip()]
-    if not kinds or set(kinds) - {"all", "finished"}:
-        raise click.BadParameter(f"{outputs!r}: give a comma list of all, finished",
+    if not kinds or set(kinds) - {"all", "finished", "deltas"}:
+        raise click.BadParameter(f"{outputs!r}: give a comma list of all, finished, deltas",
                                  param_hint="--outputs")
     if not temps or any(not 0.0 <= t <= 100.0 for t in temps):
         raise click.BadParameter(f"{temperatures!r}: give temperatures in [0, 100]",
@@ -504,7 +514,8 @@ def step(shape: str, batch_sizes: list[int], context: int, steps: int, temperatu
             paths = _step_paths(llm)
             row = measure_step(llm, batch=batch, context=context, steps=steps,
                                overlap=overlap, profile=profile and cuda, trace_path=trace,
-                               temperature=temperature, finished_only=kind == "finished")
+                               temperature=temperature, finished_only=kind == "finished",
+                               deltas=kind == "deltas")
             row["mode"] = mode if llm.cudagraph_status()["enabled"] else "eager"
             row["step_paths"] = _step_paths(llm, since=paths)
             row.update(bytes_floor(weights=weights, kv_per_token=kv_tok,

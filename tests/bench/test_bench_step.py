@@ -50,6 +50,29 @@ def test_measure_step_with_and_without_overlap(make_llm: Callable[..., Any]) -> 
     assert not llm.has_unfinished_requests() and llm._inflight is None
 
 
+def test_measure_step_deltas_takes_the_servers_path(
+    make_llm: Callable[..., Any], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``outputs=deltas``: every timed step hands a fresh list to ``step(deltas=...)`` and
+    the running requests' tokens arrive there as delta tuples, not `RequestOutput`s."""
+    llm = make_llm(max_num_seqs=4)
+    calls: list[tuple[int | None, int]] = []
+    real_step = llm.step
+
+    def spy(*, finished_only: bool = False, deltas: list[Any] | None = None) -> Any:
+        outs = real_step(finished_only=finished_only, deltas=deltas)
+        calls.append((None if deltas is None else len(deltas), len(outs)))
+        return outs
+
+    monkeypatch.setattr(llm, "step", spy)
+    row = measure_step(llm, batch=3, context=24, steps=3, overlap=False, deltas=True)
+    assert row["outputs"] == "deltas" and row["mean_context"] > 24
+    decoding = [c for c in calls if c[0] is not None and c[0] > 0]
+    # the warm-up and timed steps: each delivered the three requests' deltas and no outputs
+    assert len(decoding) >= 6 and all(c == (3, 0) for c in decoding[:6]), calls
+    assert not llm.has_unfinished_requests()
+
+
 def test_prefix_hit_is_proven_and_timed_with_and_without_overlap(
     make_llm: Callable[..., Any],
 ) -> None:
@@ -102,7 +125,7 @@ def test_cli_writes_a_row_per_batch_and_overlap(tmp_path: Path) -> None:
     assert bad.exit_code == 2 and "'a' in 'a,b' is not an integer" in bad.output
     for option, value, message in (("--temperatures", "0,hot", "comma list of numbers"),
                                    ("--temperatures", "-1", "in [0, 100]"),
-                                   ("--outputs", "some", "all, finished")):
+                                   ("--outputs", "some", "all, finished, deltas")):
         bad = CliRunner().invoke(bench, ["step", option, value])
         assert bad.exit_code == 2 and message in bad.output, bad.output
 

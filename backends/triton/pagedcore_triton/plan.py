@@ -19,6 +19,7 @@ __all__ = [
     "DECODE_TILES_ENV",
     "DEFAULT_BALANCED_ORDER",
     "PREFILL_TILES_ENV",
+    "SMALL_HEAD_DECODE_TILES",
     "TILE_FLAGS",
     "LaunchPart",
     "SplitRule",
@@ -81,6 +82,16 @@ TILE_FLAGS = {
 DECODE_TILES: dict[int, dict[str, Any]] = {
     2: {"tile_n": 64, "num_warps": 4, "num_stages": 3, "int32_offsets": True},
     1: {"tile_n": 128, "num_warps": 4, "num_stages": 5, "kv_convert": 1, "int32_offsets": True},
+}
+#: The decode tile shape for head sizes <= 64 (Qwen2-0.5B: 14 query / 2 KV heads of 64), by
+#: the cache's element size, the fastest of ``gpu/qwen_decode_sweep.py`` on an H100 at
+#: 256x560 / 256x1024 / 64x4096 (``docs/benchmarks/h100_s27/``). A 64-wide head halves each
+#: tile's work: bf16 runs on 2 warps (0.93x the 4-warp time at 256x560 and 256x1024 on the
+#: eager plan, 0.98-0.99x on the balanced plan decode graphs capture, 1.01x at 64x4096); fp8
+#: on 64-token tiles of 3 stages (0.88x / 0.98x / 0.99x the 128-token, 5-stage tile).
+SMALL_HEAD_DECODE_TILES: dict[int, dict[str, Any]] = {
+    2: {"tile_n": 64, "num_warps": 2, "num_stages": 3, "int32_offsets": True},
+    1: {"tile_n": 64, "num_warps": 4, "num_stages": 3, "kv_convert": 1, "int32_offsets": True},
 }
 
 
@@ -478,7 +489,8 @@ def tile_config(
     `prefill_override` (the ``PAGEDCORE_TRITON_PREFILL_TILES`` text, see `parse_tiles`)
     replaces the prefill shape. Decodes with head size <= 128 take `DECODE_TILES` by the
     cache's element size (`kv_itemsize`; fp8: 128-token tiles on 5 stages with float16
-    operands); ``PAGEDCORE_TRITON_DECODE_TILES`` overrides the decode shape (tuning, see
+    operands), those with head size <= 64 `SMALL_HEAD_DECODE_TILES`;
+    ``PAGEDCORE_TRITON_DECODE_TILES`` overrides the decode shape (tuning, see
     `parse_decode_tiles`).
     """
     if prefill_override and max_query_len > 1:
@@ -518,6 +530,7 @@ def tile_config(
         return attrs.evolve(cfg, fp8_decode=fp8_mode,
                             fp8_prefetch=DECODE_TILES[1].get("fp8_prefetch", 0))
     if head_pad <= 128:
-        cfg = attrs.evolve(cfg, **DECODE_TILES[1 if kv_itemsize == 1 else 2])
+        table = SMALL_HEAD_DECODE_TILES if head_pad <= 64 else DECODE_TILES
+        cfg = attrs.evolve(cfg, **table[1 if kv_itemsize == 1 else 2])
     override = os.environ.get(DECODE_TILES_ENV)
     return parse_decode_tiles(override, cfg) if override else cfg

@@ -226,15 +226,30 @@ def test_prefill_tile_choice() -> None:
 
 
 def test_decode_tiles_follow_the_cache_element_size(monkeypatch: pytest.MonkeyPatch) -> None:
-    """fp8 decodes take DECODE_TILES[1] (float16 operands), bf16 ones DECODE_TILES[2]; the
-    override reaches every variant and names what it expects when malformed."""
-    from pagedcore_triton.plan import DECODE_TILES, DECODE_TILES_ENV, kv_convert, tile_config
+    """fp8 decodes take DECODE_TILES[1] (float16 operands), bf16 ones DECODE_TILES[2] (and
+    SMALL_HEAD_DECODE_TILES at head sizes <= 64); the override reaches every variant and
+    names what it expects when malformed."""
+    from pagedcore_triton.plan import (
+        DECODE_TILES,
+        DECODE_TILES_ENV,
+        SMALL_HEAD_DECODE_TILES,
+        kv_convert,
+        tile_config,
+    )
 
     fp8 = tile_config(1, 4, 128, interpreting=False, kv_itemsize=1)
     bf16 = tile_config(1, 4, 128, interpreting=False, kv_itemsize=2)
     for cfg, want in ((fp8, DECODE_TILES[1]), (bf16, DECODE_TILES[2])):
         assert all(getattr(cfg, k) == v for k, v in want.items()), (cfg, want)
     assert fp8.tile_n == 2 * bf16.tile_n and fp8.kv_convert == 1 and bf16.kv_convert == 0
+    # head sizes <= 64 (Qwen2-0.5B) take the small-head shapes: 2 warps in bf16, 64-token
+    # fp8 tiles of 3 stages
+    for itemsize, head_size in ((1, 64), (2, 64), (1, 32), (2, 48)):
+        cfg = tile_config(1, 7, head_size, interpreting=False, kv_itemsize=itemsize)
+        want = SMALL_HEAD_DECODE_TILES[itemsize]
+        assert all(getattr(cfg, k) == v for k, v in want.items()), (itemsize, head_size, cfg)
+    assert tile_config(1, 7, 64, interpreting=False, kv_itemsize=2).num_warps == 2
+    assert tile_config(1, 7, 96, interpreting=False, kv_itemsize=2).num_warps == 4
     assert kv_convert(fp8, kv_fp8=True, itemsize=2, interpreting=False) == 1
     assert kv_convert(fp8, kv_fp8=True, itemsize=2, interpreting=True) == 0
     # prefills and the interpreter keep their own shapes
