@@ -5,10 +5,11 @@
 For the Qwen2-0.5B shape and a 4-layer Llama-3-8B shape (seeded random weights, bf16,
 initializer_range 0.1): the model with the fused norms and MLP (what main swaps), the same
 plus the fused rotary kernel, plus the one-GEMM QKV; the one-GEMM gate/up alone; the
-residual add fused into the norm alone; everything. Logits of a 64-token prefill and of a
-batch of 64 single tokens are compared bit for bit and by relative error against the first;
-eager forward time of one decode token (launch-bound) is timed for each. ``--quick``: the
-0.5B shape only, the rotary-only and all-kinds variants.
+residual add fused into the norm alone; that with the second residual add inside the down
+projection (``down_add``, with the one-GEMM gate/up); everything. Logits of a 64-token
+prefill and of a batch of 64 single tokens are compared bit for bit and by relative error
+against the first; eager forward time of one decode token (launch-bound) is timed for each. ``--quick``: the
+0.5B shape only, the rotary-only, down_add and all-kinds variants.
 """
 
 from __future__ import annotations
@@ -57,9 +58,10 @@ def main() -> None:
         rows: dict[str, Any] = {}
         cases: list[tuple[str, set[str]]] = [
             ("rotary", {"rotary"}), ("rotary+qkv", {"rotary", "qkv"}), ("gate_up", {"gate_up"}),
-            ("add_rms_norm", {"add_rms_norm"}), ("all", set(FUSED_KINDS))]
+            ("add_rms_norm", {"add_rms_norm"}),
+            ("down_add", {"add_rms_norm", "gate_up", "down_add"}), ("all", set(FUSED_KINDS))]
         if quick:
-            cases = [cases[0], cases[-1]]
+            cases = [cases[0], cases[-2], cases[-1]]
         for label, extra in cases:
             kinds = main_kinds | extra
             model = copy.deepcopy(raw)
@@ -67,7 +69,8 @@ def main() -> None:
             if "rotary" in kinds:
                 counts.update(swap_fused_attention(model, fuse_qkv="qkv" in kinds))
             if "add_rms_norm" in kinds:
-                counts["add_rms_norm"] = swap_fused_decoder_layers(model)
+                counts["add_rms_norm"] = swap_fused_decoder_layers(
+                    model, down_add="down_add" in kinds)
             rows[f"counts/{label}"] = counts
             variants[label] = model
         del raw

@@ -152,7 +152,9 @@ def test_qwen3_and_mistral_attention_are_left_alone() -> None:
 
 def test_kinds_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(FUSED_KERNELS_ENV, raising=False)
-    assert fused_kinds_setting() == frozenset(GPU_CHECKED_KINDS) == frozenset(FUSED_KINDS)
+    # every kind but down_add (not bit-identical; waits for its GPU check)
+    assert fused_kinds_setting() == frozenset(GPU_CHECKED_KINDS) == frozenset(FUSED_KINDS) - {
+        "down_add"}
     for all_kinds in ("1", "all", " ON "):
         monkeypatch.setenv(FUSED_KERNELS_ENV, all_kinds)
         assert fused_kinds_setting() == frozenset(FUSED_KINDS)
@@ -202,13 +204,52 @@ def test_fused_decoder_layers_compute_the_same_logits(arch: str) -> None:
     mlp: Any = model.model.layers[0].mlp
     assert isinstance(mlp, FusedSiLUMulMLP) and mlp.fused_gate_up
     swap_fused_attention(model)
-    assert swap_fused_decoder_layers(model) == 2
-    assert isinstance(model.model.layers[1], FusedDecoderLayer)
+    assert swap_fused_decoder_layers(model, down_add=True) == 2
+    layer: Any = model.model.layers[1]
+    assert isinstance(layer, FusedDecoderLayer) and layer.down_add
     assert list(model.state_dict()) == keys
     ids = torch.tensor(random_prompts([9, 9], seed=5), device=DEVICE)
     with torch.no_grad():
         want, got = ref(ids).logits, model(ids).logits
     assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_down_add_accumulates_the_mlp_into_the_residual(dtype: torch.dtype) -> None:
+    """`FusedSiLUMulMLP.add_into`: the down projection adds into the residual in place, in
+    one GEMM (its `forward` is never called) when down_proj is a bias-free `nn.Linear`, and
+    through ``residual += down_proj(...)`` otherwise (a bias, a subclass: a sharded layer)."""
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    config = tiny_config("llama", hidden_size=64, intermediate_size=96)
+    torch.manual_seed(3)
+    orig = LlamaMLP(config).to(DEVICE, dtype)
+    mlp = FusedSiLUMulMLP(copy.deepcopy(orig), fuse_gate_up=True)
+    x = torch.randn(2, 5, 64, device=DEVICE).to(dtype)
+    residual = torch.randn(2, 5, 64, device=DEVICE).to(dtype)
+    with torch.no_grad():
+        want = (residual.float() + orig(x).float())
+
+        def refuse(*_a: Any) -> None:
+            raise AssertionError("down_proj.forward ran: the add was not fused")
+
+        mlp.down_proj.forward = refuse  # type: ignore[method-assign]
+        into = residual.clone()
+        got = mlp.add_into(x, into)
+        assert got is into
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert float((got.float() - want).abs().max() / want.abs().max()) < tol
+        del mlp.down_proj.forward
+        # fallback: a down projection with a bias (or any other module) runs as usual
+        biased = FusedSiLUMulMLP(copy.deepcopy(orig))
+        biased.down_proj = torch.nn.Linear(96, 64, bias=True).to(DEVICE, dtype)
+        calls: list[int] = []
+        biased.down_proj.register_forward_hook(lambda *_a: calls.append(1))
+        into = residual.clone()
+        got = biased.add_into(x, into)
+        want = residual.float() + biased(x).float()
+        assert calls == [1, 1] and got is into
+        assert float((got.float() - want).abs().max() / want.abs().max()) < tol
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -37,7 +37,7 @@ class FusedDecoderLayer(nn.Module):
         are reused as they are.
     """
 
-    def __init__(self, orig: nn.Module) -> None:
+    def __init__(self, orig: nn.Module, *, down_add: bool = False) -> None:
         super().__init__()
         src: Any = orig
         self.self_attn: nn.Module = src.self_attn
@@ -45,6 +45,9 @@ class FusedDecoderLayer(nn.Module):
         self.input_layernorm: nn.Module = src.input_layernorm
         self.post_attention_layernorm: nn.Module = src.post_attention_layernorm
         copy_attributes(self, orig, ("hidden_size", "attention_type", "layer_idx"))
+        #: The second residual add runs inside the MLP's down projection
+        #: (`FusedSiLUMulMLP.add_into`; the ``down_add`` fused kind).
+        self.down_add = down_add and hasattr(self.mlp, "add_into")
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         """``[B, T, hidden]`` -> ``[B, T, hidden]`` (keyword arguments as transformers'
@@ -60,13 +63,19 @@ class FusedDecoderLayer(nn.Module):
         norm: Any = self.post_attention_layernorm
         normed, hidden = add_rms_norm(attn_out, residual, norm.weight,
                                       eps=float(norm.variance_epsilon))
+        if self.down_add:  # (`hidden` is add_rms_norm's fresh tensor: ours to overwrite)
+            mlp: Any = self.mlp
+            into: torch.Tensor = mlp.add_into(normed, hidden)
+            return into
         out: torch.Tensor = hidden + self.mlp(normed)
         return out
 
 
-def swap_fused_decoder_layers(model: nn.Module) -> int:
-    """Replace `model`'s `DECODER_LAYER_CLASSES` layers by `FusedDecoderLayer`; returns how
-    many. Layers whose post-attention norm is not a plain RMSNorm are left alone."""
+def swap_fused_decoder_layers(model: nn.Module, *, down_add: bool = False) -> int:
+    """Replace `model`'s `DECODER_LAYER_CLASSES` layers by `FusedDecoderLayer` (with
+    `down_add`: those whose MLP is a `FusedSiLUMulMLP` add its output into the residual
+    inside the down projection); returns how many. Layers whose post-attention norm is not a
+    plain RMSNorm are left alone."""
     count = 0
     targets = [(name, module) for name, module in model.named_modules()
                if name and type(module).__name__ in DECODER_LAYER_CLASSES
@@ -75,6 +84,6 @@ def swap_fused_decoder_layers(model: nn.Module) -> int:
     for name, module in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, FusedDecoderLayer(module))
+        setattr(parent, attr, FusedDecoderLayer(module, down_add=down_add))
         count += 1
     return count

@@ -129,7 +129,11 @@ class ModelRunner(GraphRouting):
             if "rotary" in kinds:
                 self.fused_kernels.update(swap_fused_attention(model, fuse_qkv="qkv" in kinds))
             if "add_rms_norm" in kinds:
-                self.fused_kernels["add_rms_norm"] = swap_fused_decoder_layers(model)
+                self.fused_kernels["add_rms_norm"] = swap_fused_decoder_layers(
+                    model, down_add="down_add" in kinds)
+                if "down_add" in kinds:
+                    self.fused_kernels["down_add"] = sum(
+                        1 for m in model.modules() if getattr(m, "down_add", False) is True)
         self.base_model = getattr(model, model.base_model_prefix)
         self.lm_head: Any = model.get_output_embeddings()  # type: ignore[no-untyped-call]
         self.final_logit_softcap: float | None = getattr(config, "final_logit_softcapping", None)
