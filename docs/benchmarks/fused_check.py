@@ -8,8 +8,8 @@ plus the fused rotary kernel, plus the one-GEMM QKV; the one-GEMM gate/up alone;
 residual add fused into the norm alone; that with the second residual add inside the down
 projection (``down_add``, with the one-GEMM gate/up); everything. Logits of a 64-token
 prefill and of a batch of 64 single tokens are compared bit for bit and by relative error
-against the first; eager forward time of one decode token (launch-bound) is timed for each. ``--quick``: the
-0.5B shape only, the rotary-only, down_add and all-kinds variants.
+against the first; eager forward time of one decode token (launch-bound) is timed for each.
+``--quick``: the 0.5B shape only, the rotary-only, down_add and all-kinds variants.
 """
 
 from __future__ import annotations
