@@ -126,45 +126,35 @@ def main() -> None:
     from pagedcore_triton.backend import TritonAttentionBackend
 
     variants = []  # (row, runs, tiles)
-    for rule_name, rule in rules.items():
-        for tiles in tiles_list:
-            row = {"backend": "triton", "kv": "auto", "rule": rule_name,
-                   "tiles": tiles or "default"}
-            try:
-                runs, err = build(TritonAttentionBackend, "auto", tiles, rule)
-            except Exception as exc:  # a variant that fails is a result
-                row["error"] = repr(exc)[:300]
-                variants.append((row, None, tiles))
-                continue
-            row["rel_err"] = err
-            variants.append((row, runs, tiles) if err < 2e-2 else (row, None, tiles))
-    for tiles in fp8_tiles:
-        row = {"backend": "triton", "kv": "fp8", "rule": "uniform", "tiles": tiles or "default"}
+
+    def add(row: dict, backend_cls, kv_dtype: str, tiles: str = "", rule: dict | None = None,
+            max_err: float = 2e-2) -> None:
+        """Build one variant, record its error; a variant that fails or is wrong stays a row
+        without timings."""
         try:
-            runs, err = build(TritonAttentionBackend, "fp8", tiles)
+            runs, err = build(backend_cls, kv_dtype, tiles, rule)
         except Exception as exc:  # a variant that fails is a result
             row["error"] = repr(exc)[:300]
             variants.append((row, None, tiles))
-            continue
+            return
         row["rel_err"] = err
-        variants.append((row, runs, tiles) if err < 6e-2 else (row, None, tiles))
-    others = []
+        variants.append((row, runs if err < max_err else None, tiles))
+
+    for rule_name, rule in rules.items():
+        for tiles in tiles_list:
+            add({"backend": "triton", "kv": "auto", "rule": rule_name,
+                 "tiles": tiles or "default"}, TritonAttentionBackend, "auto", tiles, rule)
+    for tiles in fp8_tiles:
+        add({"backend": "triton", "kv": "fp8", "rule": "uniform", "tiles": tiles or "default"},
+            TritonAttentionBackend, "fp8", tiles, max_err=6e-2)
     try:
         from pagedcore_cuda_paged import CudaPagedBackend
     except ImportError:
         pass
     else:
-        others += [("cuda_paged", CudaPagedBackend, kv) for kv in ("auto", "fp8")]
-    for name, cls, kv_dtype in others:
-        row = {"backend": name, "kv": kv_dtype, "rule": "default", "tiles": "default"}
-        try:
-            runs, err = build(cls, kv_dtype)
-        except Exception as exc:  # a backend that fails is a result
-            row["error"] = repr(exc)[:300]
-            variants.append((row, None, ""))
-            continue
-        row["rel_err"] = err
-        variants.append((row, runs, ""))
+        for kv_dtype in ("auto", "fp8"):
+            add({"backend": "cuda_paged", "kv": kv_dtype, "rule": "default",
+                 "tiles": "default"}, CudaPagedBackend, kv_dtype, max_err=6e-2)
 
     copy_src = torch.empty(nbytes * args.layers // 2, dtype=torch.int16, device=dev)
     copy_dst = torch.empty_like(copy_src)
