@@ -23,6 +23,7 @@ from typing import Any
 
 import click
 
+from pagedcore.bench.kernel_primitives import HeadShape
 from pagedcore.cli_progress import progress_bar
 from pagedcore.cli_types import DEVICE, OutputPath, positive_int
 
@@ -116,19 +117,31 @@ def contiguous_admission(budget_slots: int, lengths: Sequence[int], *,
     }
 
 
+def model_heads(config: Any) -> HeadShape:
+    """A transformers config's attention heads: query heads, KV heads (the query heads when
+    the config names none) and head size (``head_dim``, else hidden size / query heads)."""
+    heads = int(config.num_attention_heads)
+    kv = int(getattr(config, "num_key_value_heads", None) or heads)
+    size = int(getattr(config, "head_dim", None) or int(config.hidden_size) // heads)
+    return HeadShape(heads, kv, size)
+
+
 def measure_kernel_speed(block_sizes: Sequence[int], *, batch: int, ctx: int,
-                         device: Any) -> list[dict[str, Any]]:
-    """Decode time and KV read bandwidth per (backend, block size), via `kernel_primitives`."""
+                         device: Any, heads: HeadShape | None = None) -> list[dict[str, Any]]:
+    """Decode time and KV read bandwidth per (backend, block size), via `kernel_primitives`,
+    at `heads` (query / KV heads and head size; default `kernel_primitives.DEFAULT_HEADS`,
+    32 / 8 of 128)."""
     import torch
 
     from pagedcore.attention import AttentionConfig
     from pagedcore.bench import kernel_primitives as k
     from pagedcore.plugins.registry import get_registry
 
+    heads = heads or k.DEFAULT_HEADS
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows: list[dict[str, Any]] = []
     for block in block_sizes:
-        cfg = AttentionConfig(head_size=k.HEAD_SIZE, block_size=block, device=device.type,
+        cfg = AttentionConfig(head_size=heads.head_size, block_size=block, device=device.type,
                               dtype="bfloat16" if device.type == "cuda" else "float32")
         registry = get_registry()
         backends = [registry.get(n) for n in registry.backends
@@ -136,12 +149,14 @@ def measure_kernel_speed(block_sizes: Sequence[int], *, batch: int, ctx: int,
         if not backends:
             continue
         torch.manual_seed(0)
-        kv = k.PagedKV([ctx] * batch, dtype, device, block_size=block)
-        query = torch.randn((batch, k.NUM_HEADS, k.HEAD_SIZE), dtype=dtype, device=device)
-        kv_bytes = 2 * batch * ctx * k.NUM_KV_HEADS * k.HEAD_SIZE * dtype.itemsize
+        kv = k.PagedKV([ctx] * batch, dtype, device, block_size=block,
+                       num_kv_heads=heads.num_kv_heads, head_size=heads.head_size)
+        query = torch.randn((batch, heads.num_heads, heads.head_size), dtype=dtype,
+                            device=device)
+        kv_bytes = 2 * batch * ctx * heads.num_kv_heads * heads.head_size * dtype.itemsize
         for backend in backends:
             try:
-                under = k.BackendUnderTest(backend, kv)
+                under = k.BackendUnderTest(backend, kv, num_heads=heads.num_heads)
                 ms = k.time_ms(under.runner(kv, [1] * batch, list(range(batch)), query),
                                device, budget_ms=200.0)
             except Exception as exc:  # one backend failing must not sink the sweep
@@ -257,9 +272,12 @@ def memory(small: bool, device: str | None, model_name: str, budget_mib: int, ma
         speed = {"source": kernel_json, "rows": rows}
     else:
         batch, ctx = (8, 1024) if small or dev.type == "cpu" else (64, 4096)
+        heads = model_heads(config)
         speed = {"source": f"measured now with pagedcore.bench.kernels (decode {batch}x{ctx}, "
-                           "32 q / 8 KV heads, head 128)",
-                 "rows": measure_kernel_speed(blocks, batch=batch, ctx=ctx, device=dev)}
+                           f"{heads.num_heads} q / {heads.num_kv_heads} KV heads, head "
+                           f"{heads.head_size}: the model's)",
+                 "rows": measure_kernel_speed(blocks, batch=batch, ctx=ctx, device=dev,
+                                              heads=heads)}
     report: dict[str, Any] = {
         "experiment": "memory: paged vs contiguous KV preallocation",
         "environment": environment(dev),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -87,3 +89,33 @@ def test_fp8_kv_blocks_take_a_quarter_of_float32_and_admit_more() -> None:
     lengths = [17] * 200
     assert paged_admission(fp8, lengths, max_model_len=256)["max_concurrency"] == 81
     assert paged_admission(f32, lengths, max_model_len=256)["max_concurrency"] == 20
+
+
+def test_kernel_speed_runs_at_the_models_heads(monkeypatch: Any) -> None:
+    """The block-size timing of `bench memory` builds its caches and queries at the model's
+    heads (Qwen2-0.5B: 14 query / 2 KV heads of 64), not the kernel bench's 32 / 8 / 128."""
+    import torch
+
+    from pagedcore.bench import kernel_primitives as k
+    from pagedcore.bench.memory import measure_kernel_speed, model_heads
+    from pagedcore.engine.models.loading import qwen2_0_5b_config
+
+    heads = model_heads(qwen2_0_5b_config())
+    assert (heads.num_heads, heads.num_kv_heads, heads.head_size) == (14, 2, 64)
+    assert model_heads(tiny_config("llama")).num_kv_heads == 2
+    seen: list[tuple[int, ...]] = []
+    real = k.BackendUnderTest.runner
+
+    def spy(self: Any, kv: Any, query_lens: Any, reqs: Any, query: Any) -> Any:
+        seen.append((*kv.key.shape[-2:], *query.shape[-2:]))
+        return real(self, kv, query_lens, reqs, query)
+
+    monkeypatch.setattr(k.BackendUnderTest, "runner", spy)
+    rows = measure_kernel_speed([16], batch=2, ctx=32, device=torch.device("cpu"),
+                                heads=heads)
+    timed = [r for r in rows if "ms" in r]
+    assert timed and all(r["block_size"] == 16 for r in timed), rows
+    # KV (2 heads, 64) and query (14 heads, 64) shapes reached every backend
+    assert seen and set(seen) == {(2, 64, 14, 64)}, seen
+    ref = next(r for r in timed if r["backend"] == "reference")
+    assert abs(ref["kv_GBps"] * ref["ms"] * 1e6 - 2 * 2 * 32 * 2 * 64 * 4) < 1e-3
