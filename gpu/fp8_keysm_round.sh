@@ -6,7 +6,7 @@
 #   PAGEDCORE_GIT_COMMIT=<sha> OUT=... bash gpu/fp8_keysm_round.sh [steps...]
 # Steps: install build tests ncu probe probeqwen qwenbench qwensweep pick conf grid bench memcheck
 # confgraph ttests tilesweep stepqwen qwentri stepdeltas conftri fusedcheck
-# stepdownadd
+# stepdownadd stepdownadd256
 # `pick` sets KERNELS to the fastest keys variant by the probe's fp8 times (sum over the
 # three shapes) for the steps after it, with `rows` for comparison in `bench`.
 # PAGEDCORE_CUDA_PAGED_FP8_DECODE=rows|ring3|ring4|ring6 picks the fp8 decode kernel
@@ -103,12 +103,18 @@ PY
            done ;;
     stepdeltas) run stepdeltas 300 python3 -m pagedcore.cli bench step --model-shape qwen2-0.5b --batch-sizes 64,256 --steps 50 \
                --outputs all,deltas --no-eager --json "$R/stepdeltas.json" ;;
-    fusedcheck) run fused_check 200 python3 docs/benchmarks/fused_check.py "$R/fused_check.json" --quick ;;
+    fusedcheck) run fused_check ${FUSED_CHECK_LIMIT:-200} python3 docs/benchmarks/fused_check.py "$R/fused_check.json" --quick ;;
     # The 0.5B step: default fused kinds against all of them (down_add too).
     stepdownadd) for f in default 1; do
              if [ $f = default ]; then unset PAGEDCORE_FUSED_KERNELS; else export PAGEDCORE_FUSED_KERNELS=$f; fi
              run stepdownadd_$f 300 python3 -m pagedcore.cli bench step --model-shape qwen2-0.5b --batch-sizes 64,256 --steps 50 \
                --outputs all,deltas --no-eager --profile --json "$R/stepdownadd_$f.json"
+           done; unset PAGEDCORE_FUSED_KERNELS ;;
+    # The short form (little device time): batch 256, the server's delta outputs, no profile.
+    stepdownadd256) for f in default 1; do
+             if [ $f = default ]; then unset PAGEDCORE_FUSED_KERNELS; else export PAGEDCORE_FUSED_KERNELS=$f; fi
+             run stepdownadd256_$f 90 python3 -m pagedcore.cli bench step --model-shape qwen2-0.5b --batch-sizes 256 --steps 30 \
+               --outputs deltas --no-eager --json "$R/stepdownadd256_$f.json"
            done; unset PAGEDCORE_FUSED_KERNELS ;;
     conftri) run conf_triton 240 python3 -m pagedcore.cli conformance triton --device cuda --json "$R/conformance_triton.json" ;;
     confgraph) run confgraph_triton 200 python3 -m pagedcore.cli conformance triton -k graph/ ;;
