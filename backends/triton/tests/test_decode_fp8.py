@@ -1,7 +1,8 @@
 """The fp8 single-token decode kernel (``kernels/decode_fp8.py``): each MODE against a float32
 reference over the dequantized cache (unused slots NaN-poisoned, blocks in random order,
 split-KV merges, sink logits), the launches routed to it, and its sm_90 compile (the
-interpreter runs only its float32 branches)."""
+interpreter runs only its float32 branches); and the paged decode at the small-head tile
+shape (`SMALL_HEAD_DECODE_TILES`), fp8 and float32, on the same kind of cache."""
 
 from __future__ import annotations
 
@@ -16,32 +17,37 @@ from pagedcore_triton.plan import LaunchPart, TileConfig, parse_decode_tiles
 HQ, HKV, D, BS = 8, 2, 32, 16
 
 
-def _case(dtype: torch.dtype, lens: list[int], seed: int) -> dict[str, torch.Tensor]:
-    """An fp8 cache holding `lens` tokens per request (random block order, every other slot
-    NaN), a float32 query and the reference without and with sink logits."""
+def _case(dtype: torch.dtype, lens: list[int], seed: int, *, hq: int = HQ, hkv: int = HKV,
+          d: int = D) -> dict[str, torch.Tensor]:
+    """An fp8 (or float32) cache holding `lens` tokens per request (random block order, every
+    other slot NaN), a float32 query and the reference without and with sink logits."""
     gen = torch.Generator().manual_seed(seed)
     b = len(lens)
     per = max(-(-n // BS) for n in lens)
     nb = b * per + 1
     table = (torch.randperm(nb - 1, generator=gen) + 1).view(b, per).to(torch.int32)
-    cache = torch.empty((2, nb, BS, HKV, D), dtype=dtype)
-    cache.view(torch.uint8).fill_(0x7F)  # NaN in e4m3fn and e5m2
-    fmax = 448.0 if dtype == torch.float8_e4m3fn else 57344.0
-    scales = torch.tensor([0.02]), torch.tensor([0.03])
-    q = torch.randn((b, HQ, D), generator=gen)
-    sinks = torch.randn(HQ, generator=gen)
+    cache = torch.empty((2, nb, BS, hkv, d), dtype=dtype)
+    if dtype.itemsize == 1:
+        cache.view(torch.uint8).fill_(0x7F)  # NaN in e4m3fn and e5m2
+        fmax = 448.0 if dtype == torch.float8_e4m3fn else 57344.0
+        scales = torch.tensor([0.02]), torch.tensor([0.03])
+    else:
+        cache.fill_(float("nan"))
+        fmax, scales = float("inf"), (torch.tensor([1.0]), torch.tensor([1.0]))
+    q = torch.randn((b, hq, d), generator=gen)
+    sinks = torch.randn(hq, generator=gen)
     outs, outs_sink = [], []
     for r, n in enumerate(lens):
-        kv = [(torch.randn((n, HKV, D), generator=gen) * 3 / s).clamp(-fmax, fmax).to(dtype)
+        kv = [(torch.randn((n, hkv, d), generator=gen) * 3 / s).clamp(-fmax, fmax).to(dtype)
               for s in scales]
         pos = torch.arange(n)
         blocks, slots = table[r, pos // BS].long(), pos % BS
         for i in range(2):
             cache[i, blocks, slots] = kv[i]
         k, v = (x.float() * s for x, s in zip(kv, scales, strict=True))
-        k = k.repeat_interleave(HQ // HKV, 1)  # [n, HQ, D]
-        v = v.repeat_interleave(HQ // HKV, 1)
-        s = torch.einsum("hd,nhd->hn", q[r], k) * D**-0.5
+        k = k.repeat_interleave(hq // hkv, 1)  # [n, hq, d]
+        v = v.repeat_interleave(hq // hkv, 1)
+        s = torch.einsum("hd,nhd->hn", q[r], k) * d**-0.5
         outs.append(torch.einsum("hn,nhd->hd", s.softmax(-1), v))
         w = torch.cat([s, sinks[:, None]], -1).softmax(-1)[:, :-1]
         outs_sink.append(torch.einsum("hn,nhd->hd", w, v))
@@ -58,9 +64,38 @@ def _launch(c: dict[str, torch.Tensor], tiles: TileConfig, segments: int, **kw: 
     return prepare_launch(
         part, query_shape=tuple(c["q"].shape), dtype=c["q"].dtype,  # type: ignore[arg-type]
         kv_cache_shape=tuple(c["cache"].shape), query_start_loc=c["qsl"], seq_lens=c["seq"],
-        block_table=c["table"], causal=True, tiles=tiles, kv_fp8=True,
+        block_table=c["table"], causal=True, tiles=tiles,
+        kv_fp8=c["cache"].dtype.itemsize == 1,
         **{"use_alibi": False, "sliding_window": None, "logits_soft_cap": None, **kw},
     )
+
+
+@pytest.mark.parametrize(("dtype", "segments"), [(torch.float32, 1), (torch.float32, 2),
+                                                  (torch.float8_e4m3fn, 1),
+                                                  (torch.float8_e4m3fn, 2)])
+def test_small_head_decode_tiles_match_the_reference(dtype: torch.dtype, segments: int) -> None:
+    """The tile shape a GPU decode takes at Qwen2-0.5B's heads (14 query / 2 KV of 64:
+    `SMALL_HEAD_DECODE_TILES`, 64-token tiles) computes the same attention over a NaN-poisoned
+    cache: partial, whole and several tiles per request, one and two split segments (the
+    interpreter ignores the warps and stages and runs float32 operands)."""
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter's run of the GPU tile shape (the GPU sweep times it)")
+    from pagedcore_triton.plan import SMALL_HEAD_DECODE_TILES, tile_config
+
+    c = _case(dtype, [37, 130, 64], seed=11, hq=14, hkv=2, d=64)
+    itemsize = min(dtype.itemsize, 2)  # (float32 stands in for bf16 in the interpreter)
+    tiles = tile_config(1, 7, 64, interpreting=False, kv_itemsize=itemsize)
+    want = SMALL_HEAD_DECODE_TILES[itemsize]
+    assert all(getattr(tiles, k) == v for k, v in want.items()) and tiles.tile_n == 64
+    launch = _launch(c, tiles, segments)
+    assert launch.kernel == "paged" and launch.grid[1:] == (2, segments)
+    out = torch.full_like(c["q"], float("nan"))
+    run_launch(launch, c["q"], c["cache"], out, scale=64**-0.5, alibi_slopes=None,
+               sliding_window=None, logits_soft_cap=None,
+               kv_scales=c["scales"] if dtype.itemsize == 1 else None,  # type: ignore[arg-type]
+               sinks=None)
+    assert not out.isnan().any()
+    assert float((out - c["ref"]).norm() / c["ref"].norm()) < 1e-5
 
 
 @pytest.mark.parametrize(
