@@ -250,6 +250,11 @@ def test_down_add_accumulates_the_mlp_into_the_residual(dtype: torch.dtype) -> N
         want = residual.float() + biased(x).float()
         assert calls == [1, 1] and got is into
         assert float((got.float() - want).abs().max() / want.abs().max()) < tol
+        # a plain Linear with a forward hook (an adapter, a probe) keeps its forward too
+        hooked = FusedSiLUMulMLP(copy.deepcopy(orig))
+        hooked.down_proj.register_forward_hook(lambda *_a: calls.append(2))
+        hooked.add_into(x, residual.clone())
+        assert calls[-1] == 2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -356,12 +356,12 @@ class FusedSiLUMulMLP(nn.Module):
     def add_into(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual + self(x)``, computed into `residual` (which it returns).
 
-        When ``down_proj`` is a plain `nn.Linear` without bias (not a tensor-parallel shard,
-        whose partial sums must be reduced before the add) in `residual`'s dtype and
-        `residual` is contiguous, the down projection is one in-place ``addmm_``: the GEMM
-        adds `residual` to its float32 accumulator (cuBLAS ``beta = 1``), one launch and one
-        rounding instead of the GEMM, its rounding, the add's launch and its rounding.
-        Otherwise it is ``residual += self(x)``.
+        When ``down_proj`` is a plain `nn.Linear` without bias or forward hooks (not a
+        tensor-parallel shard, whose partial sums must be reduced before the add) in
+        `residual`'s dtype and `residual` is contiguous, the down projection is one in-place
+        ``addmm_``: the GEMM adds `residual` to its float32 accumulator (cuBLAS ``beta = 1``),
+        one launch and one rounding instead of the GEMM, its rounding, the add's launch and
+        its rounding. Otherwise it is ``residual += self(x)``.
 
         Parameters
         ----------
@@ -375,6 +375,7 @@ class FusedSiLUMulMLP(nn.Module):
         down: Any = self.down_proj
         weight = getattr(down, "weight", None)
         if (type(down) is nn.Linear and down.bias is None and weight is not None
+                and not down._forward_hooks and not down._forward_pre_hooks
                 and weight.dtype == residual.dtype == act.dtype and residual.is_contiguous()
                 and residual.shape[:-1] == act.shape[:-1]):
             residual.view(-1, residual.shape[-1]).addmm_(act.reshape(-1, act.shape[-1]),
