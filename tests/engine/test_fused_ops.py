@@ -201,9 +201,9 @@ def test_engine_on_cpu_keeps_transformers_modules(monkeypatch: pytest.MonkeyPatc
 def test_engine_swaps_on_cuda_and_matches_unswapped_bf16(
     monkeypatch: pytest.MonkeyPatch, arch: str, expected_swaps: dict[str, int]
 ) -> None:
-    """The engine swaps every GPU-checked kind on CUDA by default; bf16 greedy tokens and
-    log-probabilities agree with the engine with the swap turned off by the environment
-    switch."""
+    """The engine swaps every GPU-checked kind on CUDA by default (and with the switch at 1
+    every kind, down_add too); bf16 greedy tokens and log-probabilities agree with the engine
+    with the swap turned off by the environment switch."""
     from pagedcore import LLM, SamplingParams
 
     config = tiny_config(arch, hidden_size=128, head_dim=64, num_attention_heads=4,
@@ -211,7 +211,8 @@ def test_engine_swaps_on_cuda_and_matches_unswapped_bf16(
     prompts = random_prompts([7, 40, 100], seed=9)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
     runs = []
-    for setting in (None, "0"):  # unset: the default, the GPU-checked kinds (all of them)
+    # unset: the default, the GPU-checked kinds; "1": every kind (down_add too); "0": none
+    for setting in (None, "1", "0"):
         if setting is None:
             monkeypatch.delenv(FUSED_KERNELS_ENV, raising=False)
         else:
@@ -221,12 +222,13 @@ def test_engine_swaps_on_cuda_and_matches_unswapped_bf16(
         llm = LLM(model, device="cuda", dtype="bfloat16", block_size=16, max_model_len=256,
                   kv_cache_memory_bytes=64 << 20)
         runner: Any = llm.runner
-        expected = expected_swaps if setting is None else {}
-        assert runner.fused_kernels == expected, runner.fused_kernels_disabled_reason
+        expected = {None: expected_swaps, "1": {**expected_swaps, "down_add": 2}, "0": {}}
+        assert runner.fused_kernels == expected[setting], runner.fused_kernels_disabled_reason
         runs.append(llm.generate(prompts, params))
-    for fused, plain in zip(*runs, strict=True):
-        assert fused.outputs[0].token_ids[:2] == plain.outputs[0].token_ids[:2]
-        lp_f, lp_p = fused.outputs[0].logprobs[0], plain.outputs[0].logprobs[0]
-        for token, value in lp_f.items():
-            if token in lp_p:
-                assert abs(value - lp_p[token]) < 0.1, (token, value, lp_p[token])
+    for fused_run in runs[:2]:
+        for fused, plain in zip(fused_run, runs[2], strict=True):
+            assert fused.outputs[0].token_ids[:2] == plain.outputs[0].token_ids[:2]
+            lp_f, lp_p = fused.outputs[0].logprobs[0], plain.outputs[0].logprobs[0]
+            for token, value in lp_f.items():
+                if token in lp_p:
+                    assert abs(value - lp_p[token]) < 0.1, (token, value, lp_p[token])
