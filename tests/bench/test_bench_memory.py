@@ -94,8 +94,6 @@ def test_fp8_kv_blocks_take_a_quarter_of_float32_and_admit_more() -> None:
 def test_kernel_speed_runs_at_the_models_heads(monkeypatch: Any) -> None:
     """The block-size timing of `bench memory` builds its caches and queries at the model's
     heads (Qwen2-0.5B: 14 query / 2 KV heads of 64), not the kernel bench's 32 / 8 / 128."""
-    import torch
-
     from pagedcore.bench import kernel_primitives as k
     from pagedcore.bench.memory import measure_kernel_speed, model_heads
     from pagedcore.engine.models.loading import qwen2_0_5b_config

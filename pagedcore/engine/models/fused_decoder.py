@@ -5,7 +5,9 @@ launches (the add, the norm) and one extra round trip of ``h`` through memory. `
 computes both with `pagedcore.engine.models.fused_ops.add_rms_norm` (one launch, the same
 rounding: the sum is rounded to the activation dtype before it is normalised, as torch's add
 rounds it). It wraps the original's submodules (same state-dict keys) and passes every
-keyword argument through to the attention module as transformers' layer does.
+keyword argument through to the attention module as transformers' layer does. With
+``down_add`` (an opt-in fused kind) the second residual add, ``h + mlp(norm2(h))``, runs
+inside the MLP's down projection as well (`FusedSiLUMulMLP.add_into`).
 """
 
 from __future__ import annotations

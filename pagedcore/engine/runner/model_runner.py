@@ -101,7 +101,10 @@ class ModelRunner(GraphRouting):
         kv_scales: dict[int, tuple[float, float]] | None = None,
     ) -> None:
         from pagedcore.engine.models.fused_attention import swap_fused_attention
-        from pagedcore.engine.models.fused_decoder import swap_fused_decoder_layers
+        from pagedcore.engine.models.fused_decoder import (
+            FusedDecoderLayer,
+            swap_fused_decoder_layers,
+        )
         from pagedcore.engine.models.fused_ops import (
             fused_kernels_disabled_reason,
             fused_kinds_setting,
@@ -133,7 +136,8 @@ class ModelRunner(GraphRouting):
                     model, down_add="down_add" in kinds)
                 if "down_add" in kinds:
                     self.fused_kernels["down_add"] = sum(
-                        1 for m in model.modules() if getattr(m, "down_add", False) is True)
+                        1 for m in model.modules()
+                        if isinstance(m, FusedDecoderLayer) and m.down_add)
         self.base_model = getattr(model, model.base_model_prefix)
         self.lm_head: Any = model.get_output_embeddings()  # type: ignore[no-untyped-call]
         self.final_logit_softcap: float | None = getattr(config, "final_logit_softcapping", None)
