@@ -103,7 +103,7 @@ class Device(_StrType):
                 ctx: click.Context | None) -> str:
         text = str(value).strip().lower()
         kind, _, index = text.partition(":")
-        if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdigit())):
+        if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdecimal())):
             self.fail(f"{value!r} is not a device; use cpu, cuda or cuda:N", param, ctx)
         if kind == "cuda":
             import torch

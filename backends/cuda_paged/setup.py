@@ -29,7 +29,7 @@ def nvcc_arch_flags(archs: str) -> list[str]:
     """``-gencode`` flags for comma-separated compute capabilities ("80,90"), plus PTX of the
     last one so newer GPUs can JIT it."""
     caps = [a.strip() for a in archs.split(",") if a.strip()]
-    if not caps or not all(a.isdigit() for a in caps):
+    if not caps or not all(a.isdecimal() for a in caps):
         raise SystemExit(f"PAGEDCORE_CUDA_PAGED_ARCHS must be like '80,90', got {archs!r}")
     flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in caps]
     return [*flags, f"-gencode=arch=compute_{caps[-1]},code=compute_{caps[-1]}"]

@@ -388,7 +388,7 @@ def parse_heads(text: str | None, head_size: int | None) -> HeadShape:
         text = f"{DEFAULT_HEADS.num_heads}/{DEFAULT_HEADS.num_kv_heads}"
     head_size = DEFAULT_HEADS.head_size if head_size is None else head_size
     q, sep, kv = text.partition("/")
-    if not (sep and q.strip().isdigit() and kv.strip().isdigit()):
+    if not (sep and q.strip().isdecimal() and kv.strip().isdecimal()):
         raise click.BadParameter(f"{text!r}: give query heads / KV heads, e.g. 32/8 or 14/2",
                                  param_hint="--heads")
     try:
@@ -402,7 +402,7 @@ def _parse_decode_shapes(text: str) -> list[tuple[int, ...]]:
     shapes: list[tuple[int, ...]] = []
     for item in (t.strip() for t in text.split(",")):
         batch, sep, ctx = item.partition("x")
-        if not (sep and batch.isdigit() and ctx.isdigit() and int(batch) > 0 and int(ctx) > 0):
+        if not (sep and batch.isdecimal() and ctx.isdecimal() and int(batch) > 0 and int(ctx) > 0):
             raise click.BadParameter(
                 f"{item!r} in {text!r}: give batch x context with positive integers, e.g. "
                 "256x560,64x4096", param_hint="--decode-shapes")

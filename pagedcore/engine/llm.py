@@ -366,7 +366,8 @@ class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
         used: dict[str, Any] = {}
         if params is None:
             params, used = self.default_sampling_params(), dict(self.sampling_defaults)
-        params = check_request(params, max_logprobs=self.max_logprobs, max_n=self.max_n)
+        params = check_request(params, max_logprobs=self.max_logprobs, max_n=self.max_n,
+                               vocab_size=int(self.model.config.vocab_size))
         params = resolve_max_tokens(params, num_prompt_tokens, self.max_model_len)
         self.scheduler.check_fits(num_prompt_tokens, params.max_tokens or 1)
         return params, used, bad_words_token_ids(params, self.tokenizer)

@@ -10,17 +10,22 @@ from pagedcore.engine.sampling.sampling_params import SamplingParams
 from pagedcore.engine.scheduling.request import Request
 from pagedcore.engine.validation import InvalidArgumentError, InvalidArgumentTypeError, describe
 
-__all__ = ["check_request", "check_schedulable", "check_unique_ids"]
+__all__ = [
+    "check_request", "check_schedulable", "check_token_fields", "check_unique_ids",
+    "token_fields_outside",
+]
 
 
-def check_request(params: Any, *, max_logprobs: int, max_n: int) -> SamplingParams:
+def check_request(params: Any, *, max_logprobs: int, max_n: int,
+                  vocab_size: int | None = None) -> SamplingParams:
     """`params` (None: the defaults) when it is a `SamplingParams` within the engine's bounds.
 
     Raises
     ------
     InvalidArgumentError
         Not a `SamplingParams`, or ``logprobs`` or ``prompt_logprobs > max_logprobs``, or
-        ``n > max_n``.
+        ``n > max_n``, or (given `vocab_size`) ``allowed_token_ids`` or ``logit_bias``
+        naming a token id outside ``[0, vocab_size)``.
     """
     if params is None:
         return SamplingParams()
@@ -41,7 +46,32 @@ def check_request(params: Any, *, max_logprobs: int, max_n: int) -> SamplingPara
             f"invalid request: n={params.n} exceeds the engine's max_n={max_n}; ask for fewer "
             "samples, or raise it with LLM(max_n=...)"
         )
+    if vocab_size is not None:
+        check_token_fields(params, vocab_size)
     return params
+
+
+def token_fields_outside(params: SamplingParams, vocab_size: int) -> list[tuple[str, list[int]]]:
+    """``(field, ids)`` for each of `params`' token-id fields that names ids outside
+    ``[0, vocab_size)``: ``allowed_token_ids`` (a mask of only such ids leaves no token to
+    sample) and ``logit_bias`` (a bias on no token). ``stop_token_ids`` are not checked: an
+    id the model never samples just never stops it."""
+    out = []
+    for field, ids in (("allowed_token_ids", params.allowed_token_ids or ()),
+                       ("logit_bias", tuple(params.logit_bias or ()))):
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            out.append((field, bad))
+    return out
+
+
+def check_token_fields(params: SamplingParams, vocab_size: int) -> None:
+    """InvalidArgumentError naming the first `token_fields_outside` the vocabulary."""
+    for field, bad in token_fields_outside(params, vocab_size):
+        raise InvalidArgumentError(
+            f"invalid request: {field} has token ids {bad[:5]} outside the vocabulary "
+            f"[0, {vocab_size}); use ids of this model's tokenizer"
+        )
 
 
 def check_unique_ids(

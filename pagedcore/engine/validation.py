@@ -31,7 +31,13 @@ MAX_SEED = 2**64 - 1
 
 
 class InvalidArgumentError(ValueError):
-    """A user-supplied argument has a wrong value (the message names it and the fix)."""
+    """A user-supplied argument has a wrong value (the message names it and the fix).
+
+    `fields` names the arguments at fault, first first, where the check knew them (a server
+    reports the first as its error's ``param``); empty otherwise.
+    """
+
+    fields: tuple[str, ...] = ()
 
 
 class InvalidArgumentTypeError(InvalidArgumentError, TypeError):
@@ -62,19 +68,27 @@ def as_index(value: Any) -> int | None:
 
 
 class Problems:
-    """The problems found in one object, split by kind (type or value)."""
+    """The problems found in one object, split by kind (type or value), and the fields they
+    are about (where the check knew its field's name)."""
 
-    __slots__ = ("type_errors", "value_errors")
+    __slots__ = ("fields", "type_errors", "value_errors")
 
     def __init__(self) -> None:
         self.type_errors: list[str] = []
         self.value_errors: list[str] = []
+        self.fields: list[str] = []
 
-    def type(self, message: str) -> None:
+    def type(self, message: str, field: str | None = None) -> None:
         self.type_errors.append(message)
+        self._field(field)
 
-    def value(self, message: str) -> None:
+    def value(self, message: str, field: str | None = None) -> None:
         self.value_errors.append(message)
+        self._field(field)
+
+    def _field(self, field: str | None) -> None:
+        if field and field not in self.fields:
+            self.fields.append(field)
 
     def __bool__(self) -> bool:
         return bool(self.type_errors or self.value_errors)
@@ -85,9 +99,9 @@ def raise_problems(what: str, problems: Problems) -> None:
     if not problems:
         return
     message = f"invalid {what}: " + "; ".join(problems.type_errors + problems.value_errors)
-    if problems.type_errors:
-        raise InvalidArgumentTypeError(message)
-    raise InvalidArgumentError(message)
+    error = (InvalidArgumentTypeError if problems.type_errors else InvalidArgumentError)(message)
+    error.fields = tuple(problems.fields)
+    raise error
 
 
 def check_int(
@@ -115,12 +129,12 @@ def check_int(
     as_int = as_index(value)
     if as_int is None:
         hint = ""
-        if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+        if isinstance(value, str) and value.strip().lstrip("+-").isdecimal():
             hint = f" (pass {int(value)} without quotes)"
-        problems.type(f"{name} must be {expected}, got {describe(value)}{hint}")
+        problems.type(f"{name} must be {expected}, got {describe(value)}{hint}", name)
         return None
     if (low is not None and as_int < low) or (high is not None and as_int > high):
-        problems.value(f"{name} must be {expected}, got {as_int}")
+        problems.value(f"{name} must be {expected}, got {as_int}", name)
         return None
     return as_int
 
@@ -137,21 +151,21 @@ def check_real(
 ) -> float | None:
     """`value` as a float when it is a finite real number in range; else record a problem."""
     if _is_bool(value) or isinstance(value, (str, bytes)):
-        problems.type(f"{name} must be {expected}, got {describe(value)}")
+        problems.type(f"{name} must be {expected}, got {describe(value)}", name)
         return None
     try:
         as_float = float(value)
     except (TypeError, ValueError):
-        problems.type(f"{name} must be {expected}, got {describe(value)}")
+        problems.type(f"{name} must be {expected}, got {describe(value)}", name)
         return None
     if math.isnan(as_float) or math.isinf(as_float):
-        problems.value(f"{name} must be {expected}, got {as_float}")
+        problems.value(f"{name} must be {expected}, got {as_float}", name)
         return None
     if low is not None and (as_float < low or (low_open and as_float == low)):
-        problems.value(f"{name} must be {expected}, got {value!r}")
+        problems.value(f"{name} must be {expected}, got {value!r}", name)
         return None
     if high is not None and as_float > high:
-        problems.value(f"{name} must be {expected}, got {value!r}")
+        problems.value(f"{name} must be {expected}, got {value!r}", name)
         return None
     return as_float
 
@@ -162,7 +176,7 @@ def check_bool(problems: Problems, name: str, value: Any) -> bool | None:
         return value
     if _is_bool(value):
         return bool(value)
-    problems.type(f"{name} must be True or False, got {describe(value)}")
+    problems.type(f"{name} must be True or False, got {describe(value)}", name)
     return None
 
 
@@ -174,22 +188,22 @@ def check_int_sequence(
         return ()
     if isinstance(value, (str, bytes, bytearray, Mapping)) or not isinstance(value, Sequence):
         hint = ""
-        if isinstance(value, str) and value.strip().isdigit():
+        if isinstance(value, str) and value.strip().isdecimal():
             hint = f" (did you mean [{int(value)}]?)"
         elif as_index(value) is not None:
             hint = f" (did you mean [{as_index(value)}]?)"
-        problems.type(f"{name} must be a list of ints >= {low}, got {describe(value)}{hint}")
+        problems.type(f"{name} must be a list of ints >= {low}, got {describe(value)}{hint}", name)
         return None
     out: list[int] = []
     for item in value:
         as_int = as_index(item)
         if as_int is None:
             problems.type(
-                f"{name} must be a list of ints >= {low}, got an element {describe(item)}"
+                f"{name} must be a list of ints >= {low}, got an element {describe(item)}", name
             )
             return None
         if as_int < low:
-            problems.value(f"{name} must be a list of ints >= {low}, got an element {as_int}")
+            problems.value(f"{name} must be a list of ints >= {low}, got an element {as_int}", name)
             return None
         out.append(as_int)
     return tuple(out)

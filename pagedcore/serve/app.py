@@ -164,7 +164,7 @@ def build_app(
     async def completions(request: Request) -> Response:
         check_key(request)
         body = parse_body(CompletionRequest, await _read_body(request, max_body_bytes))
-        fan, prompts = serving.completion(body)
+        fan, prompts = serving.completion(body, await serving.completion_prompts(body))
         if body.stream:
             return StreamingResponse(serving.completion_stream(body, fan, prompts),
                                      media_type="text/event-stream")
@@ -175,7 +175,7 @@ def build_app(
     async def chat_completions(request: Request) -> Response:
         check_key(request)
         body = parse_body(ChatCompletionRequest, await _read_body(request, max_body_bytes))
-        fan, prompts = serving.chat(body)
+        fan, prompts = serving.chat(body, await serving.chat_prompts(body))
         if body.stream:
             return StreamingResponse(serving.chat_stream(body, fan, prompts),
                                      media_type="text/event-stream")

@@ -267,6 +267,8 @@ class AsyncEngine(EngineThread):
 
         Raises
         ------
+        BadRequestError
+            `count` is more than the capacity itself (it could never be admitted).
         QueueFullError
             Admitting them would pass ``max_num_seqs + max_waiting`` sequences in flight.
         ShuttingDownError, EngineDeadError
@@ -274,6 +276,12 @@ class AsyncEngine(EngineThread):
         """
         if self._dead is not None:
             raise EngineDeadError(f"the engine stopped after a failure: {self._dead}")
+        if count > self.capacity:
+            # Never admissible, however long the client waits: not a 503 to retry.
+            raise BadRequestError(
+                f"the request needs {count} sequences (prompts x n) and this server runs at "
+                f"most {self.capacity} at once (--max-num-seqs + --max-waiting); send fewer "
+                "prompts or a smaller n per request", param="n", code="too_many_sequences")
         if not self._accepting:
             raise ShuttingDownError("the server is shutting down and admits no new requests")
         with self._lock:
@@ -294,6 +302,9 @@ class AsyncEngine(EngineThread):
 
     def check_prompt(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         """BadRequestError when a prompt of this length can never be served."""
+        if num_prompt_tokens == 0:
+            raise BadRequestError("the prompt is empty; give at least one token",
+                                  param="prompt", code="invalid_value")
         try:
             self.info.fit.check(num_prompt_tokens, max_tokens)
         except ValueError as exc:

@@ -118,6 +118,13 @@ class ChatMessage(_Body):
     content: str | list[_TextPart] | None = None
     name: str | None = None
 
+    def text_length(self) -> int:
+        """Characters of text the message holds."""
+        content = self.content
+        if isinstance(content, list):
+            return sum(len(part.text) for part in content)
+        return len(content or "")
+
     def as_template_dict(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
@@ -140,7 +147,13 @@ class ChatCompletionRequest(_SamplingFields):
 
     @property
     def num_logprobs(self) -> int | None:
+        """Top logprobs per token (None: no logprobs); BadRequestError for ``top_logprobs``
+        without ``logprobs: true`` (OpenAI refuses it too)."""
         if not self.logprobs:
+            if self.top_logprobs is not None:
+                raise BadRequestError("top_logprobs needs logprobs: true (set both, or leave "
+                                      "top_logprobs out)", param="top_logprobs",
+                                      code="invalid_value")
             return None
         return self.top_logprobs or 0
 
@@ -154,6 +167,9 @@ def parse_body(model: type[_Body], body: bytes) -> Any:
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequestError(f"the request body is not valid JSON: {exc}",
                               code="invalid_json") from exc
+    except RecursionError as exc:  # nested deeper than the parser's recursion limit
+        raise BadRequestError("the request body nests JSON arrays or objects too deeply",
+                              code="invalid_json") from exc
     if not isinstance(data, dict):
         raise BadRequestError(f"the request body must be a JSON object, got "
                               f"{type(data).__name__}", code="invalid_json")
@@ -162,6 +178,9 @@ def parse_body(model: type[_Body], body: bytes) -> Any:
     except ValidationError as exc:
         first = exc.errors()[0]
         loc = ".".join(str(p) for p in first["loc"])
+        if not loc:  # the body as a whole (e.g. a lone surrogate escape in a string)
+            raise BadRequestError(f"the request body is not valid JSON: {first['msg']}",
+                                  code="invalid_json") from exc
         # Strict unions report one error per member: name the field and what it accepts.
         got = first.get("input")
         got_text = "" if isinstance(got, (dict, list)) else f" (got {got!r})"
@@ -171,11 +190,28 @@ def parse_body(model: type[_Body], body: bytes) -> Any:
 
 
 class SamplingLimits:
-    """What the server allows: the longest model length and the most samples per request."""
+    """What the server allows: the longest model length, the most samples per request, and
+    the token ids the model has (``[0, vocab_size)``; None: not checked here)."""
 
-    def __init__(self, *, max_model_len: int, max_n: int) -> None:
+    def __init__(self, *, max_model_len: int, max_n: int, vocab_size: int | None = None) -> None:
         self.max_model_len = max_model_len
         self.max_n = max_n
+        self.vocab_size = vocab_size
+
+
+
+def _param_of(exc: ValueError, body: _SamplingFields) -> str | None:
+    """The request field an error of `SamplingParams` is about (None when it names none)."""
+    fields: tuple[str, ...] = getattr(exc, "fields", ())
+    if not fields:
+        return None
+    field = fields[0]
+    if field == "max_tokens" and isinstance(body, ChatCompletionRequest) \
+            and body.max_completion_tokens is not None:
+        return "max_completion_tokens"
+    if field == "logprobs" and isinstance(body, ChatCompletionRequest):
+        return "top_logprobs"
+    return field
 
 
 def _unsupported(body: _SamplingFields) -> None:
@@ -213,13 +249,13 @@ def sampling_params(
     from pagedcore.engine.sampling.sampling_params import SamplingParams
 
     _unsupported(body)
-    max_tokens = body.max_tokens
+    max_tokens, max_field = body.max_tokens, "max_tokens"
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
-        max_tokens = body.max_completion_tokens
+        max_tokens, max_field = body.max_completion_tokens, "max_completion_tokens"
     if max_tokens is None:
         max_tokens = max(1, limits.max_model_len - num_prompt_tokens)
     checks: Sequence[tuple[bool, str, str]] = (
-        (max_tokens >= 1, "max_tokens", f"must be >= 1, got {max_tokens}"),
+        (max_tokens >= 1, max_field, f"must be >= 1, got {max_tokens}"),
         (1 <= body.n <= limits.max_n, "n", f"must be in [1, {limits.max_n}], got {body.n}"),
         (body.temperature is None or 0.0 <= body.temperature, "temperature",
          f"must be >= 0 (0 = greedy), got {body.temperature}"),
@@ -241,7 +277,7 @@ def sampling_params(
             raise BadRequestError(f"{field} {what}", param=field, code="invalid_value")
     top_k = body.top_k if body.top_k not in (0, -1) else None
     try:
-        return SamplingParams(
+        params = SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
@@ -262,11 +298,20 @@ def sampling_params(
             repetition_penalty=(1.0 if body.repetition_penalty is None
                                 else body.repetition_penalty),
             logit_bias=(None if body.logit_bias is None  # JSON keys are strings
-                        else {int(k) if k.strip().isdigit() else k: v  # type: ignore[misc]
+                        else {int(k) if k.strip().isdecimal() else k: v  # type: ignore[misc]
                               for k, v in body.logit_bias.items()}),
             bad_words=tuple(body.bad_words or ()),
             allowed_token_ids=(None if body.allowed_token_ids is None
                                else tuple(body.allowed_token_ids)),
         )
     except ValueError as exc:
-        raise BadRequestError(str(exc), code="invalid_value") from exc
+        raise BadRequestError(str(exc), param=_param_of(exc, body), code="invalid_value") \
+            from exc
+    if limits.vocab_size is not None:
+        from pagedcore.engine.request_checks import token_fields_outside
+
+        for field, bad in token_fields_outside(params, limits.vocab_size):
+            raise BadRequestError(f"{field} has token ids {bad[:5]} outside the vocabulary "
+                                  f"[0, {limits.vocab_size})", param=field,
+                                  code="invalid_value")
+    return params

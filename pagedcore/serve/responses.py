@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -101,6 +102,57 @@ def _token_text(tokenizer: Any, token_id: int) -> str:
     return text
 
 
+@functools.cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's, `tokenizers.pre_tokenizers.ByteLevel`) inverted:
+    character -> byte. The printable bytes ``!``..``~``, ``¡``..``¬`` and ``®``..``ÿ`` stand
+    for themselves; the other 68, in byte order, for the characters from U+0100 up."""
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    table: dict[str, int] = {}
+    shifted = 0
+    for byte in range(256):
+        if byte in printable:
+            table[chr(byte)] = byte
+        else:
+            table[chr(0x100 + shifted)] = byte
+            shifted += 1
+    return table
+
+
+def _raw_token_bytes(tokenizer: Any, token_id: int) -> bytes | None:
+    """A token's own bytes where its text alone is not valid UTF-8 (a piece of a multi-byte
+    character): from a byte-level BPE piece, or a ``<0xNN>`` byte-fallback piece; None when
+    the tokenizer is neither kind."""
+    from pagedcore.engine.detokenizer import backend_tokenizer
+
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if not isinstance(piece, str):
+        return None
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        try:
+            return bytes([int(piece[3:5], 16)])
+        except ValueError:
+            return None
+    backend = backend_tokenizer(tokenizer)
+    if backend is None or type(backend.decoder).__name__ != "ByteLevel":
+        return None
+    alphabet = _byte_level_alphabet()
+    if not all(c in alphabet for c in piece):
+        return None
+    return bytes(alphabet[c] for c in piece)
+
+
+def _token_bytes(tokenizer: Any, token_id: int, text: str) -> list[int]:
+    """The ``bytes`` of a chat logprobs entry: the UTF-8 of the token's text, or, where that
+    text is a replacement character standing for part of a multi-byte character, the token's
+    raw bytes (so a client joining the entries' bytes gets the text back, as OpenAI's do)."""
+    if tokenizer is not None and "\ufffd" in text:
+        raw = _raw_token_bytes(tokenizer, token_id)
+        if raw is not None:
+            return list(raw)
+    return list(text.encode())
+
+
 def _ranked(top: dict[int, Logprob], k: int) -> list[tuple[int, float]]:
     return sorted(((t, lp.logprob) for t, lp in top.items()), key=lambda kv: kv[1],
                   reverse=True)[:k]
@@ -157,10 +209,10 @@ def chat_logprobs(
         content.append({
             "token": text,
             "logprob": _of(top, token_id),
-            "bytes": list(text.encode()),
+            "bytes": _token_bytes(tokenizer, token_id, text),
             "top_logprobs": [
                 {"token": (t_text := _token_text(tokenizer, t)), "logprob": float(lp),
-                 "bytes": list(t_text.encode())}
+                 "bytes": _token_bytes(tokenizer, t, t_text)}
                 for t, lp in _ranked(top, k)
             ],
         })

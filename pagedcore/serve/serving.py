@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from pagedcore.engine.validation import MAX_SEED
 from pagedcore.serve.errors import BadRequestError, ServeError, error_body
 from pagedcore.serve.protocol import (
     ChatCompletionRequest,
@@ -40,6 +41,9 @@ if TYPE_CHECKING:
 __all__ = ["FanIn", "OpenAIServing", "Sequence_"]
 
 _DONE = b"data: [DONE]\n\n"
+#: Prompt text (characters) above which a request is tokenized on a worker thread instead of
+#: the event loop (a 4 MB prompt takes seconds to tokenize; short ones are not worth a hop).
+OFF_LOOP_CHARS = 32_768
 
 
 @attrs.frozen
@@ -154,7 +158,8 @@ class OpenAIServing:
     def __init__(self, engine: AsyncEngine, *, model_names: Sequence[str], max_n: int) -> None:
         self.engine = engine
         self.model_names = list(model_names)
-        self.limits = SamplingLimits(max_model_len=engine.max_model_len, max_n=max_n)
+        self.limits = SamplingLimits(max_model_len=engine.max_model_len, max_n=max_n,
+                                     vocab_size=engine.vocab_size)
         self.vocab_size = engine.vocab_size
 
     @property
@@ -221,7 +226,9 @@ class OpenAIServing:
                 exc.param = param
                 raise
             for j in range(body.n):
-                seeded = params if params.seed is None else params.replace(seed=params.seed + j)
+                # Sample j's seed, wrapped into the seed range as `LLM` does for n > 1.
+                seeded = params if params.seed is None else params.replace(
+                    seed=(params.seed + j) % (MAX_SEED + 1))
                 if j and prompt_logprobs is not None:
                     # The prompt's first sample computes them for every choice of the prompt.
                     seeded = seeded.replace(prompt_logprobs=None)
@@ -236,10 +243,26 @@ class OpenAIServing:
 
     # ---- completions -----------------------------------------------------------------------
 
-    def completion(self, body: CompletionRequest) -> tuple[FanIn, list[list[int]]]:
-        """Validate and admit a completions request; its sequences and prompts."""
+    async def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
+        """The token ids of each prompt of `body` (its model checked first). Text longer
+        than `OFF_LOOP_CHARS` is tokenized on a worker thread: one long prompt must not stall
+        the event loop, and with it every other stream and ``/health``."""
         self.check_model(body.model)
-        prompts = [self._encode(p, "prompt") for p in body.prompts()]
+        prompts = body.prompts()
+        if sum(len(p) for p in prompts if isinstance(p, str)) > OFF_LOOP_CHARS:
+            return await asyncio.to_thread(self._encode_all, prompts)
+        return self._encode_all(prompts)
+
+    def _encode_all(self, prompts: Sequence[str | list[int]]) -> list[list[int]]:
+        return [self._encode(p, "prompt") for p in prompts]
+
+    def completion(self, body: CompletionRequest,
+                   prompts: list[list[int]] | None = None) -> tuple[FanIn, list[list[int]]]:
+        """Validate and admit a completions request (`prompts`: its `completion_prompts`,
+        else tokenized here); its sequences and prompts."""
+        self.check_model(body.model)
+        if prompts is None:
+            prompts = self._encode_all(body.prompts())
         seqs = self._sequences(body, prompts, body.logprobs, "prompt")
         return self._fan_in(body, seqs), prompts
 
@@ -280,15 +303,18 @@ class OpenAIServing:
         """`completion_stream` with logprobs or prompt logprobs: a dict per chunk."""
         acc: dict[int, dict[str, Any]] = {}
         offsets: dict[int, int] = {}
+        held = _HeldTokens()
         try:
             async for index, d in fan:
                 _accumulate(acc, index, d)
                 if not (d.text or d.finish_reason or (d.token_ids and self.tokenizer is None)
                         or d.prompt_logprobs is not None):
+                    held.hold(index, d)
                     continue
                 logprobs = None
-                if body.logprobs is not None and d.logprobs is not None:
-                    logprobs = completion_logprobs(self.tokenizer, d.token_ids, d.logprobs,
+                ids, token_logprobs = held.release(index, d)
+                if body.logprobs is not None and token_logprobs is not None:
+                    logprobs = completion_logprobs(self.tokenizer, ids, token_logprobs,
                                                    k=body.logprobs,
                                                    text_offset=offsets.get(index, 0))
                 offsets[index] = offsets.get(index, 0) + len(d.text)
@@ -344,10 +370,21 @@ class OpenAIServing:
 
     # ---- chat ------------------------------------------------------------------------------
 
-    def chat(self, body: ChatCompletionRequest) -> tuple[FanIn, list[list[int]]]:
-        """Validate and admit a chat request; its sequences and (one) prompt."""
+    async def chat_prompts(self, body: ChatCompletionRequest) -> list[list[int]]:
+        """The token ids of the conversation (its model checked first), on a worker thread
+        when the messages hold more than `OFF_LOOP_CHARS` characters of text."""
         self.check_model(body.model)
-        prompts = [self.chat_prompt(body)]
+        if sum(m.text_length() for m in body.messages) > OFF_LOOP_CHARS:
+            return [await asyncio.to_thread(self.chat_prompt, body)]
+        return [self.chat_prompt(body)]
+
+    def chat(self, body: ChatCompletionRequest,
+             prompts: list[list[int]] | None = None) -> tuple[FanIn, list[list[int]]]:
+        """Validate and admit a chat request (`prompts`: its `chat_prompts`, else rendered
+        and tokenized here); its sequences and (one) prompt."""
+        self.check_model(body.model)
+        if prompts is None:
+            prompts = [self.chat_prompt(body)]
         seqs = self._sequences(body, prompts, body.num_logprobs, "messages")
         return self._fan_in(body, seqs), prompts
 
@@ -390,16 +427,19 @@ class OpenAIServing:
                            roles: list[bytes]) -> AsyncIterator[bytes]:
         """`chat_stream` with logprobs or prompt logprobs: a dict per chunk."""
         acc: dict[int, dict[str, Any]] = {}
+        held = _HeldTokens()
         try:
             for role in roles:
                 yield role
             async for index, d in fan:
                 _accumulate(acc, index, d)
                 if not (d.text or d.finish_reason or d.prompt_logprobs is not None):
+                    held.hold(index, d)
                     continue
                 logprobs = None
-                if body.num_logprobs is not None and d.logprobs is not None:
-                    logprobs = chat_logprobs(self.tokenizer, d.token_ids, d.logprobs,
+                ids, token_logprobs = held.release(index, d)
+                if body.num_logprobs is not None and token_logprobs is not None:
+                    logprobs = chat_logprobs(self.tokenizer, ids, token_logprobs,
                                              k=body.num_logprobs)
                 delta = {"content": d.text} if d.text else {}
                 chunk = chat_chunk(rid, created, model, index, delta, d.finish_reason, logprobs)
@@ -412,6 +452,34 @@ class OpenAIServing:
         except ServeError as exc:
             yield sse(error_body(exc.message, type=exc.type, param=exc.param, code=exc.code))
         yield _DONE
+
+
+class _HeldTokens:
+    """Per choice, the tokens (and logprobs) of deltas that sent no chunk because their text
+    is held back (part of a multi-byte character, or of what may still become a stop
+    string); they go out with the choice's next chunk, so a stream carries one logprobs entry
+    per generated token, as the response without streaming does."""
+
+    __slots__ = ("_held",)
+
+    def __init__(self) -> None:
+        self._held: dict[int, tuple[list[int], list[Any]]] = {}
+
+    def hold(self, index: int, d: StreamDelta) -> None:
+        """Keep `d`'s tokens and logprobs for choice `index`'s next chunk."""
+        if d.logprobs is not None and d.token_ids:
+            ids, logprobs = self._held.setdefault(index, ([], []))
+            ids.extend(d.token_ids)
+            logprobs.extend(d.logprobs)
+
+    def release(self, index: int, d: StreamDelta) -> tuple[Sequence[int], Sequence[Any] | None]:
+        """The token ids and logprobs choice `index`'s chunk for `d` carries: those held for
+        it, then `d`'s own."""
+        held = self._held.pop(index, None)
+        if held is None:
+            return d.token_ids, d.logprobs
+        ids, logprobs = held
+        return ids + list(d.token_ids), logprobs + list(d.logprobs or ())
 
 
 def _accumulate(acc: dict[int, dict[str, Any]], index: int, d: StreamDelta) -> None:

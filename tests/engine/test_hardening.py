@@ -77,6 +77,7 @@ BAD_PARAMS = [
     ({"top_p": math.nan}, "top_p", ValueError),
     ({"top_p": "1"}, "top_p", TypeError),
     ({"min_p": math.inf}, "min_p", ValueError),
+    ({"logit_bias": {"\u00b2": 1.0}}, "logit_bias", TypeError),  # isdigit, but not int()'s
 ]
 
 
@@ -90,6 +91,27 @@ def test_bad_sampling_params_are_rejected_naming_the_field(
     message = str(info.value)
     assert message.startswith("invalid SamplingParams: "), message
     assert names in message, message
+
+
+def test_rejections_name_their_fields_in_check_order() -> None:
+    """`InvalidArgumentError.fields`: what a server reports as the error's ``param``."""
+    with pytest.raises(ValueError) as info:
+        SamplingParams(seed=-1, top_p=2.0, logit_bias={"x": 1.0})
+    assert info.value.fields == ("top_p", "seed", "logit_bias")  # type: ignore[attr-defined]
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(llm: LLM, model: Any) -> None:
+    """A mask of only unknown ids would leave no token to sample (every logit -inf), a bias
+    on one biases nothing: both are refused, naming the field, and nothing is queued."""
+    vocab = int(model.config.vocab_size)
+    for params, field, bad in (
+            (SamplingParams(allowed_token_ids=[3, vocab]), "allowed_token_ids", vocab),
+            (SamplingParams(logit_bias={vocab + 5: 1.0}), "logit_bias", vocab + 5)):
+        with pytest.raises(ValueError, match=rf"{field} has token ids \[{bad}\] outside"):
+            llm.add_request("x", [5, 6], params)
+        with pytest.raises(ValueError, match=field):
+            llm.generate([[5, 6]], params)
+    assert not llm.has_unfinished_requests() and not llm.scheduler.requests
 
 
 def test_valid_sampling_params_are_normalised_not_coerced() -> None:

@@ -40,6 +40,25 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("bad-role", "/v1/chat/completions",
      {"model": "m", "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
     ("no-route", "/v1/embeddings", OK, 404, None),
+    # Past json's recursion limit: a 400, not the RecursionError's 500.
+    ("deeply-nested-json", "/v1/completions",
+     b'{"model": "m", "prompt": "a", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None),
+    ("lone-surrogate", "/v1/completions", b'{"model": "m", "prompt": "\\ud800"}', 400, None),
+    # Out-of-range values SamplingParams catches name their field too.
+    ("seed-negative", "/v1/completions", {**OK, "seed": -1}, 400, "seed"),
+    ("penalty-out-of-range", "/v1/completions", {**OK, "presence_penalty": 3.0}, 400,
+     "presence_penalty"),
+    ("logit-bias-superscript-key", "/v1/completions", {**OK, "logit_bias": {"\u00b2": 1}}, 400,
+     "logit_bias"),
+    # Token ids the model does not have: refused, not sampled as "every logit -inf".
+    ("allowed-token-ids-out-of-vocab", "/v1/completions",
+     {**OK, "allowed_token_ids": [99999]}, 400, "allowed_token_ids"),
+    ("logit-bias-out-of-vocab", "/v1/completions", {**OK, "logit_bias": {"99999": 5}}, 400,
+     "logit_bias"),
+    # More sequences than the server ever holds at once (256 + 1024): a 400, not a 503 to
+    # retry forever.
+    ("more-sequences-than-capacity", "/v1/completions", {**OK, "prompt": ["a"] * 1281}, 400,
+     "n"),
 ]
 
 

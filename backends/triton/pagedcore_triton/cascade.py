@@ -259,7 +259,7 @@ def _num_sms(device: torch.device) -> int:
 def _parse_override(text: str) -> tuple[int, int, int, int, float, int | None]:
     fields = [f.strip() for f in text.split(",")]
     maxnreg = None
-    if len(fields) == 6 and fields[5][:1] == "r" and fields[5][1:].isdigit():
+    if len(fields) == 6 and fields[5][:1] == "r" and fields[5][1:].isdecimal():
         maxnreg = int(fields[5][1:])
         fields = fields[:5]
     try:

@@ -276,7 +276,7 @@ def decode_plan(rule: SplitRule, env: str) -> tuple[bool, int]:
         return rule.balanced, rule.min_tokens_per_segment
     if env == "uniform":
         return False, rule.min_tokens_per_segment
-    if name == "balanced" and (tokens == "" or (tokens.isdigit() and int(tokens) > 0)):
+    if name == "balanced" and (tokens == "" or (tokens.isdecimal() and int(tokens) > 0)):
         return True, int(tokens) if tokens else rule.min_tokens_per_segment
     raise ValueError(
         f"{DECODE_PLAN_ENV}={env!r}: expected 'balanced', 'balanced:N' (N > 0 tokens per "
@@ -427,7 +427,7 @@ def parse_decode_tiles(text: str, base: TileConfig) -> TileConfig:
             rows = int(flag[1:])
         elif flag in ("pf1", "pf2"):
             prefetch = int(flag[2:])
-        elif flag.startswith("r") and flag[1:].isdigit() and int(flag[1:]) > 0:
+        elif flag.startswith("r") and flag[1:].isdecimal() and int(flag[1:]) > 0:
             regs = int(flag[1:])
         elif flag not in ("s", "i32"):
             ok = False

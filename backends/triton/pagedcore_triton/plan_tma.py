@@ -135,7 +135,7 @@ def parse_tma_tiles(text: str, num_queries_per_kv: int) -> TileConfig:
     except ValueError:
         block_m = tile_n = warps = stages = 0
     flags = fields[4:]
-    regs = [f for f in flags if f.startswith("r") and f[1:].isdigit()]
+    regs = [f for f in flags if f.startswith("r") and f[1:].isdecimal()]
     flags = [f for f in flags if f not in regs]
     maxnreg = int(regs[-1][1:]) if regs else None
     ok = len(fields) >= 4 and all(f in TMA_TILE_FLAGS for f in flags)

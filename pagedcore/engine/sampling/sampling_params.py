@@ -162,18 +162,20 @@ class SamplingParams:
         top_k = check_int(p, "top_k", self.top_k, allow_none=True,
                           expected="None, 0 or -1 (disabled) or an int >= 1")
         if top_k is not None and top_k < -1:
-            p.value(f"top_k must be None, 0 or -1 (disabled) or an int >= 1, got {top_k}")
+            p.value(f"top_k must be None, 0 or -1 (disabled) or an int >= 1, got {top_k}",
+                    "top_k")
         fixed["top_k"] = top_k
         if (self.max_tokens is not None and fixed["min_tokens"] is not None
                 and fixed["max_tokens"] is not None and fixed["min_tokens"] > fixed["max_tokens"]):
             p.value(f"min_tokens ({fixed['min_tokens']}) must not exceed max_tokens "
-                    f"({fixed['max_tokens']})")
+                    f"({fixed['max_tokens']})", "min_tokens")
         salt = self.cache_salt
         if isinstance(salt, (bytes, bytearray)):
             p.type(f"cache_salt must be a str or None, got {describe(salt)}: decode it first, "
-                   "e.g. cache_salt=salt.decode() (or salt.hex() for binary salts)")
+                   "e.g. cache_salt=salt.decode() (or salt.hex() for binary salts)",
+                   "cache_salt")
         elif salt is not None and not isinstance(salt, str):
-            p.type(f"cache_salt must be a str or None, got {describe(salt)}")
+            p.type(f"cache_salt must be a str or None, got {describe(salt)}", "cache_salt")
         raise_problems("SamplingParams", p)
         for name, value in fixed.items():
             object.__setattr__(self, name, value)
@@ -214,11 +216,11 @@ def _check_strings(p: Problems, name: str, value: Any) -> tuple[str, ...] | None
     if isinstance(value, str):
         return (value,) if value else ()
     if isinstance(value, (bytes, bytearray, Mapping)) or not isinstance(value, Sequence):
-        p.type(f"{name} must be a str or a list of str, got {describe(value)}")
+        p.type(f"{name} must be a str or a list of str, got {describe(value)}", name)
         return None
     bad = [item for item in value if not isinstance(item, str)]
     if bad:
-        p.type(f"{name} must be a list of str, got an element {describe(bad[0])}")
+        p.type(f"{name} must be a list of str, got an element {describe(bad[0])}", name)
         return None
     return tuple(item for item in value if item)
 
@@ -228,19 +230,21 @@ def _check_logit_bias(p: Problems, value: Any) -> dict[int, float] | None:
     if value is None:
         return None
     if not isinstance(value, Mapping):
-        p.type(f"logit_bias must be a dict {{token_id: bias}} or None, got {describe(value)}")
+        p.type(f"logit_bias must be a dict {{token_id: bias}} or None, got {describe(value)}",
+               "logit_bias")
         return None
     out: dict[int, float] = {}
     for key, bias in value.items():
-        token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+        token = int(key) if isinstance(key, str) and key.strip().isdecimal() else key
         token_id = check_int(Problems(), "", token, low=0)
         if token_id is None:
-            p.type(f"logit_bias must have token ids (ints >= 0) as keys, got {describe(key)}")
+            p.type(f"logit_bias must have token ids (ints >= 0) as keys, got {describe(key)}",
+                   "logit_bias")
             return None
         as_float = check_real(Problems(), "", bias, low=-100.0, high=100.0, expected="")
         if as_float is None:
             p.value(f"logit_bias must map each token id to a float in [-100, 100], got "
-                    f"{describe(bias)} for token {token_id}")
+                    f"{describe(bias)} for token {token_id}", "logit_bias")
             return None
         out[token_id] = as_float
     return out
@@ -251,6 +255,7 @@ def _check_allowed(p: Problems, value: Any) -> tuple[int, ...] | None:
         return None
     ids = check_int_sequence(p, "allowed_token_ids", value, allow_none=False)
     if ids is not None and not ids:
-        p.value("allowed_token_ids must not be empty (None allows every token)")
+        p.value("allowed_token_ids must not be empty (None allows every token)",
+                "allowed_token_ids")
         return None
     return ids

@@ -1,0 +1,168 @@
+"""`OpenAIServing` without a server: long prompts tokenized off the event loop, per-sample
+seeds wrapped into the seed range, streamed logprobs that keep the tokens whose text is held
+back, and chat logprob bytes of partial UTF-8 tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from typing import Any
+
+import pytest
+from serve_helpers import train_tokenizer
+from test_eager_submit import _Fit, _Process
+
+from pagedcore.engine.outputs import Logprob
+from pagedcore.engine.validation import MAX_SEED
+from pagedcore.serve import serving as serving_module
+from pagedcore.serve.async_engine import AsyncEngine
+from pagedcore.serve.core_loop import EngineInfo
+from pagedcore.serve.deltas import StreamDelta
+from pagedcore.serve.errors import BadRequestError
+from pagedcore.serve.protocol import ChatCompletionRequest, CompletionRequest
+from pagedcore.serve.serving import OpenAIServing
+
+
+class _CountingTokenizer:
+    """Encodes one id per character and records the thread each call ran on; decodes an id
+    as ``<id>``."""
+
+    def __init__(self) -> None:
+        self.threads: list[threading.Thread] = []
+
+    def encode(self, text: str) -> list[int]:
+        self.threads.append(threading.current_thread())
+        return [ord(c) % 50 + 1 for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(f"<{i}>" for i in ids)
+
+
+def _serving(tokenizer: Any = None, vocab_size: int = 100) -> tuple[_Process, OpenAIServing]:
+    proc = _Process()
+    proc.info = EngineInfo(model_name="m", tokenizer=tokenizer, max_model_len=1 << 20,
+                           max_num_seqs=8, vocab_size=vocab_size, fit=_Fit(),
+                           backend_names=("x",), device="cpu")
+    engine = AsyncEngine(None, process=proc, max_waiting=0)  # type: ignore[arg-type]
+    engine.start()
+    return proc, OpenAIServing(engine, model_names=["m"], max_n=4)
+
+
+def test_long_prompt_text_is_tokenized_on_a_worker_thread() -> None:
+    tokenizer = _CountingTokenizer()
+    limit = serving_module.OFF_LOOP_CHARS
+
+    async def main() -> tuple[list[list[int]], list[list[int]]]:
+        _, serving = _serving(tokenizer)
+        short = await serving.completion_prompts(
+            CompletionRequest(model="m", prompt="ab" * 10, max_tokens=1))
+        long = await serving.completion_prompts(
+            CompletionRequest(model="m", prompt=["x" * limit, "y"], max_tokens=1))
+        return short, long
+
+    short, long = asyncio.run(main())
+    assert [len(p) for p in short] == [20] and [len(p) for p in long] == [limit, 1]
+    loop_thread = threading.main_thread()
+    assert tokenizer.threads[0] is loop_thread  # short text: no hop
+    assert all(t is not loop_thread for t in tokenizer.threads[1:])  # long: off the loop
+
+
+def test_a_seed_at_the_top_of_the_range_wraps_for_the_second_sample() -> None:
+    async def main() -> list[int | None]:
+        _, serving = _serving()
+        fan, _ = serving.completion(CompletionRequest(
+            model="m", prompt=[5, 6], max_tokens=1, n=3, seed=MAX_SEED))
+        seeds = [s.params.seed for s in fan.seqs]
+        serving.engine.release(len(fan.seqs))
+        return seeds
+
+    assert asyncio.run(main()) == [MAX_SEED, 0, 1]
+
+
+def test_text_that_tokenizes_to_nothing_is_an_invalid_value_not_a_length_error() -> None:
+    async def main() -> BadRequestError:
+        _, serving = _serving(_CountingTokenizer())  # (no BOS: "" is no token at all)
+        with pytest.raises(BadRequestError) as info:
+            serving.completion(CompletionRequest(model="m", prompt="", max_tokens=1))
+        return info.value
+
+    error = asyncio.run(main())
+    assert (error.param, error.code) == ("prompt", "invalid_value")
+    assert "empty" in error.message
+
+
+class _Fan:
+    """What the event paths read of a `FanIn`: its deltas, in order."""
+
+    def __init__(self, deltas: list[StreamDelta]) -> None:
+        self.deltas = deltas
+        self.seqs: list[Any] = []
+
+    async def __aiter__(self) -> Any:
+        for d in self.deltas:
+            yield 0, d
+
+
+def _delta(text: str, ids: list[int], finish: str | None = None) -> StreamDelta:
+    logprobs = [{t: Logprob(logprob=-0.5 - t, rank=1)} for t in ids]
+    return StreamDelta("r", text, ids, logprobs, finish, None, 2, 0, 0, None)
+
+
+def _events(chunks: list[bytes]) -> list[dict[str, Any]]:
+    out = []
+    for chunk in chunks:
+        payload = chunk.decode().removeprefix("data: ").strip()
+        if payload != "[DONE]":
+            out.append(json.loads(payload))
+    return out
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_streamed_logprobs_keep_the_tokens_whose_text_was_held_back(chat: bool) -> None:
+    """Tokens 11 and 12 produce no text yet (a character's first bytes, or the start of a
+    possible stop string): their logprobs go out with the next chunk, so the stream carries
+    one entry per token, as the response without streaming does."""
+    deltas = [_delta("a", [10]), _delta("", [11]), _delta("", [12]), _delta("bc", [13]),
+              _delta("", [14], finish="length")]
+
+    async def collect() -> list[bytes]:
+        _, serving = _serving(_CountingTokenizer())
+        fan: Any = _Fan(deltas)
+        if chat:
+            body: Any = ChatCompletionRequest(model="m", messages=[], logprobs=True,
+                                              top_logprobs=1, stream=True)
+            run = serving._chat_events(body, fan, [[1, 2]], "id", 0, "m", [])
+        else:
+            body = CompletionRequest(model="m", prompt=[1, 2], logprobs=1, stream=True)
+            run = serving._completion_events(body, fan, [[1, 2]], "id", 0, "m")
+        return [chunk async for chunk in run]
+
+    events = _events(asyncio.run(collect()))
+    logprobs = [e["choices"][0]["logprobs"] for e in events]
+    if chat:
+        tokens = [entry["token"] for lp in logprobs for entry in lp["content"]]
+        values = [entry["logprob"] for lp in logprobs for entry in lp["content"]]
+    else:
+        tokens = [t for lp in logprobs for t in lp["tokens"]]
+        values = [v for lp in logprobs for v in lp["token_logprobs"]]
+    assert tokens == [f"<{t}>" for t in (10, 11, 12, 13, 14)]
+    assert values == [-10.5, -11.5, -12.5, -13.5, -14.5]
+    assert len(events) == 3  # "a", then "bc" with the held tokens, then the finish
+
+
+def test_chat_logprob_bytes_of_partial_characters_join_to_the_text() -> None:
+    """A byte-level BPE token holding part of a multi-byte character decodes to U+FFFD
+    alone; its ``bytes`` are its own raw bytes, so joined they give the text back."""
+    from pagedcore.serve.responses import chat_logprobs
+
+    tokenizer = train_tokenizer()
+    text = "5€ for the café, ñ"  # (€ and ñ are not in the training text: split into bytes)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    partial = [i for i in ids if "\ufffd" in tokenizer.decode([i])]
+    assert partial, "the test needs tokens that split a character"
+    content = chat_logprobs(tokenizer, ids, [{i: Logprob(logprob=-1.0, rank=1)} for i in ids],
+                            k=1)["content"]
+    joined = b"".join(bytes(entry["bytes"]) for entry in content)
+    assert joined.decode() == text
+    assert all(bytes(e["top_logprobs"][0]["bytes"]) == bytes(e["bytes"]) for e in content)
