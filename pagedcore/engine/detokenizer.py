@@ -192,16 +192,21 @@ class StopStringMatcher:
         return self._released
 
     def add(self, delta: str, *, match: bool = True) -> str:
-        """Feed detokenized text; the part that can be released now. ``match=False`` (text
-        produced before ``min_tokens``) releases it without looking for stop strings there."""
+        """Feed detokenized text; the part that can be released now.
+
+        A stop string matches when it ends inside `delta` (it may begin in earlier text,
+        which was held back for that reason). ``match=False`` (text produced before
+        ``min_tokens``, as vLLM counts it) looks for no match in `delta`, but still holds back
+        its tail that could begin one, so a stop string that ends after ``min_tokens`` is cut
+        whole, never half released."""
         if self.stopped or not delta:
             return ""
-        if not self.stop or not match:
+        if not self.stop:
             self._text += delta
             return self._release(len(self._text))
-        start = max(0, len(self._text) - self._max_len + 1)
+        old_len = len(self._text)
         self._text += delta
-        hit = self._first_match(start)
+        hit = self._first_match(old_len) if match else None
         if hit is not None:
             index, stop = hit
             self.matched = stop
@@ -215,10 +220,12 @@ class StopStringMatcher:
             return ""
         return self._release(len(self._text))
 
-    def _first_match(self, start: int) -> tuple[int, str] | None:
+    def _first_match(self, old_len: int) -> tuple[int, str] | None:
+        """The earliest occurrence of a stop string that ends past `old_len` characters (one
+        that ended before was matched then, or lay before ``min_tokens``)."""
         best: tuple[int, str] | None = None
         for stop in self.stop:
-            index = self._text.find(stop, start)
+            index = self._text.find(stop, max(0, old_len - len(stop) + 1))
             if index >= 0 and (best is None or index < best[0]):
                 best = (index, stop)
         return best
@@ -295,6 +302,7 @@ def advance_text(state: TextState, output_token_ids: Sequence[int], *,
             break
     state.num_fed = len(output_token_ids)
     if finished and not matcher.stopped:
-        parts.append(matcher.add(detok.flush()))
+        parts.append(matcher.add(detok.flush(),
+                                 match=len(output_token_ids) > state.min_tokens))
         parts.append(matcher.flush())
     return "".join(parts)

@@ -41,7 +41,7 @@ from pagedcore.engine.sampling.sampling_params import SamplingParams
 from pagedcore.engine.scheduling.request import Request, RequestStatus, get_request_id
 from pagedcore.engine.scheduling.scheduler import DecodeBatch, SchedulerOutput
 from pagedcore.engine.stats_logging import StatsLogger
-from pagedcore.engine.validation import InvalidArgumentTypeError, describe
+from pagedcore.engine.validation import InvalidArgumentTypeError, check_flag, describe
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -316,6 +316,7 @@ class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
         variable ``PAGEDCORE_ASYNC_SCHEDULING`` still overrides). A step in flight is
         finished first (its outputs are lost to the caller: switch between requests).
         Returns whether it is on; ``async_scheduling_reason`` says why not."""
+        enabled = check_flag("enabled", enabled, allow_none=True)
         self.drain()
         self.async_scheduling, self.async_scheduling_reason = async_scheduling_setting(
             enabled, device_type=self.device.type)
@@ -399,6 +400,7 @@ class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
             bad words without a tokenizer, or an id already in use by this request or one
             of its samples.
         """
+        check_flag("delta", delta)
         if params is not None:
             params = check_request(params, max_logprobs=self.max_logprobs, max_n=self.max_n)
         if not isinstance(request_id, str):
@@ -437,6 +439,10 @@ class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
 
         Never raises otherwise: the final output is built even when the tokenizer fails.
         """
+        if not isinstance(request_id, str):
+            raise InvalidArgumentTypeError(
+                f"request_id must be a str (the id given to add_request), got "
+                f"{describe(request_id)}")
         parent = self._parents.get(request_id)
         if parent is None:
             raise KeyError(
@@ -495,8 +501,13 @@ class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
             engine keeps serving everything else. A `TensorParallelError` (a rank failed: the
             engine is stopped) is raised as is, after finishing every request with an error.
         """
+        check_flag("finished_only", finished_only)
         if deltas is None:
             return self._step(finished_only)
+        if not isinstance(deltas, list):
+            raise InvalidArgumentTypeError(
+                f"deltas must be a list (the step appends its delta tuples to it) or None, got "
+                f"{describe(deltas)}")
         self._delta_sink = deltas
         try:
             return self._step(finished_only)

@@ -80,6 +80,10 @@ def _token_ids(prompt: Any, vocab_size: int, *, name: str = "prompt") -> list[in
     array_like = getattr(prompt, "ndim", None) == 1  # a 1-D numpy array or torch tensor
     if isinstance(prompt, (str, Mapping)) or not (isinstance(prompt, Sequence) or array_like):
         raise _prompt_error(f"{name} must be {_PROMPT_FORMS}, got {describe(prompt)}")
+    if array_like and "bool" in str(getattr(prompt, "dtype", "")):
+        # (Its elements have __index__, so the element check below would take them as 0/1.)
+        raise _prompt_error(f"token ids must be ints, got a {type(prompt).__name__} of bools "
+                            f"as {name}")
     ids: list[int]
     if set(map(type, prompt)) <= {int}:
         # At C speed (a prompt's ids are checked inside its time to first token).

@@ -19,6 +19,7 @@ __all__ = [
     "Problems",
     "as_index",
     "check_bool",
+    "check_flag",
     "check_int",
     "check_int_sequence",
     "check_real",
@@ -178,6 +179,19 @@ def check_bool(problems: Problems, name: str, value: Any) -> bool | None:
         return bool(value)
     problems.type(f"{name} must be True or False, got {describe(value)}", name)
     return None
+
+
+def check_flag(name: str, value: Any, *, allow_none: bool = False) -> bool | None:
+    """`value` when it is a real bool (None too with `allow_none`); else an
+    `InvalidArgumentTypeError` naming `name` (a truthy string such as ``"no"`` is no switch)."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool):
+        return value
+    if _is_bool(value):
+        return bool(value)
+    expected = "True, False or None" if allow_none else "True or False"
+    raise InvalidArgumentTypeError(f"{name} must be {expected}, got {describe(value)}")
 
 
 def check_int_sequence(

@@ -158,6 +158,7 @@ BAD_PROMPTS = [
     ({"prompt_token_ids": [2.5]}, "token ids must be ints"),
     ({"text": "hi"}, "needs 'prompt_token_ids' or 'prompt'"),
     (7, "must be a str, a list of token ids"),
+    (torch.tensor([3, 1], dtype=torch.bool), "a Tensor of bools"),  # not the ids [1, 1]
 ]
 
 
@@ -175,6 +176,24 @@ def test_bad_prompts_are_rejected_before_any_work(llm: LLM, prompt: Any, message
 def test_prompts_none_is_named(llm: LLM) -> None:
     with pytest.raises(TypeError, match="prompts must be one prompt"):
         llm.generate(None)  # type: ignore[arg-type]
+
+
+def test_switches_and_ids_of_the_wrong_type_are_named(llm: LLM) -> None:
+    """A truthy string is no switch ("no" would turn it on), a dict no delta sink, a list no
+    request id; each is a TypeError naming the argument, and nothing changes."""
+    before = llm.async_scheduling
+    with pytest.raises(TypeError, match="enabled must be True, False or None"):
+        llm.set_async_scheduling("no")  # type: ignore[arg-type]
+    assert llm.async_scheduling == before
+    with pytest.raises(TypeError, match="delta must be True or False"):
+        llm.add_request("x", [5, 6], GREEDY, delta="no")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="finished_only must be True or False"):
+        llm.step(finished_only="no")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="deltas must be a list"):
+        llm.step(deltas={})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="request_id must be a str"):
+        llm.abort(["x"])  # type: ignore[arg-type]
+    assert not llm.has_unfinished_requests() and not llm.scheduler.requests
 
 
 # ---- LLM(...) arguments, checked before the model is touched -------------------------------

@@ -155,3 +155,67 @@ def test_spaces_between_special_tokens(tokenizer: Any) -> None:
     assert bare.add(ids) == "<|user|><|end|><|assistant|>"
     assert spaced.add(ids) == tok.decode(ids) == "<|user|> <|end|> <|assistant|>"
     assert IncrementalDetokenizer(tok).add(ids) == ""  # skipped altogether
+
+
+# ---- stop strings and min_tokens (vLLM: a stop string counts once the output has more than
+# min_tokens tokens, and it must end in the new text) ------------------------------------------
+
+
+def _feed_tokens(pieces: list[str], min_tokens: int, stop: list[str],
+          include: bool = False) -> tuple[str, str | None]:
+    m = StopStringMatcher(stop, include_stop_str_in_output=include)
+    out = []
+    for i, piece in enumerate(pieces):
+        out.append(m.add(piece, match=i + 1 > min_tokens))
+        assert m.text == "".join(out)
+        if m.stopped:
+            break
+    if not m.stopped:
+        out.append(m.flush())
+    return "".join(out), m.matched
+
+
+def test_stop_string_ending_after_min_tokens_is_cut_whole() -> None:
+    # It begins in a token before min_tokens: that part was held back, not released.
+    assert _feed_tokens(['"', "'", "g"], 2, ["'g"]) == ('"', "'g")
+
+
+def test_stop_string_entirely_before_min_tokens_does_not_stop() -> None:
+    assert _feed_tokens(["\n", " that", "em"], 1, ["\n", "ooo"]) == ("\n thatem", None)
+    # ... but its next occurrence, after min_tokens, does.
+    assert _feed_tokens(["a\n", "b", "c\n", "d"], 1, ["\n"]) == ("a\nbc", "\n")
+
+
+def _oracle(pieces: list[str], min_tokens: int, stop: list[str],
+            include: bool) -> tuple[str, str | None]:
+    """After each token past min_tokens: the earliest stop occurrence ending in its text
+    (at one position, the first of `stop`)."""
+    text = ""
+    for i, piece in enumerate(pieces):
+        old = len(text)
+        text += piece
+        if i + 1 <= min_tokens:
+            continue
+        hits = [(j, k) for k, s in enumerate(stop)  # (ties: the first in the list)
+                for j in range(len(text) - len(s) + 1)
+                if text.startswith(s, j) and j + len(s) > old]
+        if hits:
+            j, k = min(hits)
+            return text[: j + len(stop[k]) if include else j], stop[k]
+    return text, None
+
+
+def test_stop_strings_with_min_tokens_match_an_oracle() -> None:
+    import random
+
+    rng = random.Random(7)
+    for _ in range(3000):
+        text = "".join(rng.choice("ab\n") for _ in range(rng.randint(1, 14)))
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(0, 6))))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        stop = [("".join(rng.choice("ab\n") for _ in range(rng.randint(1, 3))))
+                for _ in range(rng.randint(1, 3))]
+        min_tokens, include = rng.randint(0, 4), rng.random() < 0.3
+        assert _feed_tokens(pieces, min_tokens, stop, include) == _oracle(pieces, min_tokens, stop,
+                                                                    include), (pieces, stop,
+                                                                               min_tokens)
