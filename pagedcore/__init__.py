@@ -27,6 +27,7 @@ _LAZY = {
     # the plugin author's API: errors and warnings a backend or its user meets
     "PluginError": "pagedcore.plugins.errors",
     "BackendLoadError": "pagedcore.plugins.errors",
+    "BackendSetupError": "pagedcore.plugins.errors",
     "BackendValidationError": "pagedcore.plugins.errors",
     "DuplicateBackendError": "pagedcore.plugins.errors",
     "UnknownBackendError": "pagedcore.plugins.errors",
@@ -76,6 +77,7 @@ if TYPE_CHECKING:
     )
     from pagedcore.plugins.errors import (
         BackendLoadError,
+        BackendSetupError,
         BackendValidationError,
         DuplicateBackendError,
         PluginError,
@@ -109,6 +111,7 @@ __all__ = [
     "AttentionSpec",
     "BackendLoadError",
     "BackendSelectionError",
+    "BackendSetupError",
     "BackendValidationError",
     "ChatTemplateError",
     "ChunkedLocalAttentionSpec",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import logging
 import warnings
 from typing import Any
 
@@ -48,9 +49,11 @@ def main() -> None:
     """pagedcore: pluggable paged attention, a KV-cache manager and a batching engine."""
     from pagedcore.plugins.records import PluginLoadWarning
 
-    # A broken plugin is listed by `pagedcore backends` (and logged once through `logging`),
-    # not repeated as a warning on the stderr of every command.
+    # A broken plugin is listed by `pagedcore backends` (and logged once through `logging`,
+    # shown where logging is configured), not repeated on the stderr of every command: no
+    # warning, and a handler so that logging's last resort does not print the record.
     warnings.filterwarnings("ignore", category=PluginLoadWarning)
+    logging.getLogger("pagedcore.plugins").addHandler(logging.NullHandler())
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ usage errors (exit code 2) before any work starts, never tracebacks or silent de
 
 from __future__ import annotations
 
+import math
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -20,11 +21,26 @@ __all__ = [
     "DEVICE",
     "BackendName",
     "Device",
+    "FiniteFloat",
     "IntList",
     "MemorySize",
     "OutputPath",
     "positive_int",
 ]
+
+
+class FiniteFloat(click.FloatRange):
+    """`click.FloatRange` without NaN and infinity (``--kv-cache-mb nan`` is a usage error:
+    every comparison with NaN is false, so a range alone lets it through)."""
+
+    name = "finite float"
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> Any:
+        converted = super().convert(value, param, ctx)
+        if isinstance(converted, float) and not math.isfinite(converted):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return converted
 
 
 def positive_int(minimum: int = 1) -> click.IntRange:

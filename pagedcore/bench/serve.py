@@ -23,7 +23,7 @@ from typing import Any
 import click
 
 from pagedcore.bench.serve_load import RequestResult, WorkItem, run_load
-from pagedcore.cli_types import OutputPath
+from pagedcore.cli_types import FiniteFloat, OutputPath
 
 __all__ = ["RequestResult", "WorkItem", "make_workload", "run_load", "serve", "summarize"]
 
@@ -214,7 +214,7 @@ def _fetch_model(base_url: str, api_key: str | None) -> str:
 @click.option("--shared-prefix-len", default=0, show_default=True, type=click.IntRange(min=0),
               help="Tokens of a prefix common to a fraction of the prompts.")
 @click.option("--shared-prefix-fraction", default=0.0, show_default=True,
-              type=click.FloatRange(0.0, 1.0), help="Fraction of prompts with that prefix.")
+              type=FiniteFloat(0.0, 1.0), help="Fraction of prompts with that prefix.")
 @click.option("--ignore-eos/--no-ignore-eos", default=True, show_default=True,
               help="Send ignore_eos so outputs have the requested lengths.")
 @click.option("--slo-ttft-ms", default=None, type=float, help="Goodput SLO on TTFT.")

@@ -17,6 +17,7 @@ __all__ = [
     "ANY_HEAD_SIZES",
     "BATCHES",
     "GQA_RATIOS",
+    "SATURATING_FP8_SCALES",
     "SHARED_PREFIX_BATCHES",
     "SMALL_ANY_HEAD_SIZES",
     "TOLERANCES",
@@ -127,6 +128,25 @@ BATCHES: dict[str, BatchSpec] = {
                      -2, -1),
         ),
         BatchSpec(
+            "long_prefill",
+            ((0, 100), (40, 90), (0, 130)),
+            2,
+            "prefill chunks past 64- and 128-row query tiles, with and without a context",
+        ),
+        BatchSpec(
+            "very_long",
+            ((5000, 1), (300, 1), (4200, 20)),
+            1,
+            "contexts past 4,096 keys (split-KV partition caps), a chunk continuing one",
+            stretch=False,
+        ),
+        BatchSpec(
+            "wide",
+            (*((5 + 7 * i, 1) for i in range(12)), (9, 5)),
+            2,
+            "12 decodes and a chunk: more than 8 requests (launch and split thresholds)",
+        ),
+        BatchSpec(
             "shared_decode",
             ((40, 1), (45, 1), (37, 1), (64, 1), (36, 1)),
             2,
@@ -185,6 +205,16 @@ class CaseSpec:
     skip: str | None = None
     kv_cache_dtype: str = "auto"
     sinks: bool = False
+    #: Steps on one impl, one builder and one cache: the batch, then `steps` - 1 decode steps
+    #: of every request (as an engine runs them: a plan or a cache copy kept from an earlier
+    #: step shows).
+    steps: int = 1
+    #: fp8: build the impl with scales 1.0 and set the real ones with `set_kv_scales` before
+    #: the first write (as the engine does when it calibrates on the first prefill).
+    late_scales: bool = False
+    #: fp8: these ``(k_scale, v_scale)`` instead of the suite's
+    #: (`pagedcore.conformance.harness.FP8_SCALES`); small ones make the cache write saturate.
+    fp8_scales: tuple[float, float] | None = None
 
     @property
     def seed(self) -> int:
@@ -199,15 +229,20 @@ class CaseSpec:
         return tol
 
 
+#: Small scales of the saturating fp8 cases: the suite's N(0, 1) inputs then reach ~1,000
+#: scales, past e4m3's 448 (and a cache write that does not saturate stores NaN or inf).
+SATURATING_FP8_SCALES = (0.004, 0.005)
+
+
 def _block_sizes(backend: type[AttentionBackend]) -> list[int]:
-    """Declared ints, and for ``MultipleOf(n)``: n, 2n, 3n, and 16 when n divides it."""
+    """Declared ints, and for ``MultipleOf(n)``: n, 2n, 3n, and 16, 32 and 64 where n divides
+    them (tiles of 16 tokens that read only part of a larger block show there)."""
     sizes: list[int] = []
     for decl in backend.supported_block_sizes:
         if isinstance(decl, MultipleOf):
             base = decl.base
             candidates = [base * k for k in (1, 2, 3)]
-            if 16 % base == 0:
-                candidates.append(16)
+            candidates += [b for b in (16, 32, 64) if b % base == 0]
             sizes.extend(candidates)
         else:
             sizes.append(decl)
@@ -248,8 +283,14 @@ def _suffix(case: dict[str, object]) -> str:
         parts.append("sinks")
     if case.get("kv_cache_dtype", "auto") != "auto":
         parts.append(str(case["kv_cache_dtype"]))
+    if case.get("late_scales"):
+        parts.append("late_scales")
+    if case.get("fp8_scales") is not None:
+        parts.append("saturating")
     if case.get("large_offsets"):
         parts.append("int32_overflow")
+    if int(case.get("steps", 1)) > 1:  # type: ignore[call-overload]
+        parts.append(f"steps{case['steps']}")
     return "".join("/" + p for p in parts)
 
 
@@ -291,12 +332,18 @@ def build_cases(
         for b in BATCHES
         if (b in QUICK_BATCHES or not quick) and b not in SHARED_PREFIX_BATCHES
     ]
+    # One impl, builder and cache over three steps (a plan or cache state kept between steps).
+    variants.append({"batch": "mixed", "steps": 3, "use_output_buffer": True})
     if backend.supports_cascade:
         # Cascade attention: shared physical prefix blocks, the plan reused by two layers.
         variants.append({"batch": "shared_decode", "use_output_buffer": True})
         variants.append({"batch": "shared_mixed", "repeat_forward": True})
+        if not quick:
+            variants.append({"batch": "shared_decode", "steps": 3})
     other_dtypes = [d for d in dtypes if d != base_dtype]
     variants += [{"dtype": d} for d in other_dtypes]
+    # The ``output=`` buffer in every dtype (a 16-bit path that returns a new tensor instead).
+    variants += [{"batch": "decode", "dtype": d, "use_output_buffer": True} for d in other_dtypes]
     other_heads = [h for h in head_sizes if h != base_head]
     other_blocks = [b for b in block_sizes if b != base_block]
     ratios = [r for r in GQA_RATIOS if r != 4]
@@ -314,6 +361,7 @@ def build_cases(
     variants += [{"num_heads": 2 * r} for r in ratios]
     if not quick:
         variants.append({"num_heads": 8, "num_kv_heads": 1})  # MQA
+        variants.append({"num_heads": 16, "num_kv_heads": 8})  # more KV heads than 2
     combo: dict[str, object] = {}
     if backend.supports_sliding_window:
         variants.append({"sliding_window": 8})
@@ -338,6 +386,9 @@ def build_cases(
             variants.append({"sinks": True, "sliding_window": 8})
         if not quick:
             variants.append({"batch": "chunked_prefill", "sinks": True})
+            if backend.supports_cascade:  # the sink joins the merged state once
+                variants.append({"batch": "shared_decode", "sinks": True,
+                                 "use_output_buffer": True})
         combo["sinks"] = True
     fp8 = [k for k in backend.supported_kv_cache_dtypes if k != "auto"]
     for kv in fp8:
@@ -346,6 +397,13 @@ def build_cases(
             if (b in QUICK_BATCHES or not quick) and b not in SHARED_PREFIX_BATCHES
         ]
     variants += [{"dtype": dt, "kv_cache_dtype": fp8[0]} for dt in other_dtypes[:1] if fp8]
+    if fp8:
+        # Scales set after construction (calibration), and scales small enough to saturate.
+        variants.append({"batch": "chunked_prefill", "kv_cache_dtype": fp8[0],
+                         "late_scales": True})
+        variants.append({"kv_cache_dtype": fp8[0], "fp8_scales": SATURATING_FP8_SCALES})
+        if backend.supports_cascade and not quick:  # the shared prefix dequantized too
+            variants += [{"batch": b, "kv_cache_dtype": fp8[0]} for b in SHARED_PREFIX_BATCHES]
     if fp8 and backend.supports_sink and not quick:
         variants.append({"batch": "long", "kv_cache_dtype": fp8[0], "sinks": True})
     if fp8 and backend.supports_sink:

@@ -43,8 +43,10 @@ __all__ = [
     "reference_output",
     "run_backend",
     "run_case",
+    "run_steps",
     "sink_logits",
     "softmax_scale",
+    "step_batches",
     "write_history",
 ]
 
@@ -272,14 +274,16 @@ def _common(batch: Batch, block_ids: list[list[int]], device: torch.device,
 def make_impl(backend: type[AttentionBackend], case: CaseSpec) -> AttentionImpl[Any]:
     """`backend`'s impl for the case's layer: its heads, the suite's scale (`softmax_scale`),
     and the features the case switches on (ALiBi slopes, window, soft-cap, sinks, and an fp8
-    cache with `FP8_SCALES`)."""
+    cache with `FP8_SCALES` or the case's own, given to the constructor or, with
+    ``late_scales``, through `AttentionImpl.set_kv_scales` afterwards)."""
     hq = case.num_heads
     extra: dict[str, Any] = {}
-    if case.kv_cache_dtype != "auto":
-        extra = {"k_scale": FP8_SCALES[0], "v_scale": FP8_SCALES[1]}
+    scales = FP8_SCALES if case.fp8_scales is None else case.fp8_scales
+    if case.kv_cache_dtype != "auto" and not case.late_scales:
+        extra = {"k_scale": scales[0], "v_scale": scales[1]}
     if case.sinks:
         extra["sinks"] = sink_logits(hq)
-    return backend.get_impl_cls()(
+    impl = backend.get_impl_cls()(
         hq,
         case.head_size,
         softmax_scale(case.head_size),
@@ -290,6 +294,9 @@ def make_impl(backend: type[AttentionBackend], case: CaseSpec) -> AttentionImpl[
         kv_cache_dtype=case.kv_cache_dtype,
         **extra,
     )
+    if case.kv_cache_dtype != "auto" and case.late_scales:
+        impl.set_kv_scales(*scales)  # built with 1.0, set before the first write
+    return impl
 
 
 def make_builder(
@@ -370,14 +377,35 @@ def run_backend(
     """Drive `backend` through one step exactly as an engine would; return its ``[T, Hq, D]``
     output (twice, from two `forward` calls on the same metadata, when `repeat_forward`: an
     engine reuses one plan for every layer)."""
-    hq, hkv, d, bsz = case.num_heads, case.num_kv_heads, case.head_size, case.block_size
     impl = make_impl(backend, case)
-    shape = backend.get_kv_cache_shape(num_blocks, bsz, hkv, d, case.kv_cache_dtype)
+    shape = backend.get_kv_cache_shape(num_blocks, case.block_size, case.num_kv_heads,
+                                       case.head_size, case.kv_cache_dtype)
     cache_dtype = kv_cache_torch_dtype(case.kv_cache_dtype, dtype)
     kv_cache = torch.full(shape, float("nan"), dtype=cache_dtype, device=device)
     paged = attrs.evolve(batch, block_ids=block_ids, num_blocks=num_blocks)
-
     write_history(impl, paged, kv_cache, device=device, dtype=dtype)
+    builder = make_builder(backend, case, device)
+    return _step(backend, case, paged, impl, builder, kv_cache, device=device, dtype=dtype,
+                 use_output_buffer=use_output_buffer, repeat_forward=repeat_forward)
+
+
+def _step(
+    backend: type[AttentionBackend],
+    case: CaseSpec,
+    paged: Batch,
+    impl: AttentionImpl[Any],
+    builder: MetadataBuilder[Any],
+    kv_cache: torch.Tensor,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    use_output_buffer: bool,
+    repeat_forward: bool,
+) -> list[torch.Tensor]:
+    """One step of `paged` (its history already in `kv_cache`): write its new K/V through
+    `impl`, build the plan with `builder`, run `forward` (twice with `repeat_forward`)."""
+    batch, block_ids = paged, paged.block_ids
+    hq, hkv, d, bsz = case.num_heads, case.num_kv_heads, case.head_size, case.block_size
     seq = batch.seq_lens
     slot_mapping = [s for r, c in enumerate(batch.contexts) for s in paged.slots(r, c, seq[r])]
     slot_mapping += [-1] * batch.pad
@@ -391,7 +419,6 @@ def run_backend(
     common = _common(paged, block_ids, device, slot_mapping)
     impl.do_kv_cache_update(key, value, kv_cache, common.slot_mapping)
 
-    builder = make_builder(backend, case, device)
     # Cascade as the engine requests it: shared full blocks, never with a window.
     prefix = 0
     if backend.supports_cascade and case.sliding_window is None:
@@ -411,6 +438,59 @@ def run_backend(
             )
         outputs.append(out)
     return outputs
+
+
+def step_batches(full: Batch, steps: int) -> list[Batch]:
+    """The batches of a `steps`-step case: step 0 is `full` less its last ``steps - 1``
+    query tokens per request, and each later step decodes one more token of every request
+    (its context all that came before; the same blocks)."""
+    out = []
+    for step in range(steps):
+        contexts, query_lens, queries = [], [], []
+        for c, q, qs in zip(full.contexts, full.query_lens, full.queries, strict=True):
+            first = q - (steps - 1)
+            start = 0 if step == 0 else first + step - 1
+            length = first if step == 0 else 1
+            contexts.append(c + start)
+            query_lens.append(length)
+            queries.append(qs[start : start + length])
+        seq = [c + q for c, q in zip(contexts, query_lens, strict=True)]
+        out.append(attrs.evolve(
+            full, contexts=contexts, query_lens=query_lens, queries=queries,
+            keys=[k[:n] for k, n in zip(full.keys, seq, strict=True)],
+            values=[v[:n] for v, n in zip(full.values, seq, strict=True)]))
+    return out
+
+
+def run_steps(
+    backend: type[AttentionBackend], case: CaseSpec, *, device: torch.device,
+    threshold: int,
+) -> tuple[list[CaseResult], Batch]:
+    """Run a ``case.steps``-step case on one impl, one builder and one cache; each step's
+    result against the reference (and the last step's batch)."""
+    spec = BATCHES[case.batch]
+    # Decode-first by the first step's query lengths (later steps are all decodes), then
+    # each request longer by the later steps' tokens (threshold 0: no reordering).
+    order = decode_first_order([q for _, q in spec.requests], threshold)
+    longer = attrs.evolve(spec, requests=tuple(
+        (spec.requests[i][0], spec.requests[i][1] + case.steps - 1) for i in order))
+    full = make_batch(case, 0, spec=longer)
+    dtype = _DTYPES[case.dtype]
+    impl = make_impl(backend, case)
+    shape = backend.get_kv_cache_shape(full.num_blocks, case.block_size, case.num_kv_heads,
+                                       case.head_size, case.kv_cache_dtype)
+    kv_cache = torch.full(shape, float("nan"),
+                          dtype=kv_cache_torch_dtype(case.kv_cache_dtype, dtype), device=device)
+    builder = make_builder(backend, case, device)
+    batches = step_batches(full, case.steps)
+    write_history(impl, batches[0], kv_cache, device=device, dtype=dtype)
+    results = []
+    for batch in batches:
+        outs = _step(backend, case, batch, impl, builder, kv_cache, device=device, dtype=dtype,
+                     use_output_buffer=case.use_output_buffer, repeat_forward=False)
+        results.append(compare(outs[0], reference_output(case, batch, device), batch,
+                               case.tolerance))
+    return results, batches[-1]
 
 
 def _locate(batch: Batch, row: int) -> str:
@@ -498,6 +578,13 @@ def run_case(backend: type[AttentionBackend], case: CaseSpec, *, device: str) ->
     dev = torch.device(device)
     try:
         threshold = backend.get_builder_cls().reorder_batch_threshold
+        if case.steps > 1:
+            results, _ = run_steps(backend, case, device=dev, threshold=threshold)
+            failed = next(((i, r) for i, r in enumerate(results) if not r.passed), None)
+            result = results[-1] if failed is None else attrs.evolve(
+                failed[1], message=f"step {failed[0] + 1} of {case.steps} on one impl, builder "
+                                   f"and cache: {failed[1].message}")
+            return attrs.evolve(result, name=case.name, seconds=time.perf_counter() - start)
         batch = make_batch(case, threshold)
         short = _memory_shortfall(backend, case, batch, dev)
         if short is not None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from pagedcore.cli_types import BACKEND, DEVICE, OutputPath, positive_int
+from pagedcore.cli_types import BACKEND, DEVICE, FiniteFloat, OutputPath, positive_int
 from pagedcore.engine.engine_args import EngineArgs
 from pagedcore.engine.engine_args_cli import engine_options
 from pagedcore.engine.stats_logging import configure_cli_logging
@@ -55,7 +55,7 @@ def synthetic_workload(num_requests: int, *, seed: int) -> list[tuple[str, int]]
               help="cpu or cuda (default: cuda when available).")
 @click.option("--backend", default=None, type=BACKEND, help="Force an attention backend by name.")
 @click.option("--kv-cache-mb", default=4.0, show_default=True,
-              type=click.FloatRange(min=0, min_open=True),
+              type=FiniteFloat(min=0, min_open=True),
               help="KV-cache budget in MiB (small on purpose: shows preemption).")
 @click.option("--max-num-batched-tokens", default=512, show_default=True, type=positive_int(),
               help="Tokens per engine step at most.")
@@ -171,10 +171,10 @@ def demo(num_requests: int, device: str | None, backend: str | None, kv_cache_mb
               help="A prompt as comma-separated token ids (repeatable).")
 @click.option("--max-tokens", default=32, show_default=True, type=positive_int(),
               help="New tokens per prompt at most.")
-@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0),
+@click.option("--temperature", default=0.0, show_default=True, type=FiniteFloat(min=0),
               help="Sampling temperature (0: greedy).")
 @click.option("--top-p", default=1.0, show_default=True,
-              type=click.FloatRange(min=0, max=1, min_open=True),
+              type=FiniteFloat(min=0, max=1, min_open=True),
               help="Nucleus sampling: keep the smallest set of tokens of this probability.")
 @click.option("--top-k", default=None, type=positive_int(0),
               help="Sample among the k most likely tokens (0 or unset: all).")
@@ -192,6 +192,7 @@ def generate(prompts: tuple[str, ...], token_ids: tuple[str, ...], max_tokens: i
              system: str | None, stop: tuple[str, ...], engine_args: EngineArgs) -> None:
     """Generate continuations of prompts (or chat answers) with a model."""
     from pagedcore.engine.chat import chat_prompt_ids
+    from pagedcore.engine.errors import EngineStepError
     from pagedcore.engine.llm import LLM
     from pagedcore.engine.models.checkpoint import CheckpointError
     from pagedcore.engine.sampling.sampling_params import SamplingParams
@@ -229,6 +230,11 @@ def generate(prompts: tuple[str, ...], token_ids: tuple[str, ...], max_tokens: i
                 _stream_one(llm, one, params)
             return
         outputs = llm.generate(inputs, params)
+    except EngineStepError as exc:  # a step failed (a backend, the model): what it produced
+        for out in exc.outputs:
+            click.echo(f"[{out.request_id}] {_render(out)}" +
+                       (f" error: {out.error}" if out.error else ""))
+        raise click.ClickException(str(exc)) from exc
     except ValueError as exc:  # a user mistake (model, lengths, KV budget): exit status 2
         raise click.UsageError(str(exc)) from exc
     for out in outputs:

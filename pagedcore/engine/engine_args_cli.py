@@ -17,7 +17,14 @@ import attrs
 import click
 from click.core import ParameterSource
 
-from pagedcore.cli_types import BACKEND, DEVICE, IntList, MemorySize, positive_int
+from pagedcore.cli_types import (
+    BACKEND,
+    DEVICE,
+    FiniteFloat,
+    IntList,
+    MemorySize,
+    positive_int,
+)
 from pagedcore.engine.engine_args import ENGINE_KV_CACHE_DTYPES, EngineArgs
 from pagedcore.engine.validation import MAX_SEED
 
@@ -46,7 +53,7 @@ CLI_OPTIONS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "max_num_batched_tokens": (("--max-num-batched-tokens",), dict(type=positive_int())),
     "block_size": (("--block-size",), dict(type=positive_int())),
     "gpu_memory_utilization": (("--gpu-memory-utilization",),
-                               dict(type=click.FloatRange(0.0, 1.0, min_open=True))),
+                               dict(type=FiniteFloat(0.0, 1.0, min_open=True))),
     "kv_cache_memory_bytes": (("--kv-cache-memory", "--kv-cache-memory-bytes"),
                               dict(type=MemorySize())),
     "kv_cache_dtype": (("--kv-cache-dtype",), dict(type=click.Choice(ENGINE_KV_CACHE_DTYPES))),
@@ -68,7 +75,7 @@ CLI_OPTIONS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "hash_algo": (("--prefix-caching-hash-algo",),
                   dict(type=click.Choice(["sha256", "xxhash"]))),
     "log_stats": (("--log-stats/--no-log-stats",), {}),
-    "log_interval": (("--log-interval",), dict(type=click.FloatRange(0.0, min_open=True))),
+    "log_interval": (("--log-interval",), dict(type=FiniteFloat(0.0, min_open=True))),
 }
 #: Fields only Python callers set (objects, test knobs): no flag.
 PYTHON_ONLY = frozenset({"model", "tokenizer", "align_chunks_to_buckets", "max_n", "hash_seed"})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "BackendLoadError",
+    "BackendSetupError",
     "BackendValidationError",
     "DuplicateBackendError",
     "PluginError",
@@ -32,3 +33,9 @@ class BackendLoadError(PluginError):
 
 class UnknownBackendError(PluginError):
     """No backend of that name is registered, and no failed plugin claims it."""
+
+
+class BackendSetupError(PluginError):
+    """A registered backend's code failed, or broke the contract, while an engine set it up
+    (its builder, its impls, its KV-cache shape): the message names the backend and the
+    distribution it came from. Raised ``from`` the original error."""

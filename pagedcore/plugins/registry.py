@@ -393,7 +393,11 @@ class BackendRegistry:
 
 
 _REGISTRY: BackendRegistry | None = None
-_LOCK = threading.Lock()
+# Re-entrant: plugin code running while the registry loads (its import, its hook) may call
+# back into pagedcore on this thread; `_LOADING` turns that into the plugin's own failure
+# instead of a deadlock (another thread just waits for the load).
+_LOCK = threading.RLock()
+_LOADING = False
 
 
 def get_registry(*, reload: bool = False) -> BackendRegistry:
@@ -402,8 +406,14 @@ def get_registry(*, reload: bool = False) -> BackendRegistry:
     It is reloaded when `reload` is true or when ``PAGEDCORE_PLUGINS`` changed since it was
     loaded (so a changed plugin set is always noticed).
     """
-    global _REGISTRY
+    global _REGISTRY, _LOADING
     with _LOCK:
+        if _LOADING:
+            raise RuntimeError(
+                "a plugin called into pagedcore's backend registry (select_backend, "
+                "get_registry, ...) while the registry was loading the plugins; a plugin's "
+                "import and its pagedcore_register_backends hook must only return backend "
+                "classes: select backends later, at run time")
         current = _REGISTRY
         stale = (
             current is not None
@@ -411,7 +421,11 @@ def get_registry(*, reload: bool = False) -> BackendRegistry:
             and current.plugins_env != os.environ.get(PLUGINS_ENV)
         )
         if reload or current is None or stale:
-            current = BackendRegistry.from_entry_points()
+            _LOADING = True
+            try:
+                current = BackendRegistry.from_entry_points()
+            finally:
+                _LOADING = False
             _REGISTRY = current
         return current
 

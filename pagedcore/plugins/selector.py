@@ -289,11 +289,22 @@ def _reasons(
     machine = device_reasons(cfg, cuda_available=cuda)
     try:  # a plugin bug (even sys.exit()) must not hide the other backends
         reasons = call_plugin_code(
-            "validate_configuration()", lambda: list(cls.validate_configuration(cfg))
+            "validate_configuration()", lambda: _reason_list(cls.validate_configuration(cfg))
         )
     except PluginCodeError as err:
         return (*machine, str(err))
     return machine + tuple(str(r) for r in reasons)
+
+
+def _reason_list(value: Any) -> list[str]:
+    """`validate_configuration`'s result as its list of reasons; TypeError for anything but
+    a list or tuple of str (a bare str would read as one reason per character, an empty one
+    as "no reason": valid)."""
+    if not isinstance(value, (list, tuple)) or not all(isinstance(r, str) for r in value):
+        raise TypeError(
+            f"validate_configuration() must return a list of str (empty: it can serve the "
+            f"configuration), got {type(value).__name__} {value!r:.60}")
+    return list(value)
 
 
 def _nearest(values: set[int], target: int, count: int = 2) -> list[int]:

@@ -27,6 +27,7 @@ from pagedcore.attention.backend import (
 
 __all__ = [
     "BACKEND_NAME_PATTERN",
+    "PRIORITY_LIMIT",
     "PluginCodeError",
     "backend_problems",
     "call_plugin_code",
@@ -36,7 +37,9 @@ __all__ = [
 ]
 
 #: Backend names are typed on command lines and in env vars: keep them simple.
-BACKEND_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+BACKEND_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")  # (matched whole)
+#: Largest magnitude of a backend's `priority` (built-ins use 2 to 2,000).
+PRIORITY_LIMIT = 1_000_000
 _DTYPES = ("float16", "bfloat16", "float32")
 _DEVICES = ("cpu", "cuda")
 _FLAGS = (
@@ -138,8 +141,11 @@ def _checks() -> dict[str, Callable[[Any], str | None]]:
         )
 
     def priority(v: Any) -> str | None:
-        if isinstance(v, int) and not isinstance(v, bool):
+        if isinstance(v, int) and not isinstance(v, bool) and abs(v) <= PRIORITY_LIMIT:
             return None
+        if isinstance(v, int) and not isinstance(v, bool):
+            return (f"`priority` must be an int within +-{PRIORITY_LIMIT:,} (lower wins), "
+                    f"got {v}")
         hint = f": did you mean {int(v)}?" if isinstance(v, float) and v.is_integer() else ""
         return f"`priority` must be an int (lower wins), got {_kind(v)}{hint}"
 
@@ -268,7 +274,8 @@ def backend_problems(obj: Any) -> list[str]:
     except PluginCodeError as err:
         name = None
         problems.append(f"{err}; make `name` a plain class attribute")
-    if name is not None and (not isinstance(name, str) or not BACKEND_NAME_PATTERN.match(name)):
+    if name is not None and (not isinstance(name, str)
+                             or not BACKEND_NAME_PATTERN.fullmatch(name)):
         problems.append(
             f"name must be a non-empty string of letters, digits, '_', '.' or '-', got "
             f"{name!r}; set the class attribute `name`"
@@ -287,9 +294,9 @@ def backend_problems(obj: Any) -> list[str]:
         why_not = call_plugin_code("is_available()", obj.is_available)
     except PluginCodeError as err:
         return [*problems, str(err)]
-    if why_not is not None and not isinstance(why_not, str):
-        return [*problems, f"is_available() must return None or a str (why not), got "
-                           f"{_kind(why_not)}"]
+    if why_not is not None and (not isinstance(why_not, str) or not why_not.strip()):
+        return [*problems, f"is_available() must return None (available) or a non-empty str "
+                           f"(why not), got {_kind(why_not)}"]
     if why_not is None:
         problems += _role_problems(obj, "get_builder_cls", MetadataBuilder, "MetadataBuilder")
         problems += _role_problems(obj, "get_impl_cls", AttentionImpl, "AttentionImpl")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from pagedcore.cli_types import FiniteFloat
 from pagedcore.engine.engine_args import EngineArgs
 from pagedcore.engine.engine_args_cli import engine_options
 from pagedcore.engine.stats_logging import configure_cli_logging
@@ -25,7 +26,7 @@ __all__ = ["serve"]
 @click.option("--max-request-bytes", default=4 * 2**20, show_default=True,
               type=click.IntRange(min=1024), help="Larger request bodies get 413.")
 @click.option("--shutdown-timeout", default=30.0, show_default=True,
-              type=click.FloatRange(min=0.0),
+              type=FiniteFloat(min=0.0),
               help="Seconds in-flight requests get to finish on SIGTERM before being aborted.")
 @click.option("--threads", default=None, type=click.IntRange(min=1),
               help="torch CPU threads (CPU serving).")
@@ -70,6 +71,7 @@ def serve(host: str, port: int, served_model_names: tuple[str, ...], api_key: st
     engine_ref: list[AsyncEngine] = []
     metrics = ServeMetrics(names[0], lambda: engine_ref[0].stats())
     try:
+        StepTrace.check_env()
         if engine_process:
             engine = AsyncEngine.spawn(engine_args, threads=threads, max_waiting=max_waiting,
                                        metrics=metrics, stream_interval=stream_interval)

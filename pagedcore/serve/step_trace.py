@@ -52,6 +52,22 @@ class StepTrace:
         path = os.environ.get(STEP_TRACE_ENV, "").strip()
         return cls(path + suffix, proc=proc, line_buffered=line_buffered) if path else None
 
+    @staticmethod
+    def check_env() -> None:
+        """ValueError naming `STEP_TRACE_ENV` and its path when the trace file it names
+        cannot be opened for appending (checked before the server starts: the engine loop
+        opens it later, where a failure would only stop the loop)."""
+        path = os.environ.get(STEP_TRACE_ENV, "").strip()
+        if not path:
+            return
+        try:
+            with open(path, "a", encoding="utf-8"):
+                pass
+        except OSError as exc:
+            raise ValueError(f"{STEP_TRACE_ENV}={path!r}: cannot write the step trace there "
+                             f"({exc.strerror or exc}); name a writable file or unset it") \
+                from exc
+
     def row(self, row: dict[str, Any]) -> None:
         """Append one event (a JSON object with ``ev`` and ``t``)."""
         self._file.write(json.dumps(row, separators=(",", ":")) + "\n")

@@ -11,6 +11,7 @@ import attrs
 import torch
 
 from pagedcore.attention.backend import AttentionBackend, AttentionImpl, MetadataBuilder
+from pagedcore.attention.kv_quant import FP8_MAX, normalize_kv_cache_dtype
 from pagedcore.attention.metadata import CommonAttentionMetadata
 from pagedcore.reference import ReferenceBackend
 from pagedcore.reference.impl import ReferenceImpl
@@ -211,6 +212,90 @@ class _DropsSinkImpl(ReferenceImpl):
         return None
 
 
+class _IgnoresOutputIn16BitImpl(_IgnoresOutputImpl):
+    """(o) Fills ``output=`` in float32 only: its 16-bit path returns a fresh tensor."""
+
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        kv_cache: torch.Tensor, metadata: ReferenceMetadata, *,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if query.dtype == torch.float32:
+            return ReferenceImpl.forward(self, query, key, value, kv_cache, metadata,
+                                         output=output)
+        return super().forward(query, key, value, kv_cache, metadata, output=output)
+
+
+class _MemoisedPlanBuilder(ReferenceMetadataBuilder):
+    """(p) Reuses its previous plan for a step of the same shape (requests, tokens): right
+    for a replayed CUDA graph's step, wrong for an eager step whose lengths and block table
+    moved on."""
+
+    def build(
+        self, common: CommonAttentionMetadata, *, common_prefix_len: int = 0
+    ) -> ReferenceMetadata:
+        key = (common.num_reqs, common.num_actual_tokens)
+        memo: tuple[Any, ReferenceMetadata] | None = getattr(self, "_memo", None)
+        if memo is not None and memo[0] == key:
+            return memo[1]
+        plan = super().build(common, common_prefix_len=common_prefix_len)
+        self._memo = (key, plan)
+        return plan
+
+
+class _FrozenScalesImpl(ReferenceImpl):
+    """(q) Its read path keeps the fp8 scales the impl was built with: `set_kv_scales`
+    afterwards (the engine's calibration on the first prefill) reaches the write only."""
+
+    def setup(self) -> None:
+        super().setup()
+        self._built_with = (float(self.k_scale), float(self.v_scale))
+
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        kv_cache: torch.Tensor, metadata: ReferenceMetadata, *,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        scales = self.kv_scales_on(kv_cache.device)
+        saved = [t.clone() for t in scales]
+        for t, built in zip(scales, self._built_with, strict=True):
+            t.fill_(built)
+        try:
+            return super().forward(query, key, value, kv_cache, metadata, output=output)
+        finally:
+            for t, old in zip(scales, saved, strict=True):
+                t.copy_(old)
+
+
+class _NoSaturationImpl(ReferenceImpl):
+    """(r) Its fp8 cache write does not saturate: a value past the format's largest finite
+    one is stored as NaN (a GPU convert without ``satfinite``)."""
+
+    def do_kv_cache_update(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        if kv_cache.dtype.itemsize == 1:
+            bound = FP8_MAX[normalize_kv_cache_dtype(self.kv_cache_dtype)]
+            k_scale, v_scale = (float(t) for t in self.kv_scales_on(kv_cache.device))
+            key = key.masked_fill(key.float().abs() / k_scale > bound, float("nan"))
+            value = value.masked_fill(value.float().abs() / v_scale > bound, float("nan"))
+        super().do_kv_cache_update(key, value, kv_cache, slot_mapping)
+
+
+class _EightRowRingBuilder(ReferenceMetadataBuilder):
+    """(s) Requests 8 and up read the block table row of request i - 8 (per-request rows kept
+    in an 8-entry staging ring)."""
+
+    def build(
+        self, common: CommonAttentionMetadata, *, common_prefix_len: int = 0
+    ) -> ReferenceMetadata:
+        rows = torch.arange(common.num_reqs, device=common.block_table.device) % 8
+        table = common.block_table.index_select(0, rows)
+        return super().build(attrs.evolve(common, block_table=table),
+                             common_prefix_len=common_prefix_len)
+
+
 class _ClaimsMoreBackend(ReferenceBackend):
     """(l) Declares an extra head size its validate_configuration then rejects."""
 
@@ -268,4 +353,15 @@ BROKEN: dict[str, type[AttentionBackend]] = {
     "claims_more_than_it_serves": _ClaimsMoreBackend,
     "ignores_kv_scale": _backend("ignores_kv_scale", impl=_IgnoresKVScaleImpl),
     "drops_sink": _backend("drops_sink", impl=_DropsSinkImpl),
+    "ignores_output_in_16_bit": _backend("ignores_output_in_16_bit",
+                                         impl=_IgnoresOutputIn16BitImpl),
+    "memoises_plan": _backend("memoises_plan", builder=_MemoisedPlanBuilder),
+    "frozen_kv_scales": _backend("frozen_kv_scales", impl=_FrozenScalesImpl),
+    "fp8_write_without_saturation": _backend("fp8_write_without_saturation",
+                                             impl=_NoSaturationImpl),
+}
+
+#: Caught only by a full-suite batch (the case filter that reaches it).
+BROKEN_FULL: dict[str, tuple[type[AttentionBackend], str]] = {
+    "eight_row_ring": (_backend("eight_row_ring", builder=_EightRowRingBuilder), "wide/"),
 }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from broken_backends import BROKEN, SplitEdgeMisread
+from broken_backends import BROKEN, BROKEN_FULL, SplitEdgeMisread
 
 from pagedcore.conformance import run_suite
 from pagedcore.reference import ReferenceBackend
@@ -21,6 +21,15 @@ def test_broken_backend_is_rejected(name: str) -> None:
     report = run_suite(BROKEN[name], quick=True, device="cpu", exitfirst=True)
     assert not report.passed, f"{name} slipped through:\n{report.summary()}"
     assert report.failures and all(r.message for r in report.failures)
+
+
+@pytest.mark.parametrize("name", list(BROKEN_FULL))
+def test_broken_backend_is_rejected_by_the_full_suite(name: str) -> None:
+    backend, case_filter = BROKEN_FULL[name]
+    report = run_suite(backend, device="cpu", case_filter=case_filter)
+    assert not report.passed, f"{name} slipped through:\n{report.summary()}"
+    reference = run_suite(ReferenceBackend, device="cpu", case_filter=case_filter)
+    assert reference.passed and reference.results, reference.summary()
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

@@ -61,6 +61,10 @@ def _usage_error(args: list[str], needle: str) -> Result:
     (["bench", "tp", "--device", "cuda"], "no CUDA device is available here"),
     (["bench", "prefix", "--max-num-seqs", "x"], "--max-num-seqs"),
     (["generate", "--prompt", "x", "--model", "./no/such/dir"], "does not exist"),
+    # NaN and infinity pass a range check (every comparison with NaN is false).
+    (["demo", "--kv-cache-mb", "nan"], "'nan' is not a finite number"),
+    (["demo", "--kv-cache-mb", "inf"], "'inf' is not a finite number"),
+    (["generate", "--prompt", "x", "--temperature", "nan"], "not a finite number"),
 ])
 def test_cli_mistake_is_a_usage_error(args: list[str], needle: str) -> None:
     _usage_error(args, needle)
@@ -100,6 +104,45 @@ def test_generate_model_mistakes(checkpoint: Path, tmp_path: Path) -> None:
 
     tiny_config("llama", hidden_size=32, head_dim=8).save_pretrained(shapes)
     _usage_error([*base, str(shapes)], "do not match")
+    # A bad value that transformers' own config checks reject (any exception type).
+    import json
+
+    for field, value in (("num_attention_heads", 0), ("num_hidden_layers", "2"),
+                         ("dtype", "float99")):
+        bad_value = tmp_path / f"bad_{field}"
+        shutil.copytree(checkpoint, bad_value)
+        config = json.loads((bad_value / "config.json").read_text())
+        config[field] = value
+        (bad_value / "config.json").write_text(json.dumps(config))
+        _usage_error([*base, str(bad_value)], "is not a usable transformers config")
+    # generation_config.json's EOS id that is no token id: named with its file.
+    bad_eos = tmp_path / "bad_eos"
+    shutil.copytree(checkpoint, bad_eos)
+    (bad_eos / "generation_config.json").write_text('{"eos_token_id": "x"}')
+    _usage_error([*base, str(bad_eos)], "generation_config.json's eos_token_id must be a token")
+
+
+def test_serve_refuses_an_unwritable_step_trace_before_loading(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEDCORE_STEP_TRACE", str(tmp_path / "no" / "such" / "trace.jsonl"))
+    _usage_error(["serve", "demo", "--port", "1"], "PAGEDCORE_STEP_TRACE=")
+
+
+def test_generate_reports_a_failed_step_with_what_it_produced(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend raising mid-forward: exit 1, one error line, the request's output printed,
+    no traceback."""
+    from pagedcore.reference.impl import ReferenceImpl
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("kernel launch failed")
+
+    monkeypatch.setattr(ReferenceImpl, "forward", broken)
+    result = CliRunner().invoke(main, ["generate", "--token-ids", "1,2,3", "--device", "cpu",
+                                       "--backend", "reference", "--max-tokens", "2"])
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output and "kernel launch failed" in result.output
+    assert "[gen-0]" in result.output and "error" in result.output
 
 
 def test_int_list_parses_and_keeps_order() -> None:

@@ -70,3 +70,18 @@ def test_encoder_decoder_is_refused() -> None:
 
     (problem,) = architecture_problems(T5Config(num_layers=1, d_model=32))
     assert "encoder-decoder" in problem
+
+
+def test_a_layer_that_drops_the_attention_kwargs_is_refused() -> None:
+    """Nemotron's decoder layer calls self_attn without passing **kwargs on: the engine's step
+    state would never reach the attention, so every step would fail. Refused up front."""
+    if not _installed("nemotron"):
+        pytest.skip("the installed transformers has no 'nemotron'")
+    from transformers import NemotronConfig
+
+    config = NemotronConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                            num_attention_heads=2, num_key_value_heads=2, vocab_size=64)
+    (problem,) = architecture_problems(config)
+    assert "without passing its keyword arguments on" in problem
+    with pytest.raises(UnsupportedModelError, match="NemotronDecoderLayer"):
+        LLM(config, device="cpu")

@@ -278,7 +278,7 @@ def _load_directory(
     try:
         config = AutoConfig.from_pretrained(str(root), local_files_only=True,
                                             trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, KeyError) as err:
+    except Exception as err:  # transformers' config checks raise many kinds (a bad value)
         if "trust_remote_code" in str(err):
             # (transformers' own message spans lines and points at hf.co: say it in one.)
             raise CheckpointError(
@@ -288,8 +288,8 @@ def _load_directory(
             ) from err
         raise CheckpointError(
             f"{root / 'config.json'} is not a usable transformers config "
-            f"({type(err).__name__}: {' '.join(str(err).split())[:300]}); save it again with "
-            "config.save_pretrained()"
+            f"({type(err).__name__}: {' '.join(str(err).split())[:300]}); fix that value, or "
+            "save it again with config.save_pretrained()"
         ) from err
     check_architecture(config, trust_remote_code=trust_remote_code)
     tokenizer = load_tokenizer(root, trust_remote_code=trust_remote_code)

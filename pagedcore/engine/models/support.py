@@ -70,7 +70,36 @@ def _layout_problems(model: Any) -> list[str]:
                 f"{' / '.join(missing)}, which the engine needs to route its attention"
             )
             break
+        if not _passes_kwargs_to_attention(type(layer)):
+            problems.append(
+                f"{type(layer).__name__}.forward calls self.self_attn(...) without passing its "
+                "keyword arguments on, so the engine's step state cannot reach the attention "
+                "(every step would fail)"
+            )
+            break
     return problems
+
+
+def _passes_kwargs_to_attention(layer_cls: type) -> bool:
+    """False when the decoder layer's forward visibly calls ``self.self_attn(...)`` without
+    ``**`` keyword arguments (the engine's step state travels in them); True when it passes
+    them, or when its source cannot be read (no evidence either way)."""
+    import inspect
+
+    try:
+        source = inspect.getsource(getattr(layer_cls, "forward", None))  # type: ignore[arg-type]
+    except (OSError, TypeError):
+        return True
+    start = source.find("self.self_attn(")
+    if start < 0:
+        return True
+    depth, end = 0, len(source)
+    for pos in range(start + len("self.self_attn"), len(source)):
+        depth += {"(": 1, ")": -1}.get(source[pos], 0)
+        if depth == 0:
+            end = pos
+            break
+    return "**" in source[start:end]
 
 
 def _meta_instance(config: Any, trust_remote_code: bool) -> Any:

@@ -12,6 +12,7 @@ import attrs
 
 from pagedcore.engine.models import attention_hook
 from pagedcore.engine.models.support import output_logit_scale
+from pagedcore.engine.runner.backend_setup import backend_call, checked_kv_cache_shape
 from pagedcore.engine.runner.cascade_graphs import CascadeDecodeGraphs
 from pagedcore.engine.runner.cascade_mixed_graphs import CascadeMixedGraphs
 from pagedcore.engine.runner.cascade_plan import CascadePlanner
@@ -111,6 +112,7 @@ class ModelRunner(GraphRouting):
             swap_fused_modules,
         )
         from pagedcore.engine.models.mla_attention import mla_impl_kwargs, swap_mla_attention
+        from pagedcore.engine.models.rope import pin_longrope
         from pagedcore.plugins.selector import select_backend
 
         attention_hook.register()
@@ -122,6 +124,8 @@ class ModelRunner(GraphRouting):
         model.set_attn_implementation(attention_hook.ATTN_IMPLEMENTATION)
         # DeepSeek-V2/V3: paged latent attention modules (no-op for other models).
         swap_mla_attention(model)
+        #: Phi-3 longrope frequencies fixed from max_model_len (not per step and batch).
+        self.pinned_rope = pin_longrope(model, max_model_len)
         #: Why transformers' norms and MLPs were kept (None: fused kernels swapped in).
         self.fused_kernels_disabled_reason = fused_kernels_disabled_reason(device)
         #: Modules replaced by fused Triton kernels, per kind (empty when disabled).
@@ -165,7 +169,9 @@ class ModelRunner(GraphRouting):
                              for n in group.layer_names),
             )
             self.backends.append(chosen)
-            self.builders.append(chosen.get_builder_cls()(spec, group.layer_names, device))
+            builder_cls = backend_call(chosen, "get_builder_cls()", chosen.get_builder_cls)
+            self.builders.append(backend_call(chosen, "building its metadata builder",
+                                              builder_cls, spec, group.layer_names, device))
 
         #: Shared prefixes per step and whether to cascade (`pagedcore.attention.cascade`).
         self.cascade = CascadePlanner(kv_cache_config.groups, self.backends)
@@ -176,11 +182,13 @@ class ModelRunner(GraphRouting):
         for g, group in enumerate(kv_cache_config.groups):
             spec = group.spec
             window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
-            impl_cls = self.backends[g].get_impl_cls()
+            impl_cls = backend_call(self.backends[g], "get_impl_cls()",
+                                    self.backends[g].get_impl_cls)
             for name in group.layer_names:
                 idx = layer_index(name)
                 module = self._attention_module(idx)
-                impl = impl_cls(
+                impl = backend_call(
+                    self.backends[g], f"building the impl of layer {idx}", impl_cls,
                     num_heads,
                     spec.head_size,
                     float(module.scaling),
@@ -284,11 +292,14 @@ class ModelRunner(GraphRouting):
 
         def shape_of(name: str) -> tuple[tuple[int, ...], torch.dtype]:
             spec = cfg.groups[layer_group[name]].spec
-            shape = self.backends[layer_group[name]].get_kv_cache_shape(
-                cfg.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size,
-                self._kv_cache_dtype_name(spec.dtype),
-            )
-            return shape, _torch_dtype(spec.dtype)
+            backend = self.backends[layer_group[name]]
+            dtype = _torch_dtype(spec.dtype)
+            what = "get_kv_cache_shape()"
+            shape = backend_call(backend, what, backend.get_kv_cache_shape, cfg.num_blocks,
+                                 spec.block_size, spec.num_kv_heads, spec.head_size,
+                                 self._kv_cache_dtype_name(spec.dtype))
+            need = cfg.num_blocks * spec.page_size_bytes // dtype.itemsize
+            return checked_kv_cache_shape(backend, shape, min_elements=need, what=what), dtype
 
         caches: dict[str, torch.Tensor] = {}
         tensors: Sequence[KVCacheTensor | _Alloc] = cfg.tensors or tuple(

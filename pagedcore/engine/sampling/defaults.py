@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pagedcore.engine.validation import as_index
+
 __all__ = ["GENERATION_CONFIG_FIELDS", "eos_token_ids", "generation_defaults"]
 
 #: ``generation_config`` field -> `SamplingParams` field, for the fields taken as defaults.
@@ -24,22 +26,36 @@ GENERATION_CONFIG_FIELDS = {
 }
 
 
-def _ids(value: Any) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, (list, tuple)):
-        return [int(v) for v in value if v is not None]
-    return [int(value)]
+def _ids(value: Any, where: str) -> list[int]:
+    values = [] if value is None else value if isinstance(value, (list, tuple)) else [value]
+    out = []
+    for v in values:
+        if v is None:
+            continue
+        as_int = as_index(v)
+        if as_int is None or as_int < 0:
+            raise ValueError(
+                f"{where} eos_token_id must be a token id (an int >= 0) or a list of them, got "
+                f"{value!r}; fix that field of the checkpoint")
+        out.append(as_int)
+    return out
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
     """Every EOS id: ``generation_config.eos_token_id`` (an int or a list), the model config's
-    and the tokenizer's ``eos_token_id``, in that order, without repeats."""
+    and the tokenizer's ``eos_token_id``, in that order, without repeats.
+
+    Raises
+    ------
+    ValueError
+        One of them is not a token id (naming the file it comes from).
+    """
     found: list[int] = []
     generation = getattr(model, "generation_config", None)
-    found += _ids(getattr(generation, "eos_token_id", None))
-    found += _ids(getattr(getattr(model, "config", None), "eos_token_id", None))
-    found += _ids(getattr(tokenizer, "eos_token_id", None))
+    found += _ids(getattr(generation, "eos_token_id", None), "generation_config.json's")
+    found += _ids(getattr(getattr(model, "config", None), "eos_token_id", None),
+                  "config.json's")
+    found += _ids(getattr(tokenizer, "eos_token_id", None), "the tokenizer's")
     return tuple(dict.fromkeys(found))
 
 
