@@ -556,6 +556,11 @@ def check_configuration(
         kv_cache_dtype=case.kv_cache_dtype, has_sink=case.sinks,
     )
     reasons = backend.validate_configuration(cfg)
+    if not isinstance(reasons, (list, tuple)) or not all(isinstance(r, str) for r in reasons):
+        return CaseResult(
+            name=case.name, passed=False,
+            message=f"validate_configuration() must return a list of str (empty: it serves "
+                    f"the configuration), got {type(reasons).__name__} {reasons!r:.60}")
     if not reasons:
         return None
     why = "; ".join(reasons)

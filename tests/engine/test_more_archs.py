@@ -85,3 +85,18 @@ def test_a_layer_that_drops_the_attention_kwargs_is_refused() -> None:
     assert "without passing its keyword arguments on" in problem
     with pytest.raises(UnsupportedModelError, match="NemotronDecoderLayer"):
         LLM(config, device="cpu")
+
+
+def test_layers_outside_the_declared_base_model_are_named_where_they_are() -> None:
+    """Llama4ForCausalLM keeps its layers at model.layers but declares 'language_model' as
+    its base model: the refusal says so (not "laid out as GPT-2")."""
+    if not _installed("llama4_text"):
+        pytest.skip("the installed transformers has no 'llama4_text'")
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("llama4_text", num_hidden_layers=1, hidden_size=32,
+                                  intermediate_size=64, intermediate_size_mlp=64,
+                                  num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                                  vocab_size=64)
+    (problem,) = architecture_problems(config)
+    assert "keeps its decoder layers at 'model.layers'" in problem and "GPT-2" not in problem

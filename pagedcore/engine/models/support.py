@@ -47,6 +47,15 @@ def _layout_problems(model: Any) -> list[str]:
     base = getattr(model, getattr(model, "base_model_prefix", ""), None)
     layers = getattr(base, "layers", None)
     if base is None or layers is None:
+        prefix = getattr(model, "base_model_prefix", "?")
+        found = [name for name, module in model.named_modules()
+                 if name.endswith(".layers") and isinstance(module, _module_list_type())][:1]
+        if found:
+            return [
+                f"module layout: {type(model).__name__} keeps its decoder layers at "
+                f"{found[0]!r} but names {prefix!r} as its base model "
+                "(base_model_prefix), through which the engine finds a model's layers"
+            ]
         blocks = [name for name, _ in model.named_modules() if name.count(".") == 2][:1]
         seen = f" (its first block is {blocks[0]!r})" if blocks else ""
         return [
@@ -78,6 +87,13 @@ def _layout_problems(model: Any) -> list[str]:
             )
             break
     return problems
+
+
+def _module_list_type() -> type:
+    """`torch.nn.ModuleList` (imported when a layout is checked)."""
+    from torch import nn
+
+    return nn.ModuleList
 
 
 def _passes_kwargs_to_attention(layer_cls: type) -> bool:
