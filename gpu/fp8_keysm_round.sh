@@ -118,6 +118,10 @@ PY
            done; unset PAGEDCORE_FUSED_KERNELS ;;
     conftri) run conf_triton 240 python3 -m pagedcore.cli conformance triton --device cuda --json "$R/conformance_triton.json" ;;
     confgraph) run confgraph_triton 200 python3 -m pagedcore.cli conformance triton -k graph/ ;;
+    # Session 28: the conformance cases added after a mutation pass (steps3, late_scales,
+    # saturating, long_prefill, very_long, wide, h16kv8, bs32/bs64, shared_* with sinks / fp8)
+    # on every GPU backend, full suite (new cases only, by name, to save device time).
+    confnew) run confnew 400 python3 gpu/conformance_new_cases.py "$R/conformance_new_cases.json" ;;
     *) echo "unknown step $s" ;;
   esac
   tar czf /tmp/fp8_keysm_round.tgz -C "$R" . && mv /tmp/fp8_keysm_round.tgz "$OUT/round.tgz"
