@@ -57,8 +57,26 @@ def normalize_conversations(
                 raise InvalidArgumentTypeError(
                     f"every message must be a dict with a str 'role'{where}, got "
                     f"{describe(message)}")
-        out.append([dict(m) for m in conversation if isinstance(m, Mapping)])
+        out.append([_text_content(dict(m), where) for m in conversation
+                    if isinstance(m, Mapping)])
     return out
+
+
+def _text_content(message: dict[str, Any], where: str) -> dict[str, Any]:
+    """`message` with OpenAI-style content parts (``[{"type": "text", "text": ...}, ...]``)
+    joined into one str, as the server does (vLLM too, for templates that expect a str)."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for part in content:
+        if not (isinstance(part, Mapping) and part.get("type") == "text"
+                and isinstance(part.get("text"), str)):
+            raise InvalidArgumentError(
+                f"a message's content parts must be {{'type': 'text', 'text': str}}{where} "
+                f"(this engine runs text-only models), got {describe(part)}")
+        texts.append(part["text"])
+    return {**message, "content": "".join(texts)}
 
 
 def chat_prompt_ids(

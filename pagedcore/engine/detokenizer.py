@@ -80,6 +80,12 @@ class IncrementalDetokenizer:
                 self._special = {i: str(t) for i, t in
                                  getattr(tokenizer, "added_tokens_decoder", {}).items()
                                  if getattr(t, "special", False)}
+        # DecodeStream path: the ids fed and the text released, and whether the last step
+        # held text back (a token ending inside a character holds all its text, whole
+        # characters included, until one completes it: `flush` releases those at the end).
+        self._stream_ids: list[int] = []
+        self._stream_text: list[str] = []
+        self._stream_held = False
         # Fallback (window) state: all ids, the window start and the first undecoded id.
         self._ids: list[int] = []
         self._prefix_offset = 0
@@ -92,8 +98,10 @@ class IncrementalDetokenizer:
         if self._stream is not None:
             parts = []
             for token_id in token_ids:
+                self._stream_ids.append(int(token_id))
                 try:
                     chunk = self._stream.step(self._backend, int(token_id))
+                    self._stream_held = chunk is None
                 except Exception:  # an id the tokenizer does not know (a padded vocab row)
                     chunk = None
                 if self._special:
@@ -103,7 +111,10 @@ class IncrementalDetokenizer:
                     self._last_special = special is not None
                 if chunk:
                     parts.append(chunk)
-            return "".join(parts)
+            text = "".join(parts)
+            if text:
+                self._stream_text.append(text)
+            return text
         parts = []
         for token_id in token_ids:  # one at a time: a partial character ends only the last
             self._ids.append(int(token_id))
@@ -118,14 +129,29 @@ class IncrementalDetokenizer:
             return self.add(token_ids) + self.flush()
         self._ids = [int(t) for t in token_ids]
         self._prefix_offset = self._read_offset = len(self._ids)
-        return self._decode(self._ids)
+        return _drop_partial(self._decode(self._ids))
 
     def flush(self) -> str:
-        """The text still held back (an incomplete character at the very end), at the finish."""
-        if self.tokenizer is None or self._stream is not None:
-            # DecodeStream holds only bytes no character can be made of: they never print.
+        """At the finish: the text still held back, less an incomplete character at the very
+        end (its bytes never print; vLLM drops them too)."""
+        if self.tokenizer is None:
             return ""
-        return self._advance(final=True)
+        if self._stream is not None:
+            if not self._stream_held:
+                return ""
+            # DecodeStream held the last token's text, whole characters included, waiting for
+            # one to complete: decode the sequence once and release what it has not.
+            try:
+                full = _drop_partial(self._decode(self._stream_ids))
+            except Exception:  # (an id the tokenizer does not know)
+                return ""
+            released = "".join(self._stream_text)
+            self._stream_held = False
+            if not full.startswith(released):
+                return ""
+            self._stream_text.append(full[len(released):])
+            return full[len(released):]
+        return _drop_partial(self._advance(final=True))
 
     def _decode(self, ids: Sequence[int]) -> str:
         if not ids:
@@ -151,6 +177,12 @@ class IncrementalDetokenizer:
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         return delta
+
+
+def _drop_partial(text: str) -> str:
+    """`text` less a trailing replacement character: the bytes of a character the sequence
+    ended inside (the text never ends in half a character)."""
+    return text[:-1] if text.endswith(_REPLACEMENT) else text
 
 
 class StopStringMatcher:

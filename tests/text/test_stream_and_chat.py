@@ -84,6 +84,20 @@ def test_chat_prompt_ids_equal_apply_chat_template(llm: LLM) -> None:
     assert custom.prompt_token_ids == tok.encode("Hello world!", add_special_tokens=False)
 
 
+def test_chat_content_parts_join_into_the_text_the_template_sees(llm: LLM) -> None:
+    """OpenAI-style content parts, as the server takes them: joined, not rendered as a
+    Python list; a non-text part is refused naming what is allowed."""
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello "},
+                                          {"type": "text", "text": "world!"}]}]
+    [joined] = llm.chat(parts, params)
+    [plain] = llm.chat([{"role": "user", "content": "Hello world!"}], params)
+    assert joined.prompt_token_ids == plain.prompt_token_ids
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    with pytest.raises(ValueError, match="content parts must be"):
+        llm.chat(image, params)
+
+
 def test_chat_without_a_template_is_a_clear_error(tmp_path: Path) -> None:
     path = make_chat_checkpoint(tmp_path / "plain")
     config = path / "tokenizer_config.json"
