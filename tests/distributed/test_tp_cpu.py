@@ -144,19 +144,6 @@ def test_worker_failing_during_setup_is_named(monkeypatch: pytest.MonkeyPatch) -
         make_llm("llama", 2)
 
 
-def test_worker_failing_before_the_rendezvous_is_named_at_once(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The worker fails after its hello but before it joins the process groups: rank 0,
-    waiting in the rendezvous, reports it at once, not after the collective timeout (120 s
-    here; the default is 300)."""
-    monkeypatch.setenv(FAULT_ENV, "1:join")
-    monkeypatch.setenv("PAGEDCORE_TP_TIMEOUT_S", "120")
-    start = time.monotonic()
-    with pytest.raises(TensorParallelError, match=r"rank 1: .*before joining the process"):
-        make_llm("llama", 2)
-    assert time.monotonic() - start < 100
-
-
 def test_rank0_failure_stops_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     llm = make_llm("llama", 2)
     ex = _executor(llm)

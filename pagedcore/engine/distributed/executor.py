@@ -18,7 +18,6 @@ ranks is a collective they mirror, see `pagedcore.engine.distributed.worker`):
 from __future__ import annotations
 
 import os
-import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -147,7 +146,7 @@ class TensorParallelExecutor:
             self._pool.procs[rank] = proc
             self._pool.conns[rank] = parent
         self._wait_for_hellos()
-        self.groups = self._rendezvous(lambda: init_groups(
+        self.groups = self._guard(lambda: init_groups(
             rank=0, world_size=tensor_parallel_size, port=port, device=self.device,
             timeout_s=self.timeout_s,
         ))
@@ -443,41 +442,6 @@ class TensorParallelExecutor:
                     self._fail_start(self._collect_failures(0.5))
             if time.monotonic() > deadline:
                 self._fail_start({r: "did not start in time" for r in waiting})
-
-    def _rendezvous(self, join: Callable[[], _T]) -> _T:
-        """`join` (rank 0 joining the process groups) on a helper thread while this one
-        watches the workers: one that fails or exits before it joins leaves the rendezvous
-        waiting out the whole collective timeout, so its error is reported at once instead
-        (the helper thread, a daemon, ends with that timeout)."""
-        box: dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                box["value"] = join()
-            except BaseException as exc:  # handed to the calling thread below
-                box["error"] = exc
-
-        thread = threading.Thread(target=run, name="pagedcore-tp-rendezvous", daemon=True)
-        thread.start()
-        try:
-            while thread.is_alive():
-                thread.join(_START_POLL_S)
-                if thread.is_alive() and (
-                        any(conn.poll() for conn in self._pool.conns.values())
-                        or any(not proc.is_alive() for proc in self._pool.procs.values())):
-                    self._fail_start(self._collect_failures(0.5))
-        except (KeyboardInterrupt, SystemExit) as exc:
-            self._fail(f"interrupted ({type(exc).__name__}) while joining the process groups")
-            raise
-        if "error" in box:
-            error: BaseException = box["error"]
-
-            def reraise() -> _T:
-                raise error
-
-            return self._guard(reraise)
-        value: _T = box["value"]
-        return value
 
     def _fail_start(self, failures: dict[int, str]) -> None:
         text = "; ".join(f"rank {r}: {t}" for r, t in sorted(failures.items()))

@@ -117,24 +117,20 @@ def graph_status(runner: Any) -> tuple[tuple[int, ...] | None, tuple[int, ...] |
 
 #: The "step" of a fault injected during setup (after loading, before the first collective).
 SETUP_STEP = -1
-#: The "step" of a fault injected before the worker joins the process groups.
-JOIN_STEP = -2
 
 
 def parse_fault(raw: str | None) -> tuple[int, int] | None:
-    """`FAULT_ENV` (``"RANK:STEP"``, STEP an integer, ``setup`` or ``join``) as ``(rank,
-    step)``, setup being `SETUP_STEP` and join `JOIN_STEP`; None when unset."""
+    """`FAULT_ENV` (``"RANK:STEP"``, STEP an integer or ``setup``) as ``(rank, step)``, setup
+    being `SETUP_STEP`; None when unset."""
     if not raw:
         return None
     try:
         rank_text, step_text = raw.split(":")
-        step = {"setup": SETUP_STEP, "join": JOIN_STEP}.get(step_text)
-        step = int(step_text) if step is None else step
+        step = SETUP_STEP if step_text == "setup" else int(step_text)
         return int(rank_text), step
     except ValueError:
         raise ValueError(
-            f"{FAULT_ENV}={raw!r} must look like 'RANK:STEP', 'RANK:setup' or 'RANK:join', "
-            "e.g. '1:3'"
+            f"{FAULT_ENV}={raw!r} must look like 'RANK:STEP' or 'RANK:setup', e.g. '1:3'"
         ) from None
 
 
@@ -173,8 +169,6 @@ def _run(args: WorkerArgs, conn: Connection) -> None:
     fault = parse_fault(os.environ.get(FAULT_ENV))
     device = rank_device(torch.device(args.device_type), args.rank)
     conn.send(("hello", args.rank))
-    if fault == (args.rank, JOIN_STEP):
-        raise RuntimeError(f"injected fault before joining the process groups ({FAULT_ENV})")
     groups = init_groups(rank=args.rank, world_size=args.world_size, port=args.port,
                          device=device, timeout_s=args.timeout_s)
     model = load_model(args.model, dtype=args.dtype, device=device, seed=args.seed,
