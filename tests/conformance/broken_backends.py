@@ -185,9 +185,11 @@ class _MutatesPlanImpl(ReferenceImpl):
         return out
 
 
-class _IgnoresKVScaleImpl(ReferenceImpl):
-    """(m) Quantizes the fp8 cache with the layer's scales but reads it without them (a
-    kernel that forgot the dequantization multiply)."""
+class _ReadsWithOtherScalesImpl(ReferenceImpl):
+    """Writes the fp8 cache with the layer's scales, reads it with `read_scales()`."""
+
+    def read_scales(self) -> tuple[float, float]:
+        raise NotImplementedError
 
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -196,13 +198,21 @@ class _IgnoresKVScaleImpl(ReferenceImpl):
     ) -> torch.Tensor:
         scales = self.kv_scales_on(kv_cache.device)
         saved = [t.clone() for t in scales]
-        for t in scales:
-            t.fill_(1.0)
+        for t, read in zip(scales, self.read_scales(), strict=True):
+            t.fill_(read)
         try:
             return super().forward(query, key, value, kv_cache, metadata, output=output)
         finally:
             for t, old in zip(scales, saved, strict=True):
                 t.copy_(old)
+
+
+class _IgnoresKVScaleImpl(_ReadsWithOtherScalesImpl):
+    """(m) Quantizes the fp8 cache with the layer's scales but reads it without them (a
+    kernel that forgot the dequantization multiply)."""
+
+    def read_scales(self) -> tuple[float, float]:
+        return 1.0, 1.0
 
 
 class _DropsSinkImpl(ReferenceImpl):
@@ -243,7 +253,7 @@ class _MemoisedPlanBuilder(ReferenceMetadataBuilder):
         return plan
 
 
-class _FrozenScalesImpl(ReferenceImpl):
+class _FrozenScalesImpl(_ReadsWithOtherScalesImpl):
     """(q) Its read path keeps the fp8 scales the impl was built with: `set_kv_scales`
     afterwards (the engine's calibration on the first prefill) reaches the write only."""
 
@@ -251,20 +261,8 @@ class _FrozenScalesImpl(ReferenceImpl):
         super().setup()
         self._built_with = (float(self.k_scale), float(self.v_scale))
 
-    def forward(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-        kv_cache: torch.Tensor, metadata: ReferenceMetadata, *,
-        output: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        scales = self.kv_scales_on(kv_cache.device)
-        saved = [t.clone() for t in scales]
-        for t, built in zip(scales, self._built_with, strict=True):
-            t.fill_(built)
-        try:
-            return super().forward(query, key, value, kv_cache, metadata, output=output)
-        finally:
-            for t, old in zip(scales, saved, strict=True):
-                t.copy_(old)
+    def read_scales(self) -> tuple[float, float]:
+        return self._built_with
 
 
 class _NoSaturationImpl(ReferenceImpl):
