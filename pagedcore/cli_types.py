@@ -20,6 +20,7 @@ __all__ = [
     "BACKEND",
     "DEVICE",
     "BackendName",
+    "ChatTemplate",
     "Device",
     "FiniteFloat",
     "IntList",
@@ -164,6 +165,38 @@ class OutputPath(click.Path):
         if not os.path.isdir(parent):
             self.fail(f"directory {parent!r} does not exist; create it first", param, ctx)
         return path
+
+
+class ChatTemplate(_StrType):
+    """A Jinja chat template: the path of a file holding one, or the template itself on one
+    line (``--chat-template tmpl.jinja`` or ``--chat-template "{% for m in messages %}..."``,
+    as ``vllm serve`` takes it). Checked to parse before the model loads."""
+
+    name = "FILE|TEMPLATE"
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> str:
+        text = str(value)
+        if os.path.isfile(text):
+            try:
+                with open(text, encoding="utf-8") as f:
+                    text = f.read()
+            except (OSError, UnicodeDecodeError) as exc:
+                self.fail(f"cannot read the chat template file {value!r}: {exc}", param, ctx)
+        elif "{{" not in text and "{%" not in text:
+            self.fail(f"{value!r} is neither a file nor a Jinja template (a template holds "
+                      "'{{ ... }}' or '{% ... %}'); give the path of a template file",
+                      param, ctx)
+        if not text.strip():
+            self.fail(f"the chat template {value!r} is empty", param, ctx)
+        import jinja2
+
+        try:
+            jinja2.Environment().parse(text)
+        except jinja2.TemplateSyntaxError as exc:
+            self.fail(f"the chat template does not parse: {exc.message} (line {exc.lineno})",
+                      param, ctx)
+        return text
 
 
 DEVICE = Device()

@@ -13,7 +13,8 @@ from typing import Any
 
 from pagedcore.engine.validation import InvalidArgumentError, InvalidArgumentTypeError, describe
 
-__all__ = ["ChatTemplateError", "Conversation", "chat_prompt_ids", "normalize_conversations"]
+__all__ = ["ChatTemplateError", "Conversation", "chat_prompt", "chat_prompt_ids",
+           "normalize_conversations"]
 
 #: One conversation: messages ``{"role": ..., "content": ...}`` in order.
 Conversation = Sequence[Mapping[str, Any]]
@@ -88,7 +89,23 @@ def chat_prompt_ids(
     add_generation_prompt: bool = True,
     **template_kwargs: Any,
 ) -> list[int]:
-    """The prompt token ids of `conversation` rendered by the chat template.
+    """The prompt token ids of `conversation` rendered by the chat template (`chat_prompt`'s
+    ids; the parameters and errors are its)."""
+    return chat_prompt(tokenizer, conversation, model_name=model_name,
+                       chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                       **template_kwargs)[1]
+
+
+def chat_prompt(
+    tokenizer: Any,
+    conversation: Sequence[Mapping[str, Any]],
+    *,
+    model_name: str,
+    chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+    **template_kwargs: Any,
+) -> tuple[str, list[int]]:
+    """The text `conversation` renders to through the chat template, and its token ids.
 
     Parameters
     ----------
@@ -125,4 +142,5 @@ def chat_prompt_ids(
         raise ChatTemplateError(f"the chat template failed on these messages: "
                                 f"{type(exc).__name__}: {exc}") from exc
     # The template already wrote the special tokens (BOS): do not add them twice.
-    return [int(t) for t in tokenizer.encode(str(text), add_special_tokens=False)]
+    text = str(text)
+    return text, [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from pagedcore.engine.chat import Conversation, chat_prompt_ids, normalize_conversations
+from pagedcore.engine.chat import Conversation, chat_prompt, normalize_conversations
 from pagedcore.engine.errors import EngineStepError
 from pagedcore.engine.output_builder import ParentRequest, PromptType, normalize_prompts
 from pagedcore.engine.outputs import RequestOutput
@@ -211,10 +211,12 @@ class OfflineGeneration:
             template failed; nothing is queued.
         """
         conversations = normalize_conversations(messages)
-        prompts: list[PromptType] = [
-            {"prompt_token_ids": chat_prompt_ids(
-                self.tokenizer, c, model_name=self.model_name, chat_template=chat_template,
-                add_generation_prompt=add_generation_prompt, **template_kwargs)}
-            for c in conversations
-        ]
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            text, ids = chat_prompt(
+                self.tokenizer, conversation, model_name=self.model_name,
+                chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                **template_kwargs)
+            # The rendered text rides along as the output's `prompt` (as vLLM's chat gives).
+            prompts.append({"prompt_token_ids": ids, "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

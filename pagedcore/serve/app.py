@@ -92,6 +92,7 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     shutdown_timeout: float = 30.0,
     on_shutdown: Callable[[str], None] | None = None,
+    chat_template: str | None = None,
 ) -> FastAPI:
     """The server's FastAPI application over a (not yet started) `AsyncEngine`.
 
@@ -113,12 +114,15 @@ def build_app(
         Larger bodies get 413.
     on_shutdown:
         Called with a one-line summary once the engine has stopped.
+    chat_template:
+        A Jinja chat template for /v1/chat/completions instead of the tokenizer's.
     """
     if not model_names:
         raise ValueError("model_names must name at least one model")
     serving = OpenAIServing(
         engine, model_names=model_names,
         max_n=max_n if max_n is not None else engine.max_num_seqs,
+        chat_template=chat_template,
     )
 
     @asynccontextmanager

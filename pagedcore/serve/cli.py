@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from pagedcore.cli_types import FiniteFloat
+from pagedcore.cli_types import ChatTemplate, FiniteFloat
 from pagedcore.engine.engine_args import EngineArgs
 from pagedcore.engine.engine_args_cli import engine_options
 from pagedcore.engine.stats_logging import configure_cli_logging
@@ -37,13 +37,16 @@ __all__ = ["serve"]
               help="Engine steps between two chunks of a running stream (each then carries up "
                    "to that many tokens); above 1 the engine builds its outputs less often, "
                    "which raises throughput with hundreds of streams.")
+@click.option("--chat-template", default=None, type=ChatTemplate(),
+              help="A Jinja chat template (a file, or the template itself) for "
+                   "/v1/chat/completions instead of the tokenizer's.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               help="uvicorn's log level.")
 def serve(host: str, port: int, served_model_names: tuple[str, ...], api_key: str | None,
           max_waiting: int, max_request_bytes: int, shutdown_timeout: float,
-          threads: int | None, engine_process: bool, stream_interval: int, log_level: str,
-          engine_args: EngineArgs) -> None:
+          threads: int | None, engine_process: bool, stream_interval: int,
+          chat_template: str | None, log_level: str, engine_args: EngineArgs) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API (a checkpoint directory, a Hugging Face
     model id, 'demo' or 'random:<type>'): /v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics."""
@@ -94,6 +97,7 @@ def serve(host: str, port: int, served_model_names: tuple[str, ...], api_key: st
         watch_gc(front_trace.row, "front")
     app = build_app(engine, model_names=names, api_key=api_key, metrics=metrics,
                     max_body_bytes=max_request_bytes, shutdown_timeout=shutdown_timeout,
+                    chat_template=chat_template,
                     on_shutdown=lambda line: click.echo(f"pagedcore serve: {line}", err=True))
     where = "its own process" if engine_process else "a thread"
     loop, http = server_stack()

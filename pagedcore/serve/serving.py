@@ -153,11 +153,16 @@ class OpenAIServing:
         Names the ``model`` field may take (the first is reported back).
     max_n:
         Most samples (``n``) per prompt.
+    chat_template:
+        A Jinja chat template used instead of the tokenizer's (``pagedcore serve
+        --chat-template``); None: the tokenizer's own.
     """
 
-    def __init__(self, engine: AsyncEngine, *, model_names: Sequence[str], max_n: int) -> None:
+    def __init__(self, engine: AsyncEngine, *, model_names: Sequence[str], max_n: int,
+                 chat_template: str | None = None) -> None:
         self.engine = engine
         self.model_names = list(model_names)
+        self.chat_template = chat_template
         self.limits = SamplingLimits(max_model_len=engine.max_model_len, max_n=max_n,
                                      vocab_size=engine.vocab_size)
         self.vocab_size = engine.vocab_size
@@ -197,6 +202,7 @@ class OpenAIServing:
         try:
             return chat_prompt_ids(self.tokenizer, [m.as_template_dict() for m in body.messages],
                                    model_name=self.model_names[0],
+                                   chat_template=self.chat_template,
                                    add_generation_prompt=body.add_generation_prompt)
         except ChatTemplateError as exc:
             no_template = "no chat template" in str(exc) or "no (transformers)" in str(exc)
@@ -204,8 +210,8 @@ class OpenAIServing:
             if no_template:
                 message = (f"the model {self.model_names[0]!r} has no chat template, so "
                            "/v1/chat/completions cannot format messages; use /v1/completions "
-                           "with a prompt, or serve a checkpoint whose tokenizer defines a "
-                           "chat_template")
+                           "with a prompt, or restart the server with --chat-template FILE "
+                           "(or serve a checkpoint whose tokenizer defines a chat_template)")
             raise BadRequestError(message, param="messages",
                                   code="no_chat_template" if no_template else None) from exc
 

@@ -166,3 +166,46 @@ def test_chat_logprob_bytes_of_partial_characters_join_to_the_text() -> None:
     joined = b"".join(bytes(entry["bytes"]) for entry in content)
     assert joined.decode() == text
     assert all(bytes(e["top_logprobs"][0]["bytes"]) == bytes(e["bytes"]) for e in content)
+
+
+def test_a_chat_template_given_to_the_server_formats_messages_without_the_tokenizers() -> None:
+    """``pagedcore serve --chat-template``: the server's template renders the conversation
+    when the tokenizer has none; without it the 400 names the option."""
+    tokenizer = train_tokenizer()
+    tokenizer.chat_template = None
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+    body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi there"}],
+                                 max_tokens=1)
+
+    async def main() -> tuple[list[int], BadRequestError]:
+        _, plain = _serving(tokenizer, vocab_size=400)
+        with pytest.raises(BadRequestError) as info:
+            plain.chat_prompt(body)
+        _, given = _serving(tokenizer, vocab_size=400)
+        given.chat_template = template
+        return given.chat_prompt(body), info.value
+
+    ids, error = asyncio.run(main())
+    assert ids == tokenizer.encode("<user>hi there<assistant>", add_special_tokens=False)
+    assert error.code == "no_chat_template" and "--chat-template" in error.message
+
+
+def test_the_chat_template_option_reads_a_file_or_a_template_and_refuses_anything_else(
+        tmp_path: Any) -> None:
+    from click.testing import CliRunner
+
+    from pagedcore.cli import main as cli
+    from pagedcore.cli_types import ChatTemplate
+
+    kind = ChatTemplate()
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages[0].content }}", encoding="utf-8")
+    assert kind.convert(str(path), None, None) == "{{ messages[0].content }}"
+    assert kind.convert("{% for m in messages %}{{ m.content }}{% endfor %}", None,
+                        None).startswith("{% for")
+    runner = CliRunner()
+    for value, said in [("no-such-file.jinja", "neither a file nor a Jinja template"),
+                        ("{% for m in messages %}", "does not parse")]:
+        result = runner.invoke(cli, ["serve", "demo", "--chat-template", value])
+        assert result.exit_code == 2, result.output
+        assert said in result.output and "Traceback" not in result.output

@@ -78,10 +78,14 @@ def test_chat_prompt_ids_equal_apply_chat_template(llm: LLM) -> None:
         want = want["input_ids"] if isinstance(want, dict) or hasattr(want, "keys") else want
         assert out.prompt_token_ids == list(want)
         assert out.prompt_token_ids.count(tok.bos_token_id) == 1  # no double BOS
+        # The rendered conversation is the output's prompt text, as vLLM's chat gives it.
+        assert out.prompt == tok.apply_chat_template(conv, tokenize=False,
+                                                     add_generation_prompt=True)
     [one] = llm.chat(conversations[0], params, add_generation_prompt=False)
     assert one.prompt_token_ids[-1] == tok.convert_tokens_to_ids("<|end|>")
     [custom] = llm.chat(conversations[0], params, chat_template="{{ messages[0]['content'] }}")
     assert custom.prompt_token_ids == tok.encode("Hello world!", add_special_tokens=False)
+    assert custom.prompt == "Hello world!"
 
 
 def test_chat_content_parts_join_into_the_text_the_template_sees(llm: LLM) -> None:
