@@ -55,7 +55,10 @@ class FailureIsolation:
             for child in parent.children:
                 self.sampler.forget(child.request_id)
         outputs = [self._output(p) for p in parents.values()]
-        if not isinstance(exc, Exception) or isinstance(exc, TensorParallelError):
+        if isinstance(exc, TensorParallelError):
+            exc.outputs = outputs  # nothing the requests produced is lost with the engine
+            raise exc
+        if not isinstance(exc, Exception):
             raise exc
         ids = [r.request_id for r in failed]
         raise EngineStepError(

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pagedcore.engine.chat import Conversation, chat_prompt, normalize_conversations
+from pagedcore.engine.distributed.group import TensorParallelError
 from pagedcore.engine.errors import EngineStepError
 from pagedcore.engine.output_builder import ParentRequest, PromptType, normalize_prompts
 from pagedcore.engine.outputs import RequestOutput
@@ -135,6 +136,8 @@ class OfflineGeneration:
             the failed step's (``finish_reason == "error"``), and the rest aborted with the
             tokens they had. On this and any other exception (KeyboardInterrupt included) no
             request of this call is left in the engine, which keeps serving.
+        TensorParallelError
+            A rank failed and the engine is stopped; ``outputs`` as for `EngineStepError`.
         """
         ids = self._add_all(prompts, sampling_params)
         wanted = set(ids)
@@ -160,11 +163,12 @@ class OfflineGeneration:
                     break
         except BaseException as exc:
             # Leave nothing of this call behind in the engine.
-            if isinstance(exc, EngineStepError):
+            if isinstance(exc, (EngineStepError, TensorParallelError)):
                 done.update((o.request_id, o) for o in exc.outputs if o.request_id in wanted)
-            done.update(self._abort_quietly(i for i in ids if i not in done))
-            if isinstance(exc, EngineStepError):
+                done.update(self._abort_quietly(i for i in ids if i not in done))
                 exc.outputs = [done[i] for i in ids if i in done]
+            else:
+                done.update(self._abort_quietly(i for i in ids if i not in done))
             raise
         finally:
             if progress is not None:

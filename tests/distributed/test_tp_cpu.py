@@ -115,10 +115,18 @@ def test_failing_worker_stops_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(FAULT_ENV, "1:2")
     llm = make_llm("llama", 2)
     ex = _executor(llm)
+    prompts = workload()
     with pytest.raises(TensorParallelError) as info:
-        llm.generate(workload(), params())
+        llm.generate(prompts, params())
     message = str(info.value)
     assert "rank 1 failed" in message and "injected fault at step 2" in message, message
+    # Nothing the requests produced is lost: one final output per prompt, in order, with
+    # the tokens of the steps that ran.
+    outs = info.value.outputs
+    assert len(outs) == len(prompts)
+    assert all(o.finished and o.outputs[0].finish_reason == "error" for o in outs)
+    assert [o.prompt_token_ids for o in outs] == [list(p) for p in prompts]
+    assert any(o.outputs[0].token_ids for o in outs)
     assert ex._step == 3  # steps 0, 1 ran; step 2's plan went out, then rank 1 raised
     assert all(not p.is_alive() for p in ex._pool.procs.values())
     llm.add_request("late", random_prompts([5])[0], params())

@@ -48,7 +48,16 @@ CONTROL_TIMEOUT = datetime.timedelta(days=30)
 
 
 class TensorParallelError(RuntimeError):
-    """A rank of a tensor-parallel engine failed; the engine is stopped."""
+    """A rank of a tensor-parallel engine failed; the engine is stopped.
+
+    Raised by a step, its ``outputs`` are the final outputs of every request the engine held
+    (``finish_reason == "error"``, with the tokens generated before the failure); from
+    `LLM.generate`, one per prompt of that call, in order. Empty when raised elsewhere
+    (startup, shutdown)."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        self.outputs: list[Any] = []
 
 
 def emulation_capturer() -> Any:
