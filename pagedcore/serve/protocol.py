@@ -3,8 +3,8 @@
 Bodies are validated from the raw JSON in strict mode, so ``"temperature": "0.5"`` is a 400
 naming the field rather than a silent conversion. Unknown fields are ignored (clients send
 many OpenAI options an inference server has no use for); options that would change the result
-and are not implemented (``echo``, penalties, ``logit_bias``, ``best_of``, tools) are refused
-with a 400 naming them.
+and are not implemented (``best_of`` other than ``n``, ``suffix``, tools) are refused with a
+400 naming them.
 """
 
 from __future__ import annotations
@@ -89,9 +89,16 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None
+    #: Each choice's text (and logprobs) starts with the prompt's; with ``max_tokens: 0`` it
+    #: is the prompt alone (scoring a text, as evaluation harnesses do).
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0``: the prompt is scored, nothing is generated."""
+        return self.echo and self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list (a list of ints is one prompt of token ids)."""
@@ -217,8 +224,6 @@ def _param_of(exc: ValueError, body: _SamplingFields) -> str | None:
 def _unsupported(body: _SamplingFields) -> None:
     refused: list[str] = []
     if isinstance(body, CompletionRequest):
-        if body.echo:
-            refused.append("echo")
         if body.best_of not in (None, 1, body.n):
             refused.append("best_of")
         if body.suffix:
@@ -254,8 +259,12 @@ def sampling_params(
         max_tokens, max_field = body.max_completion_tokens, "max_completion_tokens"
     if max_tokens is None:
         max_tokens = max(1, limits.max_model_len - num_prompt_tokens)
+    if isinstance(body, CompletionRequest) and body.echo_only:
+        max_tokens = 1  # the engine generates one token; the response leaves it out
     checks: Sequence[tuple[bool, str, str]] = (
-        (max_tokens >= 1, max_field, f"must be >= 1, got {max_tokens}"),
+        (max_tokens >= 1, max_field, f"must be >= 1, got {max_tokens}"
+         + (" (0 only with echo: true, to score the prompt)"
+            if isinstance(body, CompletionRequest) else "")),
         (1 <= body.n <= limits.max_n, "n", f"must be in [1, {limits.max_n}], got {body.n}"),
         (body.temperature is None or 0.0 <= body.temperature, "temperature",
          f"must be >= 0 (0 = greedy), got {body.temperature}"),

@@ -15,8 +15,11 @@ __all__ = [
     "chat_logprobs",
     "completion_chunk",
     "completion_logprobs",
+    "echo_logprobs",
+    "join_logprobs",
     "prompt_logprobs_json",
     "sse",
+    "top_prompt_logprobs",
     "usage",
 ]
 
@@ -158,6 +161,15 @@ def _ranked(top: dict[int, Logprob], k: int) -> list[tuple[int, float]]:
                   reverse=True)[:k]
 
 
+def _top_by_text(tokenizer: Any, top: dict[int, Logprob], k: int) -> dict[str, float]:
+    """The legacy ``top_logprobs`` entry: the top `k` keyed by their text; tokens sharing a
+    text (byte pieces that each decode to U+FFFD) keep the likelier one's logprob."""
+    out: dict[str, float] = {}
+    for t, lp in _ranked(top, k):
+        out.setdefault(_token_text(tokenizer, t), float(lp))
+    return out
+
+
 def _of(top: dict[int, Logprob], token_id: int) -> float:
     entry = top.get(token_id)
     return float("-inf") if entry is None else float(entry.logprob)
@@ -188,11 +200,64 @@ def completion_logprobs(
         text = _token_text(tokenizer, token_id)
         tokens.append(text)
         token_logprobs.append(_of(top, token_id))
-        tops.append({_token_text(tokenizer, t): float(lp) for t, lp in _ranked(top, k)})
+        tops.append(_top_by_text(tokenizer, top, k))
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
             "text_offset": offsets}
+
+
+def echo_logprobs(
+    tokenizer: Any,
+    prompt_ids: Sequence[int],
+    entries: Sequence[dict[int, Logprob] | None] | None,
+    *,
+    k: int,
+) -> dict[str, Any]:
+    """The legacy completions ``logprobs`` of an echoed prompt: per prompt token its text,
+    its logprob and top `k` (None for the first token, which nothing predicts, as OpenAI and
+    vLLM give it), and its offset in the prompt's text.
+
+    Parameters
+    ----------
+    entries:
+        The prompt logprobs (`RequestOutput.prompt_logprobs`: None, then ``{token_id:
+        Logprob}`` per prompt token); None: none computed (every logprob is None).
+    """
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    offset = 0
+    for i, token_id in enumerate(prompt_ids):
+        text = _token_text(tokenizer, token_id)
+        entry = entries[i] if entries is not None and i < len(entries) else None
+        tokens.append(text)
+        token_logprobs.append(None if entry is None else _of(entry, token_id))
+        tops.append(None if entry is None else _top_by_text(tokenizer, entry, k))
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def join_logprobs(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    """Two legacy ``logprobs`` objects one after the other (an echoed prompt's, then the
+    completion's)."""
+    return {key: list(first[key]) + list(second[key]) for key in first}
+
+
+def top_prompt_logprobs(
+    entries: Sequence[dict[int, Logprob] | None] | None, prompt_ids: Sequence[int], k: int,
+) -> list[dict[int, Logprob] | None] | None:
+    """`entries` cut to the top `k` of each position plus the prompt's own token (the engine
+    may have computed more for echo's logprobs than ``prompt_logprobs`` asked)."""
+    if entries is None:
+        return None
+    return [None if entry is None else
+            {t: lp for t, lp in entry.items()
+             if t == prompt_ids[i] or (lp.rank is not None and lp.rank <= k)}
+            for i, entry in enumerate(entries)]
 
 
 def chat_logprobs(

@@ -29,8 +29,11 @@ from pagedcore.serve.responses import (
     chat_logprobs,
     completion_chunk,
     completion_logprobs,
+    echo_logprobs,
+    join_logprobs,
     prompt_logprobs_json,
     sse,
+    top_prompt_logprobs,
     usage,
 )
 
@@ -223,6 +226,11 @@ class OpenAIServing:
                                   "use stop_token_ids", param="stop")
         seqs = []
         prompt_logprobs = body.prompt_logprobs
+        echo = isinstance(body, CompletionRequest) and body.echo
+        if echo and num_logprobs is not None:
+            # The echoed prompt's own logprobs: every sample computes them (its choice
+            # starts with them, streamed or not).
+            prompt_logprobs = max(prompt_logprobs or 0, num_logprobs)
         for p_index, ids in enumerate(prompts):
             params = sampling_params(body, num_prompt_tokens=len(ids), limits=self.limits,
                                      num_logprobs=num_logprobs, prompt_logprobs=prompt_logprobs)
@@ -235,7 +243,7 @@ class OpenAIServing:
                 # Sample j's seed, wrapped into the seed range as `LLM` does for n > 1.
                 seeded = params if params.seed is None else params.replace(
                     seed=(params.seed + j) % (MAX_SEED + 1))
-                if j and prompt_logprobs is not None:
+                if j and prompt_logprobs is not None and not echo:
                     # The prompt's first sample computes them for every choice of the prompt.
                     seeded = seeded.replace(prompt_logprobs=None)
                 seqs.append(Sequence_(p_index * body.n + j, p_index, ids, seeded))
@@ -267,6 +275,9 @@ class OpenAIServing:
         """Validate and admit a completions request (`prompts`: its `completion_prompts`,
         else tokenized here); its sequences and prompts."""
         self.check_model(body.model)
+        if body.echo and self.tokenizer is None:
+            raise BadRequestError("echo needs a tokenizer to give the prompt back as text, and "
+                                  "this model has none; leave echo out", param="echo")
         if prompts is None:
             prompts = self._encode_all(body.prompts())
         seqs = self._sequences(body, prompts, body.logprobs, "prompt")
@@ -276,28 +287,48 @@ class OpenAIServing:
                                   prompts: list[list[int]]) -> dict[str, Any]:
         """Run to the end; the ``text_completion`` object."""
         texts, acc = await _collect(fan)
+        echoes = self._echo_texts(body, prompts)
         choices = []
         for seq in fan.seqs:
             a = acc[seq.index]
+            if body.echo_only:  # the one token generated is not part of the answer
+                texts[seq.index], a["ids"], a["logprobs"], a["generated"] = "", [], [], 0
+                a["finish"], a["stop_reason"] = "length", None
+            echo = "" if echoes is None else echoes[seq.prompt_index]
             logprobs = None
             if body.logprobs is not None:
                 logprobs = completion_logprobs(self.tokenizer, a["ids"], a["logprobs"],
-                                               k=body.logprobs, text_offset=0)
-            choice = {"index": seq.index, "text": texts[seq.index], "logprobs": logprobs,
+                                               k=body.logprobs, text_offset=len(echo))
+                if echoes is not None:
+                    logprobs = join_logprobs(echo_logprobs(
+                        self.tokenizer, prompts[seq.prompt_index], a["prompt_logprobs"],
+                        k=body.logprobs), logprobs)
+            choice = {"index": seq.index, "text": echo + texts[seq.index], "logprobs": logprobs,
                       "finish_reason": a["finish"], "stop_reason": a["stop_reason"]}
             if body.prompt_logprobs is not None:
-                first = acc[seq.prompt_index * body.n]  # the sample that computed them
-                choice["prompt_logprobs"] = prompt_logprobs_json(first["prompt_logprobs"])
+                # The sample that computed them (with echo and logprobs: every sample).
+                first = a if a["prompt_logprobs"] is not None else acc[seq.prompt_index * body.n]
+                choice["prompt_logprobs"] = prompt_logprobs_json(top_prompt_logprobs(
+                    first["prompt_logprobs"], prompts[seq.prompt_index], body.prompt_logprobs))
             choices.append(choice)
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                 "created": int(time.time()), "model": self.model_names[0], "choices": choices,
                 "usage": _usage(prompts, acc, fan)}
 
+    def _echo_texts(self, body: CompletionRequest,
+                    prompts: list[list[int]]) -> list[str] | None:
+        """With ``echo``, each prompt's text (a prompt given as token ids: decoded)."""
+        if not body.echo:
+            return None
+        given = body.prompts()
+        return [p if isinstance(p, str) else str(self.tokenizer.decode(ids))
+                for p, ids in zip(given, prompts, strict=True)]
+
     def completion_stream(self, body: CompletionRequest, fan: FanIn,
                           prompts: list[list[int]]) -> AsyncIterator[bytes]:
         """The SSE stream of a completions request."""
         rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model_names[0]
-        if body.logprobs is None and body.prompt_logprobs is None:
+        if body.logprobs is None and body.prompt_logprobs is None and not body.echo:
             # Text only, the common case: prebuilt chunk bytes (one per token at interval 1).
             return self._text_stream(fan, prompts, rid, created, model, chat=False,
                                      include_usage=body.include_usage)
@@ -306,13 +337,26 @@ class OpenAIServing:
     async def _completion_events(self, body: CompletionRequest, fan: FanIn,
                                  prompts: list[list[int]], rid: str, created: int,
                                  model: str) -> AsyncIterator[bytes]:
-        """`completion_stream` with logprobs or prompt logprobs: a dict per chunk."""
+        """`completion_stream` with logprobs, prompt logprobs or echo: a dict per chunk (with
+        echo, a choice's first chunk is its prompt's text, and logprobs)."""
         acc: dict[int, dict[str, Any]] = {}
         offsets: dict[int, int] = {}
         held = _HeldTokens()
+        echoes = self._echo_texts(body, prompts)
+        prompt_of = {seq.index: seq.prompt_index for seq in fan.seqs}
         try:
             async for index, d in fan:
                 _accumulate(acc, index, d)
+                if echoes is not None and index not in offsets:
+                    yield self._echo_chunk(body, d, prompts[prompt_of[index]],
+                                           echoes[prompt_of[index]], rid, created, model, index)
+                    offsets[index] = len(echoes[prompt_of[index]])
+                    d = d._replace(prompt_logprobs=None)  # sent with the prompt's chunk
+                if body.echo_only:
+                    acc[index]["generated"] = 0
+                    if d.finish_reason is not None:
+                        yield sse(completion_chunk(rid, created, model, index, "", "length"))
+                    continue
                 if not (d.text or d.finish_reason or (d.token_ids and self.tokenizer is None)
                         or d.prompt_logprobs is not None):
                     held.hold(index, d)
@@ -332,6 +376,19 @@ class OpenAIServing:
         except ServeError as exc:
             yield sse(error_body(exc.message, type=exc.type, param=exc.param, code=exc.code))
         yield _DONE
+
+    def _echo_chunk(self, body: CompletionRequest, d: StreamDelta, prompt: list[int],
+                    echo: str, rid: str, created: int, model: str, index: int) -> bytes:
+        """A choice's first chunk with ``echo``: its prompt's text, the prompt tokens'
+        logprobs (with ``logprobs``) and ``prompt_logprobs`` (when asked)."""
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = echo_logprobs(self.tokenizer, prompt, d.prompt_logprobs, k=body.logprobs)
+        asked = None
+        if body.prompt_logprobs is not None:
+            asked = prompt_logprobs_json(top_prompt_logprobs(d.prompt_logprobs, prompt,
+                                                             body.prompt_logprobs))
+        return sse(completion_chunk(rid, created, model, index, echo, None, logprobs, asked))
 
     async def _text_stream(self, fan: FanIn, prompts: list[list[int]], rid: str,
                            created: int, model: str, *, chat: bool,

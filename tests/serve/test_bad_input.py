@@ -28,7 +28,7 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("top-p-zero", "/v1/completions", {**OK, "top_p": 0}, 400, "top_p"),
     ("top-p-above-one", "/v1/completions", {**OK, "top_p": 1.5}, 400, "top_p"),
     ("token-id-out-of-vocab", "/v1/completions", {**OK, "prompt": [1, 99999]}, 400, "prompt"),
-    ("unsupported-echo", "/v1/completions", {**OK, "echo": True}, 400, "echo"),
+    ("unsupported-suffix", "/v1/completions", {**OK, "suffix": "!"}, 400, "suffix"),
     ("prompt-logprobs-too-many", "/v1/completions", {**OK, "prompt_logprobs": 21}, 400,
      "prompt_logprobs"),
     ("prompt-logprobs-wrong-type", "/v1/completions", {**OK, "prompt_logprobs": "2"}, 400,
