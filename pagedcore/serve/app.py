@@ -28,7 +28,13 @@ from pagedcore.serve.errors import (
     ServeError,
     error_body,
 )
-from pagedcore.serve.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from pagedcore.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    parse_body,
+)
 from pagedcore.serve.serving import OpenAIServing
 
 if TYPE_CHECKING:
@@ -105,7 +111,8 @@ def build_app(
     model_names:
         Names accepted in the ``model`` field (the first one is reported).
     api_key:
-        When set, ``/v1/*`` requests need ``Authorization: Bearer <api_key>`` (else 401).
+        When set, ``/v1/*``, ``/tokenize`` and ``/detokenize`` requests need
+        ``Authorization: Bearer <api_key>`` (else 401).
     metrics:
         Served at ``/metrics`` (None: the route answers 404).
     max_n:
@@ -184,6 +191,18 @@ def build_app(
             return StreamingResponse(serving.chat_stream(body, fan, prompts),
                                      media_type="text/event-stream")
         return await _unless_disconnected(request, serving.chat_response(body, fan, prompts))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        check_key(request)
+        body = parse_body(TokenizeRequest, await _read_body(request, max_body_bytes))
+        return await serving.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        check_key(request)
+        return serving.detokenize(parse_body(DetokenizeRequest,
+                                             await _read_body(request, max_body_bytes)))
 
     created = int(time.time())
 

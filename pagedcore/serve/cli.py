@@ -20,7 +20,8 @@ __all__ = ["serve"]
 @click.option("--served-model-name", "served_model_names", multiple=True,
               help="Name(s) clients use in 'model' (default: MODEL). Repeatable.")
 @click.option("--api-key", default=None, envvar="PAGEDCORE_API_KEY",
-              help="Require 'Authorization: Bearer KEY' on /v1/* (env PAGEDCORE_API_KEY).")
+              help="Require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize "
+                   "(env PAGEDCORE_API_KEY).")
 @click.option("--max-waiting", default=1024, show_default=True, type=click.IntRange(min=0),
               help="Requests admitted beyond --max-num-seqs; past it: 503 with Retry-After.")
 @click.option("--max-request-bytes", default=4 * 2**20, show_default=True,
@@ -49,7 +50,7 @@ def serve(host: str, port: int, served_model_names: tuple[str, ...], api_key: st
           chat_template: str | None, log_level: str, engine_args: EngineArgs) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API (a checkpoint directory, a Hugging Face
     model id, 'demo' or 'random:<type>'): /v1/completions, /v1/chat/completions, /v1/models,
-    /health, /metrics."""
+    /tokenize, /detokenize, /health, /metrics."""
     try:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401

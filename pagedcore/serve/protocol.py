@@ -23,7 +23,9 @@ __all__ = [
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
+    "DetokenizeRequest",
     "SamplingLimits",
+    "TokenizeRequest",
     "parse_body",
     "sampling_params",
 ]
@@ -163,6 +165,25 @@ class ChatCompletionRequest(_SamplingFields):
                                       code="invalid_value")
             return None
         return self.top_logprobs or 0
+
+
+class TokenizeRequest(_Body):
+    """``POST /tokenize`` (vLLM's): a text, or a conversation through the chat template."""
+
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    #: None: True for a prompt, False for messages (the template writes the special tokens).
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    """``POST /detokenize`` (vLLM's): token ids back to text."""
+
+    model: str
+    tokens: list[int]
 
 
 def parse_body(model: type[_Body], body: bytes) -> Any:

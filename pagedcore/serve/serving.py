@@ -20,7 +20,9 @@ from pagedcore.serve.errors import BadRequestError, ServeError, error_body
 from pagedcore.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     SamplingLimits,
+    TokenizeRequest,
     sampling_params,
 )
 from pagedcore.serve.responses import (
@@ -254,6 +256,69 @@ class OpenAIServing:
         fan = FanIn(self.engine, seqs)
         fan.start()  # a single sequence goes to the engine before the response starts
         return fan
+
+    # ---- tokenizer endpoints ---------------------------------------------------------------
+
+    async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        """``/tokenize``: the token ids of ``prompt``, or of ``messages`` through the chat
+        template (as /v1/chat/completions would send them to the engine)."""
+        self.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise BadRequestError("give exactly one of prompt (a text) or messages (a "
+                                  "conversation)", param="prompt", code="invalid_value")
+        tokenizer = self._needs_tokenizer("tokenize")
+        from transformers import PreTrainedTokenizerBase
+
+        transformers_kind = isinstance(tokenizer, PreTrainedTokenizerBase)
+        if body.add_special_tokens is not None and not transformers_kind:
+            raise BadRequestError("this model's tokenizer takes no add_special_tokens (it is "
+                                  "not a transformers tokenizer); leave it out",
+                                  param="add_special_tokens", code="unsupported")
+        if body.prompt is not None:
+            prompt = body.prompt
+            kw = {} if body.add_special_tokens is None else {
+                "add_special_tokens": body.add_special_tokens}
+
+            def encode() -> list[int]:  # (as /v1/completions encodes a prompt by default)
+                return [int(t) for t in tokenizer.encode(prompt, **kw)]
+
+            ids = await asyncio.to_thread(encode) if len(prompt) > OFF_LOOP_CHARS else encode()
+        else:
+            chat = ChatCompletionRequest(model=body.model, messages=body.messages or [],
+                                         add_generation_prompt=body.add_generation_prompt)
+            ids = (await self.chat_prompts(chat))[0]
+            if body.add_special_tokens:  # (off by default: the template wrote them)
+                from pagedcore.engine.chat import chat_prompt
+
+                text, _ = chat_prompt(tokenizer, [m.as_template_dict() for m in chat.messages],
+                                      model_name=self.model_names[0],
+                                      chat_template=self.chat_template,
+                                      add_generation_prompt=body.add_generation_prompt)
+                ids = [int(t) for t in tokenizer.encode(text, add_special_tokens=True)]
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": self.engine.max_model_len,
+                               "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = (tokenizer.convert_ids_to_tokens(ids) if transformers_kind
+                                 else [str(tokenizer.decode([t])) for t in ids])
+        return out
+
+    def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        """``/detokenize``: the text of ``tokens``."""
+        self.check_model(body.model)
+        tokenizer = self._needs_tokenizer("detokenize")
+        bad = [t for t in body.tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise BadRequestError(f"token ids {bad[:5]} are outside the vocabulary "
+                                  f"[0, {self.vocab_size})", param="tokens",
+                                  code="invalid_value")
+        return {"prompt": str(tokenizer.decode(body.tokens))}
+
+    def _needs_tokenizer(self, what: str) -> Any:
+        if self.tokenizer is None:
+            raise BadRequestError(f"this model has no tokenizer, so there is nothing to {what} "
+                                  "with; send token ids to /v1/completions instead",
+                                  code="no_tokenizer")
+        return self.tokenizer
 
     # ---- completions -----------------------------------------------------------------------
 

@@ -106,6 +106,11 @@ def test_api_key() -> None:
         _assert_openai_error(wrong, 401, None)
         good = _post(server, "/v1/completions", OK, headers={"authorization": "Bearer sekret"})
         assert good.status_code == 200
+        for route, body in [("/tokenize", {"model": "m", "prompt": "a"}),
+                            ("/detokenize", {"model": "m", "tokens": [1]})]:
+            _assert_openai_error(_post(server, route, body), 401, None)
+            assert _post(server, route, body,
+                         headers={"authorization": "Bearer sekret"}).status_code == 200
         assert httpx.get(server.url + "/health").status_code == 200  # open to probes
     finally:
         server.stop()
