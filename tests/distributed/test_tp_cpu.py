@@ -7,18 +7,23 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 from tp_helpers import assert_same_outputs, make_llm, params, random_prompts, workload
 
+from pagedcore.engine.distributed import group
 from pagedcore.engine.distributed.executor import TensorParallelExecutor
 from pagedcore.engine.distributed.group import (
     FAULT_ENV,
     GRAPH_EMULATION_ENV,
+    TIMEOUT_ENV,
     TensorParallelError,
+    open_store,
 )
 from pagedcore.engine.distributed.pool import WorkerMonitor
 
@@ -150,6 +155,44 @@ def test_worker_failing_during_setup_is_named(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv(FAULT_ENV, "1:setup")
     with pytest.raises(TensorParallelError, match=r"rank 1 failed: .*injected fault during setup"):
         make_llm("llama", 2)
+
+
+def test_worker_failing_before_the_rendezvous_is_named_at_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker that fails after its hello but before the rendezvous is named at once, not
+    after the collective timeout (120 s here), and nothing is left waiting: no worker, no
+    rendezvous store, and a new tensor-parallel engine in this process works (a rank 0 left
+    blocked in the rendezvous broke the next one)."""
+    ports: list[int] = []
+
+    def recording_open_store(**kwargs: Any) -> Any:
+        store = open_store(**kwargs)
+        ports.append(int(store.port))
+        return store
+
+    monkeypatch.setattr(group, "open_store", recording_open_store)
+    monkeypatch.setenv(TIMEOUT_ENV, "120")
+    monkeypatch.setenv(FAULT_ENV, "1:join")
+    start = time.monotonic()
+    named = r"rank 1.*: RuntimeError: injected fault before the rendezvous"
+    with pytest.raises(TensorParallelError, match=named) as info:
+        make_llm("llama", 2)
+    assert time.monotonic() - start < 60
+    left = [p.name for p in multiprocessing.active_children() if p.name.startswith("pagedcore-tp")]
+    assert left == []
+    # The store is closed by the failure itself, not by garbage collection: `info`'s traceback
+    # keeps the half-built executor alive until here.
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", ports[0]), timeout=5).close()
+    del info
+    monkeypatch.delenv(FAULT_ENV)
+    prompts = random_prompts([5, 11])
+    expected = make_llm("llama", 1).generate(prompts, params())
+    two = make_llm("llama", 2)
+    try:
+        assert_same_outputs(expected, two.generate(prompts, params()))
+    finally:
+        _executor(two).shutdown()
 
 
 def test_rank0_failure_stops_workers(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,8 +4,9 @@ local shard, and turn any rank's failure into one clear error.
 `LLM(..., tensor_parallel_size=N)` drives it in this order (every call that involves other
 ranks is a collective they mirror, see `pagedcore.engine.distributed.worker`):
 
-1. ``TensorParallelExecutor(model, ...)`` spawns ranks 1..N-1 (spawn start method, loopback
-   port) and joins the process groups;
+1. ``TensorParallelExecutor(model, ...)`` hosts the rendezvous store (a loopback port),
+   spawns ranks 1..N-1 (spawn start method), waits until every worker has arrived (or
+   reports the one that failed first) and only then joins the process groups;
 2. `shard` keeps rank 0's share of the loaded model; `rank_config` gives the per-rank config the
    KV-cache specs are built from (``num_kv_heads / N``);
 3. `agree_kv_cache_bytes`: the smallest budget of all ranks, so one block count fits all;
@@ -23,7 +24,11 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from pagedcore.engine.distributed.group import TensorParallelError, emulation_capturer
+from pagedcore.engine.distributed.group import (
+    TIMEOUT_ENV,
+    TensorParallelError,
+    emulation_capturer,
+)
 from pagedcore.engine.distributed.pool import WorkerMonitor, WorkerPool
 
 if TYPE_CHECKING:
@@ -104,8 +109,8 @@ class TensorParallelExecutor:
 
         from pagedcore.engine.distributed.group import (
             collective_timeout_s,
-            free_port,
             init_groups,
+            open_store,
             rank_device,
         )
         from pagedcore.engine.distributed.sharding import check_shardable
@@ -128,7 +133,10 @@ class TensorParallelExecutor:
         self._dead: str | None = None
         self._pool = WorkerPool()
         self._finalizer = weakref.finalize(self, self._pool.close, graceful=True)
-        port = free_port()
+        # Bound before any worker starts; held by the pool only (closing it closes the server).
+        self._pool.store = open_store(rank=0, world_size=tensor_parallel_size, port=0,
+                                      timeout_s=self.timeout_s)
+        port = int(self._pool.store.port)
         ctx = mp.get_context("spawn")
         for rank in range(1, tensor_parallel_size):
             parent, child = ctx.Pipe()
@@ -146,8 +154,9 @@ class TensorParallelExecutor:
             self._pool.procs[rank] = proc
             self._pool.conns[rank] = parent
         self._wait_for_hellos()
+        self._wait_for_arrivals()
         self.groups = self._guard(lambda: init_groups(
-            rank=0, world_size=tensor_parallel_size, port=port, device=self.device,
+            rank=0, world_size=tensor_parallel_size, store=self._pool.store, device=self.device,
             timeout_s=self.timeout_s,
         ))
         self._pool.groups = self.groups
@@ -442,6 +451,24 @@ class TensorParallelExecutor:
                     self._fail_start(self._collect_failures(0.5))
             if time.monotonic() > deadline:
                 self._fail_start({r: "did not start in time" for r in waiting})
+
+    def _wait_for_arrivals(self) -> None:
+        """Wait until every worker has arrived at the rendezvous (`missing_ranks`), watching
+        their pipes and processes meanwhile: one that fails or exits first is reported at once.
+        Joining the process groups before all arrived would block until the timeout instead,
+        with nothing to interrupt it."""
+        from pagedcore.engine.distributed.group import missing_ranks
+
+        deadline = time.monotonic() + self.timeout_s
+        while missing := missing_ranks(self._pool.store, self.world_size):
+            # After its hello, a worker writes to its pipe only to report an error.
+            if (any(conn.poll() for conn in self._pool.conns.values())
+                    or any(not proc.is_alive() for proc in self._pool.procs.values())):
+                self._fail_start(self._collect_failures(0.5))
+            if time.monotonic() > deadline:
+                self._fail_start({r: f"did not reach the rendezvous in {self.timeout_s:g} s "
+                                     f"(set {TIMEOUT_ENV} to wait longer)" for r in missing})
+            time.sleep(_START_POLL_S)
 
     def _fail_start(self, failures: dict[int, str]) -> None:
         text = "; ".join(f"rank {r}: {t}" for r, t in sorted(failures.items()))

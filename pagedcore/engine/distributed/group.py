@@ -7,13 +7,17 @@ Two groups over the same ranks:
 - the *control* group (always gloo, CPU objects) carries the step plans. Workers wait in it
   while the engine is idle, so its timeout is long (`CONTROL_TIMEOUT`); a dead rank 0 still
   wakes them at once (the socket closes).
+
+The rendezvous runs over a `TCPStore` rank 0 hosts itself (`open_store`): a worker marks its
+arrival there just before it joins, and rank 0 polls for the marks (`missing_ranks`) while it
+watches the workers, joining only once all arrived. Joining first would leave rank 0 blocked in
+``init_process_group`` until the timeout when a worker fails before it gets there.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-import socket
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -31,9 +35,10 @@ __all__ = [
     "collective_timeout_s",
     "destroy_groups",
     "emulation_capturer",
-    "free_port",
     "init_groups",
     "min_over_ranks",
+    "missing_ranks",
+    "open_store",
     "rank_device",
 ]
 
@@ -81,12 +86,26 @@ def collective_timeout_s() -> float:
     return value
 
 
-def free_port() -> int:
-    """A free TCP port on the loopback interface."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+def _arrival_key(rank: int) -> str:
+    return f"pagedcore/arrived/{rank}"
+
+
+def open_store(*, rank: int, world_size: int, port: int, timeout_s: float) -> Any:
+    """The rendezvous store on ``127.0.0.1:port``: rank 0 hosts it (``port=0``: a free port,
+    read back as ``store.port``) and returns at once, without waiting for the workers; a
+    worker connects to it (waiting up to `timeout_s` for the server)."""
+    import torch.distributed as dist
+
+    # Public API; torch's stubs import it into torch.distributed without re-exporting it.
+    return dist.TCPStore(  # type: ignore[attr-defined]
+        "127.0.0.1", port, world_size, is_master=rank == 0, wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def missing_ranks(store: Any, world_size: int) -> list[int]:
+    """The worker ranks that have not yet arrived at the rendezvous (does not wait)."""
+    return [r for r in range(1, world_size) if not store.check([_arrival_key(r)])]
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -119,9 +138,11 @@ class Groups:
 
 
 def init_groups(
-    *, rank: int, world_size: int, port: int, device: torch.device, timeout_s: float
+    *, rank: int, world_size: int, store: Any, device: torch.device, timeout_s: float
 ) -> Groups:
-    """Join the default process group on ``127.0.0.1:port`` and create both groups."""
+    """Join the default process group over `store` (`open_store`) and create both groups. A
+    worker marks its arrival in the store first; rank 0 calls this once `missing_ranks` is
+    empty."""
     import torch
     import torch.distributed as dist
 
@@ -136,9 +157,13 @@ def init_groups(
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if rank != 0:
+        # Marked last, just before joining: a failure before it (set_device included) is
+        # still reported to rank 0 at once.
+        store.set(_arrival_key(rank), "1")
     dist.init_process_group(
         backend,
-        init_method=f"tcp://127.0.0.1:{port}",
+        store=store,
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),

@@ -19,7 +19,7 @@ import multiprocessing.connection
 import threading
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import multiprocessing.process
@@ -62,12 +62,16 @@ class WorkerMonitor:
 
 
 class WorkerPool:
-    """Rank 0's worker processes, their pipes, the process groups, the monitor and the
-    attached runner; closing it stops the workers and leaves the groups (also at exit)."""
+    """Rank 0's worker processes, their pipes, the rendezvous store, the process groups, the
+    monitor and the attached runner; closing it stops the workers and leaves the groups (also
+    at exit)."""
 
     def __init__(self) -> None:
         self.procs: dict[int, multiprocessing.process.BaseProcess] = {}
         self.conns: dict[int, Connection] = {}
+        #: Rank 0's rendezvous store (a `TCPStore` server); dropped on close, which closes it
+        #: (the default process group, once joined, holds it too until it is destroyed).
+        self.store: Any = None
         self.groups: Groups | None = None
         self.monitor: WorkerMonitor | None = None
         #: Rank 0's runner, once attached (its CUDA graphs go before the communicator).
@@ -111,6 +115,7 @@ class WorkerPool:
                 destroy_groups()
             except RuntimeError:
                 pass
+        self.store = None
         # After a failure with captured graphs, a replayed all-reduce may still wait for the
         # dead rank, and aborting a communicator a graph holds hangs: leave it. This process
         # keeps its torch.distributed state; a new tensor-parallel LLM needs a new process.

@@ -1,11 +1,11 @@
 """The loop of a tensor-parallel rank > 0, run in a spawned process.
 
-Setup mirrors rank 0 collective for collective: join the groups, load the model and keep this
-rank's shard, agree on the KV-cache budget (minimum over ranks), receive the `WorkerSetup`
-(the KV-cache config rank 0's scheduler plans with), build a `ModelRunner` (the selector runs
-here too), report back, and capture the same CUDA graphs as rank 0 when asked. Then each
-step: receive a `StepPlan`, rebuild the inputs, run the forward (its all-reduces meet rank
-0's); ``None`` ends the loop.
+Setup mirrors rank 0 collective for collective: connect to rank 0's rendezvous store and join
+the groups, load the model and keep this rank's shard, agree on the KV-cache budget (minimum
+over ranks), receive the `WorkerSetup` (the KV-cache config rank 0's scheduler plans with),
+build a `ModelRunner` (the selector runs here too), report back, and capture the same CUDA
+graphs as rank 0 when asked. Then each step: receive a `StepPlan`, rebuild the inputs, run the
+forward (its all-reduces meet rank 0's); ``None`` ends the loop.
 
 Any exception is sent to rank 0 over the worker's pipe (rank, type, message, traceback) and
 the process exits, which closes its sockets: rank 0's pending collective fails at once and
@@ -41,7 +41,7 @@ class WorkerArgs:
 
     rank: int
     world_size: int
-    port: int
+    port: int  # rank 0's rendezvous store, on 127.0.0.1
     model: Any  # a str or a transformers PretrainedConfig
     dtype: torch.dtype
     device_type: str
@@ -117,20 +117,24 @@ def graph_status(runner: Any) -> tuple[tuple[int, ...] | None, tuple[int, ...] |
 
 #: The "step" of a fault injected during setup (after loading, before the first collective).
 SETUP_STEP = -1
+#: The "step" of a fault injected before the worker reaches the rendezvous (after its hello).
+JOIN_STEP = -2
 
 
 def parse_fault(raw: str | None) -> tuple[int, int] | None:
-    """`FAULT_ENV` (``"RANK:STEP"``, STEP an integer or ``setup``) as ``(rank, step)``, setup
-    being `SETUP_STEP`; None when unset."""
+    """`FAULT_ENV` (``"RANK:STEP"``, STEP an integer, ``setup`` or ``join``) as ``(rank,
+    step)``, setup being `SETUP_STEP` and join `JOIN_STEP`; None when unset."""
     if not raw:
         return None
     try:
         rank_text, step_text = raw.split(":")
-        step = SETUP_STEP if step_text == "setup" else int(step_text)
+        named = {"setup": SETUP_STEP, "join": JOIN_STEP}
+        step = named[step_text] if step_text in named else int(step_text)
         return int(rank_text), step
     except ValueError:
         raise ValueError(
-            f"{FAULT_ENV}={raw!r} must look like 'RANK:STEP' or 'RANK:setup', e.g. '1:3'"
+            f"{FAULT_ENV}={raw!r} must look like 'RANK:STEP', 'RANK:setup' or 'RANK:join', "
+            "e.g. '1:3'"
         ) from None
 
 
@@ -156,6 +160,7 @@ def _run(args: WorkerArgs, conn: Connection) -> None:
         destroy_groups,
         init_groups,
         min_over_ranks,
+        open_store,
         rank_device,
     )
     from pagedcore.engine.distributed.plan import StepPlan, scheduled_from_plan
@@ -169,7 +174,11 @@ def _run(args: WorkerArgs, conn: Connection) -> None:
     fault = parse_fault(os.environ.get(FAULT_ENV))
     device = rank_device(torch.device(args.device_type), args.rank)
     conn.send(("hello", args.rank))
-    groups = init_groups(rank=args.rank, world_size=args.world_size, port=args.port,
+    if fault == (args.rank, JOIN_STEP):
+        raise RuntimeError(f"injected fault before the rendezvous ({FAULT_ENV})")
+    store = open_store(rank=args.rank, world_size=args.world_size, port=args.port,
+                       timeout_s=args.timeout_s)
+    groups = init_groups(rank=args.rank, world_size=args.world_size, store=store,
                          device=device, timeout_s=args.timeout_s)
     model = load_model(args.model, dtype=args.dtype, device=device, seed=args.seed,
                        trust_remote_code=args.trust_remote_code).model
