@@ -15,7 +15,7 @@ when the backend declares cascade and `cascade_pays`; otherwise it passes 0.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence, Sized
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -60,14 +60,15 @@ def cascade_mode() -> str:
 
 
 def common_prefix_len(
-    block_tables: Sequence[Sequence[int]], context_lens: Sequence[int], block_size: int
+    block_tables: Iterable[Sequence[int]], context_lens: Sequence[int], block_size: int
 ) -> int:
     """Leading tokens every request holds in the same physical blocks.
 
     Parameters
     ----------
     block_tables:
-        One list of physical block ids per request of the step.
+        One list of physical block ids per request of the step (an iterable: read only
+        while some prefix is still shared, so a lazy one skips the rest once none is).
     context_lens:
         Tokens already in the cache before this step, per request (the first query position).
     block_size:
@@ -81,13 +82,14 @@ def common_prefix_len(
         after the prefix and a prefix that ends mid-block is cascaded over its full blocks
         only). 0 with fewer than `CASCADE_MIN_REQUESTS` requests.
     """
-    if len(block_tables) < CASCADE_MIN_REQUESTS:
+    count = len(block_tables) if isinstance(block_tables, Sized) else len(context_lens)
+    if count < CASCADE_MIN_REQUESTS:
         return 0
-    limit = min(context_lens) // block_size
-    first = block_tables[0]
-    limit = min(limit, len(first))
+    tables = iter(block_tables)
+    first = next(tables)
+    limit = min(min(context_lens) // block_size, len(first))
     head = list(first[:limit])
-    for table in block_tables[1:]:
+    for table in tables:
         if limit == 0:
             break
         if list(table[:limit]) == head:  # the common case, compared at C speed

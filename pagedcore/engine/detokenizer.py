@@ -96,22 +96,24 @@ class IncrementalDetokenizer:
         if self.tokenizer is None or not token_ids:
             return ""
         if self._stream is not None:
-            parts = []
+            step, backend, specials = self._stream.step, self._backend, self._special
+            fed = self._stream_ids
+            text = ""
             for token_id in token_ids:
-                self._stream_ids.append(int(token_id))
+                token_id = int(token_id)
+                fed.append(token_id)
                 try:
-                    chunk = self._stream.step(self._backend, int(token_id))
+                    chunk = step(backend, token_id)
                     self._stream_held = chunk is None
                 except Exception:  # an id the tokenizer does not know (a padded vocab row)
                     chunk = None
-                if self._special:
-                    special = self._special.get(int(token_id))
+                if specials:
+                    special = specials.get(token_id)
                     if special is not None and self._last_special:
                         chunk = special
                     self._last_special = special is not None
                 if chunk:
-                    parts.append(chunk)
-            text = "".join(parts)
+                    text += chunk
             if text:
                 self._stream_text.append(text)
             return text
@@ -231,11 +233,13 @@ class StopStringMatcher:
         ``min_tokens``, as vLLM counts it) looks for no match in `delta`, but still holds back
         its tail that could begin one, so a stop string that ends after ``min_tokens`` is cut
         whole, never half released."""
-        if self.stopped or not delta:
+        if self.matched is not None or not delta:
             return ""
-        if not self.stop:
-            self._text += delta
-            return self._release(len(self._text))
+        if not self.stop:  # everything is released at once
+            self._released += delta
+            self._text = self._released
+            self._emitted = len(self._released)
+            return delta
         old_len = len(self._text)
         self._text += delta
         hit = self._first_match(old_len) if match else None
@@ -311,30 +315,44 @@ class TextState:
 
 
 def advance_text(state: TextState, output_token_ids: Sequence[int], *,
-                 finished: bool = False) -> str:
+                 finished: bool = False, offset: int = 0) -> str:
     """Feed `state` the ids of `output_token_ids` (all output ids of its sequence) it has not
     seen; the newly released text. ``finished``: the sequence ended, release what was held
-    back. Once a stop string matched (``state.stop_string``) nothing more is released."""
+    back. Once a stop string matched (``state.stop_string``) nothing more is released.
+    `offset`: the output ids are ``output_token_ids[offset:]`` (a request's prompt-and-output
+    list, not copied)."""
     matcher = state.matcher
-    if matcher.stopped:
-        state.num_fed = len(output_token_ids)
+    total = len(output_token_ids) - offset
+    if matcher.matched is not None:
+        state.num_fed = total
         return ""
-    parts = []
     detok = state.detok
-    if finished and state.num_fed == 0 and not matcher.stop:
-        # Never seen before and already finished (generate's outputs): no stop string to look
-        # for, so the whole text at once.
-        state.num_fed = len(output_token_ids)
-        return matcher.add(detok.add_final(output_token_ids), match=False)
-    for i in range(state.num_fed, len(output_token_ids)):
+    fed = state.num_fed
+    if not matcher.stop:
+        # No stop string to look for: the new ids in one call (the same text as one at a
+        # time), released at once.
+        if finished and fed == 0:
+            # Never seen before and already finished (generate's outputs): the whole text
+            # at once.
+            state.num_fed = total
+            return matcher.add(detok.add_final(output_token_ids[offset:]), match=False)
+        text = matcher.add(detok.add(output_token_ids[offset + fed:]), match=False) \
+            if fed < total else ""
+        state.num_fed = total
+        if finished:
+            text += matcher.add(detok.flush(), match=False)
+            text += matcher.flush()
+        return text
+    parts = []
+    for i in range(fed, total):
         # One token at a time: stop strings count only from min_tokens on (as in vLLM).
-        parts.append(matcher.add(detok.add(output_token_ids[i : i + 1]),
+        j = offset + i
+        parts.append(matcher.add(detok.add(output_token_ids[j : j + 1]),
                                  match=i + 1 > state.min_tokens))
         if matcher.stopped:
             break
-    state.num_fed = len(output_token_ids)
+    state.num_fed = total
     if finished and not matcher.stopped:
-        parts.append(matcher.add(detok.flush(),
-                                 match=len(output_token_ids) > state.min_tokens))
+        parts.append(matcher.add(detok.flush(), match=total > state.min_tokens))
         parts.append(matcher.flush())
     return "".join(parts)

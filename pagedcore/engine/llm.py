@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Literal
 
 from pagedcore.engine.arguments import DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_N
@@ -38,7 +37,7 @@ from pagedcore.engine.sampling.resolve import (
 )
 from pagedcore.engine.sampling.sampler import Sampler
 from pagedcore.engine.sampling.sampling_params import SamplingParams
-from pagedcore.engine.scheduling.request import Request, RequestStatus, get_request_id
+from pagedcore.engine.scheduling.request import FINISHED_VALUES, Request, RequestStatus
 from pagedcore.engine.scheduling.scheduler import DecodeBatch, SchedulerOutput
 from pagedcore.engine.stats_logging import StatsLogger
 from pagedcore.engine.validation import InvalidArgumentTypeError, check_flag, describe
@@ -50,8 +49,6 @@ if TYPE_CHECKING:
     from pagedcore.engine.runner.model_runner import ModelRunner
 
 __all__ = ["LLM", "EngineStepError", "PromptType"]
-
-_get_params = attrgetter("params")
 
 
 class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
@@ -542,9 +539,10 @@ class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
         if self._row_failures:
             changed += self._fail_rows(self._row_failures, now=t_update)
             self._row_failures = {}
+        forget, finished_values = self.sampler.forget, FINISHED_VALUES
         for request in changed:
-            if request.status.finished:
-                self.sampler.forget(request.request_id)
+            if request.status._value_ in finished_values:
+                forget(request.request_id)
         outputs = self._end_step(changed, finished_only=finished_only, t0=t0,
                                  t_update=t_update)
         return drained + outputs if drained else outputs
@@ -585,17 +583,18 @@ class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
         (both step loops, the overlapped one included, end here)."""
         self._stop_on_strings(changed, now=time.perf_counter())
         if finished_only:
-            done = self._parents_of(r for r in changed if r.status.finished).values()
+            done = self._parents_of([r for r in changed
+                                     if r.status._value_ in FINISHED_VALUES]).values()
             parents = [p for p in done if all(c.status.finished for c in p.children)]
         else:
             parents = list(self._parents_of(changed).values())
         sink = self._delta_sink
         if sink is None:
-            return [self._output(p) for p in parents]
+            return self._outputs(parents)
         start = len(sink)
         rest = delta_fields([p for p in parents if p.delta], tokenizer=self.tokenizer,
                             errors=self.scheduler.errors, out=sink)
-        outputs = [self._output(p) for p in parents if not p.delta]
+        outputs = self._outputs([p for p in parents if not p.delta])
         outputs += [self._output(p) for p in rest]
         pop_parent, pop_child = self._parents.pop, self._child_parent.pop
         for i in range(start, len(sink)):
@@ -615,7 +614,7 @@ class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
             state = None if parent is None else parent.texts[request.sample_index]
             if state is None:
                 continue
-            advance_text(state, request.output_token_ids)
+            advance_text(state, request._all_token_ids, offset=request._num_prompt_tokens)
             if state.stop_string is not None:
                 request.stop_reason = state.stop_string
                 stopped.append(request)
@@ -656,9 +655,9 @@ class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
         if rows:
             requests = (rows.requests if isinstance(rows, DecodeBatch)
                         else [r.request for r in rows])
-            ids = list(map(get_request_id, requests))
+            ids = [r.request_id for r in requests]
             tokens, logprobs = self.sampler.sample(
-                logits, list(map(_get_params, requests)), ids, sequences=requests
+                logits, [r.params for r in requests], ids, sequences=requests
             )
             sampled = dict(zip(ids, zip(tokens, logprobs, strict=True), strict=True))
             if self.sampler.row_errors:

@@ -10,11 +10,11 @@ a request the scheduler no longer holds is finished by `_reap_orphans`.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from pagedcore.engine.errors import EngineStepError, step_failure_message
-from pagedcore.engine.output_builder import ParentRequest, build_output
+from pagedcore.engine.output_builder import ParentRequest, build_output, plain_outputs
 from pagedcore.engine.outputs import RequestOutput
 from pagedcore.engine.scheduling.request import Request, RequestStatus
 
@@ -67,8 +67,12 @@ class FailureIsolation:
 
     def _parents_of(self, requests: Iterable[Request]) -> dict[str, ParentRequest]:
         """The user requests (by id, in first-seen order) that `requests` are samples of."""
-        parents = (self._child_parent[r.request_id] for r in requests)
-        return {p.request_id: p for p in parents}
+        child_parent = self._child_parent
+        out: dict[str, ParentRequest] = {}
+        for request in requests:
+            parent = child_parent[request.request_id]
+            out[parent.request_id] = parent
+        return out
 
     def _fail_parents(
         self, parents: Iterable[ParentRequest], reason: str, *, finished_too: bool = False
@@ -113,6 +117,23 @@ class FailureIsolation:
                 self._fail_parents([parent], "internal error: the request was lost")
             self._output(parent)
             self._parents.pop(parent.request_id, None)
+
+    def _outputs(self, parents: Sequence[ParentRequest]) -> list[RequestOutput]:
+        """`_output` of each of `parents`, in order (without a tokenizer the plain ones are
+        built in one loop, `plain_outputs`)."""
+        if self.tokenizer is not None or not parents:
+            return [self._output(p) for p in parents]
+        try:
+            outputs, others, finished = plain_outputs(parents, errors=self.scheduler.errors)
+        except Exception:  # (reads attributes only; `_output` isolates a failure)
+            return [self._output(p) for p in parents]
+        for i in others:
+            outputs[i] = self._output(parents[i])
+        pop_parent, pop_child = self._parents.pop, self._child_parent.pop
+        for parent in finished:
+            pop_parent(parent.request_id, None)
+            pop_child(parent.children[0].request_id, None)
+        return outputs  # type: ignore[return-value]  # (no None left)
 
     def _output(self, parent: ParentRequest) -> RequestOutput:
         """`parent`'s output now; a finished parent leaves the engine's bookkeeping.

@@ -13,7 +13,12 @@ from typing import Any
 from pagedcore.engine.detokenizer import TextState, advance_text
 from pagedcore.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedcore.engine.sampling.sampling_params import SamplingParams
-from pagedcore.engine.scheduling.request import FinishReason, Request, get_token_list
+from pagedcore.engine.scheduling.request import (
+    FINISHED_VALUES,
+    FinishReason,
+    Request,
+    finish_reason_of_value,
+)
 from pagedcore.engine.validation import (
     MAX_SEED,
     InvalidArgumentError,
@@ -24,7 +29,7 @@ from pagedcore.engine.validation import (
 
 __all__ = [
     "DELTA_FIELDS", "ParentRequest", "PromptType", "build_output", "delta_fields", "make_children",
-    "normalize_prompts", "tokenize", "update_texts",
+    "normalize_prompts", "plain_outputs", "tokenize", "update_texts",
 ]
 
 #: Text (needs a tokenizer), token ids, or ``{"prompt_token_ids": [...]}`` /
@@ -293,32 +298,96 @@ def update_texts(parent: ParentRequest) -> None:
     for child, state in zip(parent.children, parent.texts, strict=True):
         if state is None:
             continue
-        advance_text(state, child.output_token_ids, finished=child.status.finished)
-        if state.stop_string is not None and child.status.finished:
-            child.stop_reason = state.stop_string
+        finished = child.status._value_ in FINISHED_VALUES
+        advance_text(state, child._all_token_ids, finished=finished,
+                     offset=child._num_prompt_tokens)
+        if finished and state.matcher.matched is not None:
+            child.stop_reason = state.matcher.matched
 
 
-def _plain_output(parent: ParentRequest, child: Request) -> RequestOutput:
-    """`build_output` of one sample without text, logprobs, prompt logprobs or error (the
-    common case, once per running request per step: kept to a few attribute reads)."""
-    reason = child.finish_reason
-    return RequestOutput(
-        request_id=parent.request_id,
-        prompt=parent.prompt,
-        prompt_token_ids=parent.prompt_token_ids,
-        outputs=[CompletionOutput(
-            index=child.sample_index,
-            token_ids=child.output_token_ids,
-            finish_reason=None if reason is None else reason.value,
-            stop_reason=None if reason is None else child.stop_reason,
-        )],
-        finished=reason is not None,
-        num_cached_tokens=child.num_cached_tokens or 0,
-        metrics=child.metrics,
-        error=None,
-        sampling_defaults=dict(parent.sampling_defaults),
-        delta=False,
-    )
+# Outputs are built per running request per step: `plain_outputs` allocates them and sets
+# their fields directly, without the class call (which packs the keywords into a dict for
+# the attrs ``__init__``): about half the time. It sets every field, in `attrs.fields`
+# order (tests/engine/test_host_path.py checks that these lists match the classes).
+_COMPLETION_FIELDS = ("index", "token_ids", "text", "logprobs", "cumulative_logprob",
+                      "finish_reason", "stop_reason")
+_REQUEST_OUTPUT_FIELDS = ("request_id", "prompt", "prompt_token_ids", "outputs", "finished",
+                          "num_cached_tokens", "metrics", "error", "sampling_defaults", "delta",
+                          "prompt_logprobs")
+_new_request_output = RequestOutput.__new__
+_new_completion = CompletionOutput.__new__
+# (`build_output`'s general path: the attrs ``__init__`` called directly, no keyword dict.)
+_init_request_output = RequestOutput.__init__
+_init_completion = CompletionOutput.__init__
+
+
+def _plain_output(parent: ParentRequest) -> RequestOutput:
+    """`build_output` of a parent with one sample and no text, logprobs, prompt logprobs or
+    error (see `plain_outputs`)."""
+    outputs, _others, _finished = plain_outputs([parent], errors={})
+    out = outputs[0]
+    assert out is not None
+    return out
+
+
+def plain_outputs(
+    parents: Sequence[ParentRequest], *, errors: dict[str, str]
+) -> tuple[list[RequestOutput | None], list[int], list[ParentRequest]]:
+    """`build_output(parent, tokenizer=None, errors=errors)` of each of `parents` that is
+    plain (one sample; no delta, logprobs, prompt logprobs or error), in one loop (the
+    common case, once per running request per step: kept to attribute reads and writes).
+
+    Returns
+    -------
+    tuple
+        The outputs in the order of `parents`, None for each parent that is not plain (build
+        those with `build_output`); the indexes of those; the plain parents whose output is
+        finished.
+    """
+    outputs: list[RequestOutput | None] = []
+    append = outputs.append
+    others: list[int] = []
+    finished: list[ParentRequest] = []
+    reason_of = finish_reason_of_value
+    new_output, new_completion = _new_request_output, _new_completion
+    for parent in parents:
+        children = parent.children
+        if not parent.delta and len(children) == 1:
+            child = children[0]
+            if (child.logprobs is None and child.prompt_logprobs is None
+                    and not (errors and child.request_id in errors)):
+                reason = reason_of(child.status._value_)
+                completion = new_completion(CompletionOutput)
+                completion.index = child.sample_index
+                completion.token_ids = child._all_token_ids[child._num_prompt_tokens:]
+                completion.text = ""
+                completion.logprobs = None
+                completion.cumulative_logprob = None
+                out = new_output(RequestOutput)
+                out.request_id = parent.request_id
+                out.prompt = parent.prompt
+                out.prompt_token_ids = parent.prompt_token_ids
+                out.outputs = [completion]
+                if reason is None:
+                    completion.finish_reason = completion.stop_reason = None
+                    out.finished = False
+                else:
+                    completion.finish_reason = reason._value_
+                    completion.stop_reason = child.stop_reason
+                    out.finished = True
+                    finished.append(parent)
+                out.num_cached_tokens = child.num_cached_tokens or 0
+                out.metrics = child.metrics
+                out.error = None
+                defaults = parent.sampling_defaults
+                out.sampling_defaults = dict(defaults) if defaults else {}
+                out.delta = False
+                out.prompt_logprobs = None
+                append(out)
+                continue
+        others.append(len(outputs))
+        append(None)
+    return outputs, others, finished
 
 
 #: The fields of a raw delta (`delta_fields`), in order; `pagedcore.serve.deltas.StreamDelta`
@@ -345,6 +414,7 @@ def delta_fields(
     rest: list[ParentRequest] = []
     append = out.append
     error = FinishReason.ERROR
+    reason_of = finish_reason_of_value
     for parent in parents:
         children = parent.children
         if len(children) != 1:
@@ -355,7 +425,7 @@ def delta_fields(
                 or (errors and child.request_id in errors)):
             rest.append(parent)
             continue
-        reason = child.finish_reason
+        reason = reason_of(child.status._value_)
         if reason is error:
             rest.append(parent)
             continue
@@ -370,7 +440,7 @@ def delta_fields(
             parent.sent[0] = (num_generated, 0)
         else:
             finished = reason is not None
-            advance_text(state, all_ids[num_prompt:], finished=finished)
+            advance_text(state, all_ids, finished=finished, offset=num_prompt)
             if state.stop_string is not None:
                 if finished:
                     child.stop_reason = stop_reason = state.stop_string
@@ -380,7 +450,7 @@ def delta_fields(
             parent.sent[0] = (num_generated, len(full))
             text = full[sent_chars:] if sent_chars else full
         append((parent.request_id, text, all_ids[num_prompt + sent_tokens:], None,
-                None if reason is None else reason.value,
+                None if reason is None else reason._value_,
                 None if reason is None else stop_reason, num_prompt,
                 child.num_cached_tokens or 0, num_generated, None))
     return rest
@@ -399,7 +469,7 @@ def build_output(
         child = children[0]
         if (child.logprobs is None and child.prompt_logprobs is None
                 and child.request_id not in errors):
-            return _plain_output(parent, child)
+            return _plain_output(parent)
     if tokenizer is not None:
         update_texts(parent)
     children = parent.children
@@ -408,13 +478,13 @@ def build_output(
     # whole output, nothing computed that the request did not ask for).
     for child in children:
         i = child.sample_index
-        all_ids = get_token_list(child)
-        num_prompt = child.num_prompt_tokens
+        all_ids = child._all_token_ids
+        num_prompt = child._num_prompt_tokens
         state = parent.texts[i] if tokenizer is not None else None
         text = "" if state is None else state.text
-        reason = child.finish_reason
+        reason = finish_reason_of_value(child.status._value_)
         stop_reason = child.stop_reason
-        if state is not None and state.stop_string is not None and reason in (
+        if state is not None and state.matcher.matched is not None and reason in (
                 FinishReason.STOP, FinishReason.LENGTH):
             # Matched in the step that also ended it by length: the stop string wins (vLLM).
             reason, stop_reason = FinishReason.STOP, state.stop_string
@@ -423,21 +493,22 @@ def build_output(
             parent, child, tokenizer, sent_tokens)
         if delta:
             parent.sent[i] = (len(all_ids) - num_prompt, len(text))
-        completions.append(
-            CompletionOutput(
-                index=i,
-                token_ids=all_ids[num_prompt + sent_tokens:],
-                text=text[sent_chars:] if sent_chars else text,
-                logprobs=logprobs,
-                cumulative_logprob=cumulative,
-                finish_reason=None if reason is None else reason.value,
-                stop_reason=stop_reason if reason is not None else None,
-            )
+        completion = _new_completion(CompletionOutput)
+        _init_completion(
+            completion,
+            index=i,
+            token_ids=all_ids[num_prompt + sent_tokens:],
+            text=text[sent_chars:] if sent_chars else text,
+            logprobs=logprobs,
+            cumulative_logprob=cumulative,
+            finish_reason=None if reason is None else reason._value_,
+            stop_reason=stop_reason if reason is not None else None,
         )
+        completions.append(completion)
     first = children[0]
     metrics = first.metrics
     if len(children) == 1:
-        finished = first.status.finished
+        finished = first.status._value_ in FINISHED_VALUES
         num_cached = first.num_cached_tokens or 0
     else:
         finished = all(c.status.finished for c in children)
@@ -447,7 +518,9 @@ def build_output(
             metrics.finished_time = max(e for e in ends if e is not None)
     found = [errors.pop(c.request_id) for c in children if c.request_id in errors] \
         if errors else None
-    return RequestOutput(
+    out = _new_request_output(RequestOutput)
+    _init_request_output(
+        out,
         request_id=parent.request_id,
         prompt=parent.prompt,
         prompt_token_ids=parent.prompt_token_ids,
@@ -458,5 +531,7 @@ def build_output(
         error=found[0] if found else None,
         sampling_defaults=dict(parent.sampling_defaults) if parent.sampling_defaults else {},
         delta=delta,
-        prompt_logprobs=_prompt_logprobs(parent, tokenizer, delta=delta),
+        prompt_logprobs=None if first.prompt_logprobs is None
+        else _prompt_logprobs(parent, tokenizer, delta=delta),
     )
+    return out

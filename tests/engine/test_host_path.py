@@ -120,3 +120,46 @@ def test_step_finished_only_returns_finished_outputs() -> None:
         seen.append([o.request_id for o in outs])
     assert seen == [[], [], ["r0"], [], [], ["r1"]]
     assert_no_leak(llm)
+
+
+def test_plain_outputs_equal_the_classes_own_construction() -> None:
+    """`plain_outputs` sets the output objects' fields directly (no class call): every field
+    the classes have, the values their constructors would hold; the others left to
+    `build_output`."""
+    import attrs
+
+    from pagedcore.engine import output_builder as ob
+    from pagedcore.engine.outputs import CompletionOutput, RequestOutput
+    from pagedcore.engine.scheduling.request import Request, RequestStatus
+
+    assert ob._COMPLETION_FIELDS == tuple(f.name for f in attrs.fields(CompletionOutput))
+    assert ob._REQUEST_OUTPUT_FIELDS == tuple(f.name for f in attrs.fields(RequestOutput))
+    parents = []
+    for i, status in enumerate((RequestStatus.RUNNING, RequestStatus.FINISHED_STOPPED,
+                                RequestStatus.FINISHED_LENGTH)):
+        params = SamplingParams(max_tokens=8, logprobs=1 if i == 2 else None)
+        parent = ob.ParentRequest(f"r{i}", "text" if i else None, [3, 4, 5],
+                                  sampling_defaults={"top_k": 5} if i == 1 else None)
+        child = Request(f"r{i}", [3, 4, 5], params, arrival_index=i)
+        child.append_token(9)
+        child.status, child.stop_reason, child.num_cached_tokens = status, 9, 2 * i
+        parent.children.append(child)
+        parents.append(parent)
+    outputs, others, finished = ob.plain_outputs(parents, errors={})
+    assert others == [2] and outputs[2] is None  # logprobs: not plain
+    assert finished == [parents[1]]
+    for parent, out in zip(parents[:2], outputs[:2], strict=True):
+        child = parent.children[0]
+        reason = child.finish_reason
+        expected = RequestOutput(
+            request_id=parent.request_id, prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=[CompletionOutput(index=0, token_ids=[9],
+                                      finish_reason=None if reason is None else reason.value,
+                                      stop_reason=None if reason is None else 9)],
+            finished=reason is not None, num_cached_tokens=child.num_cached_tokens,
+            metrics=child.metrics, sampling_defaults=dict(parent.sampling_defaults))
+        assert out == expected
+        assert out is not None and out.sampling_defaults is not parent.sampling_defaults
+        assert out.outputs[0].token_ids is not child.all_token_ids
+        assert out == ob.build_output(parent, tokenizer=None, errors={})

@@ -74,17 +74,19 @@ class CascadePlanner:
         if not self.enabled or n < CASCADE_MIN_REQUESTS:
             return zeros, zeros
         if isinstance(scheduled, DecodeBatch):
-            ids = [r.request_id for r in scheduled.requests]
-            contexts = list(scheduled.starts)
+            requests = scheduled.requests
+            contexts = scheduled.starts
         else:
-            ids = [s.request.request_id for s in scheduled]
+            requests = [s.request for s in scheduled]
             contexts = [s.start for s in scheduled]
         smallest = min(contexts)
         if self.mode == "auto" and not cascade_pays(smallest, n):
             return zeros, zeros  # even the longest possible prefix would not pay
-        tables = [block_ids(i) for i in ids]
+        # Each group's tables read lazily: requests with no common prefix (the usual batch)
+        # stop the scan at the first request that differs.
         shared = tuple(
-            common_prefix_len([t[g] for t in tables], contexts, bsz) if ok else 0
+            common_prefix_len((block_ids(r.request_id)[g] for r in requests), contexts, bsz)
+            if ok else 0
             for g, (bsz, ok) in enumerate(zip(self.block_sizes, self.eligible, strict=True))
         )
         if self.mode == "always":

@@ -161,7 +161,12 @@ def decode_tables(
         # (`!=` on lists of the same objects compares pointers, reading no request.)
         out = ib._fill_tables(list(map(block_ids, map(get_request_id, reqs))), num_rows)
     else:
-        rows = sorted(i for i in map(index_in(reqs), changed) if i is not None)
+        if len(changed) > 4:  # (an identity index of the list beats a scan per request)
+            where = {id(r): i for i, r in enumerate(reqs)}
+            found = map(where.get, map(id, changed))
+        else:
+            found = map(index_in(reqs), changed)
+        rows = sorted(i for i in found if i is not None)
         out = ib._fill_rows(rows, [block_ids(reqs[i].request_id) for i in rows],
                               len(reqs), num_rows)
     ib._row_reqs = reqs

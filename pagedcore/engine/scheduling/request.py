@@ -12,9 +12,11 @@ from pagedcore.engine.outputs import RequestMetrics
 from pagedcore.engine.sampling.sampling_params import SamplingParams
 
 __all__ = [
+    "FINISHED_VALUES",
     "FinishReason",
     "Request",
     "RequestStatus",
+    "finish_reason_of_value",
     "get_block_capacity",
     "get_num_computed",
     "get_num_tokens",
@@ -51,6 +53,9 @@ _FINISHED = {
     RequestStatus.FINISHED_ERROR,
 }
 _FINISHED_VALUES = frozenset(status.value for status in _FINISHED)
+#: The values of the finished statuses: ``request.status._value_ in FINISHED_VALUES`` is
+#: ``request.status.finished`` without the property call (for loops over many requests).
+FINISHED_VALUES = _FINISHED_VALUES
 
 
 class FinishReason(str, enum.Enum):
@@ -241,6 +246,10 @@ def token_slice(request: Request, start: int, end: int) -> Sequence[int]:
         return tokens[start:end]
     return [*tokens[start:end], mark]
 
+
+#: ``finish_reason_of_value(value)``: the `FinishReason` of a `RequestStatus` value (None
+#: while not finished): ``request.finish_reason`` of ``request.status.value``.
+finish_reason_of_value = _REASONS_BY_VALUE.get
 
 #: ``get_block_capacity(request)``: ``request.block_capacity`` (for `map`).
 get_block_capacity = attrgetter("block_capacity")
