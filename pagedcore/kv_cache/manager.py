@@ -273,6 +273,22 @@ class KVCacheManager:
                 cached[request_id] = min(cached[request_id], num_valid_tokens // manager.block_size)
         return dropped
 
+    def shares_blocks_from(self, request_id: str, num_tokens: int) -> bool:
+        """Whether a block of ``request_id`` holding a token at or past its first
+        ``num_tokens`` is also held by another request.
+
+        Such a block was registered in the prefix cache when this step allocated it and
+        another request admitted in the same step took a hit on it: its slots from
+        ``num_tokens`` on must then be written in this step, so the chunk writing them may not
+        be shortened (`pagedcore.engine.scheduling.bucket_align`).
+        """
+        groups = self.coordinator.get_blocks(request_id)
+        for size, blocks in zip(self.coordinator.block_sizes, groups, strict=True):
+            for block in blocks[num_tokens // size :]:
+                if not block.is_null and block.ref_cnt > 1:
+                    return True
+        return False
+
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         """All blocks currently held by ``request_id``, per group."""
         return KVCacheBlocks(self.coordinator.get_blocks(request_id))

@@ -165,3 +165,38 @@ def test_engine_outputs_identical_and_steps_on_buckets() -> None:
     assert default.scheduler.config.token_buckets is None and default_totals == base_totals
     for engine in (base, llm, default):
         assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("shared", ["n=2", "two requests"])
+def test_no_cut_under_a_prefix_hit_taken_in_the_same_step(shared: str) -> None:
+    """A chunk [0, 18) registers its first block in the prefix cache; a request admitted in
+    the same step hits that block and computes [16, 19). Aligning the step to bucket 16 by
+    cutting the chunk to [0, 13) would leave slots 13-15 unwritten while the other request
+    reads them (wrong tokens, found by a randomized differential run): the shared chunk is
+    not a candidate, so the step stays unaligned and both requests match the engine without
+    alignment (logits too)."""
+    model = make_models("llama")[2]
+    prompt = list(range(10, 29))  # 19 tokens: one full block of 16 and 3 more
+    kw: dict[str, Any] = dict(device="cpu", block_size=16, max_model_len=64,
+                              max_num_batched_tokens=24, long_prefill_token_threshold=18,
+                              kv_cache_memory_bytes=1 << 20)
+    if shared == "n=2":
+        prompts: list[Any] = [prompt]
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, n=2,
+                                logprobs=3)
+    else:
+        prompts = [prompt, [*prompt[:16], 40, 41, 42]]
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3)
+
+    def run(align: Any) -> list[Any]:
+        llm = LLM(model, align_chunks_to_buckets=align, **kw)
+        outs = [c for o in llm.generate(prompts, params) for c in o.outputs]
+        assert_no_leak(llm)
+        return outs
+
+    want, got = run(False), run([8, 16, 32])
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    for a, b in zip(got, want, strict=True):
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert x.keys() == y.keys()
+            assert all(abs(x[t] - y[t]) < 1e-4 for t in x)
