@@ -545,6 +545,11 @@ class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
                 forget(request.request_id)
         outputs = self._end_step(changed, finished_only=finished_only, t0=t0,
                                  t_update=t_update)
+        if self._processing_ids or self._prompt_pending:
+            # Only the overlap path reads these; pruned here too, or with overlap off every
+            # request with logits processors or prompt logprobs stayed referenced for the
+            # engine's life.
+            self._needs_current_tokens()
         return drained + outputs if drained else outputs
 
     def _needs_current_tokens(self) -> bool:

@@ -66,3 +66,6 @@ def assert_no_leak(llm: Any) -> None:
     assert kv.num_free_blocks == kv.num_total_blocks == llm.kv_cache_config.num_blocks - 1
     assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks[1:])
     assert not llm.scheduler.running and not llm.scheduler.waiting
+    # Nothing of a finished request stays referenced by the engine's bookkeeping.
+    assert not getattr(llm, "_prompt_pending", None), llm._prompt_pending
+    assert not getattr(llm, "_processing_ids", None), llm._processing_ids

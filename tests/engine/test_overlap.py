@@ -292,3 +292,17 @@ def test_failure_in_the_host_half_one_step_behind(
     llm.drain()  # the step launched meanwhile held only "a": its token is dropped
     assert not llm.has_unfinished_requests()
     assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_finished_requests_leave_the_overlap_bookkeeping(model: Any, overlap: bool) -> None:
+    """Requests with prompt logprobs or logits processors (``min_tokens`` here) are tracked
+    for the overlap path; with overlap off nothing pruned them, so every such request stayed
+    referenced for the engine's life (found by a randomized differential run)."""
+    llm = _llm(model, overlap, block_size=4, max_model_len=64)
+    for _ in range(5):
+        llm.generate([[5, 6, 7, 8, 9, 10]],
+                     [SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1,
+                                     min_tokens=1)])
+    assert not llm._prompt_pending and not llm._processing_ids
+    assert_no_leak(llm)
