@@ -179,7 +179,7 @@ class ChatTemplate(_StrType):
         text = str(value)
         if os.path.isfile(text):
             try:
-                with open(text, encoding="utf-8") as f:
+                with open(text, encoding="utf-8-sig") as f:  # (a byte-order mark dropped)
                     text = f.read()
             except (OSError, UnicodeDecodeError) as exc:
                 self.fail(f"cannot read the chat template file {value!r}: {exc}", param, ctx)
@@ -192,11 +192,30 @@ class ChatTemplate(_StrType):
         import jinja2
 
         try:
-            jinja2.Environment().parse(text)
+            _template_environment().parse(text)
         except jinja2.TemplateSyntaxError as exc:
             self.fail(f"the chat template does not parse: {exc.message} (line {exc.lineno})",
                       param, ctx)
         return text
+
+
+def _template_environment() -> Any:
+    """A Jinja environment that parses what transformers renders: loop controls (``{% break
+    %}``, ``{% continue %}``) and the ``{% generation %}...{% endgeneration %}`` block of
+    assistant-mask templates (parsed as its body)."""
+    import jinja2
+    from jinja2 import nodes
+    from jinja2.ext import Extension, loopcontrols
+
+    class GenerationBlock(Extension):
+        tags = {"generation"}  # noqa: RUF012 (jinja2 declares it an instance variable)
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body, lineno=lineno)
+
+    return jinja2.Environment(extensions=[loopcontrols, GenerationBlock])
 
 
 DEVICE = Device()

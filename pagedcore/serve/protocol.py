@@ -126,6 +126,9 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[_TextPart] | None = None
     name: str | None = None
+    #: Passed to the chat template as given (templates of tool-calling models read them).
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
 
     def text_length(self) -> int:
         """Characters of text the message holds."""
@@ -141,6 +144,10 @@ class ChatMessage(_Body):
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls is not None:
+            message["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
@@ -170,7 +177,7 @@ class ChatCompletionRequest(_SamplingFields):
 class TokenizeRequest(_Body):
     """``POST /tokenize`` (vLLM's): a text, or a conversation through the chat template."""
 
-    model: str
+    model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     #: None: True for a prompt, False for messages (the template writes the special tokens).
@@ -182,7 +189,7 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     """``POST /detokenize`` (vLLM's): token ids back to text."""
 
-    model: str
+    model: str | None = None
     tokens: list[int]
 
 

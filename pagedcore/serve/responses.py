@@ -17,6 +17,7 @@ __all__ = [
     "completion_logprobs",
     "echo_logprobs",
     "join_logprobs",
+    "next_offset",
     "prompt_logprobs_json",
     "sse",
     "top_prompt_logprobs",
@@ -161,13 +162,25 @@ def _ranked(top: dict[int, Logprob], k: int) -> list[tuple[int, float]]:
                   reverse=True)[:k]
 
 
-def _top_by_text(tokenizer: Any, top: dict[int, Logprob], k: int) -> dict[str, float]:
-    """The legacy ``top_logprobs`` entry: the top `k` keyed by their text; tokens sharing a
-    text (byte pieces that each decode to U+FFFD) keep the likelier one's logprob."""
+def _top_by_text(tokenizer: Any, top: dict[int, Logprob], k: int,
+                 token_id: int) -> dict[str, float]:
+    """The legacy ``top_logprobs`` entry: the top `k` and the chosen token `token_id` (so up
+    to k + 1 entries, as OpenAI documents), keyed by their text; tokens sharing a text (byte
+    pieces that each decode to U+FFFD) keep the likelier one's logprob."""
     out: dict[str, float] = {}
     for t, lp in _ranked(top, k):
         out.setdefault(_token_text(tokenizer, t), float(lp))
+    if token_id in top:
+        out.setdefault(_token_text(tokenizer, token_id), float(top[token_id]))
     return out
+
+
+def next_offset(logprobs: dict[str, Any] | None, default: int) -> int:
+    """The text offset after the last token of a legacy ``logprobs`` object (its last offset
+    plus its last token's text), or `default` when it has no tokens."""
+    if not logprobs or not logprobs["tokens"]:
+        return default
+    return int(logprobs["text_offset"][-1]) + len(logprobs["tokens"][-1])
 
 
 def _of(top: dict[int, Logprob], token_id: int) -> float:
@@ -200,7 +213,7 @@ def completion_logprobs(
         text = _token_text(tokenizer, token_id)
         tokens.append(text)
         token_logprobs.append(_of(top, token_id))
-        tops.append(_top_by_text(tokenizer, top, k))
+        tops.append(_top_by_text(tokenizer, top, k, token_id))
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
@@ -234,7 +247,7 @@ def echo_logprobs(
         entry = entries[i] if entries is not None and i < len(entries) else None
         tokens.append(text)
         token_logprobs.append(None if entry is None else _of(entry, token_id))
-        tops.append(None if entry is None else _top_by_text(tokenizer, entry, k))
+        tops.append(None if entry is None else _top_by_text(tokenizer, entry, k, token_id))
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,

@@ -33,6 +33,7 @@ from pagedcore.serve.responses import (
     completion_logprobs,
     echo_logprobs,
     join_logprobs,
+    next_offset,
     prompt_logprobs_json,
     sse,
     top_prompt_logprobs,
@@ -212,7 +213,11 @@ class OpenAIServing:
         except ChatTemplateError as exc:
             no_template = "no chat template" in str(exc) or "no (transformers)" in str(exc)
             message = str(exc)
-            if no_template:
+            if "no (transformers)" in str(exc) and self.chat_template is not None:
+                message = (f"the model {self.model_names[0]!r} has no transformers tokenizer, "
+                           "so no chat template can be applied (--chat-template included); "
+                           "use /v1/completions with a prompt")
+            elif no_template:
                 message = (f"the model {self.model_names[0]!r} has no chat template, so "
                            "/v1/chat/completions cannot format messages; use /v1/completions "
                            "with a prompt, or restart the server with --chat-template FILE "
@@ -262,7 +267,8 @@ class OpenAIServing:
     async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         """``/tokenize``: the token ids of ``prompt``, or of ``messages`` through the chat
         template (as /v1/chat/completions would send them to the engine)."""
-        self.check_model(body.model)
+        if body.model is not None:  # (optional here, as in vLLM)
+            self.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise BadRequestError("give exactly one of prompt (a text) or messages (a "
                                   "conversation)", param="prompt", code="invalid_value")
@@ -284,17 +290,22 @@ class OpenAIServing:
 
             ids = await asyncio.to_thread(encode) if len(prompt) > OFF_LOOP_CHARS else encode()
         else:
-            chat = ChatCompletionRequest(model=body.model, messages=body.messages or [],
+            chat = ChatCompletionRequest(model=self.model_names[0],
+                                         messages=body.messages or [],
                                          add_generation_prompt=body.add_generation_prompt)
             ids = (await self.chat_prompts(chat))[0]
             if body.add_special_tokens:  # (off by default: the template wrote them)
                 from pagedcore.engine.chat import chat_prompt
 
-                text, _ = chat_prompt(tokenizer, [m.as_template_dict() for m in chat.messages],
-                                      model_name=self.model_names[0],
-                                      chat_template=self.chat_template,
-                                      add_generation_prompt=body.add_generation_prompt)
-                ids = [int(t) for t in tokenizer.encode(text, add_special_tokens=True)]
+                def render() -> list[int]:
+                    text, _ = chat_prompt(
+                        tokenizer, [m.as_template_dict() for m in chat.messages],
+                        model_name=self.model_names[0], chat_template=self.chat_template,
+                        add_generation_prompt=body.add_generation_prompt)
+                    return [int(t) for t in tokenizer.encode(text, add_special_tokens=True)]
+
+                long = sum(m.text_length() for m in chat.messages) > OFF_LOOP_CHARS
+                ids = await asyncio.to_thread(render) if long else render()
         out: dict[str, Any] = {"count": len(ids), "max_model_len": self.engine.max_model_len,
                                "tokens": ids}
         if body.return_token_strs:
@@ -304,7 +315,8 @@ class OpenAIServing:
 
     def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
         """``/detokenize``: the text of ``tokens``."""
-        self.check_model(body.model)
+        if body.model is not None:
+            self.check_model(body.model)
         tokenizer = self._needs_tokenizer("detokenize")
         bad = [t for t in body.tokens if not 0 <= t < self.vocab_size]
         if bad:
@@ -362,12 +374,15 @@ class OpenAIServing:
             echo = "" if echoes is None else echoes[seq.prompt_index]
             logprobs = None
             if body.logprobs is not None:
+                echoed = None if echoes is None else echo_logprobs(
+                    self.tokenizer, prompts[seq.prompt_index], a["prompt_logprobs"],
+                    k=body.logprobs)
+                # Offsets run on through the echoed prompt's tokens (one count, as streamed).
                 logprobs = completion_logprobs(self.tokenizer, a["ids"], a["logprobs"],
-                                               k=body.logprobs, text_offset=len(echo))
-                if echoes is not None:
-                    logprobs = join_logprobs(echo_logprobs(
-                        self.tokenizer, prompts[seq.prompt_index], a["prompt_logprobs"],
-                        k=body.logprobs), logprobs)
+                                               k=body.logprobs,
+                                               text_offset=next_offset(echoed, 0))
+                if echoed is not None:
+                    logprobs = join_logprobs(echoed, logprobs)
             choice = {"index": seq.index, "text": echo + texts[seq.index], "logprobs": logprobs,
                       "finish_reason": a["finish"], "stop_reason": a["stop_reason"]}
             if body.prompt_logprobs is not None:
@@ -413,9 +428,10 @@ class OpenAIServing:
             async for index, d in fan:
                 _accumulate(acc, index, d)
                 if echoes is not None and index not in offsets:
-                    yield self._echo_chunk(body, d, prompts[prompt_of[index]],
-                                           echoes[prompt_of[index]], rid, created, model, index)
-                    offsets[index] = len(echoes[prompt_of[index]])
+                    chunk, offsets[index] = self._echo_chunk(
+                        body, d, prompts[prompt_of[index]], echoes[prompt_of[index]], rid,
+                        created, model, index)
+                    yield chunk
                     d = d._replace(prompt_logprobs=None)  # sent with the prompt's chunk
                 if body.echo_only:
                     acc[index]["generated"] = 0
@@ -432,7 +448,10 @@ class OpenAIServing:
                     logprobs = completion_logprobs(self.tokenizer, ids, token_logprobs,
                                                    k=body.logprobs,
                                                    text_offset=offsets.get(index, 0))
-                offsets[index] = offsets.get(index, 0) + len(d.text)
+                    # The next chunk's tokens go on from this one's, counted as in the
+                    # response without streaming (token texts, which need not add up to the
+                    # chunk's text: skipped special tokens, pieces of a character).
+                    offsets[index] = next_offset(logprobs, offsets.get(index, 0))
                 yield sse(completion_chunk(rid, created, model, index, d.text, d.finish_reason,
                                            logprobs, prompt_logprobs_json(d.prompt_logprobs)))
             if body.include_usage:
@@ -443,9 +462,11 @@ class OpenAIServing:
         yield _DONE
 
     def _echo_chunk(self, body: CompletionRequest, d: StreamDelta, prompt: list[int],
-                    echo: str, rid: str, created: int, model: str, index: int) -> bytes:
+                    echo: str, rid: str, created: int, model: str,
+                    index: int) -> tuple[bytes, int]:
         """A choice's first chunk with ``echo``: its prompt's text, the prompt tokens'
-        logprobs (with ``logprobs``) and ``prompt_logprobs`` (when asked)."""
+        logprobs (with ``logprobs``) and ``prompt_logprobs`` (when asked); and the text
+        offset its completion's tokens start at."""
         logprobs = None
         if body.logprobs is not None:
             logprobs = echo_logprobs(self.tokenizer, prompt, d.prompt_logprobs, k=body.logprobs)
@@ -453,7 +474,8 @@ class OpenAIServing:
         if body.prompt_logprobs is not None:
             asked = prompt_logprobs_json(top_prompt_logprobs(d.prompt_logprobs, prompt,
                                                              body.prompt_logprobs))
-        return sse(completion_chunk(rid, created, model, index, echo, None, logprobs, asked))
+        return (sse(completion_chunk(rid, created, model, index, echo, None, logprobs, asked)),
+                next_offset(logprobs, len(echo)))
 
     async def _text_stream(self, fan: FanIn, prompts: list[list[int]], rid: str,
                            created: int, model: str, *, chat: bool,

@@ -55,7 +55,11 @@ def test_echo_leads_with_the_prompt_and_its_logprobs(demo_server: LiveServer) ->
     assert _close(lp.token_logprobs[1:n], own)
     # Top entries are keyed by text (byte pieces of this tokenizer may share one).
     assert _close([max(top.values()) for top in lp.top_logprobs[1:n]], best)
-    assert all(1 <= len(top) <= 2 for top in lp.top_logprobs[1:])
+    # The top 2 and the chosen token (up to 3 entries, as OpenAI documents).
+    assert all(1 <= len(top) <= 3 for top in lp.top_logprobs[1:])
+    assert all(top[tok] >= logprob - 1e-6 for top, tok, logprob in zip(
+        lp.top_logprobs[1:], lp.tokens[1:], lp.token_logprobs[1:], strict=True))
+    assert lp.text_offset == sorted(lp.text_offset)
     assert _close(lp.token_logprobs[n:], plp.token_logprobs)
     # Offsets run through the prompt, then the completion from the prompt's end.
     assert lp.text_offset[0] == 0 and lp.text_offset[n] == len(PROMPT)
@@ -102,3 +106,24 @@ def test_streamed_echo_equals_the_response(demo_server: LiveServer, max_tokens: 
     assert chunks[-1].usage is not None and whole.usage is not None
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens \
         == 4 * max_tokens
+
+
+def test_streamed_text_offsets_equal_the_response_and_top_logprobs_hold_the_token(
+        chat_server: LiveServer) -> None:
+    """Offsets count token texts in both forms (they used to follow each chunk's text in a
+    stream, and went backwards where a chunk's token texts do not add up to its text: a
+    skipped special token, pieces of a character); ``logprobs: 0`` still lists the chosen
+    token in ``top_logprobs``, as OpenAI documents."""
+    client = _client(chat_server)
+    for prompt in ([5, 6, 7], "Hello there", [9, 3, 2, 11]):
+        kw: dict[str, Any] = dict(model="m", prompt=prompt, max_tokens=8, temperature=0,
+                                  logprobs=0)
+        whole = client.completions.create(**kw).choices[0].logprobs
+        offsets: list[int] = []
+        for chunk in client.completions.create(**kw, stream=True):
+            for c in chunk.choices:
+                if c.logprobs is not None:
+                    offsets.extend(c.logprobs.text_offset)
+        assert whole is not None and offsets == whole.text_offset
+        assert offsets == sorted(offsets)
+        assert [list(top) for top in whole.top_logprobs] == [[t] for t in whole.tokens]

@@ -203,9 +203,43 @@ def test_the_chat_template_option_reads_a_file_or_a_template_and_refuses_anythin
     assert kind.convert(str(path), None, None) == "{{ messages[0].content }}"
     assert kind.convert("{% for m in messages %}{{ m.content }}{% endfor %}", None,
                         None).startswith("{% for")
+    # What transformers renders parses too: loop controls, assistant-mask blocks.
+    for ok in ("{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{% endfor %}",
+               "{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}"
+               "{% endfor %}"):
+        assert kind.convert(ok, None, None) == ok
+    path.write_bytes(b"\xef\xbb\xbf{{ messages[0].content }}")  # a byte-order mark: dropped
+    assert kind.convert(str(path), None, None) == "{{ messages[0].content }}"
     runner = CliRunner()
     for value, said in [("no-such-file.jinja", "neither a file nor a Jinja template"),
                         ("{% for m in messages %}", "does not parse")]:
         result = runner.invoke(cli, ["serve", "demo", "--chat-template", value])
         assert result.exit_code == 2, result.output
         assert said in result.output and "Traceback" not in result.output
+
+
+def test_tool_fields_reach_the_template_and_a_template_needs_a_transformers_tokenizer() -> None:
+    """A message's ``tool_calls`` / ``tool_call_id`` are passed to the chat template; with
+    ``--chat-template`` on a model whose tokenizer cannot apply one, the 400 says so instead of
+    asking for the option the server already has."""
+    tokenizer = train_tokenizer()
+    template = ("{% for m in messages %}{{ m.role }}:{{ m.tool_call_id }}{{ m.tool_calls }}|"
+                "{% endfor %}")
+    body = ChatCompletionRequest(model="m", max_tokens=1, messages=[
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1"}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c1"}])
+
+    async def main() -> tuple[list[int], BadRequestError]:
+        _, given = _serving(tokenizer, vocab_size=400)
+        given.chat_template = template
+        ids = given.chat_prompt(body)
+        _, plain = _serving(_CountingTokenizer())
+        plain.chat_template = template
+        with pytest.raises(BadRequestError) as info:
+            plain.chat_prompt(body)
+        return ids, info.value
+
+    ids, error = asyncio.run(main())
+    assert tokenizer.decode(ids) == "assistant:[{'id': 'c1'}]|tool:c1|"
+    assert "no transformers tokenizer" in error.message and "--chat-template FILE" not in \
+        error.message
