@@ -157,6 +157,16 @@ def _token_bytes(tokenizer: Any, token_id: int, text: str) -> list[int]:
     return list(text.encode())
 
 
+#: The floor of every logprob in a response (vLLM's): JSON has no infinity, and a masked
+#: token's -inf (or a NaN) would otherwise make the response unencodable.
+LOGPROB_FLOOR = -9999.0
+
+
+def _json_logprob(value: float) -> float:
+    value = float(value)
+    return value if value > LOGPROB_FLOOR else LOGPROB_FLOOR  # (NaN too)
+
+
 def _ranked(top: dict[int, Logprob], k: int) -> list[tuple[int, float]]:
     return sorted(((t, lp.logprob) for t, lp in top.items()), key=lambda kv: kv[1],
                   reverse=True)[:k]
@@ -169,9 +179,9 @@ def _top_by_text(tokenizer: Any, top: dict[int, Logprob], k: int,
     pieces that each decode to U+FFFD) keep the likelier one's logprob."""
     out: dict[str, float] = {}
     for t, lp in _ranked(top, k):
-        out.setdefault(_token_text(tokenizer, t), float(lp))
+        out.setdefault(_token_text(tokenizer, t), _json_logprob(lp))
     if token_id in top:
-        out.setdefault(_token_text(tokenizer, token_id), float(top[token_id]))
+        out.setdefault(_token_text(tokenizer, token_id), _json_logprob(top[token_id]))
     return out
 
 
@@ -185,7 +195,7 @@ def next_offset(logprobs: dict[str, Any] | None, default: int) -> int:
 
 def _of(top: dict[int, Logprob], token_id: int) -> float:
     entry = top.get(token_id)
-    return float("-inf") if entry is None else float(entry.logprob)
+    return LOGPROB_FLOOR if entry is None else _json_logprob(entry.logprob)
 
 
 def completion_logprobs(
@@ -289,7 +299,7 @@ def chat_logprobs(
             "logprob": _of(top, token_id),
             "bytes": _token_bytes(tokenizer, token_id, text),
             "top_logprobs": [
-                {"token": (t_text := _token_text(tokenizer, t)), "logprob": float(lp),
+                {"token": (t_text := _token_text(tokenizer, t)), "logprob": _json_logprob(lp),
                  "bytes": _token_bytes(tokenizer, t, t_text)}
                 for t, lp in _ranked(top, k)
             ],
@@ -321,7 +331,7 @@ def prompt_logprobs_json(
     if entries is None:
         return None
     return [None if entry is None else {
-        str(t): {"logprob": float(lp.logprob), "rank": lp.rank,
+        str(t): {"logprob": _json_logprob(lp.logprob), "rank": lp.rank,
                  "decoded_token": lp.decoded_token}
         for t, lp in entry.items()} for entry in entries]
 

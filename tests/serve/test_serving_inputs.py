@@ -243,3 +243,24 @@ def test_tool_fields_reach_the_template_and_a_template_needs_a_transformers_toke
     assert tokenizer.decode(ids) == "assistant:[{'id': 'c1'}]|tool:c1|"
     assert "no transformers tokenizer" in error.message and "--chat-template FILE" not in \
         error.message
+
+
+def test_logprobs_json_stays_finite() -> None:
+    """-inf (a masked token) and NaN become vLLM's floor -9999.0: JSON has no infinity."""
+    from pagedcore.serve.responses import (
+        LOGPROB_FLOOR,
+        chat_logprobs,
+        completion_logprobs,
+        prompt_logprobs_json,
+    )
+
+    entry = {3: Logprob(logprob=float("-inf"), rank=2), 4: Logprob(logprob=float("nan"), rank=1)}
+    legacy = completion_logprobs(None, [3, 4], [entry, entry], k=2, text_offset=0)
+    chat = chat_logprobs(None, [3], [entry], k=2)
+    values = legacy["token_logprobs"] + [v for top in legacy["top_logprobs"]
+                                         for v in top.values()]
+    values += [chat["content"][0]["logprob"]] + [e["logprob"] for e in
+                                                  chat["content"][0]["top_logprobs"]]
+    values += [v["logprob"] for v in prompt_logprobs_json([None, entry])[1].values()]  # type: ignore[index]
+    assert values and all(v == LOGPROB_FLOOR for v in values)
+    json.dumps(legacy, allow_nan=False)
