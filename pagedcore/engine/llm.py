@@ -24,7 +24,7 @@ from pagedcore.engine.output_builder import (
     PromptType,
     delta_fields,
     make_children,
-    tokenize,
+    tokenize_packed,
 )
 from pagedcore.engine.outputs import RequestOutput
 from pagedcore.engine.request_checks import check_request, check_unique_ids
@@ -345,7 +345,11 @@ class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
     # ---- requests --------------------------------------------------------------------------
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        return tokenize(
+        text, ids, _ = self._tokenize_packed(prompt)
+        return text, ids
+
+    def _tokenize_packed(self, prompt: PromptType) -> tuple[str | None, list[int], bytes | None]:
+        return tokenize_packed(
             prompt, tokenizer=self.tokenizer, model_name=self.model_name,
             vocab_size=int(self.model.config.vocab_size),
             no_tokenizer_reason=self.no_tokenizer_reason,
@@ -404,13 +408,14 @@ class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
             raise InvalidArgumentTypeError(f"request_id must be a str, got {describe(request_id)}")
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in the engine")
-        text, ids = self._tokenize(prompt)
+        text, ids, packed = self._tokenize_packed(prompt)
         params, used, bad_words = self._resolve(params, len(ids))
         parent = ParentRequest(request_id, text, ids, sampling_defaults=used)
         parent.delta = delta
         children = make_children(
             parent, params, arrivals=self._arrivals, eos_token_ids=self.eos_token_ids,
             now=time.perf_counter(), tokenizer=self.tokenizer, bad_words_token_ids=bad_words,
+            prompt_bytes=packed,
         )
         # All samples or none: check every id before queueing the first.
         check_unique_ids(children, self.scheduler.requests, self._child_parent)

@@ -78,18 +78,20 @@ class MultiModalSpan:
     content_hash: str
 
 
+_sha256 = hashlib.sha256
+
+
+def _sha256_digest(data: bytes) -> BlockHash:
+    return _sha256(data).digest()
+
+
 def make_hash_function(algo: str) -> Callable[[bytes], BlockHash]:
     """Return the digest function named ``algo`` (``"sha256"`` or ``"xxhash"``).
 
     ``xxhash`` is imported only here, so it stays an optional dependency.
     """
     if algo == "sha256":
-        sha256 = hashlib.sha256
-
-        def _sha256(data: bytes) -> BlockHash:
-            return sha256(data).digest()
-
-        return _sha256
+        return _sha256_digest
     if algo == "xxhash":
         try:
             import xxhash
@@ -197,6 +199,9 @@ class _HashableRequest(Protocol):
     @property
     def all_token_ids(self) -> Sequence[int]: ...
 
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
     cache_salt: str | None
     lora_name: str | None
 
@@ -226,8 +231,10 @@ class BlockHasher:
         request_id : str
             Key of the per-request cache.
         request : KVRequest-like
-            Supplies ``all_token_ids``, ``lora_name``, ``cache_salt`` and optionally
-            ``mm_spans`` (a sequence of `MultiModalSpan`).
+            Supplies ``all_token_ids``, ``num_prompt_tokens``, ``lora_name``, ``cache_salt``
+            and optionally ``mm_spans`` (a sequence of `MultiModalSpan`) and ``prompt_bytes``
+            (its prompt's ids packed as little-endian int64, as the engine's prompt check
+            leaves them: blocks inside the prompt are then sliced from it, not packed again).
         """
         hashes = self._cache.get(request_id)
         if hashes is None:
@@ -243,19 +250,39 @@ class BlockHasher:
         hash_fn = self._hash_fn
         parent = hashes[-1] if hashes else self._root
         first = len(hashes)
-        # Pack all newly completed blocks at once (C speed), then slice per block.
-        new_tokens = array("q", tokens[first * bs : num_full * bs])
-        if not _LITTLE_ENDIAN:  # pragma: no cover - big-endian hosts
-            new_tokens.byteswap()
-        packed = new_tokens.tobytes()
+        width = 8 * bs
+        prompt_bytes = getattr(request, "prompt_bytes", None)
+        if (
+            prompt_bytes is not None
+            and num_full * bs <= request.num_prompt_tokens
+            and len(prompt_bytes) == 8 * request.num_prompt_tokens
+        ):
+            # Packed already (little-endian int64) when the prompt was checked.
+            packed = prompt_bytes[first * width : num_full * width]
+        else:
+            # Pack all newly completed blocks at once (C speed), then slice per block.
+            new_tokens = array("q", tokens[first * bs : num_full * bs])
+            if not _LITTLE_ENDIAN:  # pragma: no cover - big-endian hosts
+                new_tokens.byteswap()
+            packed = new_tokens.tobytes()
         head = _U32.pack(len(parent))  # every parent has the same length
         count = _U32.pack(bs)
         no_extra = _U32.pack(0)
-        width = 8 * bs
         if lora is None and not spans and (salt is None or first > 0):
             # No extra keys in any new block (the common case): the tightest loop, since a
             # request's first schedule hashes its whole prompt inside its time to first token.
             append = hashes.append
+            if hash_fn is _sha256_digest:
+                # The default: no Python call per block, and each block's hash starts from a
+                # copy of one holding the constant head (cheaper than a new OpenSSL
+                # context); the bytes hashed are the same.
+                start_with_head = _sha256(head).copy
+                for off in range(0, (num_full - first) * width, width):
+                    h = start_with_head()
+                    h.update(parent + count + packed[off : off + width] + no_extra)
+                    parent = h.digest()
+                    append(parent)
+                return hashes
             for off in range(0, (num_full - first) * width, width):
                 parent = hash_fn(head + parent + count + packed[off : off + width] + no_extra)
                 append(parent)

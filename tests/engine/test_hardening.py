@@ -423,3 +423,30 @@ def test_invalid_argument_errors_are_exported_from_pagedcore() -> None:
     assert pagedcore.InvalidArgumentTypeError is validation.InvalidArgumentTypeError
     with pytest.raises(pagedcore.InvalidArgumentTypeError, match="seed"):
         pagedcore.SamplingParams(seed="abc")
+
+
+def test_requests_carry_their_packed_prompt_for_the_block_hashes(llm: LLM) -> None:
+    """A prompt of exact ints is packed once by the prompt check (`Request.prompt_bytes`,
+    which the block hashes slice instead of packing again); other forms carry none, and the
+    hits are the same either way."""
+    import sys
+    from array import array
+
+    import numpy as np
+
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13]
+    try:
+        llm.add_request("packed", prompt, GREEDY)
+        llm.add_request("numpy", {"prompt_token_ids": np.array(prompt)}, GREEDY)
+        sched = llm.scheduler.requests
+        want = array("q", prompt).tobytes() if sys.byteorder == "little" else None
+        assert sched["packed"].prompt_bytes == want
+        assert sched["numpy"].prompt_bytes is None
+        assert list(sched["numpy"].all_token_ids) == prompt
+    finally:
+        for rid in ("packed", "numpy"):
+            if rid in llm.scheduler.requests:
+                llm.abort(rid)
+    outs = llm.generate([prompt, {"prompt_token_ids": np.array(prompt)}], GREEDY)
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+    assert outs[1].num_cached_tokens == 8  # two full blocks of 4 hit, by either path

@@ -132,3 +132,48 @@ def test_hasher_is_incremental_and_matches_direct_chain() -> None:
     for b in range(3):
         chain.append(hash_block_tokens(SHA, chain[-1], list(range(4 * b, 4 * b + 4))))
     assert many == chain[1:]
+
+
+@pytest.mark.parametrize("algo", ["sha256", "xxhash"])
+@pytest.mark.parametrize("salt", [None, "s"])
+def test_hasher_prompt_bytes_give_the_same_hashes(algo: str, salt: str | None) -> None:
+    # `prompt_bytes` (the engine's packed prompt) only saves packing: the hashes are the ones
+    # the token list gives, in every block, whether or not it lies inside the prompt.
+    if algo == "xxhash":
+        pytest.importorskip("xxhash")
+    from array import array
+
+    fn = make_hash_function(algo)
+    root = root_hash(fn, 3)
+    prompt = [2**40, -1, *range(3, 40)]  # 39 tokens: 9 full blocks of 4, 3 left over
+    plain = FakeRequest("a", prompt, cache_salt=salt)
+    packed = FakeRequest("b", prompt, cache_salt=salt)
+    packed.prompt_bytes = array("q", prompt).tobytes()  # type: ignore[attr-defined]
+    ha, hb = BlockHasher(4, fn, root), BlockHasher(4, fn, root)
+    assert hb.hashes("b", packed) == ha.hashes("a", plain)
+    assert len(ha.hashes("a", plain)) == 9
+    for extra in ([7], [8, 9, 10, 11, 12]):  # blocks across and past the prompt's end
+        plain.output += extra
+        packed.output += extra
+        assert hb.hashes("b", packed) == ha.hashes("a", plain)
+    chain = [root]
+    tokens = plain.all_token_ids
+    for b in range(len(tokens) // 4):
+        keys = [(TAG_SALT, b"s")] if salt is not None and b == 0 else []
+        chain.append(hash_block_tokens(fn, chain[-1], tokens[4 * b : 4 * b + 4], keys))
+    assert ha.hashes("a", plain) == chain[1:]
+    # Bytes that do not match the prompt's length are not used.
+    wrong = FakeRequest("c", prompt, cache_salt=salt)
+    wrong.prompt_bytes = b"\0" * 8  # type: ignore[attr-defined]
+    assert BlockHasher(4, fn, root).hashes("c", wrong) == chain[1:10]
+
+
+def test_sha256_block_hashes_are_pinned() -> None:
+    # The default algorithm's chain, byte for byte (prefix-cache keys must not drift).
+    root = root_hash(SHA, 11)
+    got = BlockHasher(2, SHA, root).hashes("p", FakeRequest("p", [5, 6, 7, 8, 9]))
+    h0 = hashlib.sha256(struct.pack("<I", 32) + root + struct.pack("<I2q", 2, 5, 6)
+                        + struct.pack("<I", 0)).digest()
+    h1 = hashlib.sha256(struct.pack("<I", 32) + h0 + struct.pack("<I2q", 2, 7, 8)
+                        + struct.pack("<I", 0)).digest()
+    assert got == [h0, h1]

@@ -86,7 +86,8 @@ class Request:
     The prompt's ids are copied: converted to Python ints (floats, numpy ints and the like
     are accepted), or with ``checked=True`` (ids already checked to be Python ints, as the
     engine's prompt check leaves them) only shallow-copied, the cheaper copy inside a long
-    prompt's time to first token.
+    prompt's time to first token. ``prompt_bytes``: the same ids packed as little-endian
+    int64 (`prompt_bytes` attribute; ignored when its length does not match the prompt's).
     """
 
     __slots__ = (
@@ -104,6 +105,7 @@ class Request:
         "num_computed_tokens",
         "params",
         "placeholder",
+        "prompt_bytes",
         "prompt_logprobs",
         "request_id",
         "sample_index",
@@ -122,6 +124,7 @@ class Request:
         sample_index: int = 0,
         arrival_time: float | None = None,
         checked: bool = False,
+        prompt_bytes: bytes | None = None,
     ) -> None:
         self.request_id = request_id
         ids: list[int]
@@ -134,6 +137,14 @@ class Request:
                 ids = [int(t) for t in prompt_token_ids]
         self._all_token_ids = ids
         self._num_prompt_tokens = len(self._all_token_ids)
+        #: The prompt's ids packed as little-endian int64 (the engine's prompt check packs
+        #: them to check their range; the prefix-cache hashes slice them instead of packing
+        #: the prompt again), or None.
+        self.prompt_bytes = (
+            prompt_bytes
+            if prompt_bytes is not None and len(prompt_bytes) == 8 * len(ids)
+            else None
+        )
         self.params = params
         self.arrival_index = arrival_index
         #: Tokens that end the request unless ``params.ignore_eos`` (every EOS id of the model).
