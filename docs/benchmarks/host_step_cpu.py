@@ -28,14 +28,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from tree_ab import commit_of, interleave, medians  # (beside this script)
 
 PHASES = ("schedule", "prepare", "launch", "update", "host")
 
@@ -109,16 +107,6 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
     return rows
 
 
-def _commit(tree: str) -> str:
-    out = subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"],
-                         capture_output=True, text=True, check=False).stdout.strip()
-    return out or "not a git checkout"
-
-
-def summary(samples: dict[str, list[float]]) -> dict[str, float]:
-    return {p: round(statistics.median(v), 1) for p, v in samples.items()}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=256)
@@ -139,7 +127,7 @@ def main() -> None:
         if args.samples:
             Path(args.samples).write_text(json.dumps(rows))
             return
-        result: dict[str, Any] = {k: summary(v) for k, v in rows.items()}
+        result: dict[str, Any] = {k: medians(v) for k, v in rows.items()}
     else:
         trees = [str(Path(t).resolve()) for t in args.trees.split(",")]
         pooled: dict[str, dict[str, dict[str, list[float]]]] = {t: {} for t in trees}
@@ -147,16 +135,11 @@ def main() -> None:
                  "--steps", str(args.steps), "--warmup", str(args.warmup),
                  "--outputs", args.outputs, "--overlap", args.overlap]
         child += ["--tokenizer"] * args.tokenizer + ["--cpu-clock"] * args.cpu_clock
-        with tempfile.TemporaryDirectory() as tmp:
-            for r in range(args.rounds):  # (interleaved: the machine's load hits each alike)
-                for i, t in enumerate(trees):
-                    out = os.path.join(tmp, f"{r}-{i}.json")
-                    subprocess.run([sys.executable, __file__, *child, "--samples", out],
-                                   env=dict(os.environ, PYTHONPATH=t), check=True, cwd=tmp)
-                    for key, phases in json.loads(Path(out).read_text()).items():
-                        for p, v in phases.items():
-                            pooled[t].setdefault(key, {}).setdefault(p, []).extend(v)
-        result = {"trees": {f"{t} ({_commit(t)})": {k: summary(v) for k, v in rows.items()}
+        for t, run in interleave(__file__, child, trees, args.rounds):
+            for key, phases in run.items():
+                for p, v in phases.items():
+                    pooled[t].setdefault(key, {}).setdefault(p, []).extend(v)
+        result = {"trees": {f"{t} ({commit_of(t)})": {k: medians(v) for k, v in rows.items()}
                             for t, rows in pooled.items()}}
     result["settings"] = {k: getattr(args, k) for k in (
         "batch", "context", "steps", "outputs", "overlap", "tokenizer", "cpu_clock", "rounds")}

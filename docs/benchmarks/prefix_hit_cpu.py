@@ -46,15 +46,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from array import array
 from pathlib import Path
 from typing import Any
+
+from tree_ab import commit_of, interleave, medians  # (beside this script)
 
 PHASES = ("add", "schedule", "prepare", "sample", "update", "other", "host", "execute")
 PIECES = ("hash", "lookup", "computed_blocks")
@@ -158,16 +155,6 @@ def measure(args: argparse.Namespace) -> dict[str, list[float]]:
     return samples
 
 
-def _commit(tree: str) -> str:
-    out = subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"],
-                         capture_output=True, text=True, check=False).stdout.strip()
-    return out or "not a git checkout"
-
-
-def summary(samples: dict[str, list[float]]) -> dict[str, float]:
-    return {p: round(statistics.median(v), 1) for p, v in samples.items() if v}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prefix", type=int, default=4096)
@@ -188,21 +175,16 @@ def main() -> None:
         if args.samples:
             Path(args.samples).write_text(json.dumps(samples))
             return
-        result: dict[str, Any] = {"us": summary(samples)}
+        result: dict[str, Any] = {"us": medians(samples)}
     else:
         trees = [str(Path(t).resolve()) for t in args.trees.split(",")]
         pooled: dict[str, dict[str, list[float]]] = {t: {} for t in trees}
         child = ["--prefix", str(args.prefix), "--user", str(args.user), "--reps",
                  str(args.reps), "--warmup", str(args.warmup)] + ["--cpu-clock"] * args.cpu_clock
-        with tempfile.TemporaryDirectory() as tmp:
-            for r in range(args.rounds):  # (interleaved: the machine's load hits each alike)
-                for i, t in enumerate(trees):
-                    out = os.path.join(tmp, f"{r}-{i}.json")
-                    subprocess.run([sys.executable, __file__, *child, "--samples", out],
-                                   env=dict(os.environ, PYTHONPATH=t), check=True, cwd=tmp)
-                    for p, v in json.loads(Path(out).read_text()).items():
-                        pooled[t].setdefault(p, []).extend(v)
-        result = {"trees": {f"{t} ({_commit(t)})": summary(s) for t, s in pooled.items()}}
+        for t, run in interleave(__file__, child, trees, args.rounds):
+            for p, v in run.items():
+                pooled[t].setdefault(p, []).extend(v)
+        result = {"trees": {f"{t} ({commit_of(t)})": medians(s) for t, s in pooled.items()}}
     result["settings"] = {k: getattr(args, k) for k in (
         "prefix", "user", "reps", "warmup", "cpu_clock", "rounds")}
     if args.note:
