@@ -459,6 +459,9 @@ class LLM(OverlapStep, FailureIsolation, OfflineGeneration):
             if not child.status.finished:  # not in the scheduler any more: nothing to free
                 child.status = RequestStatus.FINISHED_ABORTED
             self.sampler.forget(child.request_id)
+        for child in parent.children:  # (the overlap bookkeeping keeps nothing of it)
+            self._processing_ids.discard(child.request_id)
+            self._prompt_pending.pop(child.request_id, None)
         return self._output(parent)
 
     def has_unfinished_requests(self) -> bool:

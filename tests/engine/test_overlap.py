@@ -305,4 +305,11 @@ def test_finished_requests_leave_the_overlap_bookkeeping(model: Any, overlap: bo
                      [SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1,
                                      min_tokens=1)])
     assert not llm._prompt_pending and not llm._processing_ids
+    # An abort lets go of them at once (no later step has to prune them).
+    llm.add_request("a", [5, 6, 7, 8], SamplingParams(max_tokens=8, min_tokens=4,
+                                                      prompt_logprobs=1, n=2))
+    llm.step()
+    llm.abort("a")
+    assert not llm._prompt_pending and not llm._processing_ids
+    llm.drain()
     assert_no_leak(llm)
