@@ -264,3 +264,31 @@ def test_logprobs_json_stays_finite() -> None:
     values += [v["logprob"] for v in prompt_logprobs_json([None, entry])[1].values()]  # type: ignore[index]
     assert values and all(v == LOGPROB_FLOOR for v in values)
     json.dumps(legacy, allow_nan=False)
+
+
+def test_tokenize_honours_add_special_tokens_both_ways() -> None:
+    """With a tokenizer that adds BOS on encode: a prompt gets it by default and not with
+    ``add_special_tokens: false``; messages get none by default (the template wrote them) and
+    one more with ``add_special_tokens: true``."""
+    from tokenizers.processors import TemplateProcessing
+
+    from pagedcore.serve.protocol import TokenizeRequest
+
+    tokenizer = train_tokenizer()
+    bos = tokenizer.convert_tokens_to_ids("<s>")
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", bos)])
+    plain = tokenizer.encode("Hello world", add_special_tokens=False)
+    messages = [{"role": "user", "content": "Hi!"}]
+
+    async def main() -> list[list[int]]:
+        _, serving = _serving(tokenizer, vocab_size=400)
+        bodies = [TokenizeRequest(prompt="Hello world"),
+                  TokenizeRequest(prompt="Hello world", add_special_tokens=False),
+                  TokenizeRequest(messages=messages),  # type: ignore[list-item]
+                  TokenizeRequest(messages=messages, add_special_tokens=True)]  # type: ignore[list-item]
+        return [(await serving.tokenize(b))["tokens"] for b in bodies]
+
+    default, bare, chat, chat_special = asyncio.run(main())
+    assert default == [bos, *plain] and bare == plain
+    assert chat_special == [bos, *chat] and chat.count(bos) == 1

@@ -18,9 +18,6 @@ __all__ = [
     "RequestStatus",
     "finish_reason_of_value",
     "get_block_capacity",
-    "get_num_computed",
-    "get_num_tokens",
-    "get_placeholder",
     "get_request_id",
     "get_token_list",
     "token_slice",
@@ -238,14 +235,8 @@ class Request:
 #: ``get_token_list(request)``: the request's prompt-and-output token-id list itself (not a
 #: copy; do not mutate). With `map` it reads many requests at C speed (the host hot path).
 get_token_list = attrgetter("_all_token_ids")
-#: ``get_num_computed(request)``: ``request.num_computed_tokens`` (for `map`).
-get_num_computed = attrgetter("num_computed_tokens")
 #: ``get_request_id(request)``: ``request.request_id`` (for `map`).
 get_request_id = attrgetter("request_id")
-#: ``get_placeholder(request)``: ``request.placeholder`` (for `map`).
-get_placeholder = attrgetter("placeholder")
-#: ``get_num_tokens(request)``: ``request.num_tokens``, the in-flight token included (for `map`).
-get_num_tokens = attrgetter("num_tokens")
 
 
 def token_slice(request: Request, start: int, end: int) -> Sequence[int]:
