@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
+from typing import TYPE_CHECKING
 
-__all__ = ["interpreting", "triton_unavailable_reason"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["DEFAULT_NUM_SMS", "interpreting", "num_sms", "triton_unavailable_reason"]
+
+#: SMs assumed off CUDA (the interpreter): the H100's and H200's 132, so plans sized by the
+#: SM count come out there as on those GPUs.
+DEFAULT_NUM_SMS = 132
 
 
 def interpreting() -> bool:
@@ -15,6 +24,16 @@ def interpreting() -> bool:
     `pagedcore_triton.kernels` is first imported.
     """
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=8)
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of `device` (`DEFAULT_NUM_SMS` off CUDA)."""
+    if device.type != "cuda":
+        return DEFAULT_NUM_SMS
+    import torch
+
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def triton_unavailable_reason() -> str | None:

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import torch
 
 from pagedcore.attention import AttentionImpl
 from pagedcore.attention.kv_quant import kv_cache_torch_dtype
-from pagedcore_triton._env import interpreting
+from pagedcore_triton._env import interpreting, num_sms
 from pagedcore_triton.capabilities import HEAD_SIZES, KV_CACHE_DTYPES
 from pagedcore_triton.launch import PreparedLaunch
 from pagedcore_triton.metadata import TritonAttentionMetadata
-from pagedcore_triton.plan import LaunchPart, TileConfig
+from pagedcore_triton.plan import LaunchPart, TileConfig, fit_segments, tile_config
 
 if TYPE_CHECKING:
     from pagedcore_triton.cascade import CascadePlan
@@ -145,6 +146,8 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         # so this also holds under CUDA-graph capture and replay).
         shape_key = (query.shape[1], query.dtype, kv_cache.shape, self._features)
         for i, part in enumerate(metadata.parts):
+            if part.context_segments > 1:
+                part = self._context_split(metadata, i, part, query, kv_cache)
             if part.tma_prefill and self._tma_serves(part, query, key, value):
                 self._forward_tma(i, part, query, key, value, kv_cache, metadata, output)
                 continue
@@ -237,6 +240,34 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         )
         run_cascade(plan, launch, query, kv_cache, output, scale=self.scale,
                     logits_soft_cap=self.logits_soft_cap)
+
+    def _context_split(
+        self, metadata: TritonAttentionMetadata, index: int, part: LaunchPart,
+        query: torch.Tensor, kv_cache: torch.Tensor,
+    ) -> LaunchPart:
+        """`part` with the split-KV segments its grid leaves room for, up to
+        ``part.context_segments`` (`fit_segments`: one program per SM at most; the grid is
+        the classic one of `part`'s prefill tiles, which depend on the query heads). Decided
+        by the step's first layer for these heads and reused."""
+        key = ("context_split", index, query.shape[1], query.dtype, kv_cache.dtype)
+        resolved: LaunchPart | None = metadata.launches.get(key)
+        if resolved is None:
+            num_kv_heads, head_size = kv_cache.shape[3], kv_cache.shape[4]
+            cfg = tile_config(
+                part.max_query_len, query.shape[1] // num_kv_heads, head_size,
+                interpreting=interpreting(), prefill_only=part.prefill_only,
+                itemsize=query.dtype.itemsize, kv_itemsize=kv_cache.dtype.itemsize,
+            )
+            q_blocks = (part.token_end // cfg.block_q - part.token_begin // cfg.block_q
+                        + part.num_reqs)
+            segments = fit_segments(part.context_segments, programs=q_blocks * num_kv_heads,
+                                    num_sms=num_sms(query.device))
+            resolved = part
+            if segments > 1:
+                resolved = attrs.evolve(part, num_segments=segments, tma_prefill=False,
+                                        context_segments=1)
+            metadata.launches[key] = resolved
+        return resolved
 
     def _prepared(
         self,

@@ -22,6 +22,7 @@ from pagedcore_triton.plan import (
     balanced_grid_size,
     balanced_pays,
     choose_num_segments,
+    context_segments,
     decode_plan,
     tile_config,
 )
@@ -143,14 +144,24 @@ class TritonMetadataBuilder(MetadataBuilder[TritonAttentionMetadata]):
         )
 
     def _part(
-        self, common: CommonAttentionMetadata, begin: int, end: int, *, allow_split: bool
+        self, common: CommonAttentionMetadata, begin: int, end: int, *, allow_split: bool,
+        context_split: bool = False,
     ) -> LaunchPart:
+        """The launch of requests ``[begin, end)``. `allow_split`: a decode part may split its
+        contexts (`decode_segments`); `context_split`: a prefill part whose contexts
+        dominate its queries may (`LaunchPart.context_segments`)."""
         qsl = common.query_start_loc_cpu
         q_lens = (qsl[begin + 1 : end + 1] - qsl[begin:end]).tolist()
         max_q = max(q_lens, default=0)
         seq_lens = common.seq_lens_cpu[begin:end].tolist()
         max_seq = max(seq_lens, default=0)
         segments = 1
+        most = 1
+        if context_split and max_q > 1:
+            most = context_segments(
+                self.split_rule, max_query_len=max_q, max_seq_len=max_seq,
+                max_context_len=max(s - q for s, q in zip(seq_lens, q_lens, strict=True)),
+            )
         if allow_split and max_q <= 1:
             segments = self.decode_segments(num_reqs=end - begin, max_seq_len=max_seq)
             if max_q <= 1 and end > begin and self.balanced_decode:
@@ -172,6 +183,7 @@ class TritonMetadataBuilder(MetadataBuilder[TritonAttentionMetadata]):
             prefill_only=min(q_lens, default=0) > 1,
             tma_prefill=self.tma_prefill and min(q_lens, default=0) > 1 and segments == 1,
             has_context=any(s > q for s, q in zip(seq_lens, q_lens, strict=True)),
+            context_segments=most,
         )
 
     def decode_segments(self, *, num_reqs: int, max_seq_len: int) -> int:
@@ -233,9 +245,11 @@ class TritonMetadataBuilder(MetadataBuilder[TritonAttentionMetadata]):
                 num_decodes, num_prefills = 0, num_reqs
             if self.separate_decode_launch and num_decodes and num_prefills:
                 parts.append(self._part(common, 0, num_decodes, allow_split=True))
-                parts.append(self._part(common, num_decodes, num_reqs, allow_split=False))
+                parts.append(self._part(common, num_decodes, num_reqs, allow_split=False,
+                                        context_split=True))
             else:
-                parts.append(self._part(common, 0, num_reqs, allow_split=True))
+                parts.append(self._part(common, 0, num_reqs, allow_split=True,
+                                        context_split=True))
         meta = TritonAttentionMetadata.from_common(common, parts)
         if common_prefix_len and num_reqs > 1:
             check_common_prefix_len(

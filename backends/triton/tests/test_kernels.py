@@ -21,7 +21,13 @@ TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 MIXED = [(5, 1), (70, 1), (0, 7), (33, 20)]  # (context, query): decodes, prefill, chunk
 
 
-def _run(
+def _run(reqs: Sequence[tuple[int, int]], **kwargs: Any) -> tuple[float, TritonAttentionMetadata]:
+    """Relative error against the formula and the plan of one step (see `_outputs`)."""
+    out, ref, metadata = _outputs(reqs, **kwargs)
+    return rel_error(out, ref), metadata
+
+
+def _outputs(
     reqs: Sequence[tuple[int, int]],
     *,
     heads: tuple[int, int] = (8, 2),
@@ -32,7 +38,8 @@ def _run(
     split: SplitRule | None = None,
     seed: int = 0,
     **features: Any,
-) -> tuple[float, TritonAttentionMetadata]:
+) -> tuple[torch.Tensor, torch.Tensor, TritonAttentionMetadata]:
+    """The impl's output, the float64 formula's (no sinks) and the plan of one step."""
     num_heads, num_kv_heads = heads
     batch = make_batch(
         reqs,
@@ -67,7 +74,7 @@ def _run(
         sliding_window=features.get("sliding_window"),
         logits_soft_cap=features.get("logits_soft_cap"),
     )
-    return rel_error(out[: batch.common.num_actual_tokens], ref), metadata
+    return out[: batch.common.num_actual_tokens], ref, metadata
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -115,6 +122,51 @@ def test_split_kv_decode(dtype: torch.dtype) -> None:
     # A window leaves early segments empty: their (max=-inf, sum=0) must weigh nothing.
     err, _ = _run([(100, 1), (37, 1)], split=rule, sliding_window=20, seed=1)
     assert err < TOL[torch.float32], err
+
+
+def _resolved_parts(metadata: TritonAttentionMetadata) -> list[Any]:
+    """The parts the impl ran after its context split (`TritonAttentionImpl._context_split`)."""
+    return [v for k, v in metadata.launches.items() if k[0] == "context_split"]
+
+
+@pytest.mark.parametrize(
+    ("separate", "features"),
+    [(True, {}), (False, {}), (True, {"sliding_window": 150, "logits_soft_cap": 2.0})],
+)
+def test_context_split_prefill(separate: bool, features: dict[str, Any]) -> None:
+    """Short queries over long contexts (a prefix hit's remainder) split their contexts:
+    the split result equals the formula (NaN-poisoned cache), with the features the kernel
+    folds per segment (a window leaving segments empty, soft-cap)."""
+    rule = SplitRule(context_min_tokens=32)
+    reqs = [(300, 6), (5, 1), (260, 3)] if not separate else [(300, 6), (260, 3)]
+    err, metadata = _run(reqs, split=rule, separate=separate, **features)
+    prefill = metadata.parts[-1]
+    assert prefill.context_segments == 8, prefill  # 306 tokens / 8 >= 32
+    resolved = _resolved_parts(metadata)
+    assert resolved and resolved[-1].num_segments > 1 and not resolved[-1].tma_prefill
+    assert err < TOL[torch.float32], err
+
+
+def test_context_split_with_sinks_equals_one_pass() -> None:
+    """Sink logits join segment 0's softmax only: the split output equals the one-pass one."""
+    reqs = [(300, 6), (260, 3)]
+    features = {"sinks": [0.5 - 0.1 * i for i in range(8)]}
+    split, _, metadata = _outputs(reqs, split=SplitRule(context_min_tokens=32), **features)
+    assert _resolved_parts(metadata)[-1].num_segments > 1
+    one, _, metadata = _outputs(reqs, split=SplitRule(context_ratio=10**9), **features)
+    assert not _resolved_parts(metadata)
+    assert rel_error(split, one) < TOL[torch.float32]
+
+
+def test_context_split_only_where_contexts_dominate() -> None:
+    rule = SplitRule(context_min_tokens=32)
+    # A plain prefill and a chunk whose context is under 4x its query: one pass.
+    _, metadata = _run([(0, 40), (100, 30)], split=rule)
+    assert [p.context_segments for p in metadata.parts] == [1], metadata.parts
+    assert not _resolved_parts(metadata)
+    # Decodes never take the context split (they have their own, `choose_num_segments`).
+    _, metadata = _run([(300, 1), (200, 1)], split=rule)
+    assert metadata.parts[0].context_segments == 1
 
 
 def test_split_rule() -> None:

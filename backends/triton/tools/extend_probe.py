@@ -47,7 +47,8 @@ CPU_CASES: dict[str, tuple[int, int, int, int, int, int]] = {
     "cpu_1x96+8": (4, 2, 64, 1, 96, 8),
     "cpu_2x64+5": (4, 1, 64, 2, 64, 5),
 }
-VARIANTS = ["default", "S1", "S2", "S4", "S8", "S16", "S32", "flat", "flat:1024", "sdpa"]
+VARIANTS = ["default", "S1", "S2", "S4", "S8", "S16", "S32", "S64", "flat", "flat:128", "flat:256",
+            "flat:1024", "sdpa"]
 
 
 def reference(kv: Any, query: Any, q_len: int, hq: int) -> Any:
@@ -141,6 +142,17 @@ def run_case(name: str, shape: tuple[int, ...], variants: list[str], *, device: 
         print(json.dumps(rows[-1]), flush=True)
         save()
 
+    impl, cache = under.impl, under.kv_cache
+    k4 = kv.key.view(batch, ctx + q_len, hkv, d).transpose(1, 2)
+    v4 = kv.value.view(batch, ctx + q_len, hkv, d).transpose(1, 2)
+    q4 = query.view(batch, q_len, hq, d).transpose(1, 2)
+
+    def sdpa() -> Any:
+        from torch.nn.attention.bias import causal_lower_right
+
+        return F.scaled_dot_product_attention(q4, k4, v4, enable_gqa=True,
+                                              attn_mask=causal_lower_right(q_len, ctx + q_len))
+
     for variant in variants:
         if time.time() > deadline:
             add({"variant": variant, "skipped": "time"})
@@ -149,17 +161,6 @@ def run_case(name: str, shape: tuple[int, ...], variants: list[str], *, device: 
             if variant == "sdpa":
                 if not cuda:
                     continue
-                from torch.nn.attention.bias import causal_lower_right
-
-                k4 = kv.key.view(batch, ctx + q_len, hkv, d).transpose(1, 2)
-                v4 = kv.value.view(batch, ctx + q_len, hkv, d).transpose(1, 2)
-                q4 = query.view(batch, q_len, hq, d).transpose(1, 2)
-                mask = causal_lower_right(q_len, ctx + q_len)
-
-                def sdpa() -> Any:
-                    return F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask,
-                                                          enable_gqa=True)
-
                 out = sdpa().transpose(1, 2).reshape(query.shape)
                 err = check(out, ref)
                 ms = kp.time_ms(sdpa, device)
@@ -168,7 +169,6 @@ def run_case(name: str, shape: tuple[int, ...], variants: list[str], *, device: 
                 continue
             meta = plans(under, common, variant)
             out = torch.empty_like(query)
-            impl, cache = under.impl, under.kv_cache
 
             def run(meta: Any = meta, out: Any = out) -> Any:
                 return impl.forward(query, key, value, cache, meta, output=out)
