@@ -4,7 +4,8 @@ Bodies are validated from the raw JSON in strict mode, so ``"temperature": "0.5"
 naming the field rather than a silent conversion. Unknown fields are ignored (clients send
 many OpenAI options an inference server has no use for); options that would change the result
 and are not implemented (``best_of`` other than ``n``, ``suffix``, tools) are refused with a
-400 naming them.
+400 naming them, as are fields that contradict each other (``stream_options`` without
+``stream: true``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pagedcore.serve.errors import BadRequestError
 
@@ -74,6 +75,18 @@ class _SamplingFields(_Body):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+
+    @model_validator(mode="after")
+    def _check_fields(self) -> _SamplingFields:
+        """Fields that contradict each other: a 400 naming the field (pydantic passes a
+        `BadRequestError` through unchanged)."""
+        if self.stream_options is not None and self.stream_options.model_fields_set \
+                and not self.stream:
+            # vLLM refuses it too ("Stream options can only be defined when `stream=True`.")
+            raise BadRequestError("stream_options can only be given with stream: true; set "
+                                  "stream: true, or leave stream_options out",
+                                  param="stream_options", code="invalid_value")
+        return self
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:

@@ -55,6 +55,12 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
      {**OK, "allowed_token_ids": [99999]}, 400, "allowed_token_ids"),
     ("logit-bias-out-of-vocab", "/v1/completions", {**OK, "logit_bias": {"99999": 5}}, 400,
      "logit_bias"),
+    # Fields that contradict each other (vLLM refuses each of them too).
+    ("stream-options-without-stream", "/v1/completions",
+     {**OK, "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("stream-options-without-stream-chat", "/v1/chat/completions",
+     {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+      "stream_options": {"include_usage": False}}, 400, "stream_options"),
     # More sequences than the server ever holds at once (256 + 1024): a 400, not a 503 to
     # retry forever.
     ("more-sequences-than-capacity", "/v1/completions", {**OK, "prompt": ["a"] * 1281}, 400,
