@@ -1,7 +1,8 @@
 """The FastAPI application: OpenAI-compatible routes, health, metrics and error handling.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream: true`` as
-server-sent events), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. Every error is
+server-sent events), ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info`` (when
+enabled), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. Every error is
 OpenAI's ``{"error": {"message", "type", "param", "code"}}`` with its HTTP status; the server
 keeps serving after any of them.
 """
@@ -99,6 +100,7 @@ def build_app(
     shutdown_timeout: float = 30.0,
     on_shutdown: Callable[[str], None] | None = None,
     chat_template: str | None = None,
+    enable_tokenizer_info_endpoint: bool = False,
 ) -> FastAPI:
     """The server's FastAPI application over a (not yet started) `AsyncEngine`.
 
@@ -111,7 +113,7 @@ def build_app(
     model_names:
         Names accepted in the ``model`` field (the first one is reported).
     api_key:
-        When set, ``/v1/*``, ``/tokenize`` and ``/detokenize`` requests need
+        When set, ``/v1/*``, ``/tokenize``, ``/detokenize`` and ``/tokenizer_info`` requests need
         ``Authorization: Bearer <api_key>`` (else 401).
     metrics:
         Served at ``/metrics`` (None: the route answers 404).
@@ -123,6 +125,8 @@ def build_app(
         Called with a one-line summary once the engine has stopped.
     chat_template:
         A Jinja chat template for /v1/chat/completions instead of the tokenizer's.
+    enable_tokenizer_info_endpoint:
+        Serve ``GET /tokenizer_info`` (vLLM's flag of the same name; off: the route is 404).
     """
     if not model_names:
         raise ValueError("model_names must name at least one model")
@@ -203,6 +207,12 @@ def build_app(
         check_key(request)
         return serving.detokenize(parse_body(DetokenizeRequest,
                                              await _read_body(request, max_body_bytes)))
+
+    if enable_tokenizer_info_endpoint:
+        @app.get("/tokenizer_info")
+        async def tokenizer_info(request: Request) -> dict[str, Any]:
+            check_key(request)
+            return serving.tokenizer_info()
 
     created = int(time.time())
 

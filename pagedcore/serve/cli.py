@@ -20,8 +20,8 @@ __all__ = ["serve"]
 @click.option("--served-model-name", "served_model_names", multiple=True,
               help="Name(s) clients use in 'model' (default: MODEL). Repeatable.")
 @click.option("--api-key", default=None, envvar="PAGEDCORE_API_KEY",
-              help="Require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize "
-                   "(env PAGEDCORE_API_KEY).")
+              help="Require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize and "
+                   "/tokenizer_info (env PAGEDCORE_API_KEY).")
 @click.option("--max-waiting", default=1024, show_default=True, type=click.IntRange(min=0),
               help="Requests admitted beyond --max-num-seqs; past it: 503 with Retry-After.")
 @click.option("--max-request-bytes", default=4 * 2**20, show_default=True,
@@ -41,16 +41,21 @@ __all__ = ["serve"]
 @click.option("--chat-template", default=None, type=ChatTemplate(),
               help="A Jinja chat template (a file, or the template itself) for "
                    "/v1/chat/completions instead of the tokenizer's.")
+@click.option("--enable-tokenizer-info-endpoint", is_flag=True, default=False,
+              help="Serve GET /tokenizer_info: the tokenizer's configuration (its "
+                   "tokenizer_config.json fields, class and chat template).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               help="uvicorn's log level.")
 def serve(host: str, port: int, served_model_names: tuple[str, ...], api_key: str | None,
           max_waiting: int, max_request_bytes: int, shutdown_timeout: float,
           threads: int | None, engine_process: bool, stream_interval: int,
-          chat_template: str | None, log_level: str, engine_args: EngineArgs) -> None:
+          chat_template: str | None, enable_tokenizer_info_endpoint: bool, log_level: str,
+          engine_args: EngineArgs) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API (a checkpoint directory, a Hugging Face
     model id, 'demo' or 'random:<type>'): /v1/completions, /v1/chat/completions, /v1/models,
-    /tokenize, /detokenize, /health, /metrics."""
+    /tokenize, /detokenize, /tokenizer_info (with --enable-tokenizer-info-endpoint), /health,
+    /metrics."""
     try:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401
@@ -99,6 +104,7 @@ def serve(host: str, port: int, served_model_names: tuple[str, ...], api_key: st
     app = build_app(engine, model_names=names, api_key=api_key, metrics=metrics,
                     max_body_bytes=max_request_bytes, shutdown_timeout=shutdown_timeout,
                     chat_template=chat_template,
+                    enable_tokenizer_info_endpoint=enable_tokenizer_info_endpoint,
                     on_shutdown=lambda line: click.echo(f"pagedcore serve: {line}", err=True))
     where = "its own process" if engine_process else "a thread"
     loop, http = server_stack()

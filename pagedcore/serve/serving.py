@@ -306,12 +306,25 @@ class OpenAIServing:
 
                 long = sum(m.text_length() for m in chat.messages) > OFF_LOOP_CHARS
                 ids = await asyncio.to_thread(render) if long else render()
-        out: dict[str, Any] = {"count": len(ids), "max_model_len": self.engine.max_model_len,
-                               "tokens": ids}
+        token_strs = None  # (null unless asked, as vLLM's response has it)
         if body.return_token_strs:
-            out["token_strs"] = (tokenizer.convert_ids_to_tokens(ids) if transformers_kind
-                                 else [str(tokenizer.decode([t])) for t in ids])
-        return out
+            token_strs = (tokenizer.convert_ids_to_tokens(ids) if transformers_kind
+                          else [str(tokenizer.decode([t])) for t in ids])
+        return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids,
+                "token_strs": token_strs}
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        """``/tokenizer_info`` (vLLM's, behind ``--enable-tokenizer-info-endpoint``): the
+        tokenizer's configuration as ``tokenizer_config.json`` has it (its ``init_kwargs``,
+        without the paths of its files), its class, and the server's ``--chat-template``."""
+        tokenizer = self._needs_tokenizer("describe")
+        config = {k: _jsonable(v) for k, v in
+                  (getattr(tokenizer, "init_kwargs", None) or {}).items()
+                  if k not in ("vocab_file", "merges_file", "tokenizer_file")}
+        config["tokenizer_class"] = type(tokenizer).__name__
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
+        return config
 
     def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
         """``/detokenize``: the text of ``tokens``."""
@@ -630,6 +643,21 @@ class _HeldTokens:
             return d.token_ids, d.logprobs
         ids, logprobs = held
         return ids + list(d.token_ids), logprobs + list(d.logprobs or ())
+
+
+def _jsonable(value: Any) -> Any:
+    """`value` as JSON can hold it: special tokens (transformers' ``AddedToken``) as their
+    text, mappings with string keys, tuples and sets as lists, anything else unknown as its
+    ``str``."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if hasattr(value, "content"):  # an AddedToken
+        return str(value.content)
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [_jsonable(v) for v in value]
+    return str(value)
 
 
 def _accumulate(acc: dict[int, dict[str, Any]], index: int, d: StreamDelta) -> None:

@@ -30,6 +30,7 @@ def chat_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def chat_server(chat_checkpoint: Path) -> Iterator[LiveServer]:
-    server = LiveServer(str(chat_checkpoint), max_model_len=256)
+    server = LiveServer(str(chat_checkpoint), max_model_len=256,
+                        enable_tokenizer_info_endpoint=True)
     yield server
     server.stop()

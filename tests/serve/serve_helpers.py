@@ -24,7 +24,7 @@ class LiveServer:
     """An `LLM` behind a live uvicorn server on 127.0.0.1 (stopped with `stop`)."""
 
     def __init__(self, model: str, *, max_waiting: int = 1024, api_key: str | None = None,
-                 **llm_kwargs: Any) -> None:
+                 enable_tokenizer_info_endpoint: bool = False, **llm_kwargs: Any) -> None:
         llm_kwargs.setdefault("device", "cpu")
         # The reference backend, always: in a whole-suite run the Triton tests' conftest sets
         # TRITON_INTERPRET=1, which makes `triton` selectable on CPU (in the interpreter, far
@@ -38,7 +38,8 @@ class LiveServer:
         self.engine.metrics = self.metrics
         self.model_name = "m"
         app = build_app(self.engine, model_names=[self.model_name], api_key=api_key,
-                        metrics=self.metrics, max_n=8)
+                        metrics=self.metrics, max_n=8,
+                        enable_tokenizer_info_endpoint=enable_tokenizer_info_endpoint)
         self.server = ServerThread(app).start()
         self.url = self.server.url
 

@@ -105,7 +105,8 @@ def test_ten_megabyte_body_is_413(demo_server: LiveServer) -> None:
 
 
 def test_api_key() -> None:
-    server = LiveServer("demo", api_key="sekret", max_model_len=64)
+    server = LiveServer("demo", api_key="sekret", max_model_len=64,
+                        enable_tokenizer_info_endpoint=True)
     try:
         _assert_openai_error(_post(server, "/v1/completions", OK), 401, None)
         wrong = _post(server, "/v1/completions", OK, headers={"authorization": "Bearer no"})
@@ -116,6 +117,9 @@ def test_api_key() -> None:
                             ("/detokenize", {"model": "m", "tokens": [1]})]:
             _assert_openai_error(_post(server, route, body), 401, None)
             assert _post(server, route, body,
+                         headers={"authorization": "Bearer sekret"}).status_code == 200
+        _assert_openai_error(httpx.get(server.url + "/tokenizer_info"), 401, None)
+        assert httpx.get(server.url + "/tokenizer_info",
                          headers={"authorization": "Bearer sekret"}).status_code == 200
         assert httpx.get(server.url + "/health").status_code == 200  # open to probes
     finally:

@@ -1,8 +1,9 @@
 """Where vLLM's OpenAI server refuses a request, through the official `openai` client (raw
-HTTP where the client would not send the body)."""
+HTTP where the client would not send the body), and vLLM's ``/tokenizer_info``."""
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 from serve_helpers import LiveServer
@@ -26,3 +27,15 @@ def test_stream_options_without_stream_is_refused(chat_server: LiveServer) -> No
         chunks = list(create(model="m", max_tokens=2, stream=True,  # type: ignore[operator]
                              stream_options={"include_usage": True}, **kw))
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
+
+
+def test_tokenizer_info_behind_its_flag(chat_server: LiveServer,
+                                       demo_server: LiveServer) -> None:
+    """vLLM's ``GET /tokenizer_info`` (``--enable-tokenizer-info-endpoint``): the tokenizer's
+    ``tokenizer_config.json`` fields as JSON, without file paths, and its class."""
+    tok = chat_server.tokenizer
+    info = httpx.get(chat_server.url + "/tokenizer_info").json()
+    assert info["tokenizer_class"] == type(tok).__name__
+    assert info["eos_token"] == tok.eos_token  # a special token as its text
+    assert not {"vocab_file", "merges_file", "tokenizer_file"} & set(info)
+    assert httpx.get(demo_server.url + "/tokenizer_info").status_code == 404  # flag off

@@ -25,7 +25,8 @@ def test_serve_command_graceful_sigterm(tmp_path: Path) -> None:
         [sys.executable, "-m", "pagedcore.cli", "serve", "demo", "--port", str(port),
          "--device", "cpu", "--backend", "reference", "--max-model-len", "128",
          "--kv-cache-memory", "8MiB",
-         "--threads", "1", "--log-level", "warning", "--served-model-name", "demo-model"],
+         "--threads", "1", "--log-level", "warning", "--served-model-name", "demo-model",
+         "--enable-tokenizer-info-endpoint"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -38,6 +39,8 @@ def test_serve_command_graceful_sigterm(tmp_path: Path) -> None:
                 pass
             assert proc.poll() is None and time.monotonic() < deadline, proc.stdout
             time.sleep(0.1)
+        # The flag reaches the app (the demo's byte tokenizer: its class alone).
+        assert httpx.get(url + "/tokenizer_info").json() == {"tokenizer_class": "ByteTokenizer"}
         first_chunk = threading.Event()
         got: dict[str, object] = {}
 

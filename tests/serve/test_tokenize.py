@@ -21,6 +21,7 @@ def test_tokenize_a_prompt_and_a_conversation_as_the_engine_gets_them(
         bare = client.post("/tokenize", json={"model": "m", "prompt": "Hello world",
                                               "add_special_tokens": False}).json()
         assert bare["tokens"] == tok.encode("Hello world", add_special_tokens=False)
+        assert bare["token_strs"] is None  # (vLLM's shape: null unless asked)
         chat = client.post("/tokenize", json={"model": "m", "messages": MESSAGES}).json()
         want = tok.apply_chat_template(MESSAGES, tokenize=True, add_generation_prompt=True)
         want = want["input_ids"] if hasattr(want, "keys") else want
