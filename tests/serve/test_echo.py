@@ -82,6 +82,26 @@ def test_echo_with_max_tokens_zero_scores_the_prompt_alone(demo_server: LiveServ
         client.completions.create(model="m", prompt=PROMPT, max_tokens=0)
 
 
+def test_echo_scoring_reports_no_completion_whatever_the_hidden_token(
+        demo_server: LiveServer) -> None:
+    """The one token the engine samples for ``max_tokens: 0`` is not part of the answer:
+    ``finish_reason`` stays ``"length"`` and ``completion_tokens`` 0 even when that token is
+    EOS (vLLM would report ``"stop"`` and 1 here; docs/serving.md says why we do not)."""
+    client = _client(demo_server)
+    eos = demo_server.tokenizer.eos_token_id
+    kw: dict[str, Any] = dict(model="m", prompt=PROMPT, max_tokens=0, echo=True,
+                              extra_body={"allowed_token_ids": [eos]})
+    out = client.completions.create(**kw)
+    [c] = out.choices
+    assert (c.text, c.finish_reason, c.model_extra["stop_reason"]) == (  # type: ignore[index]
+        PROMPT, "length", None)
+    assert out.usage is not None and out.usage.completion_tokens == 0
+    chunks = list(client.completions.create(**kw, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert [c.finish_reason for ch in chunks for c in ch.choices][-1] == "length"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 0
+
+
 @pytest.mark.parametrize("max_tokens", [0, 5])
 def test_streamed_echo_equals_the_response(demo_server: LiveServer, max_tokens: int) -> None:
     client = _client(demo_server)
