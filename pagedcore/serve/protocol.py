@@ -298,8 +298,18 @@ def sampling_params(
     max_tokens, max_field = body.max_tokens, "max_tokens"
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
         max_tokens, max_field = body.max_completion_tokens, "max_completion_tokens"
+    # The most a prompt leaves (at least one token: the last one sampled needs no KV slot).
+    room = max(1, limits.max_model_len - num_prompt_tokens)
     if max_tokens is None:
-        max_tokens = max(1, limits.max_model_len - num_prompt_tokens)
+        max_tokens = room
+    elif max_tokens > room and num_prompt_tokens <= limits.max_model_len:
+        # (A prompt too long by itself is refused with its own message, naming both numbers.)
+        raise BadRequestError(
+            f"{max_field} is too large: {max_tokens}. This model's maximum context length is "
+            f"{limits.max_model_len} tokens and the prompt has {num_prompt_tokens}, so at most "
+            f"{room} can be generated; lower {max_field} (or leave it out to generate up to the "
+            "model length), or shorten the prompt", param=max_field,
+            code="context_length_exceeded")
     if isinstance(body, CompletionRequest) and body.echo_only:
         max_tokens = 1  # the engine generates one token; the response leaves it out
     checks: Sequence[tuple[bool, str, str]] = (

@@ -61,6 +61,8 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("stream-options-without-stream-chat", "/v1/chat/completions",
      {"model": "m", "messages": [{"role": "user", "content": "hi"}],
       "stream_options": {"include_usage": False}}, 400, "stream_options"),
+    ("max-tokens-past-model-length", "/v1/completions",
+     {**OK, "prompt": "x" * 250, "max_tokens": 10}, 400, "max_tokens"),
     # More sequences than the server ever holds at once (256 + 1024): a 400, not a 503 to
     # retry forever.
     ("more-sequences-than-capacity", "/v1/completions", {**OK, "prompt": ["a"] * 1281}, 400,
@@ -96,6 +98,13 @@ def test_bad_input_is_an_openai_error(demo_server: LiveServer, name: str, path: 
 def test_prompt_too_long_names_both_lengths(demo_server: LiveServer) -> None:
     message = _post(demo_server, "/v1/completions", {**OK, "prompt": "x" * 300}).json()
     assert "301" in message["error"]["message"] and "256" in message["error"]["message"]
+
+
+def test_max_tokens_past_the_model_length_names_the_numbers(demo_server: LiveServer) -> None:
+    message = _post(demo_server, "/v1/completions",
+                    {**OK, "prompt": "x" * 250, "max_tokens": 10}).json()["error"]["message"]
+    # 251 prompt tokens (BOS included) of 256: 5 left, 10 asked.
+    assert all(str(n) in message for n in (10, 256, 251, 5)), message
 
 
 def test_ten_megabyte_body_is_413(demo_server: LiveServer) -> None:

@@ -1,5 +1,6 @@
 """Where vLLM's OpenAI server refuses a request, through the official `openai` client (raw
-HTTP where the client would not send the body), and vLLM's ``/tokenizer_info``."""
+HTTP where the client would not send the body): ``stream_options`` without ``stream``,
+``max_tokens`` past the model length; and vLLM's ``/tokenizer_info``."""
 
 from __future__ import annotations
 
@@ -27,6 +28,32 @@ def test_stream_options_without_stream_is_refused(chat_server: LiveServer) -> No
         chunks = list(create(model="m", max_tokens=2, stream=True,  # type: ignore[operator]
                              stream_options={"include_usage": True}, **kw))
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
+
+
+def test_max_tokens_past_the_model_length_is_refused(chat_server: LiveServer) -> None:
+    """vLLM refuses a request whose prompt and ``max_tokens`` together pass the model
+    length (it used to be cut short at the model length here, with ``finish_reason:
+    "length"``)."""
+    client = _client(chat_server)
+    prompt = [5] * 252  # max_model_len 256: 4 tokens left
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="m", prompt=prompt, max_tokens=5)
+    assert (info.value.param, info.value.code) == ("max_tokens", "context_length_exceeded")
+    assert all(str(n) in info.value.message for n in (5, 256, 252, 4))
+    out = client.completions.create(model="m", prompt=prompt, max_tokens=4,
+                                    extra_body={"ignore_eos": True})
+    assert out.usage is not None and out.usage.completion_tokens == 4
+    # A prompt of the whole model length still gets its one token (the last token sampled
+    # needs no KV slot), as when max_tokens is left out.
+    whole = client.completions.create(model="m", prompt=[5] * 256, max_tokens=1)
+    assert whole.usage is not None and whole.usage.completion_tokens == 1
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="m", messages=MESSAGES,  # type: ignore[arg-type]
+                                       max_completion_tokens=10**6)
+    assert info.value.param == "max_completion_tokens"
+    assert "256" in info.value.message
+    # The server keeps serving.
+    assert client.completions.create(model="m", prompt="Hi", max_tokens=1).choices
 
 
 def test_tokenizer_info_behind_its_flag(chat_server: LiveServer,
