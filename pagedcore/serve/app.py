@@ -29,12 +29,12 @@ from pagedcore.serve.errors import (
     ServeError,
     error_body,
 )
+from pagedcore.serve.json_body import parse_body
 from pagedcore.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    parse_body,
 )
 from pagedcore.serve.serving import OpenAIServing
 

@@ -3,9 +3,9 @@
 Bodies are validated from the raw JSON in strict mode, so ``"temperature": "0.5"`` is a 400
 naming the field rather than a silent conversion. Unknown fields are ignored (clients send
 many OpenAI options an inference server has no use for); options that would change the result
-and are not implemented (``best_of`` other than ``n``, ``suffix``, tools) are refused with a
-400 naming them, as are fields that contradict each other (``stream_options`` without
-``stream: true``).
+and are not implemented (``best_of`` other than ``n``, ``suffix``, tools, structured output,
+beam search, ...) are refused with a 400 naming them, as are fields that contradict each other
+(``stream_options`` without ``stream: true``, ``best_of < n``, an empty stop string).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pagedcore.serve.errors import BadRequestError
 
@@ -27,7 +27,6 @@ __all__ = [
     "DetokenizeRequest",
     "SamplingLimits",
     "TokenizeRequest",
-    "parse_body",
     "sampling_params",
 ]
 
@@ -43,6 +42,8 @@ class StreamOptions(_Body):
     """``stream_options``: ``include_usage`` adds a final chunk with the token counts."""
 
     include_usage: bool = False
+    #: vLLM's usage in every chunk: not implemented, refused when true.
+    continuous_usage_stats: bool = False
 
 
 class _SamplingFields(_Body):
@@ -75,17 +76,32 @@ class _SamplingFields(_Body):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # vLLM's and OpenAI's options that would change the result and are not implemented here:
+    # declared so that setting them is refused (`_check_fields`), not silently ignored.
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    use_beam_search: Any = None
+    truncate_prompt_tokens: Any = None
 
     @model_validator(mode="after")
     def _check_fields(self) -> _SamplingFields:
-        """Fields that contradict each other: a 400 naming the field (pydantic passes a
-        `BadRequestError` through unchanged)."""
+        """Fields that contradict each other, and options this server does not implement:
+        a 400 naming the field (pydantic passes a `BadRequestError` through unchanged)."""
         if self.stream_options is not None and self.stream_options.model_fields_set \
                 and not self.stream:
             # vLLM refuses it too ("Stream options can only be defined when `stream=True`.")
             raise BadRequestError("stream_options can only be given with stream: true; set "
                                   "stream: true, or leave stream_options out",
                                   param="stream_options", code="invalid_value")
+        if any(s == "" for s in self.stop_strings()):
+            raise BadRequestError("stop must not contain an empty string; drop it (with no "
+                                  "stop strings a request stops on EOS and stop_token_ids "
+                                  "only)", param="stop", code="invalid_value")
+        _refuse_unsupported(self)
         return self
 
     def stop_strings(self) -> list[str]:
@@ -116,16 +132,28 @@ class CompletionRequest(_SamplingFields):
         return self.echo and self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
-        """The prompts as a list (a list of ints is one prompt of token ids)."""
+        """The prompts as a list (a list of ints is one prompt of token ids).
+
+        Raises
+        ------
+        BadRequestError
+            No prompt, or an empty string among them (vLLM refuses it too: with a tokenizer
+            that adds no BOS it is no token at all, and with one that does it asks for an
+            unconditioned sample, which token ids say explicitly).
+        """
         p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if not p:
+        if not isinstance(p, str) and not p:
             raise BadRequestError("prompt is empty; give a string, token ids or a list of them",
-                                  param="prompt")
-        if isinstance(p[0], int):
-            return [list(p)]
-        return list(p)
+                                  param="prompt", code="invalid_value")
+        given: list[str | list[int]] = (
+            [p] if isinstance(p, str) else [list(p)] if isinstance(p[0], int) else list(p))
+        for i, one in enumerate(given):
+            if one == "":
+                where = "prompt" if isinstance(p, str) else f"prompt {i} of the list"
+                raise BadRequestError(f"{where} is an empty string; give some text (or token "
+                                      "ids, e.g. the BOS id alone for an unconditioned sample)",
+                                      param="prompt", code="invalid_value")
+        return given
 
 
 class _TextPart(_Body):
@@ -173,6 +201,11 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     tools: list[Any] | None = None
+    # Refused when set (`_refuse_unsupported`): legacy function calling, a forced tool call,
+    # continuing the last message instead of starting the assistant's.
+    functions: Any = None
+    tool_choice: Any = None
+    continue_final_message: Any = None
 
     @property
     def num_logprobs(self) -> int | None:
@@ -206,37 +239,6 @@ class DetokenizeRequest(_Body):
     tokens: list[int]
 
 
-def parse_body(model: type[_Body], body: bytes) -> Any:
-    """Validate a JSON body; BadRequestError naming the field for malformed JSON or bad types."""
-    import json
-
-    try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequestError(f"the request body is not valid JSON: {exc}",
-                              code="invalid_json") from exc
-    except RecursionError as exc:  # nested deeper than the parser's recursion limit
-        raise BadRequestError("the request body nests JSON arrays or objects too deeply",
-                              code="invalid_json") from exc
-    if not isinstance(data, dict):
-        raise BadRequestError(f"the request body must be a JSON object, got "
-                              f"{type(data).__name__}", code="invalid_json")
-    try:
-        return model.model_validate_json(body, strict=True)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = ".".join(str(p) for p in first["loc"])
-        if not loc:  # the body as a whole (e.g. a lone surrogate escape in a string)
-            raise BadRequestError(f"the request body is not valid JSON: {first['msg']}",
-                                  code="invalid_json") from exc
-        # Strict unions report one error per member: name the field and what it accepts.
-        got = first.get("input")
-        got_text = "" if isinstance(got, (dict, list)) else f" (got {got!r})"
-        raise BadRequestError(f"invalid field {loc!r}: {first['msg']}{got_text}",
-                              param=loc.split(".")[0] if loc else None,
-                              code="invalid_type") from exc
-
-
 class SamplingLimits:
     """What the server allows: the longest model length, the most samples per request, and
     the token ids the model has (``[0, vocab_size)``; None: not checked here)."""
@@ -262,15 +264,38 @@ def _param_of(exc: ValueError, body: _SamplingFields) -> str | None:
     return field
 
 
-def _unsupported(body: _SamplingFields) -> None:
+def _refuse_unsupported(body: _SamplingFields) -> None:
+    """BadRequestError for an option this server does not implement that is set to a value
+    which would change the result (at its default it is accepted, and changes nothing)."""
     refused: list[str] = []
     if isinstance(body, CompletionRequest):
-        if body.best_of not in (None, 1, body.n):
+        if body.best_of is not None and body.best_of < body.n:
+            raise BadRequestError(f"best_of ({body.best_of}) must be >= n ({body.n}); leave "
+                                  "best_of out (or set it to n)", param="best_of",
+                                  code="invalid_value")
+        if body.best_of not in (None, body.n):
             refused.append("best_of")
         if body.suffix:
             refused.append("suffix")
-    if isinstance(body, ChatCompletionRequest) and body.tools:
-        refused.append("tools")
+    response_format = body.response_format
+    if response_format is not None and response_format != {"type": "text"}:
+        refused.append("response_format")
+    refused += [name for name in ("structured_outputs", "guided_json", "guided_regex",
+                                  "guided_choice", "guided_grammar", "truncate_prompt_tokens")
+                if getattr(body, name) is not None]
+    if body.use_beam_search not in (None, False):
+        refused.append("use_beam_search")
+    if body.stream_options is not None and body.stream_options.continuous_usage_stats:
+        refused.append("stream_options.continuous_usage_stats")
+    if isinstance(body, ChatCompletionRequest):
+        if body.tools:
+            refused.append("tools")
+        if body.functions:
+            refused.append("functions")
+        if body.tool_choice not in (None, "none", "auto"):
+            refused.append("tool_choice")
+        if body.continue_final_message not in (None, False):
+            refused.append("continue_final_message")
     if refused:
         raise BadRequestError(f"{', '.join(refused)} {'is' if len(refused) == 1 else 'are'} not "
                               "supported by this server; leave it out (or at its default)",
@@ -294,7 +319,6 @@ def sampling_params(
     """
     from pagedcore.engine.sampling.sampling_params import SamplingParams
 
-    _unsupported(body)
     max_tokens, max_field = body.max_tokens, "max_tokens"
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
         max_tokens, max_field = body.max_completion_tokens, "max_completion_tokens"

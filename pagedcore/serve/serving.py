@@ -195,7 +195,8 @@ class OpenAIServing:
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
             raise BadRequestError(f"token ids {bad[:5]} are outside the vocabulary "
-                                  f"[0, {self.vocab_size})", param=param)
+                                  f"[0, {self.vocab_size}); use ids of this model's tokenizer "
+                                  "(/tokenize gives them)", param=param, code="invalid_value")
         return list(prompt)
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:

@@ -1,6 +1,6 @@
 """Where vLLM's OpenAI server refuses a request, through the official `openai` client (raw
 HTTP where the client would not send the body): ``stream_options`` without ``stream``,
-``max_tokens`` past the model length; and vLLM's ``/tokenizer_info``."""
+``max_tokens`` past the model length, malformed union fields, and ``/tokenizer_info``."""
 
 from __future__ import annotations
 
@@ -54,6 +54,23 @@ def test_max_tokens_past_the_model_length_is_refused(chat_server: LiveServer) ->
     assert "256" in info.value.message
     # The server keeps serving.
     assert client.completions.create(model="m", prompt="Hi", max_tokens=1).choices
+
+
+@pytest.mark.parametrize("body,field,said", [
+    ({"prompt": [1.5]}, "prompt", "a list of token ids"),  # no member's shape: what it takes
+    ({"prompt": None}, "prompt", "a list of strings"),
+    ({"prompt": [[1, "a"]]}, "prompt.0.1", "valid integer"),  # a list of lists, one bad id
+    ({"prompt": "a", "stop": [1]}, "stop.0", "valid string"),
+], ids=["float-ids", "null", "bad-id-in-a-list", "stop-not-strings"])
+def test_union_fields_say_what_they_accept(demo_server: LiveServer, body: dict[str, object],
+                                           field: str, said: str) -> None:
+    """Not pydantic's per-member errors (``'prompt.str': Input should be a valid string`` for
+    a list of floats): the field as the user wrote it, and what it accepts."""
+    r = httpx.post(demo_server.url + "/v1/completions", json={"model": "m", **body})
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert f"invalid field {field!r}" in message and said in message, message
+    assert ".str" not in message and "list[" not in message
 
 
 def test_tokenizer_info_behind_its_flag(chat_server: LiveServer,

@@ -80,11 +80,22 @@ def test_a_seed_at_the_top_of_the_range_wraps_for_the_second_sample() -> None:
     assert asyncio.run(main()) == [MAX_SEED, 0, 1]
 
 
-def test_text_that_tokenizes_to_nothing_is_an_invalid_value_not_a_length_error() -> None:
+class _StrippingTokenizer(_CountingTokenizer):
+    """Drops whitespace: a text of spaces is no token at all."""
+
+    def encode(self, text: str) -> list[int]:
+        return super().encode(text.strip())
+
+
+@pytest.mark.parametrize("prompt", ["", "   "])
+def test_text_that_tokenizes_to_nothing_is_an_invalid_value_not_a_length_error(
+        prompt: str) -> None:
+    """An empty string is refused before it is tokenized (as vLLM refuses it); a text that
+    tokenizes to nothing gets the same kind of error."""
     async def main() -> BadRequestError:
-        _, serving = _serving(_CountingTokenizer())  # (no BOS: "" is no token at all)
+        _, serving = _serving(_StrippingTokenizer())  # (no BOS)
         with pytest.raises(BadRequestError) as info:
-            serving.completion(CompletionRequest(model="m", prompt="", max_tokens=1))
+            serving.completion(CompletionRequest(model="m", prompt=prompt, max_tokens=1))
         return info.value
 
     error = asyncio.run(main())
