@@ -14,13 +14,8 @@ OUT=${OUT:-/tmp/cascade_overlap_round}
 mkdir -p "$OUT"
 steps=${*:-"install probe benchov bench tests conf confov testsov mixedshort mixed8b"}
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader > "$OUT/device.txt" 2>&1 || true
-run() {  # name, limit seconds, command...
-  local name=$1 limit=$2; shift 2
-  local t0=$(date +%s)
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  echo "$name rc=$? ${SECONDS}s total, $(( $(date +%s) - t0 ))s" | tee -a "$OUT/steps.txt"
-  tail -n 8 "$OUT/$name.log"
-}
+LOG_DIR=$OUT TAIL_LINES=8
+source "$(dirname "$0")/round_lib.sh"
 for s in $steps; do
   case $s in
     install) run install 120 python3 -m pip install --no-deps --no-build-isolation -e . -e backends/triton ;;

@@ -22,13 +22,8 @@ steps=${*:-"install build tests ncu probe conf grid bench memcheck"}
 KERNELS=${KERNELS:-"rows ring3"}
 export PYTHONUNBUFFERED=1 MAX_JOBS=16 PAGEDCORE_CUDA_PAGED_ARCHS=90
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader > "$R/device.txt" 2>&1 || true
-run() {  # name, limit seconds, command...
-  local name=$1 limit=$2; shift 2
-  local t0=$(date +%s)
-  timeout "$limit" "$@" > "$R/$name.log" 2>&1
-  echo "$name rc=$? ${SECONDS}s total, $(( $(date +%s) - t0 ))s" | tee -a "$R/steps.txt"
-  tail -n 6 "$R/$name.log"
-}
+LOG_DIR=$R TAIL_LINES=6
+source "$(dirname "$0")/round_lib.sh"
 NCU_SECTIONS="--section SpeedOfLight --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section ComputeWorkloadAnalysis"
 for s in $steps; do
   case $s in

@@ -12,13 +12,8 @@ mkdir -p "$R"
 steps=${*:-"install build extend kernels step prefixhit"}
 export PYTHONUNBUFFERED=1 MAX_JOBS=16 PAGEDCORE_CUDA_PAGED_ARCHS=90
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader > "$R/device.txt" 2>&1 || true
-run() {  # name, limit seconds, command...
-  local name=$1 limit=$2; shift 2
-  local t0=$(date +%s)
-  timeout "$limit" "$@" > "$R/$name.log" 2>&1
-  echo "$name rc=$? ${SECONDS}s total, $(( $(date +%s) - t0 ))s" | tee -a "$R/steps.txt"
-  tail -n 4 "$R/$name.log"
-}
+LOG_DIR=$R TAIL_LINES=4
+source "$(dirname "$0")/round_lib.sh"
 for s in $steps; do
   case $s in
     install) run install 120 python3 -m pip install --no-deps --no-build-isolation -e . -e backends/triton -e backends/flex ;;
