@@ -78,6 +78,7 @@ def test_bad_sizes_are_clear_errors() -> None:
 def test_parse_fault() -> None:
     assert parse_fault(None) is None and parse_fault("1:3") == (1, 3)
     assert parse_fault("2:setup") == (2, -1) and parse_fault("1:join") == (1, -2)
+    assert parse_fault("1:init") == (1, -3) and parse_fault("1:group") == (1, -4)
     with pytest.raises(ValueError, match="RANK:STEP"):
         parse_fault("1")
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -138,11 +139,13 @@ class Groups:
 
 
 def init_groups(
-    *, rank: int, world_size: int, store: Any, device: torch.device, timeout_s: float
+    *, rank: int, world_size: int, store: Any, device: torch.device, timeout_s: float,
+    stage: Callable[[str], None] | None = None,
 ) -> Groups:
     """Join the default process group over `store` (`open_store`) and create both groups. A
     worker marks its arrival in the store first; rank 0 calls this once `missing_ranks` is
-    empty."""
+    empty. `stage` (the workers' fault hook) is called with ``"arrived"`` before joining the
+    default group and ``"joined"`` before creating the control group."""
     import torch
     import torch.distributed as dist
 
@@ -161,6 +164,8 @@ def init_groups(
         # Marked last, just before joining: a failure before it (set_device included) is
         # still reported to rank 0 at once.
         store.set(_arrival_key(rank), "1")
+    if stage is not None:
+        stage("arrived")
     dist.init_process_group(
         backend,
         store=store,
@@ -169,6 +174,8 @@ def init_groups(
         timeout=datetime.timedelta(seconds=timeout_s),
     )
     compute = dist.group.WORLD
+    if stage is not None:
+        stage("joined")
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     return Groups(rank, world_size, compute, control)
 

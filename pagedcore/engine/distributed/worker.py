@@ -15,7 +15,9 @@ rank 0 raises `TensorParallelError` naming this rank.
 from __future__ import annotations
 
 import os
+import signal
 import traceback
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -119,23 +121,47 @@ def graph_status(runner: Any) -> tuple[tuple[int, ...] | None, tuple[int, ...] |
 SETUP_STEP = -1
 #: The "step" of a fault injected before the worker reaches the rendezvous (after its hello).
 JOIN_STEP = -2
+#: The "step" of a kill injected after the worker's arrival mark, before it joins the default
+#: group (rank 0 is then inside ``init_process_group``).
+INIT_STEP = -3
+#: The "step" of a kill injected after the worker joined the default group, before it creates
+#: the control group (rank 0 is then inside ``new_group``).
+GROUP_STEP = -4
+#: Startup stages of `init_groups`' ``stage`` callback, by the fault "step" that kills there.
+_KILLED_AT = {INIT_STEP: "arrived", GROUP_STEP: "joined"}
 
 
 def parse_fault(raw: str | None) -> tuple[int, int] | None:
-    """`FAULT_ENV` (``"RANK:STEP"``, STEP an integer, ``setup`` or ``join``) as ``(rank,
-    step)``, setup being `SETUP_STEP` and join `JOIN_STEP`; None when unset."""
+    """`FAULT_ENV` (``"RANK:STEP"``, STEP an integer, ``setup``, ``join``, ``init`` or
+    ``group``) as ``(rank, step)``, the names being `SETUP_STEP`, `JOIN_STEP`, `INIT_STEP` and
+    `GROUP_STEP`; None when unset. ``init`` and ``group`` kill the worker (SIGKILL, as the OOM
+    killer would) instead of raising: it reports nothing."""
     if not raw:
         return None
     try:
         rank_text, step_text = raw.split(":")
-        named = {"setup": SETUP_STEP, "join": JOIN_STEP}
+        named = {"setup": SETUP_STEP, "join": JOIN_STEP, "init": INIT_STEP,
+                 "group": GROUP_STEP}
         step = named[step_text] if step_text in named else int(step_text)
         return int(rank_text), step
     except ValueError:
         raise ValueError(
-            f"{FAULT_ENV}={raw!r} must look like 'RANK:STEP', 'RANK:setup' or 'RANK:join', "
-            "e.g. '1:3'"
+            f"{FAULT_ENV}={raw!r} must look like 'RANK:STEP' or 'RANK:NAME' (NAME one of "
+            "setup, join, init, group), e.g. '1:3'"
         ) from None
+
+
+def _killer(fault: tuple[int, int] | None, rank: int) -> Callable[[str], None] | None:
+    """`init_groups`' stage callback that kills this process at the stage `fault` names."""
+    if fault is None or fault[0] != rank or fault[1] not in _KILLED_AT:
+        return None
+    doomed = _KILLED_AT[fault[1]]
+
+    def kill(stage: str) -> None:
+        if stage == doomed:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return kill
 
 
 def worker_main(args: WorkerArgs, conn: Connection) -> None:
@@ -179,7 +205,8 @@ def _run(args: WorkerArgs, conn: Connection) -> None:
     store = open_store(rank=args.rank, world_size=args.world_size, port=args.port,
                        timeout_s=args.timeout_s)
     groups = init_groups(rank=args.rank, world_size=args.world_size, store=store,
-                         device=device, timeout_s=args.timeout_s)
+                         device=device, timeout_s=args.timeout_s,
+                         stage=_killer(fault, args.rank))
     model = load_model(args.model, dtype=args.dtype, device=device, seed=args.seed,
                        trust_remote_code=args.trust_remote_code).model
     shard_model(model, rank=args.rank, world_size=args.world_size, all_reduce=groups.all_reduce)
