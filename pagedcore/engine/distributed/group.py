@@ -11,7 +11,11 @@ Two groups over the same ranks:
 The rendezvous runs over a `TCPStore` rank 0 hosts itself (`open_store`): a worker marks its
 arrival there just before it joins, and rank 0 polls for the marks (`missing_ranks`) while it
 watches the workers, joining only once all arrived. Joining first would leave rank 0 blocked in
-``init_process_group`` until the timeout when a worker fails before it gets there.
+``init_process_group`` until the timeout when a worker fails before it gets there. Rank 0 then
+joins from a helper thread over a client connection of its own (`connect_store`), so closing
+the server fails a join that a worker left by dying (`TensorParallelExecutor._join`). Both
+groups are created with the startup's remaining time as their timeout and get their working
+timeouts only once joined (`init_groups`).
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ __all__ = [
     "TIMEOUT_ENV",
     "Groups",
     "TensorParallelError",
+    "check_uninitialized",
     "collective_timeout_s",
+    "connect_store",
     "destroy_groups",
     "emulation_capturer",
     "init_groups",
@@ -95,11 +101,22 @@ def open_store(*, rank: int, world_size: int, port: int, timeout_s: float) -> An
     """The rendezvous store on ``127.0.0.1:port``: rank 0 hosts it (``port=0``: a free port,
     read back as ``store.port``) and returns at once, without waiting for the workers; a
     worker connects to it (waiting up to `timeout_s` for the server)."""
+    return _tcp_store(port, world_size, timeout_s, is_master=rank == 0)
+
+
+def connect_store(*, port: int, world_size: int, timeout_s: float) -> Any:
+    """A client connection to the rendezvous store on ``127.0.0.1:port``. Rank 0 joins over
+    one rather than over the store it hosts: closing the server (dropping `open_store`'s
+    object) then fails every store wait of a join in progress at once."""
+    return _tcp_store(port, world_size, timeout_s, is_master=False)
+
+
+def _tcp_store(port: int, world_size: int, timeout_s: float, *, is_master: bool) -> Any:
     import torch.distributed as dist
 
     # Public API; torch's stubs import it into torch.distributed without re-exporting it.
     return dist.TCPStore(  # type: ignore[attr-defined]
-        "127.0.0.1", port, world_size, is_master=rank == 0, wait_for_workers=False,
+        "127.0.0.1", port, world_size, is_master=is_master, wait_for_workers=False,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
 
@@ -138,15 +155,8 @@ class Groups:
         dist.all_reduce(tensor, group=self.compute)
 
 
-def init_groups(
-    *, rank: int, world_size: int, store: Any, device: torch.device, timeout_s: float,
-    stage: Callable[[str], None] | None = None,
-) -> Groups:
-    """Join the default process group over `store` (`open_store`) and create both groups. A
-    worker marks its arrival in the store first; rank 0 calls this once `missing_ranks` is
-    empty. `stage` (the workers' fault hook) is called with ``"arrived"`` before joining the
-    default group and ``"joined"`` before creating the control group."""
-    import torch
+def check_uninitialized() -> None:
+    """Raise unless this process is free to join a default process group."""
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -155,6 +165,34 @@ def init_groups(
             "owns its process group: create it in a process without one, or shut the other "
             "one down (torch.distributed.destroy_process_group())"
         )
+
+
+def init_groups(
+    *, rank: int, world_size: int, store: Any, device: torch.device, timeout_s: float,
+    join_timeout_s: float | None = None, stage: Callable[[str], None] | None = None,
+) -> Groups:
+    """Join the default process group over `store` (`open_store`, `connect_store`) and create
+    both groups. A worker marks its arrival in the store first; rank 0 calls this once
+    `missing_ranks` is empty.
+
+    Joining waits at most `join_timeout_s` (default `timeout_s`) at each step; only then do
+    the groups get their working timeouts (compute: `timeout_s`, control: `CONTROL_TIMEOUT`),
+    so a peer lost mid-join is not waited for 30 days. When joining fails, the default group
+    is left again, so the process can join another one later. `stage` (the workers' fault
+    hook) is called with ``"arrived"`` before joining the default group and ``"joined"``
+    before creating the control group."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    check_uninitialized()
+    # torch names each new group after a process-wide counter, advanced even by a join that
+    # failed, and reset only when a default group is destroyed: after a failed join the next
+    # one would wait for keys no fresh worker writes (they start at 0). With no default
+    # group there is no group, so 0 is right.
+    world = getattr(distributed_c10d, "_world", None)
+    if world is not None and getattr(world, "group_count", 0) != 0:
+        world.group_count = 0
     # Keep gloo on the loopback interface (single host); respect an explicit choice.
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -166,17 +204,24 @@ def init_groups(
         store.set(_arrival_key(rank), "1")
     if stage is not None:
         stage("arrived")
-    dist.init_process_group(
-        backend,
-        store=store,
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
-    compute = dist.group.WORLD
-    if stage is not None:
-        stage("joined")
-    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    joining = datetime.timedelta(seconds=timeout_s if join_timeout_s is None else join_timeout_s)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=joining)
+    try:
+        compute = dist.group.WORLD
+        if stage is not None:
+            stage("joined")
+        set_timeout = getattr(distributed_c10d, "_set_pg_timeout", None)
+        # Without `_set_pg_timeout` (older torch) the control group keeps its working timeout
+        # from the start, and a peer lost while it is created is waited for that long.
+        control = dist.new_group(backend="gloo",
+                                 timeout=joining if set_timeout else CONTROL_TIMEOUT)
+        if set_timeout is not None:
+            set_timeout(datetime.timedelta(seconds=timeout_s), compute)
+            set_timeout(CONTROL_TIMEOUT, control)
+    except BaseException:
+        destroy_groups()
+        raise
     return Groups(rank, world_size, compute, control)
 
 
