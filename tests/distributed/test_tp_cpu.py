@@ -10,11 +10,21 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
-from tp_helpers import assert_same_outputs, make_llm, params, random_prompts, workload
+import torch.distributed
+from tp_helpers import (
+    MAX_NEW,
+    assert_same_outputs,
+    make_llm,
+    params,
+    random_prompts,
+    workload,
+)
 
 from pagedcore.engine.distributed import group
 from pagedcore.engine.distributed.executor import TensorParallelExecutor
@@ -191,6 +201,59 @@ def test_worker_failing_before_the_rendezvous_is_named_at_once(
     two = make_llm("llama", 2)
     try:
         assert_same_outputs(expected, two.generate(prompts, params()))
+    finally:
+        _executor(two).shutdown()
+
+
+def _within(seconds: float, build: Callable[[], Any]) -> Any:
+    """`build()` run in a thread, its result or its exception; fails the test when it has not
+    returned within `seconds` (a rank 0 blocked in the rendezvous would hang the suite)."""
+    result: list[Any] = []
+
+    def run() -> None:
+        try:
+            result.append(build())
+        except BaseException as exc:  # handed to the test's thread
+            result.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        pytest.fail(f"still blocked after {seconds:g} s")
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]
+
+
+def test_worker_killed_while_joining_the_groups_is_named_at_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker killed after its arrival mark, while rank 0 waits inside
+    ``init_process_group`` (``1:init``) or inside the control group's ``new_group``
+    (``1:group``, whose timeout used to be the control group's 30 days), is named with its
+    exit code within seconds, not after the timeout (120 s here); nothing is left behind
+    (no worker, no helper thread, no half-joined default group), so a new tensor-parallel
+    engine in this process works. The order matters: a failed ``init_process_group``
+    advanced torch's group counter, and the ``1:group`` join after it then waited for store
+    keys its fresh worker never wrote."""
+    monkeypatch.setenv(TIMEOUT_ENV, "120")
+    threads = set(threading.enumerate())
+    for point in ("init", "group"):
+        monkeypatch.setenv(FAULT_ENV, f"1:{point}")
+        start = time.monotonic()
+        with pytest.raises(TensorParallelError, match=r"rank 1: process exited with code -9"):
+            _within(40, lambda: make_llm("llama", 2))
+        elapsed = time.monotonic() - start
+        assert elapsed < 30, (point, elapsed)
+        left = [p.name for p in multiprocessing.active_children()
+                if p.name.startswith("pagedcore-tp")]
+        assert left == [] and not torch.distributed.is_initialized(), (point, left)
+        assert set(threading.enumerate()) <= threads, point
+    monkeypatch.delenv(FAULT_ENV)
+    two = make_llm("llama", 2)
+    try:
+        outs = two.generate(random_prompts([5, 11]), params())
+        assert [len(o.outputs[0].token_ids) for o in outs] == [MAX_NEW, MAX_NEW]
     finally:
         _executor(two).shutdown()
 

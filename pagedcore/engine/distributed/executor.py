@@ -6,7 +6,9 @@ ranks is a collective they mirror, see `pagedcore.engine.distributed.worker`):
 
 1. ``TensorParallelExecutor(model, ...)`` hosts the rendezvous store (a loopback port),
    spawns ranks 1..N-1 (spawn start method), waits until every worker has arrived (or
-   reports the one that failed first) and only then joins the process groups;
+   reports the one that failed first) and only then joins the process groups, from a helper
+   thread while it keeps watching the workers (`_join`); the whole startup shares one
+   deadline, `PAGEDCORE_TP_TIMEOUT_S`;
 2. `shard` keeps rank 0's share of the loaded model; `rank_config` gives the per-rank config the
    KV-cache specs are built from (``num_kv_heads / N``);
 3. `agree_kv_cache_bytes`: the smallest budget of all ranks, so one block count fits all;
@@ -19,10 +21,11 @@ ranks is a collective they mirror, see `pagedcore.engine.distributed.worker`):
 from __future__ import annotations
 
 import os
+import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from pagedcore.engine.distributed.group import (
     TIMEOUT_ENV,
@@ -35,6 +38,7 @@ if TYPE_CHECKING:
 
     import torch
 
+    from pagedcore.engine.distributed.group import Groups
     from pagedcore.engine.distributed.worker import RankReport
     from pagedcore.engine.runner.input_batch import StepInputs
     from pagedcore.engine.runner.model_runner import ModelRunner
@@ -108,8 +112,8 @@ class TensorParallelExecutor:
         import torch.multiprocessing as mp
 
         from pagedcore.engine.distributed.group import (
+            check_uninitialized,
             collective_timeout_s,
-            init_groups,
             open_store,
             rank_device,
         )
@@ -124,9 +128,12 @@ class TensorParallelExecutor:
                 f"tensor_parallel_size={tensor_parallel_size} needs that many GPUs; "
                 f"{torch.cuda.device_count()} visible"
             )
+        check_uninitialized()
         self.world_size = tensor_parallel_size
         self.device = rank_device(device, 0)
         self.timeout_s = collective_timeout_s()
+        # One deadline for the whole startup (hellos, arrivals, joining the groups).
+        deadline = time.monotonic() + self.timeout_s
         self.runner: ModelRunner | None = None
         self.rank_reports: list[RankReport] = []
         self._step = 0
@@ -153,12 +160,9 @@ class TensorParallelExecutor:
             child.close()
             self._pool.procs[rank] = proc
             self._pool.conns[rank] = parent
-        self._wait_for_hellos()
-        self._wait_for_arrivals()
-        self.groups = self._guard(lambda: init_groups(
-            rank=0, world_size=tensor_parallel_size, store=self._pool.store, device=self.device,
-            timeout_s=self.timeout_s,
-        ))
+        self._wait_for_hellos(deadline)
+        self._wait_for_arrivals(deadline)
+        self.groups = self._join(deadline, port)
         self._pool.groups = self.groups
 
         self._pool.monitor = WorkerMonitor(self._pool.procs)
@@ -433,10 +437,9 @@ class TensorParallelExecutor:
         self._finalizer.detach()
         self._pool.close(graceful=False)
 
-    def _wait_for_hellos(self) -> None:
+    def _wait_for_hellos(self, deadline: float) -> None:
         """Wait until every worker has imported its libraries (or report the one that died)."""
         waiting = set(self._pool.procs)
-        deadline = time.monotonic() + self.timeout_s
         while waiting:
             for rank in sorted(waiting):
                 conn = self._pool.conns[rank]
@@ -450,28 +453,87 @@ class TensorParallelExecutor:
                 if not self._pool.procs[rank].is_alive():
                     self._fail_start(self._collect_failures(0.5))
             if time.monotonic() > deadline:
-                self._fail_start({r: "did not start in time" for r in waiting})
+                self._fail_start({r: f"did not start within {self.timeout_s:g} s (set "
+                                     f"{TIMEOUT_ENV} to wait longer)" for r in waiting})
 
-    def _wait_for_arrivals(self) -> None:
+    def _wait_for_arrivals(self, deadline: float) -> None:
         """Wait until every worker has arrived at the rendezvous (`missing_ranks`), watching
         their pipes and processes meanwhile: one that fails or exits first is reported at once.
         Joining the process groups before all arrived would block until the timeout instead,
         with nothing to interrupt it."""
         from pagedcore.engine.distributed.group import missing_ranks
 
-        deadline = time.monotonic() + self.timeout_s
         while missing := missing_ranks(self._pool.store, self.world_size):
-            # After its hello, a worker writes to its pipe only to report an error.
-            if (any(conn.poll() for conn in self._pool.conns.values())
-                    or any(not proc.is_alive() for proc in self._pool.procs.values())):
+            if self._worker_failed():
                 self._fail_start(self._collect_failures(0.5))
             if time.monotonic() > deadline:
-                self._fail_start({r: f"did not reach the rendezvous in {self.timeout_s:g} s "
-                                     f"(set {TIMEOUT_ENV} to wait longer)" for r in missing})
+                self._fail_start({r: f"did not reach the rendezvous within {self.timeout_s:g} s "
+                                     f"of the start (set {TIMEOUT_ENV} to wait longer)"
+                                  for r in missing})
             time.sleep(_START_POLL_S)
 
-    def _fail_start(self, failures: dict[int, str]) -> None:
+    def _join(self, deadline: float, port: int) -> Groups:
+        """Join the process groups (`init_groups`) in a helper thread while watching the
+        workers. Joining is a rendezvous no closed socket fails: a worker that dies after its
+        arrival mark leaves rank 0 waiting inside ``init_process_group`` or ``new_group``. So
+        rank 0 joins over a connection of its own (`connect_store`); when a worker fails,
+        `_fail` closes the store's server, which fails the join's waits at once, and the
+        thread ends (having left any default group it joined) before the error is raised."""
+        from pagedcore.engine.distributed.group import connect_store, init_groups
+
+        client = connect_store(port=port, world_size=self.world_size, timeout_s=self.timeout_s)
+        join_timeout_s = max(deadline - time.monotonic(), 1.0)
+        outcome: list[Groups | BaseException] = []
+
+        def join() -> None:
+            try:
+                outcome.append(init_groups(
+                    rank=0, world_size=self.world_size, store=client, device=self.device,
+                    timeout_s=self.timeout_s, join_timeout_s=join_timeout_s,
+                ))
+            except BaseException as exc:  # handed to the constructor's thread
+                outcome.append(exc)
+
+        thread = threading.Thread(target=join, name="pagedcore-tp-join", daemon=True)
+        thread.start()
+        try:
+            while thread.is_alive():
+                if self._worker_failed():
+                    self._fail_start(self._collect_failures(0.5), joining=thread)
+                thread.join(_START_POLL_S)
+        except (KeyboardInterrupt, SystemExit) as exc:
+            self._fail(f"interrupted ({type(exc).__name__})")
+            self._end_join(thread)
+            raise
+        result = outcome[0]
+        if isinstance(result, BaseException):
+            self._fail_start(self._collect_failures(0.5) or {
+                0: f"could not join the process groups: {type(result).__name__}: {result} "
+                   f"(startup deadline {self.timeout_s:g} s, {TIMEOUT_ENV})"
+            })
+        return result
+
+    @staticmethod
+    def _end_join(thread: threading.Thread) -> None:
+        """Wait for `_join`'s thread once the store is closed (its waits fail), then leave
+        the groups in case it got through all the same."""
+        from pagedcore.engine.distributed.group import destroy_groups
+
+        thread.join()
+        destroy_groups()
+
+    def _worker_failed(self) -> bool:
+        """A worker reported an error (after its hello it writes to its pipe only for that)
+        or exited."""
+        return (any(conn.poll() for conn in self._pool.conns.values())
+                or any(not proc.is_alive() for proc in self._pool.procs.values()))
+
+    def _fail_start(self, failures: dict[int, str],
+                    joining: threading.Thread | None = None) -> NoReturn:
+        """Stop everything and raise; with `joining` (`_join`'s thread), let it end first."""
         text = "; ".join(f"rank {r}: {t}" for r, t in sorted(failures.items()))
         message = f"a tensor-parallel worker failed to start: {text or 'no reason given'}"
         self._fail(message)
+        if joining is not None:
+            self._end_join(joining)
         raise TensorParallelError(message)

@@ -69,8 +69,9 @@ class WorkerPool:
     def __init__(self) -> None:
         self.procs: dict[int, multiprocessing.process.BaseProcess] = {}
         self.conns: dict[int, Connection] = {}
-        #: Rank 0's rendezvous store (a `TCPStore` server); dropped on close, which closes it
-        #: (the default process group, once joined, holds it too until it is destroyed).
+        #: Rank 0's rendezvous store (a `TCPStore` server), held here only: dropped on close,
+        #: which closes it and fails every wait on it (rank 0 joins the groups over a client
+        #: connection of its own, which the default process group keeps).
         self.store: Any = None
         self.groups: Groups | None = None
         self.monitor: WorkerMonitor | None = None
