@@ -479,8 +479,13 @@ class TensorParallelExecutor:
         rank 0 joins over a connection of its own (`connect_store`); when a worker fails,
         `_fail` closes the store's server, which fails the join's waits at once, and the
         thread ends (having left any default group it joined) before the error is raised."""
+        import torch
+
         from pagedcore.engine.distributed.group import connect_store, init_groups
 
+        if self.device.type == "cuda":
+            # init_groups sets it in the join's thread; the current device is per thread.
+            torch.cuda.set_device(self.device)
         client = connect_store(port=port, world_size=self.world_size, timeout_s=self.timeout_s)
         join_timeout_s = max(deadline - time.monotonic(), 1.0)
         outcome: list[Groups | BaseException] = []
