@@ -13,7 +13,7 @@ from pagedcore_triton._env import interpreting, num_sms
 from pagedcore_triton.capabilities import HEAD_SIZES, KV_CACHE_DTYPES
 from pagedcore_triton.launch import PreparedLaunch
 from pagedcore_triton.metadata import TritonAttentionMetadata
-from pagedcore_triton.plan import LaunchPart, TileConfig, fit_segments, tile_config
+from pagedcore_triton.plan import LaunchPart, TileConfig, context_split
 
 if TYPE_CHECKING:
     from pagedcore_triton.cascade import CascadePlan
@@ -245,23 +245,18 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         self, metadata: TritonAttentionMetadata, index: int, part: LaunchPart,
         query: torch.Tensor, kv_cache: torch.Tensor,
     ) -> LaunchPart:
-        """`part` with the split-KV segments its grid leaves room for, up to
-        ``part.context_segments`` (`fit_segments`: one program per SM at most; the grid is
-        the classic one of `part`'s prefill tiles, which depend on the query heads). Decided
-        by the step's first layer for these heads and reused."""
+        """`part` with the split-KV segments its grid leaves room for (`context_split`: up to
+        ``part.context_segments``, one program per SM at most; the grid depends on the query
+        heads). Decided by the step's first layer for these heads and reused."""
         key = ("context_split", index, query.shape[1], query.dtype, kv_cache.dtype)
         resolved: LaunchPart | None = metadata.launches.get(key)
         if resolved is None:
-            num_kv_heads, head_size = kv_cache.shape[3], kv_cache.shape[4]
-            cfg = tile_config(
-                part.max_query_len, query.shape[1] // num_kv_heads, head_size,
-                interpreting=interpreting(), prefill_only=part.prefill_only,
-                itemsize=query.dtype.itemsize, kv_itemsize=kv_cache.dtype.itemsize,
+            segments = context_split(
+                part, num_heads=query.shape[1], num_kv_heads=kv_cache.shape[3],
+                head_size=kv_cache.shape[4], itemsize=query.dtype.itemsize,
+                kv_itemsize=kv_cache.dtype.itemsize, num_sms=num_sms(query.device),
+                interpreting=interpreting(),
             )
-            q_blocks = (part.token_end // cfg.block_q - part.token_begin // cfg.block_q
-                        + part.num_reqs)
-            segments = fit_segments(part.context_segments, programs=q_blocks * num_kv_heads,
-                                    num_sms=num_sms(query.device))
             resolved = part
             if segments > 1:
                 resolved = attrs.evolve(part, num_segments=segments, tma_prefill=False,

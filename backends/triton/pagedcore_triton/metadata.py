@@ -184,6 +184,7 @@ class TritonMetadataBuilder(MetadataBuilder[TritonAttentionMetadata]):
             tma_prefill=self.tma_prefill and min(q_lens, default=0) > 1 and segments == 1,
             has_context=any(s > q for s, q in zip(seq_lens, q_lens, strict=True)),
             context_segments=most,
+            query_lens=tuple(q_lens) if most > 1 else (),
         )
 
     def decode_segments(self, *, num_reqs: int, max_seq_len: int) -> int:

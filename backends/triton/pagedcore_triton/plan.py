@@ -29,6 +29,7 @@ __all__ = [
     "balanced_segments",
     "choose_num_segments",
     "context_segments",
+    "context_split",
     "decode_plan",
     "fit_segments",
     "flat_grid_size",
@@ -141,6 +142,9 @@ class LaunchPart:
         many segments (`context_segments`); the impl's first layer of a step picks how many
         its grid leaves room for (`fit_segments`) and, when more than one, runs the gather
         kernel split instead of the Hopper one. 1: no context split.
+    query_lens:
+        With `context_segments` > 1: each request's query length, so that the impl counts
+        the q-blocks its grid really uses (the classic grid's bound adds one per request).
     """
 
     req_begin: int
@@ -156,6 +160,7 @@ class LaunchPart:
     tma_prefill: bool = False
     has_context: bool = True
     context_segments: int = 1
+    query_lens: tuple[int, ...] = ()
 
     @property
     def num_reqs(self) -> int:
@@ -242,6 +247,32 @@ def fit_segments(max_segments: int, *, programs: int, num_sms: int) -> int:
     while splits * 2 <= max_segments and programs * splits * 2 <= num_sms:
         splits *= 2
     return splits
+
+
+def context_split(
+    part: LaunchPart, *, num_heads: int, num_kv_heads: int, head_size: int, itemsize: int,
+    kv_itemsize: int, num_sms: int, interpreting: bool,
+) -> int:
+    """Segments a prefill part with ``context_segments > 1`` takes for `num_heads` query
+    heads: `fit_segments` over the q-blocks of its prefill tiles (`tile_config`) that its
+    requests use (``part.query_lens``; else the classic grid's bound) times the KV heads.
+
+    >>> part = LaunchPart(req_begin=0, req_end=1, token_begin=0, token_end=64,
+    ...                   max_query_len=64, prefill_only=True, context_segments=32,
+    ...                   query_lens=(64,))
+    >>> context_split(part, num_heads=14, num_kv_heads=2, head_size=64, itemsize=2,
+    ...               kv_itemsize=2, num_sms=132, interpreting=False)
+    32
+    """
+    cfg = tile_config(part.max_query_len, num_heads // num_kv_heads, head_size,
+                      interpreting=interpreting, prefill_only=part.prefill_only,
+                      itemsize=itemsize, kv_itemsize=kv_itemsize)
+    if part.query_lens:
+        q_blocks = sum(-(-q // cfg.block_q) for q in part.query_lens)
+    else:
+        q_blocks = part.token_end // cfg.block_q - part.token_begin // cfg.block_q + part.num_reqs
+    return fit_segments(part.context_segments, programs=q_blocks * num_kv_heads,
+                        num_sms=num_sms)
 
 
 def pow2_splits(

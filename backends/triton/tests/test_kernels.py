@@ -12,7 +12,13 @@ import pytest
 import torch
 from _reference import make_batch, reference_attention, rel_error
 from pagedcore_triton import SplitRule, TritonAttentionBackend, TritonAttentionMetadata
-from pagedcore_triton.plan import choose_num_segments, parse_tiles
+from pagedcore_triton.plan import (
+    LaunchPart,
+    choose_num_segments,
+    context_segments,
+    context_split,
+    parse_tiles,
+)
 
 from pagedcore.kv_cache.spec import FullAttentionSpec
 
@@ -167,6 +173,33 @@ def test_context_split_only_where_contexts_dominate() -> None:
     # Decodes never take the context split (they have their own, `choose_num_segments`).
     _, metadata = _run([(300, 1), (200, 1)], split=rule)
     assert metadata.parts[0].context_segments == 1
+
+
+#: ``(query heads, KV heads, head size, requests, context, new tokens) -> segments``: the
+#: fastest split of each context-dominated case on an H100 (132 SMs; 1 where splitting only
+#: slowed the step or the context does not dominate), docs/benchmarks/h100_s30/README.md.
+H100_BEST_SPLITS = {
+    (14, 2, 64, 1, 4096, 64): 32, (14, 2, 64, 1, 4096, 16): 32, (14, 2, 64, 1, 16384, 64): 32,
+    (14, 2, 64, 4, 4096, 64): 8, (14, 2, 64, 1, 0, 2048): 1, (14, 2, 64, 1, 1024, 512): 1,
+    (32, 8, 128, 1, 4096, 64): 16, (32, 8, 128, 1, 16384, 128): 8,
+    (32, 8, 128, 4, 4096, 64): 4, (32, 8, 128, 1, 0, 2048): 1,
+}
+
+
+@pytest.mark.parametrize(("shape", "best"), list(H100_BEST_SPLITS.items()))
+def test_context_split_picks_the_measured_best(shape: tuple[int, ...], best: int) -> None:
+    """The rule (`context_segments` in the builder, `context_split` in the impl) gives, for
+    the GPU's tiles and 132 SMs, the split measured fastest for each case."""
+    hq, hkv, d, batch, ctx, q = shape
+    most = context_segments(SplitRule(), max_query_len=q, max_context_len=ctx,
+                            max_seq_len=ctx + q)
+    part = LaunchPart(req_begin=0, req_end=batch, token_begin=0, token_end=batch * q,
+                      max_query_len=q, prefill_only=True, context_segments=most,
+                      query_lens=(q,) * batch if most > 1 else ())
+    got = 1 if most == 1 else context_split(part, num_heads=hq, num_kv_heads=hkv,
+                                            head_size=d, itemsize=2, kv_itemsize=2,
+                                            num_sms=132, interpreting=False)
+    assert got == best
 
 
 def test_split_rule() -> None:
