@@ -243,10 +243,9 @@ def fit_segments(max_segments: int, *, programs: int, num_sms: int) -> int:
     >>> fit_segments(32, programs=4, num_sms=132), fit_segments(32, programs=32, num_sms=132)
     (32, 4)
     """
-    splits = 1
-    while splits * 2 <= max_segments and programs * splits * 2 <= num_sms:
-        splits *= 2
-    return splits
+    # `pow2_splits` without its tokens-per-split bound (`context_segments` applied it).
+    return pow2_splits(programs, max_splits=max_segments, target_programs=num_sms,
+                       max_seq_len=0, min_tokens=0)
 
 
 def context_split(
